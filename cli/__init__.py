@@ -1,0 +1,1 @@
+"""Thin typer front ends; installed as srdd_dump.cli."""

@@ -1,0 +1,33 @@
+"""The global forward watcher that attaches a CaptureSession to the first model with blocks."""
+
+from __future__ import annotations
+
+import sys
+
+from torch import nn
+from torch.nn.modules.module import register_module_forward_pre_hook
+
+from ..discovery import NoBlocksFound
+from ..hooks import CaptureSession
+
+
+def watch_forwards(state: dict) -> None:
+    seen: set[int] = set()
+    handle = None
+
+    def on_forward(module: nn.Module, args: tuple) -> None:
+        if state.get("session") is not None or id(module) in seen:
+            return
+        try:
+            state["session"] = CaptureSession(module, state["config"])
+        except NoBlocksFound as exc:
+            # Remember why, and never look at this module or its children again.
+            state["no_blocks"] = str(exc)
+            seen.update(id(m) for m in module.modules())
+            return
+        except Exception as exc:
+            state["error"] = f"{type(exc).__name__}: {exc}"
+            sys.stderr.write(f"srdd-dump: warning: capture not started: {state['error']}\n")
+        handle.remove()
+
+    handle = register_module_forward_pre_hook(on_forward)

@@ -1,0 +1,115 @@
+"""What to capture: DumpConfig and the parsers of its range options. No torch here."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+
+from .errors import UserError
+
+ENV_CONFIG = "SRDD_DUMP_CONFIG"  # JSON DumpConfig handed to every child Python process
+ENV_STATUS_DIR = "SRDD_DUMP_STATUS_DIR"  # where child processes report how capture went
+
+
+@dataclass
+class DumpConfig:
+    """Capture settings, in the spirit of msit's ``DumpConfig``.
+
+    dump_path: folder for the dump files (one per process).
+    samples: number of samples (prefill forwards, more than one token) to capture.
+    steps: forward rounds to keep per sample, as in msit's ``-er``: "0" = prefill only,
+        "0,1-4" = prefill and the first four decode steps, "all" = every round.
+    tokens: token positions to keep, e.g. "all", "0:16", "-8:" (last 8), "0,5,-1".
+    layers: glob over module names that overrides automatic block discovery,
+        e.g. "model.layers.*".
+    seed: seed of every random choice srdd-dump makes (recorded in the dump).
+    """
+
+    dump_path: str = "srdd_dumps"
+    samples: int = 8
+    steps: str = "0"
+    tokens: str = "all"
+    layers: str | None = None
+    seed: int = 0
+    command: str | None = None
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.samples < 1:
+            raise UserError(f"samples must be at least 1, got {self.samples}")
+        parse_steps(self.steps)
+        parse_tokens(self.tokens)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> DumpConfig:
+        return cls(**json.loads(text))
+
+    @classmethod
+    def from_env(cls) -> DumpConfig | None:
+        text = os.environ.get(ENV_CONFIG)
+        return cls.from_json(text) if text else None
+
+
+def parse_steps(spec: str) -> list[tuple[int, int]] | None:
+    """"0,2-5" -> [(0, 0), (2, 5)] (inclusive); "all" -> None (every step)."""
+    spec = str(spec).strip().lower()
+    if spec in ("all", "*"):
+        return None
+    ranges = []
+    for part in spec.split(","):
+        part = part.strip()
+        try:
+            if "-" in part:
+                lo, hi = (int(v) for v in part.split("-", 1))
+            else:
+                lo = hi = int(part)
+        except ValueError:
+            raise UserError(f"bad --steps {spec!r}: use e.g. 0 or 0,1-4 or all") from None
+        if lo < 0 or hi < lo:
+            raise UserError(f"bad --steps range {part!r}: need 0 <= start <= end")
+        ranges.append((lo, hi))
+    return ranges
+
+
+def step_selected(ranges: list[tuple[int, int]] | None, step: int) -> bool:
+    return ranges is None or any(lo <= step <= hi for lo, hi in ranges)
+
+
+def last_step(ranges: list[tuple[int, int]] | None) -> float:
+    return float("inf") if ranges is None else max(hi for _, hi in ranges)
+
+
+def parse_tokens(spec: str) -> list[slice | int] | None:
+    """"all" -> None; "0:16" / "-8:" -> slices; "0,5,-1" -> single positions."""
+    spec = str(spec).strip().lower()
+    if spec in ("all", "*", ""):
+        return None
+    parts: list[slice | int] = []
+    for part in spec.split(","):
+        part = part.strip()
+        try:
+            if ":" in part:
+                lo, hi = part.split(":", 1)
+                parts.append(slice(int(lo) if lo else None, int(hi) if hi else None))
+            else:
+                parts.append(int(part))
+        except ValueError:
+            raise UserError(f"bad --tokens {spec!r}: use e.g. all, 0:16, -8: or 0,5,-1") from None
+    return parts
+
+
+def token_positions(parts: list[slice | int] | None, seq: int) -> list[int]:
+    """Sorted unique positions in [0, seq) selected by parsed --tokens parts."""
+    if parts is None:
+        return list(range(seq))
+    chosen: set[int] = set()
+    for p in parts:
+        if isinstance(p, slice):
+            chosen.update(range(seq)[p])
+        elif -seq <= p < seq:
+            chosen.add(p % seq)
+    return sorted(chosen)

@@ -1,0 +1,1 @@
+"""The dump file format: schema (shared), writer (capture side) and reader (compare side)."""

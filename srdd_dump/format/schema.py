@@ -1,0 +1,132 @@
+"""HDF5 dump schema v1: the single definition shared by the writer and the reader.
+
+Layout of one file (one per process), all readable with plain h5py:
+
+    /                     attrs: format="srdd-dump", schema_version=1, meta (JSON), complete (0/1)
+    /layers               (L,) utf-8 strings: captured module names, index = layer number
+    /rounds               (R,) ROUND_DTYPE: one row per captured forward round
+    /token_ids            (T,) int64: input ids of every round, sliced by rounds.tok_off/tok_len
+    /positions            (P,) int32: kept token positions of every round (pos_off/pos_len)
+    /records              (N,) RECORD_DTYPE: one row per stored tensor, pointing into /data
+    /data/<name>          (rows, width) chunked, resizable; attr dtype = logical dtype name
+
+A tensor of shape (batch, seq, width) is stored as batch*ntok rows of one /data dataset, where
+ntok is the number of kept token positions. Rows of /records are appended only after the rows
+they point to, and the file is flushed after every round, so a file cut short by a crash is
+still consistent up to its last flushed round.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+FORMAT_NAME = "srdd-dump"
+SCHEMA_VERSION = 1
+PARTIAL_SUFFIX = ".partial"
+FILE_SUFFIX = ".h5"
+
+ATTR_FORMAT = "format"
+ATTR_VERSION = "schema_version"
+ATTR_META = "meta"
+ATTR_COMPLETE = "complete"
+ATTR_STATUS = "status"
+ATTR_DTYPE = "dtype"
+
+LAYERS = "layers"
+ROUNDS = "rounds"
+TOKEN_IDS = "token_ids"
+POSITIONS = "positions"
+RECORDS = "records"
+DATA = "data"
+
+STACK_INPUT = -1  # layer number of the block stack's input (embedding output)
+
+# Record kinds. CLEAN is the unperturbed capture; the others are probe replays.
+KIND_CLEAN = 0
+KIND_GAIN = 1
+KIND_DC = 2
+KIND_REPEAT = 3
+KIND_REPLAY = 4
+KIND_NAMES = {
+    KIND_CLEAN: "clean",
+    KIND_GAIN: "gain",
+    KIND_DC: "dc",
+    KIND_REPEAT: "repeat",
+    KIND_REPLAY: "replay",
+}
+
+ROUND_DTYPE = np.dtype(
+    [
+        ("round", "<i4"),  # running number of the captured forward round in this file
+        ("sample", "<i4"),  # prefill count, 0-based
+        ("step", "<i4"),  # 0 = prefill, k = k-th decode step after it
+        ("batch", "<i4"),
+        ("seq", "<i4"),  # tokens in this forward (per batch element)
+        ("ntok", "<i4"),  # kept token positions
+        ("pos_off", "<i8"),
+        ("tok_off", "<i8"),
+        ("tok_len", "<i8"),  # 0 when the input ids were not visible
+        ("tokens_hash", "<u8"),  # hash of the input ids (0 if unknown)
+        ("time", "<f8"),  # unix time at the start of the round
+    ]
+)
+
+RECORD_DTYPE = np.dtype(
+    [
+        ("round", "<i4"),
+        ("layer", "<i4"),  # STACK_INPUT or 0..L-1
+        ("kind", "u1"),  # KIND_*
+        ("probe", "<i4"),  # draw / repeat index within the kind
+        ("param", "<f8"),  # sigma for gain, constant for dc, 0 otherwise
+        ("seed", "<i8"),
+        ("data", "<i4"),  # index into the sorted names of /data
+        ("row0", "<i8"),
+        ("nrows", "<i8"),
+        ("batch", "<i4"),
+        ("ntok", "<i4"),
+        ("width", "<i4"),
+    ]
+)
+
+# logical dtype name -> numpy storage dtype. bf16 is stored losslessly as its raw uint16 bits.
+STORAGE_DTYPES = {
+    "float64": np.dtype("<f8"),
+    "float32": np.dtype("<f4"),
+    "float16": np.dtype("<f2"),
+    "bfloat16": np.dtype("<u2"),
+}
+
+CHUNK_BYTES = 512 * 1024
+
+
+def data_name(kind: int, dtype: str, width: int) -> str:
+    """Dataset name under /data for a (kind, logical dtype, width) stream."""
+    return f"{KIND_NAMES[kind]}_{dtype}_{width}"
+
+
+def chunk_rows(width: int, itemsize: int) -> int:
+    return max(1, CHUNK_BYTES // max(1, width * itemsize))
+
+
+def bf16_bits_to_float32(bits: np.ndarray) -> np.ndarray:
+    """Decode bfloat16 raw bits (uint16) to float32 exactly."""
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+def float32_to_bf16_bits(x: np.ndarray) -> np.ndarray:
+    """Round float32 to bfloat16 (round to nearest even) and return the raw uint16 bits."""
+    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    rounded = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
+    nan = np.isnan(x)
+    out = rounded.astype(np.uint16)
+    out[nan] = 0x7FC0
+    return out
+
+
+def decode(stored: np.ndarray, dtype: str) -> np.ndarray:
+    """Stored rows -> float array (float32, or float64 for float64 dumps)."""
+    if dtype == "bfloat16":
+        return bf16_bits_to_float32(stored)
+    if dtype == "float64":
+        return stored.astype(np.float64, copy=False)
+    return stored.astype(np.float32, copy=False)
