@@ -122,6 +122,8 @@ def _collect(returncode: int, status_dir: str) -> ExecResult:
                 "no Python process of the command reported back; is it a Python program "
                 "started with the same interpreter that has srdd-dump installed?"
             )
+        elif not any(st.get("model_seen") for st in statuses):
+            result.problems.append("no model with a block stack ran a forward in any process")
         else:
             result.problems.append(
                 "no model forward with more than one token was captured (no prefill seen)"

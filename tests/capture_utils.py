@@ -1,0 +1,32 @@
+"""Shared helpers for the capture tests."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FIXTURES = os.path.join(ROOT, "fixtures")
+if FIXTURES not in sys.path:
+    sys.path.insert(0, FIXTURES)
+
+
+def run_cli(tool: str, *args: str, cwd: str | None = None, timeout: float = 600,
+            env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run srdd-dump / srdd-compare as a user would, with this interpreter."""
+    module = {"srdd-dump": "srdd_dump.cli.dump", "srdd-compare": "srdd_dump.cli.compare"}[tool]
+    full_env = dict(os.environ)
+    full_env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + full_env.get("PATH", "")
+    full_env.update(env or {})
+    return subprocess.run(
+        [sys.executable, "-m", module, *args],
+        cwd=cwd or ROOT, capture_output=True, text=True, timeout=timeout, env=full_env,
+    )
+
+
+def py(script: str, *args: str) -> str:
+    """An --exec command line running a fixture script with this interpreter."""
+    import shlex
+
+    return shlex.join([sys.executable, os.path.join(FIXTURES, script), *args])

@@ -1,0 +1,185 @@
+"""The in-code API on tiny random models: what is captured, and that it is exactly right."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from capture_utils import FIXTURES  # noqa: F401  (puts fixtures/ on sys.path)
+from tiny_models import ARCHS, blocks_path, build
+from torch import nn
+
+from srdd_dump import DumpConfig, register_hook
+from srdd_dump.capture.discovery import NoBlocksFound, find_blocks
+from srdd_dump.format import schema
+from srdd_dump.format.reader import DumpReader
+
+
+def _reference_outputs(model, blocks, ids):
+    """Block outputs and stack input recorded by independent hooks."""
+    got = {}
+    handles = [
+        blocks[0][1].register_forward_pre_hook(
+            lambda m, a, k: got.__setitem__(-1, (a[0] if a else k["hidden_states"]).clone()),
+            with_kwargs=True,
+        )
+    ]
+    for i, (_, b) in enumerate(blocks):
+        def hook(m, a, out, i=i):
+            got[i] = (out[0] if isinstance(out, tuple) else out).clone()
+        handles.append(b.register_forward_hook(hook))
+    with torch.no_grad():
+        model(input_ids=ids)
+    for h in handles:
+        h.remove()
+    return got
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_captures_every_block_exactly(arch, tmp_path):
+    model = build(arch)
+    ids = torch.randint(0, 128, (2, 11), generator=torch.Generator().manual_seed(3))
+    blocks = find_blocks(model)
+    assert [n for n, _ in blocks] == [f"{blocks_path(arch)}.{i}" for i in range(4)]
+    expected = _reference_outputs(model, blocks, ids)
+
+    with register_hook(model, DumpConfig(dump_path=str(tmp_path))) as session:
+        with torch.no_grad():
+            model(input_ids=ids)
+    with DumpReader(session.path) as r:
+        assert r.complete
+        assert r.layers == [n for n, _ in blocks]
+        assert r.meta["model_class"].endswith(type(model).__name__)
+        assert r.meta["block_class"] == type(blocks[0][1]).__name__
+        assert len(r.rounds) == 1 and r.rounds[0]["batch"] == 2 and r.rounds[0]["seq"] == 11
+        np.testing.assert_array_equal(r.token_ids(r.rounds[0]), ids.numpy().reshape(-1))
+        for layer in range(-1, 4):
+            (rec,) = r.select(layer)
+            np.testing.assert_array_equal(r.read(rec), expected[layer].numpy())
+
+
+def test_bf16_is_stored_losslessly(tmp_path):
+    model = build("llama", dtype=torch.bfloat16)
+    ids = torch.randint(0, 128, (1, 7))
+    blocks = find_blocks(model)
+    expected = _reference_outputs(model, blocks, ids)
+    with register_hook(model, DumpConfig(dump_path=str(tmp_path))) as session:
+        with torch.no_grad():
+            model(input_ids=ids)
+    with DumpReader(session.path) as r:
+        rec = r.select(2)[0]
+        assert r.dtype_of(rec) == "bfloat16"
+        assert r.meta["hidden_dtype"] == "bfloat16"
+        stored = r.f["data"][r.data_names[int(rec["data"])]][int(rec["row0"]):][: int(rec["nrows"])]
+        assert stored.dtype == np.uint16
+        np.testing.assert_array_equal(r.read(rec), expected[2].float().numpy())
+
+
+def test_samples_steps_and_tokens_select_what_is_kept(tmp_path):
+    model = build("llama")
+    cfg = DumpConfig(dump_path=str(tmp_path), samples=2, steps="0,2-3", tokens="-3:")
+    prompts = [torch.randint(0, 128, (1, n)) for n in (6, 8, 5)]
+    with register_hook(model, cfg) as session:
+        with torch.no_grad():
+            for ids in prompts:
+                model.generate(ids, max_new_tokens=5, do_sample=False, pad_token_id=0)
+    with DumpReader(session.path) as r:
+        got = [(int(x["sample"]), int(x["step"]), int(x["seq"]), int(x["ntok"])) for x in r.rounds]
+        assert got == [(0, 0, 6, 3), (0, 2, 1, 1), (0, 3, 1, 1),
+                       (1, 0, 8, 3), (1, 2, 1, 1), (1, 3, 1, 1)]
+        np.testing.assert_array_equal(r.positions(r.rounds[3]), [5, 6, 7])
+        assert r.n_samples == 2
+
+
+def test_kept_positions_hold_the_right_values(tmp_path):
+    model = build("qwen2")
+    ids = torch.randint(0, 128, (1, 10))
+    expected = _reference_outputs(model, find_blocks(model), ids)
+    with register_hook(model, DumpConfig(dump_path=str(tmp_path), tokens="0,4:6,-1")) as s:
+        with torch.no_grad():
+            model(input_ids=ids)
+    with DumpReader(s.path) as r:
+        rec = r.select(1)[0]
+        np.testing.assert_array_equal(r.read(rec), expected[1][:, [0, 4, 5, 9]].numpy())
+
+
+class _Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return x + torch.tanh(self.lin(x))
+
+
+class _Custom(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(20, 8)
+        self.small = nn.ModuleList([nn.Linear(8, 8) for _ in range(2)])
+        self.stages = nn.ModuleList([_Block() for _ in range(5)])
+
+    def forward(self, ids):
+        x = self.emb(ids)
+        for b in self.stages:
+            x = b(x)
+        return x
+
+
+def test_custom_module_and_layers_pattern(tmp_path):
+    model = _Custom()
+    assert [n for n, _ in find_blocks(model)] == [f"stages.{i}" for i in range(5)]
+    names = [n for n, _ in find_blocks(model, "stages.*")]
+    assert names == [f"stages.{i}" for i in range(5)]  # children like stages.0.lin are not blocks
+    with register_hook(model, DumpConfig(dump_path=str(tmp_path), layers="stages.[13]")) as s:
+        model(torch.randint(0, 20, (1, 4)))
+    with DumpReader(s.path) as r:
+        assert r.layers == ["stages.1", "stages.3"]
+
+
+def test_nothing_found_names_the_largest_candidates():
+    model = nn.Sequential(nn.Linear(4, 300), nn.ReLU(), nn.Linear(300, 4))
+    model = nn.ModuleDict({"encoder": model, "head": nn.Linear(4, 2)})
+    with pytest.raises(NoBlocksFound, match=r"largest candidates: encoder \(Sequential"):
+        find_blocks(model)
+    with pytest.raises(NoBlocksFound, match="matches no module"):
+        find_blocks(build("gpt2"), "model.layers.*")
+
+
+def test_a_failing_hook_turns_capture_off_but_inference_goes_on(tmp_path, monkeypatch, capsys):
+    model = build("llama")
+    ids = torch.randint(0, 128, (1, 6))
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+    session = register_hook(model, DumpConfig(dump_path=str(tmp_path)))
+    with torch.no_grad():
+        model(input_ids=ids)  # one good sample
+    import srdd_dump.capture.hooks as hooks
+
+    def boom(*a, **k):
+        raise RuntimeError("device copy failed")
+
+    monkeypatch.setattr(hooks, "to_host", boom)
+    with torch.no_grad():
+        got = model(input_ids=ids).logits
+        again = model(input_ids=ids).logits
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    torch.testing.assert_close(again, want, rtol=0, atol=0)
+    assert "device copy failed" in session.error
+    assert capsys.readouterr().err.count("capture turned off") == 1
+    with DumpReader(session.path) as r:  # what was written before is kept
+        assert len(r.rounds) == 1
+        assert not r.complete and "device copy failed" in r.status["error"]
+
+
+def test_hooks_are_removed_when_done(tmp_path):
+    model = build("gpt2")
+    with register_hook(model, DumpConfig(dump_path=str(tmp_path), samples=1)) as s:
+        with torch.no_grad():
+            model(input_ids=torch.randint(0, 128, (1, 5)))
+            assert any(b._forward_hooks for _, b in s.blocks)
+            model(input_ids=torch.randint(0, 128, (1, 5)))  # second sample: capture is complete
+        assert not any(b._forward_hooks or b._forward_pre_hooks for _, b in s.blocks)
+    with DumpReader(s.path) as r:
+        assert r.complete and len(r.rounds) == 1
+        assert r.select(0, kind=schema.KIND_CLEAN).shape == (1,)

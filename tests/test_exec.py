@@ -1,0 +1,119 @@
+"""srdd-dump --exec on unmodified scripts: injection, multi-process, exit codes, transparency."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from capture_utils import FIXTURES, py, run_cli
+
+from srdd_dump.format.reader import DumpReader, find_dump_files
+
+
+def _write(path, text):
+    path.write_text(text)
+    return str(path)
+
+
+@pytest.mark.parametrize("arch", ["llama", "bert"])
+def test_exec_is_transparent_and_dumps(arch, tmp_path):
+    plain, captured = tmp_path / "plain.json", tmp_path / "captured.json"
+    res = run_cli("srdd-dump", "--exec", py("infer_tiny.py", arch, str(plain)), "-o",
+                  str(tmp_path / "unused"), "--samples", "0")
+    assert res.returncode == 2 and "samples must be at least 1" in res.stderr
+    subprocess.run([sys.executable, os.path.join(FIXTURES, "infer_tiny.py"), arch, str(plain)],
+                   check=True, capture_output=True)
+    res = run_cli("srdd-dump", "--exec", py("infer_tiny.py", arch, str(captured)), "-o",
+                  str(tmp_path / "d"), "--steps", "all")
+    assert res.returncode == 0, res.stderr
+    assert json.loads(plain.read_text()) == json.loads(captured.read_text())
+    (path,) = find_dump_files(str(tmp_path / "d"))
+    assert os.path.basename(path).startswith("srdd_rank0_pid")
+    with DumpReader(path) as r:
+        assert r.complete and r.n_samples == 3
+        assert r.meta["command"].endswith(f"{arch} {captured}")
+        assert r.meta["model_config"]["num_hidden_layers"] == 4
+
+
+def test_two_process_launcher_gives_one_file_per_rank(tmp_path):
+    cmd = py("launch_two.py", os.path.join(FIXTURES, "infer_tiny.py"), "qwen2")
+    res = run_cli("srdd-dump", "--exec", cmd, "-o", str(tmp_path))
+    assert res.returncode == 0, res.stderr
+    files = find_dump_files(str(tmp_path))
+    assert sorted(os.path.basename(f)[:10] for f in files) == ["srdd_rank0", "srdd_rank1"]
+    pids = set()
+    for f in files:
+        with DumpReader(f) as r:
+            pids.add(r.meta["pid"])
+            assert r.meta["world_size"] == "2"
+            assert f"rank{r.meta['rank']}_pid{r.meta['pid']}" in f
+    assert len(pids) == 2
+
+
+def test_exit_code_propagates_and_dump_is_finalised(tmp_path):
+    script = _write(tmp_path / "fails.py", (
+        "import sys; sys.path.insert(0, %r)\n"
+        "import torch\nfrom tiny_models import build\n"
+        "m = build('llama')\n"
+        "with torch.no_grad(): m(input_ids=torch.randint(0, 128, (1, 6)))\n"
+        "raise SystemExit(7)\n") % FIXTURES)
+    res = run_cli("srdd-dump", "--exec", f"{sys.executable} {script}", "-o", str(tmp_path / "d"))
+    assert res.returncode == 7
+    (path,) = find_dump_files(str(tmp_path / "d"))
+    assert path.endswith(".h5")
+    with DumpReader(path) as r:
+        assert r.complete and len(r.rounds) == 1
+
+
+def test_exception_in_script_propagates(tmp_path):
+    script = _write(tmp_path / "raises.py", "raise ValueError('user bug')\n")
+    res = run_cli("srdd-dump", "--exec", f"{sys.executable} {script}", "-o", str(tmp_path / "d"))
+    assert res.returncode == 1
+    assert "user bug" in res.stderr  # the user's own traceback is theirs to see
+
+
+def test_model_without_blocks_is_explained(tmp_path):
+    script = _write(tmp_path / "mlp.py", (
+        "import torch\n"
+        "m = torch.nn.Sequential(torch.nn.Linear(4, 64), torch.nn.ReLU(), torch.nn.Linear(64, 2))\n"
+        "print(m(torch.ones(3, 4)).shape)\n"))
+    res = run_cli("srdd-dump", "--exec", f"{sys.executable} {script}", "-o", str(tmp_path / "d"))
+    assert res.returncode == 3
+    assert "no stack of repeated blocks" in res.stderr and "--layers" in res.stderr
+    assert "Traceback" not in res.stderr
+
+
+def test_capture_failure_gives_nonzero_exit_after_the_command(tmp_path):
+    script = _write(tmp_path / "bad.py", (
+        "import sys; sys.path.insert(0, %r)\n"
+        "import torch\nimport srdd_dump.capture.hooks as h\nfrom tiny_models import build\n"
+        "def boom(*a, **k): raise RuntimeError('simulated capture bug')\n"
+        "h.to_host = boom\n"
+        "m = build('gpt2')\n"
+        "with torch.no_grad(): y = m(input_ids=torch.randint(0, 128, (1, 6))).logits\n"
+        "print('finished', y.shape)\n") % FIXTURES)
+    res = run_cli("srdd-dump", "--exec", f"{sys.executable} {script}", "-o", str(tmp_path / "d"))
+    assert "finished" in res.stdout
+    assert res.returncode == 3
+    assert "simulated capture bug" in res.stderr and "Traceback" not in res.stderr
+
+
+@pytest.mark.parametrize("command, message", [
+    ("", "needs a command"),
+    ("no-such-program-xyz --flag", "command not found: no-such-program-xyz"),
+    ("python 'unclosed", "cannot parse"),
+])
+def test_bad_exec_commands(command, message, tmp_path):
+    res = run_cli("srdd-dump", "--exec", command, "-o", str(tmp_path))
+    assert res.returncode == 2 and message in res.stderr
+    assert "Traceback" not in res.stderr and len(res.stderr.strip().splitlines()) == 1
+
+
+def test_exec_never_uses_a_shell(tmp_path):
+    marker = tmp_path / "pwned"
+    res = run_cli("srdd-dump", "--exec", f"echo hi; touch {marker}", "-o", str(tmp_path / "d"))
+    assert not marker.exists()
+    assert res.stdout.strip() == f"hi; touch {marker}"  # echo got the rest as plain arguments
