@@ -1,0 +1,110 @@
+"""Schema v1 round trip: writer -> file -> reader, bf16 losslessness, crash consistency."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import time
+
+import h5py
+import numpy as np
+import pytest
+
+from srdd_dump.format import schema
+from srdd_dump.format.reader import DumpReader
+from srdd_dump.format.writer import DumpWriter, Round, Tensor
+
+
+def _round(sample, rng, width=16, dtype="float32", layers=3):
+    tensors = []
+    for layer in range(-1, layers):
+        x = rng.standard_normal((2, 5, width)).astype(np.float32)
+        if dtype == "bfloat16":
+            stored = schema.float32_to_bf16_bits(x)
+        else:
+            stored = x.astype(schema.STORAGE_DTYPES[dtype])
+        tensors.append(Tensor(layer=layer, array=stored, dtype=dtype))
+    return Round(sample=sample, step=0, batch=2, seq=5, positions=np.arange(5),
+                 token_ids=rng.integers(0, 100, (2, 5)), tensors=tensors)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16", "float64"])
+def test_round_trip(dtype, tmp_path):
+    rng = np.random.default_rng(0)
+    rounds = [_round(i, rng, dtype=dtype) for i in range(3)]
+    w = DumpWriter(str(tmp_path / "a.h5"), {"model_class": "X"}, ["b.0", "b.1", "b.2"])
+    for r in rounds:
+        w.submit(r)
+    path = w.close()
+    assert path.endswith("a.h5") and not (tmp_path / "a.h5.partial").exists()
+    with DumpReader(path) as rd:
+        assert rd.complete and rd.meta["model_class"] == "X"
+        assert rd.layers == ["b.0", "b.1", "b.2"] and rd.n_samples == 3
+        for i, r in enumerate(rounds):
+            np.testing.assert_array_equal(rd.token_ids(rd.rounds[i]), r.token_ids.reshape(-1))
+            for t in r.tensors:
+                (rec,) = [x for x in rd.select(t.layer) if x["round"] == i]
+                want = schema.decode(t.array, dtype)
+                np.testing.assert_array_equal(rd.read(rec), want)
+        # a few large datasets, not one per tensor
+        assert rd.data_names == [f"clean_{dtype}_16"]
+    with h5py.File(path) as f:  # plain h5py sees the documented layout
+        assert f.attrs["schema_version"] == schema.SCHEMA_VERSION
+        assert f["data"][f"clean_{dtype}_16"].chunks is not None
+
+
+def test_bf16_codec_is_exact_for_every_bit_pattern():
+    bits = np.arange(2**16, dtype=np.uint32).astype(np.uint16)
+    f = schema.bf16_bits_to_float32(bits)
+    finite = ~np.isnan(f)
+    np.testing.assert_array_equal(schema.float32_to_bf16_bits(f[finite]), bits[finite])
+
+
+def test_bf16_rounding_matches_torch():
+    torch = pytest.importorskip("torch")
+    x = np.random.default_rng(1).standard_normal(10000).astype(np.float32) * 1000
+    want = torch.from_numpy(x).bfloat16().view(torch.int16).numpy().view(np.uint16)
+    np.testing.assert_array_equal(schema.float32_to_bf16_bits(x), want)
+
+
+def test_crash_keeps_every_flushed_round(tmp_path):
+    code = textwrap.dedent(f"""
+        import os, time, numpy as np
+        from srdd_dump.format.writer import DumpWriter, Round, Tensor
+        w = DumpWriter({str(tmp_path / 'c.h5')!r}, {{}}, ["b.0"])
+        for i in range(2):
+            x = np.full((1, 4, 8), i, np.float32)
+            w.submit(Round(sample=i, step=0, batch=1, seq=4, positions=np.arange(4),
+                           tensors=[Tensor(layer=0, array=x, dtype="float32")]))
+        while w.rounds_written < 2:
+            time.sleep(0.01)
+        os._exit(9)  # dies without closing the file
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 9, proc.stderr
+    assert not (tmp_path / "c.h5").exists()
+    with DumpReader(str(tmp_path / "c.h5.partial")) as rd:
+        assert not rd.complete
+        assert len(rd.rounds) == 2
+        np.testing.assert_array_equal(rd.read(rd.select(0)[1]), np.ones((1, 4, 8)))
+
+
+def test_write_failure_is_kept_not_raised(tmp_path, monkeypatch):
+    w = DumpWriter(str(tmp_path / "e.h5"), {}, ["b.0"])
+    rng = np.random.default_rng(0)
+    w.submit(_round(0, rng, layers=1))
+    while w.rounds_written < 1:
+        time.sleep(0.01)
+
+    def full(*a, **k):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(w._file, "write_round", full)
+    w.submit(_round(1, rng, layers=1))
+    w.submit(_round(2, rng, layers=1))  # dropped, never raises
+    path = w.close()
+    assert "No space left" in w.error
+    with DumpReader(path) as rd:
+        assert len(rd.rounds) == 1 and not rd.complete
+        assert "No space left" in rd.status["write_error"]
