@@ -31,8 +31,11 @@ def dump(
                               "0 = prefill, 0,1-4 = prefill + decode steps 1..4, all."),
     tokens: str = typer.Option("all", "--tokens", help="Token positions kept: all, 0:16, -8:, "
                                "0,5,-1."),
-    layers: Optional[str] = typer.Option(None, "--layers", help="Glob over module names naming "
-                                         "the blocks, overriding discovery (e.g. 'model.layers.*')."),
+    layers: Optional[str] = typer.Option(
+        None, "--layers",
+        help="Glob over module names naming the blocks, overriding discovery "
+        "(e.g. 'model.layers.*').",
+    ),
     seed: int = typer.Option(0, "--seed", help="Seed of srdd-dump's own random choices."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
     version: bool = typer.Option(False, "--version", callback=_version, is_eager=True),

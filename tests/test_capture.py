@@ -5,14 +5,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from capture_utils import FIXTURES  # noqa: F401  (puts fixtures/ on sys.path)
-from tiny_models import ARCHS, blocks_path, build
 from torch import nn
 
 from srdd_dump import DumpConfig, register_hook
 from srdd_dump.capture.discovery import NoBlocksFound, find_blocks
 from srdd_dump.format import schema
 from srdd_dump.format.reader import DumpReader
+
+from capture_utils import FIXTURES  # noqa: F401  (puts fixtures/ on sys.path)
+from tiny_models import ARCHS, blocks_path, build
 
 
 def _reference_outputs(model, blocks, ids):

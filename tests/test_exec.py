@@ -8,9 +8,10 @@ import subprocess
 import sys
 
 import pytest
-from capture_utils import FIXTURES, py, run_cli
 
 from srdd_dump.format.reader import DumpReader, find_dump_files
+
+from capture_utils import FIXTURES, py, run_cli
 
 
 def _write(path, text):
@@ -55,11 +56,11 @@ def test_two_process_launcher_gives_one_file_per_rank(tmp_path):
 
 def test_exit_code_propagates_and_dump_is_finalised(tmp_path):
     script = _write(tmp_path / "fails.py", (
-        "import sys; sys.path.insert(0, %r)\n"
+        f"import sys; sys.path.insert(0, {FIXTURES!r})\n"
         "import torch\nfrom tiny_models import build\n"
         "m = build('llama')\n"
         "with torch.no_grad(): m(input_ids=torch.randint(0, 128, (1, 6)))\n"
-        "raise SystemExit(7)\n") % FIXTURES)
+        "raise SystemExit(7)\n"))
     res = run_cli("srdd-dump", "--exec", f"{sys.executable} {script}", "-o", str(tmp_path / "d"))
     assert res.returncode == 7
     (path,) = find_dump_files(str(tmp_path / "d"))
@@ -88,13 +89,13 @@ def test_model_without_blocks_is_explained(tmp_path):
 
 def test_capture_failure_gives_nonzero_exit_after_the_command(tmp_path):
     script = _write(tmp_path / "bad.py", (
-        "import sys; sys.path.insert(0, %r)\n"
+        f"import sys; sys.path.insert(0, {FIXTURES!r})\n"
         "import torch\nimport srdd_dump.capture.hooks as h\nfrom tiny_models import build\n"
         "def boom(*a, **k): raise RuntimeError('simulated capture bug')\n"
         "h.to_host = boom\n"
         "m = build('gpt2')\n"
         "with torch.no_grad(): y = m(input_ids=torch.randint(0, 128, (1, 6))).logits\n"
-        "print('finished', y.shape)\n") % FIXTURES)
+        "print('finished', y.shape)\n"))
     res = run_cli("srdd-dump", "--exec", f"{sys.executable} {script}", "-o", str(tmp_path / "d"))
     assert "finished" in res.stdout
     assert res.returncode == 3

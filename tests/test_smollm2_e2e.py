@@ -8,9 +8,10 @@ import subprocess
 
 import pandas as pd
 import pytest
-from capture_utils import py, run_cli
 
 from srdd_dump.format.reader import DumpReader, find_dump_files
+
+from capture_utils import py, run_cli
 
 pytestmark = pytest.mark.slow
 

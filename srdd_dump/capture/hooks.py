@@ -106,7 +106,9 @@ class CaptureSession:
         if embed is not None:
             self._handles.append(embed.register_forward_pre_hook(self._on_embedding))
         first = self.blocks[0][1]
-        self._handles.append(first.register_forward_pre_hook(self._on_stack_input, with_kwargs=True))
+        self._handles.append(
+            first.register_forward_pre_hook(self._on_stack_input, with_kwargs=True)
+        )
         for index, (_, block) in enumerate(self.blocks):
             self._handles.append(block.register_forward_hook(self._output_hook(index)))
 

@@ -138,7 +138,9 @@ class DumpReader:
     def dtype_of(self, record: np.void) -> str:
         return self._data[int(record["data"])][1]
 
-    def iter_layer(self, layer: int, kind: int = s.KIND_CLEAN) -> Iterator[tuple[np.void, np.ndarray]]:
+    def iter_layer(
+        self, layer: int, kind: int = s.KIND_CLEAN
+    ) -> Iterator[tuple[np.void, np.ndarray]]:
         for rec in self.select(layer, kind):
             yield rec, self.read(rec)
 

@@ -72,10 +72,13 @@ class _H5File:
         f.attrs[s.ATTR_META] = json.dumps(meta, default=str)
         f.attrs[s.ATTR_COMPLETE] = 0
         f.create_dataset(s.LAYERS, data=np.array(layers, dtype=object), dtype=h5py.string_dtype())
-        f.create_dataset(s.ROUNDS, shape=(0,), maxshape=(None,), dtype=s.ROUND_DTYPE, chunks=(256,))
-        f.create_dataset(s.RECORDS, shape=(0,), maxshape=(None,), dtype=s.RECORD_DTYPE, chunks=(1024,))
-        f.create_dataset(s.TOKEN_IDS, shape=(0,), maxshape=(None,), dtype="<i8", chunks=(8192,))
-        f.create_dataset(s.POSITIONS, shape=(0,), maxshape=(None,), dtype="<i4", chunks=(8192,))
+        for name, dtype, chunk in (
+            (s.ROUNDS, s.ROUND_DTYPE, 256),
+            (s.RECORDS, s.RECORD_DTYPE, 1024),
+            (s.TOKEN_IDS, np.dtype("<i8"), 8192),
+            (s.POSITIONS, np.dtype("<i4"), 8192),
+        ):
+            f.create_dataset(name, shape=(0,), maxshape=(None,), dtype=dtype, chunks=(chunk,))
         f.create_group(s.DATA)
         self.data_index: dict[str, int] = {}
         self.n_rounds = 0

@@ -1,0 +1,1 @@
+"""Per-layer statistics (numpy only) and the rules that turn them into a verdict."""

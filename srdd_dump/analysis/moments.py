@@ -1,0 +1,137 @@
+"""Streaming per-layer statistics: exact float64 moments merged chunk by chunk.
+
+Each chunk gets an exact two-pass computation of its mean and central sums M2..M4; chunks are
+then combined with the pairwise update of Chan et al. and Pebay (2008), so the result does not
+depend on how the data was split and never needs the whole layer in memory.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+BLOCK = 1 << 20  # elements converted to float64 at a time (8 MiB)
+
+
+@dataclass
+class Moments:
+    """Count, mean, central sums M2..M4 and value counters of a stream of arrays.
+
+    NaN and +-Inf are counted in ``nan_count`` / ``inf_count`` and left out of everything else;
+    ``count``, ``zeros`` and ``absmax`` refer to the finite values only.
+    """
+
+    count: int = 0
+    mean_: float = 0.0
+    m2: float = 0.0
+    m3: float = 0.0
+    m4: float = 0.0
+    absmax: float = 0.0
+    zeros: int = 0
+    nan_count: int = 0
+    inf_count: int = 0
+
+    def add(self, array: np.ndarray) -> Moments:
+        """Fold in every element of ``array`` (any shape, any real dtype). Returns self."""
+        flat = np.asarray(array).reshape(-1)
+        for start in range(0, flat.size, BLOCK):
+            self.merge(_block_moments(flat[start : start + BLOCK]))
+        return self
+
+    def merge(self, other: Moments) -> Moments:
+        """Combine with the statistics of another, disjoint part of the data. Returns self."""
+        self.nan_count += other.nan_count
+        self.inf_count += other.inf_count
+        na, nb = self.count, other.count
+        if nb == 0:
+            return self
+        if na == 0:
+            self.count, self.mean_ = nb, other.mean_
+            self.m2, self.m3, self.m4 = other.m2, other.m3, other.m4
+            self.absmax, self.zeros = other.absmax, other.zeros
+            return self
+        n = na + nb
+        delta = other.mean_ - self.mean_
+        d_n = delta / n
+        d_n2 = d_n * d_n
+        ab = float(na) * float(nb)
+        term1 = delta * d_n * ab
+        m2a, m3a = self.m2, self.m3
+        self.m4 += (
+            other.m4
+            + term1 * d_n2 * (na * na - na * nb + nb * nb)
+            + 6.0 * d_n2 * (na * na * other.m2 + nb * nb * m2a)
+            + 4.0 * d_n * (na * other.m3 - nb * m3a)
+        )
+        self.m3 += other.m3 + term1 * d_n * (na - nb) + 3.0 * d_n * (na * other.m2 - nb * m2a)
+        self.m2 += other.m2 + term1
+        self.mean_ += d_n * nb
+        self.count = n
+        self.absmax = max(self.absmax, other.absmax)
+        self.zeros += other.zeros
+        return self
+
+    @property
+    def total(self) -> int:
+        """All elements seen, finite or not."""
+        return self.count + self.nan_count + self.inf_count
+
+    @property
+    def nonfinite(self) -> int:
+        return self.nan_count + self.inf_count
+
+    @property
+    def mean(self) -> float:
+        return self.mean_ if self.count else math.nan
+
+    @property
+    def var(self) -> float:
+        """Population variance (ddof=0)."""
+        return self.m2 / self.count if self.count else math.nan
+
+    @property
+    def std(self) -> float:
+        """Population standard deviation (ddof=0), as ``numpy.std``."""
+        return math.sqrt(self.var) if self.count else math.nan
+
+    @property
+    def kurtosis(self) -> float:
+        """Excess (Fisher) kurtosis, 0 for a normal distribution and for constant data."""
+        if not self.count:
+            return math.nan
+        if self.m2 <= 0.0:
+            return 0.0
+        return self.count * self.m4 / (self.m2 * self.m2) - 3.0
+
+    @property
+    def zero_frac(self) -> float:
+        """Fraction of the finite values that are exactly zero (0 when there are none)."""
+        return self.zeros / self.count if self.count else 0.0
+
+
+def _block_moments(block: np.ndarray) -> Moments:
+    finite = np.isfinite(block)
+    out = Moments()
+    if not finite.all():
+        out.nan_count = int(np.count_nonzero(np.isnan(block)))
+        out.inf_count = int(block.size - np.count_nonzero(finite)) - out.nan_count
+        block = block[finite]
+    if block.size == 0:
+        return out
+    x = block.astype(np.float64, copy=False)
+    lo, hi = float(x.min()), float(x.max())
+    out.count = int(x.size)
+    out.absmax = max(abs(lo), abs(hi))
+    out.zeros = int(np.count_nonzero(x == 0))
+    if lo == hi:  # constant: exact zero spread, whatever rounding sum()/n would add
+        out.mean_ = lo
+        return out
+    out.mean_ = float(x.mean())
+    d = x - out.mean_
+    d2 = d * d
+    out.m2 = float(d2.sum())
+    out.m3 = float(np.dot(d2, d))
+    out.m4 = float(np.dot(d2, d2))
+    return out

@@ -1,0 +1,1 @@
+"""Report of a comparison: the tables (pandas), their CSV/XLSX files and the terminal summary."""

@@ -1,0 +1,39 @@
+"""One-screen summary of a comparison for the terminal."""
+
+from __future__ import annotations
+
+import pandas as pd
+
+from ..analysis.basic import VERDICT_ORDER
+from .table import INCOMPLETE, OK, SKIPPED
+
+TOP = 10
+SHOWN = ["verdict", "diagnosis", "score", "source", "layer", "module", "absmax", "zero_frac"]
+MAX_TEXT = 40
+
+
+def summary(layers: pd.DataFrame, files: pd.DataFrame, written: list[str]) -> str:
+    """Files read/skipped/incomplete, layers per verdict, the top rows and the report path."""
+    status = files["status"].value_counts()
+    n_ok, n_inc, n_skip = (int(status.get(k, 0)) for k in (OK, INCOMPLETE, SKIPPED))
+    lines = [
+        f"files: {len(files)} found, {n_ok + n_inc} read ({n_inc} incomplete), {n_skip} skipped"
+    ]
+    verdicts = layers["verdict"].value_counts()
+    by_verdict = ", ".join(f"{int(verdicts.get(v, 0))} {v}" for v in VERDICT_ORDER)
+    lines.append(f"layers: {len(layers)} rows: {by_verdict}")
+    if len(layers):
+        top = layers[SHOWN].head(TOP).copy()
+        for col in ("source", "module"):
+            top[col] = top[col].map(_shorten)
+        lines.append(f"most suspicious {len(top)}:")
+        text = top.to_string(index=False, float_format=lambda x: f"{x:.4g}")
+        lines.extend("  " + line for line in text.splitlines())
+    if written:
+        lines.append("report: " + ", ".join(written))
+    return "\n".join(lines)
+
+
+def _shorten(text) -> str:
+    text = str(text)
+    return text if len(text) <= MAX_TEXT else "..." + text[-(MAX_TEXT - 3) :]

@@ -1,0 +1,379 @@
+"""srdd-compare: streaming moments, verdicts, report tables/files, CLI errors, no torch."""
+
+from __future__ import annotations
+
+import csv
+import math
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import h5py
+import numpy as np
+import openpyxl
+import pytest
+
+from srdd_dump.analysis import moments as moments_mod
+from srdd_dump.analysis.basic import FAULT, NORMAL, SUSPECT, judge
+from srdd_dump.analysis.moments import Moments
+from srdd_dump.compare import compare_path
+from srdd_dump.errors import UserError
+from srdd_dump.format import schema as s
+from srdd_dump.report.table import LAYER_COLUMNS
+
+from dumpfactory import logical, make_partial, normal_rounds, write_dump
+
+COLUMNS = [
+    "source", "layer", "module", "score", "verdict", "diagnosis", "mean", "std", "absmax",
+    "kurtosis", "zero_frac", "nan_count", "inf_count", "samples",
+]
+
+
+def direct(x: np.ndarray) -> tuple[float, float, float]:
+    x = np.asarray(x, dtype=np.float64).ravel()
+    d = x - x.mean()
+    m2, m4 = (d**2).mean(), (d**4).mean()
+    return x.mean(), math.sqrt(m2), m4 / m2**2 - 3.0
+
+
+def run_cli(*args: str, cwd: str | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "srdd_dump.cli.compare", *args],
+        capture_output=True, text=True, cwd=cwd, timeout=60,
+    )
+
+
+# -- Moments ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_moments_chunked_match_direct(seed, monkeypatch):
+    rng = np.random.default_rng(seed)
+    x = np.concatenate([rng.lognormal(1.0, 0.8, 5000), rng.normal(-3.0, 0.1, 3000)]) + 1e4
+    rng.shuffle(x)
+    monkeypatch.setattr(moments_mod, "BLOCK", 333)  # also split inside add()
+    cuts = np.sort(rng.choice(np.arange(1, x.size), 10, replace=False))
+    m = Moments()
+    for part in np.split(x, cuts):
+        m.add(part.reshape(-1, 1))
+    m.add(np.zeros(0))
+    mean, std, kurt = direct(x)
+    assert m.count == x.size
+    assert m.mean == pytest.approx(mean, rel=1e-12)
+    assert m.std == pytest.approx(std, rel=1e-9)
+    assert m.kurtosis == pytest.approx(kurt, rel=1e-8)
+    assert m.absmax == np.abs(x).max()
+    assert kurt > 1.0  # the test data is far from normal, so kurtosis is really checked
+
+    a, b = Moments().add(x[:1234]), Moments().add(x[1234:])
+    merged = a.merge(b)
+    assert merged.kurtosis == pytest.approx(kurt, rel=1e-8)
+    assert merged.std == pytest.approx(std, rel=1e-9)
+
+
+def test_moments_counts_nonfinite_and_zeros():
+    x = np.array([1.0, 0.0, np.nan, -np.inf, 3.0, 0.0, np.inf, -2.0], dtype=np.float32)
+    m = Moments().add(x[:3]).add(x[3:])
+    finite = x[np.isfinite(x)]
+    assert (m.count, m.nan_count, m.inf_count, m.zeros) == (5, 1, 2, 2)
+    assert m.total == 8
+    assert m.zero_frac == pytest.approx(2 / 5)
+    assert m.absmax == 3.0
+    mean, std, kurt = direct(finite)
+    assert (m.mean, m.std) == (pytest.approx(mean), pytest.approx(std))
+    assert m.kurtosis == pytest.approx(kurt)
+
+
+def test_moments_constant_and_empty():
+    m = Moments().add(np.full(1000, 0.1, dtype=np.float32)).add(np.full(7, 0.1, np.float32))
+    assert m.std == 0.0 and m.kurtosis == 0.0
+    assert m.mean == pytest.approx(0.1)
+    empty = Moments().add(np.array([np.nan]))
+    assert empty.count == 0 and math.isnan(empty.mean) and math.isnan(empty.kurtosis)
+
+
+# -- verdict rules ---------------------------------------------------------------------------
+
+
+def test_judge_rules_and_score_bands():
+    rng = np.random.default_rng(0)
+    normal = judge(Moments().add(rng.standard_normal(100)))
+    nan = judge(Moments().add(np.array([1.0, np.nan])))
+    inf = judge(Moments().add(np.array([1.0, np.inf])))
+    zero = judge(Moments().add(np.zeros(10)))
+    many = judge(Moments().add(np.array([0.0, 0.0, 0.0, 1.0])))
+    half = judge(Moments().add(np.array([0.0, 0.0, 1.0, 2.0])))
+    assert normal[1:] == (NORMAL, "")
+    assert nan[1:] == (FAULT, "NAN_INF") and inf[1:] == (FAULT, "NAN_INF")
+    assert zero[1:] == (FAULT, "ALL_ZERO")
+    assert many[1:] == (SUSPECT, "MANY_ZEROS")
+    assert half[1:] == (NORMAL, "")  # exactly one half is not "more than half"
+    assert nan[0] >= zero[0] > many[0] > half[0] >= normal[0]
+
+
+# -- compare_path and the report files -------------------------------------------------------
+
+
+def faulty_dump(folder, dtype="bfloat16", name="run_rank0.h5", names=None):
+    """Layer 0 normal, 1 has a NaN in sample 1, 2 all zero, 3 mostly zero; plus stack input."""
+    rng = np.random.default_rng(42)
+    rounds = []
+    for i in range(2):
+        r = {k: rng.standard_normal((1, 4, 8)).astype(np.float32) for k in (-1, 0, 1, 2, 3)}
+        r[2][:] = 0.0
+        r[3][..., :6] = 0.0
+        if i == 1:
+            r[1][0, 2, 5] = np.nan
+        rounds.append(r)
+    path = write_dump(os.path.join(folder, name), rounds, dtype=dtype, names=names)
+    return path, rounds
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_compare_verdicts_sorted_and_stats(tmp_path, dtype):
+    _, rounds = faulty_dump(str(tmp_path), dtype=dtype)
+    result = compare_path(str(tmp_path), progress=False)
+    t = result.layers
+    assert list(t.columns[: len(COLUMNS)]) == COLUMNS
+    assert list(t["layer"]) == [1, 2, 3, 0]  # stack input (-1) has no row
+    assert list(t["verdict"]) == [FAULT, FAULT, SUSPECT, NORMAL]
+    assert list(t["diagnosis"]) == ["NAN_INF", "ALL_ZERO", "MANY_ZEROS", ""]
+    assert t["nan_count"].tolist() == [1, 0, 0, 0]
+    assert set(t["samples"]) == {2}
+    assert set(t["source"]) == {"run_rank0.h5"}
+    assert t.loc[0, "module"] == "model.layers.1"
+    assert t.loc[0, "rank"] == 0 and t.loc[0, "pid"] == 1234
+
+    row = t[t["layer"] == 0].iloc[0]
+    x = np.concatenate([logical(r[0], dtype).ravel() for r in rounds])
+    mean, std, kurt = direct(x)
+    assert row["mean"] == pytest.approx(mean, rel=1e-9, abs=1e-12)
+    assert row["std"] == pytest.approx(std, rel=1e-9)
+    assert row["kurtosis"] == pytest.approx(kurt, rel=1e-7, abs=1e-9)
+    assert row["absmax"] == np.abs(x).max()
+    assert t[t["layer"] == 3].iloc[0]["zero_frac"] == pytest.approx(0.75)
+    assert list(result.files["status"]) == ["ok"]
+    assert result.written == []
+
+
+def test_csv_report_columns_and_files_table(tmp_path):
+    faulty_dump(str(tmp_path / "dumps"))
+    out = tmp_path / "out" / "report.csv"
+    result = compare_path(str(tmp_path / "dumps"), str(out), progress=False)
+    files_csv = tmp_path / "out" / "report.files.csv"
+    assert result.written == [str(out), str(files_csv)]
+    with open(out, newline="") as f:
+        rows = list(csv.reader(f))
+    assert rows[0][: len(COLUMNS)] == COLUMNS
+    assert rows[0] == LAYER_COLUMNS
+    assert [r[rows[0].index("verdict")] for r in rows[1:]] == [FAULT, FAULT, SUSPECT, NORMAL]
+    with open(files_csv, newline="") as f:
+        files = list(csv.DictReader(f))
+    assert [(r["source"], r["status"]) for r in files] == [("run_rank0.h5", "ok")]
+
+
+def test_xlsx_report_sheets_colours_and_formula_escape(tmp_path):
+    names = ["=HYPERLINK(\"http://x\")", "model.layers.1", "+1", "@sum"]
+    faulty_dump(str(tmp_path), names=names)
+    out = tmp_path / "report.xlsx"
+    compare_path(str(tmp_path), str(out), progress=False)
+    wb = openpyxl.load_workbook(out)
+    assert wb.sheetnames == ["layers", "files"]
+    ws = wb["layers"]
+    header = [c.value for c in ws[1]]
+    assert header[: len(COLUMNS)] == COLUMNS
+    assert ws.freeze_panes == "A2"
+    module = header.index("module")
+    cells = {ws.cell(row=i, column=module + 1) for i in range(2, ws.max_row + 1)}
+    values = {c.value for c in cells}
+    assert "'=HYPERLINK(\"http://x\")" in values and "'+1" in values and "'@sum" in values
+    assert all(c.data_type == "s" for c in cells)
+    verdict = header.index("verdict") + 1
+    fills = {ws.cell(row=i, column=verdict).value: ws.cell(row=i, column=1).fill.fgColor.rgb
+             for i in range(2, ws.max_row + 1)}
+    assert fills[FAULT] == "FFFFC7CE" and fills[SUSPECT] == "FFFFEB9C"
+    assert fills[NORMAL] != fills[FAULT]
+    assert isinstance(ws.cell(row=2, column=header.index("mean") + 1).value, float)
+    files = [[c.value for c in row] for row in wb["files"].iter_rows()]
+    assert files[0][:3] == ["source", "status", "reason"]
+    assert files[1][:2] == ["run_rank0.h5", "ok"]
+
+
+def test_partial_file_is_used_and_flagged(tmp_path):
+    rng = np.random.default_rng(1)
+    good = write_dump(str(tmp_path / "a.h5"), normal_rounds(rng))
+    crashed = make_partial(write_dump(str(tmp_path / "b.h5"), normal_rounds(rng)))
+    assert crashed.endswith(".h5.partial") and os.path.exists(good)
+    result = compare_path(str(tmp_path), progress=False)
+    status = dict(zip(result.files["source"], result.files["status"]))
+    assert status == {"a.h5": "ok", "b.h5.partial": "incomplete"}
+    reason = result.files.set_index("source").loc["b.h5.partial", "reason"]
+    assert "did not finish" in reason
+    assert set(result.layers["source"]) == {"a.h5", "b.h5.partial"}
+    assert len(result.layers) == 4
+
+
+def test_compare_path_user_errors(tmp_path):
+    with pytest.raises(UserError, match="no such file or directory"):
+        compare_path(str(tmp_path / "nope"))
+    with pytest.raises(UserError, match=str(tmp_path)):
+        compare_path(str(tmp_path))
+    with pytest.raises(UserError, match="use .csv or .xlsx"):
+        compare_path(str(tmp_path), str(tmp_path / "report.txt"))
+
+
+# -- CLI -------------------------------------------------------------------------------------
+
+
+def _bad_inputs(tmp_path) -> dict:
+    rng = np.random.default_rng(3)
+    good = write_dump(str(tmp_path / "good" / "ok.h5"), normal_rounds(rng, n_rounds=4))
+    cases = {"missing": (str(tmp_path / "missing"), str(tmp_path / "missing"))}
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "notes.txt").write_text("not a dump")
+    cases["empty"] = (str(empty), str(empty))
+
+    text = tmp_path / "text" / "bad.h5"
+    text.parent.mkdir()
+    text.write_text("this is not HDF5\n" * 100)
+    cases["not_hdf5"] = (str(text.parent), str(text))
+
+    cut = tmp_path / "cut" / "cut.h5"
+    cut.parent.mkdir()
+    blob = Path(good).read_bytes()
+    cut.write_bytes(blob[: len(blob) // 2])
+    cases["truncated"] = (str(cut.parent), str(cut))
+
+    newer = tmp_path / "newer" / "v2.h5"
+    newer.parent.mkdir()
+    shutil.copy(good, newer)
+    with h5py.File(newer, "r+") as f:
+        f.attrs[s.ATTR_VERSION] = 2
+    cases["newer_schema"] = (str(newer.parent), str(newer))
+    return cases
+
+
+def test_cli_bad_inputs_one_line_exit_2(tmp_path):
+    for case, (arg, named) in _bad_inputs(tmp_path).items():
+        out = tmp_path / f"{case}.csv"
+        proc = run_cli(arg, "-o", str(out))
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == 2, (case, proc.stderr)
+        assert len(lines) == 1, (case, proc.stderr)
+        assert lines[0].startswith("srdd-compare: error: ") and named in lines[0], case
+        assert "Traceback" not in proc.stderr
+        assert not out.exists()
+        if case == "newer_schema":
+            assert "schema version 2" in lines[0]
+
+
+def test_cli_good_and_bad_file_writes_report(tmp_path):
+    rng = np.random.default_rng(5)
+    dumps = tmp_path / "dumps"
+    write_dump(str(dumps / "good.h5"), normal_rounds(rng))
+    (dumps / "broken.h5").write_bytes(b"\x89HDF\r\n\x1a\n" + b"\0" * 64)
+    proc = run_cli(str(dumps), cwd=str(tmp_path))  # default output in the cwd
+    assert proc.returncode == 0, proc.stderr
+    assert "Traceback" not in proc.stderr
+    warnings = proc.stderr.strip().splitlines()
+    assert len(warnings) == 1 and "broken.h5" in warnings[0] and "warning" in warnings[0]
+    assert "1 skipped" in proc.stdout and "srdd_report.csv" in proc.stdout
+    with open(tmp_path / "srdd_report.files.csv", newline="") as f:
+        files = {r["source"]: r for r in csv.DictReader(f)}
+    assert files["good.h5"]["status"] == "ok"
+    assert files["broken.h5"]["status"] == "skipped"
+    assert "broken.h5" in files["broken.h5"]["reason"]
+    with open(tmp_path / "srdd_report.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert {r["source"] for r in rows} == {"good.h5"} and len(rows) == 2
+
+
+def test_cli_quiet_xlsx_and_version(tmp_path):
+    faulty_dump(str(tmp_path))
+    out = tmp_path / "r.xlsx"
+    proc = run_cli(str(tmp_path), "-o", str(out), "--quiet")
+    assert proc.returncode == 0 and proc.stdout == "" and proc.stderr == ""
+    assert out.exists()
+    proc = run_cli("--version")
+    assert proc.returncode == 0 and proc.stdout.startswith("srdd-compare ")
+    proc = run_cli()
+    assert proc.returncode == 2
+
+
+NO_TORCH = """
+import sys
+from pathlib import Path
+{poison}
+from srdd_dump.cli.compare import main
+sys.argv = ["srdd-compare", {folder!r}, "-o", {out!r}, "--quiet"]
+try:
+    main()
+except SystemExit as e:
+    assert e.code in (0, None), e.code
+assert sys.modules.get("torch") is None, "torch was imported"
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("poison", ["sys.modules['torch'] = None", ""])
+def test_compare_never_imports_torch(tmp_path, poison):
+    faulty_dump(str(tmp_path))
+    out = str(tmp_path / "r.xlsx")
+    code = NO_TORCH.format(poison=poison, folder=str(tmp_path), out=out)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "ok" and os.path.exists(out)
+
+
+def test_cli_unexpected_error_one_line_traceback_only_with_debug(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    import srdd_dump.compare
+    from srdd_dump.cli.compare import app
+
+    def boom(*args, **kwargs):
+        raise RuntimeError("disk on fire\nsecond line")
+
+    monkeypatch.setattr(srdd_dump.compare, "compare_path", boom)
+    runner = CliRunner()
+    result = runner.invoke(app, [str(tmp_path)])
+    assert result.exit_code == 2
+    assert result.stderr.strip().splitlines() == [
+        "srdd-compare: error: unexpected RuntimeError: disk on fire "
+        "(run with --debug for the traceback)"
+    ]
+    result = runner.invoke(app, [str(tmp_path), "--debug"])
+    assert result.exit_code == 2
+    assert "Traceback" in result.stderr and "disk on fire" in result.stderr
+
+
+CRASH = """
+import os, sys, time
+sys.path.insert(0, {tests!r})
+import numpy as np
+from dumpfactory import to_storage
+from srdd_dump.format.writer import DumpWriter, Round, Tensor
+w = DumpWriter({path!r}, {{"rank": 3, "pid": os.getpid()}}, ["a", "b"])
+x = to_storage(np.ones((1, 4, 64), np.float32), "bfloat16")
+for i in range(3):
+    w.submit(Round(sample=i, step=0, batch=1, seq=4, positions=np.arange(4),
+                   tensors=[Tensor(0, x, "bfloat16"), Tensor(1, x * 0, "bfloat16")]))
+while w.rounds_written < 3:
+    time.sleep(0.01)
+os._exit(1)  # crash: no close, no rename
+"""
+
+
+def test_really_crashed_writer_leaves_usable_partial(tmp_path):
+    code = CRASH.format(tests=os.path.dirname(__file__), path=str(tmp_path / "r.h5"))
+    subprocess.run([sys.executable, "-c", code], timeout=60, check=False)
+    assert os.listdir(tmp_path) == ["r.h5.partial"]
+    result = compare_path(str(tmp_path), progress=False)
+    assert list(result.files["status"]) == ["incomplete"]
+    assert result.files.loc[0, "rank"] == 3 and result.files.loc[0, "rounds"] == 3
+    assert list(result.layers["diagnosis"]) == ["ALL_ZERO", ""]
+    assert set(result.layers["samples"]) == {3}
