@@ -9,6 +9,7 @@ import typer
 
 from srdd_dump.config import DumpConfig
 from srdd_dump.errors import UserError
+from srdd_dump.faultspec import parse_fault
 from srdd_dump.launch import run_exec
 from srdd_dump.version import __version__
 
@@ -37,6 +38,26 @@ def dump(
         "(e.g. 'model.layers.*').",
     ),
     seed: int = typer.Option(0, "--seed", help="Seed of srdd-dump's own random choices."),
+    probes: str = typer.Option("gain,dc,repeat", "--probes", help="Layer-local replay probes "
+                               "on each captured prefill: gain,dc,repeat or none."),
+    sigma: list[float] = typer.Option([0.1, 0.01], "--sigma", help="Gain probe noise size "
+                                      "relative to each token's std (repeatable)."),
+    draws: int = typer.Option(2, "--draws", help="Gain noise draws per sigma."),
+    dc: list[float] = typer.Option([1.0], "--dc", help="DC probe shift in token stds "
+                                   "(repeatable)."),
+    repeats: int = typer.Option(3, "--repeats", help="Unperturbed re-runs per layer."),
+    granularity: str = typer.Option("block", "--granularity", help="block, or sublayer to probe "
+                                    "the attention and MLP sub-blocks too."),
+    sublayers: Optional[str] = typer.Option(None, "--sublayers", help="Globs relative to a "
+                                            "block naming the sub-layers, e.g. 'self_attn,mlp'."),
+    store: str = typer.Option("sample:32768", "--store", help="Probe outputs kept: full, or "
+                              "sample:N (about N elements as whole seeded-random token rows)."),
+    inject: list[str] = typer.Option([], "--inject", help="Simulated fault, e.g. "
+                                     "'dead_zone@layer=10,m=0.3,sparsity=0.1,site=mlp' "
+                                     "(repeatable)."),
+    batch_probes: bool = typer.Option(True, "--batch-probes/--no-batch-probes",
+                                      help="Replay perturbed inputs in one batched call."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
     version: bool = typer.Option(False, "--version", callback=_version, is_eager=True),
 ) -> None:
@@ -46,8 +67,13 @@ def dump(
     """
     try:
         config = DumpConfig(
-            dump_path=output, samples=samples, steps=steps, tokens=tokens, layers=layers, seed=seed
+            dump_path=output, samples=samples, steps=steps, tokens=tokens, layers=layers,
+            seed=seed, probes=probes, sigmas=list(sigma), draws=draws, dc=list(dc),
+            repeats=repeats, granularity=granularity, sublayers=sublayers, store=store,
+            inject=list(inject), batch_probes=batch_probes, progress=not quiet,
         )
+        for spec in config.inject:
+            parse_fault(spec)
         result = run_exec(exec_, config)
     except UserError as exc:
         typer.echo(f"srdd-dump: error: {exc}", err=True)

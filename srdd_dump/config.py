@@ -32,6 +32,17 @@ class DumpConfig:
     tokens: str = "all"
     layers: str | None = None
     seed: int = 0
+    probes: str = "gain,dc,repeat"
+    sigmas: list = field(default_factory=lambda: [0.1, 0.01])
+    draws: int = 2
+    dc: list = field(default_factory=lambda: [1.0])
+    repeats: int = 3
+    granularity: str = "block"
+    sublayers: str | None = None
+    store: str = "sample:32768"
+    inject: list = field(default_factory=list)
+    batch_probes: bool = True
+    progress: bool = True
     command: str | None = None
     extra: dict = field(default_factory=dict)
 
@@ -40,6 +51,12 @@ class DumpConfig:
             raise UserError(f"samples must be at least 1, got {self.samples}")
         parse_steps(self.steps)
         parse_tokens(self.tokens)
+        parse_probes(self.probes)
+        parse_store(self.store)
+        if self.granularity not in ("block", "sublayer"):
+            raise UserError(f"granularity must be block or sublayer, got {self.granularity!r}")
+        if self.draws < 0 or self.repeats < 0:
+            raise UserError("draws and repeats must be >= 0")
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -113,3 +130,33 @@ def token_positions(parts: list[slice | int] | None, seq: int) -> list[int]:
         elif -seq <= p < seq:
             chosen.add(p % seq)
     return sorted(chosen)
+
+
+PROBE_NAMES = ("gain", "dc", "repeat")
+
+
+def parse_probes(spec: str) -> set[str]:
+    """"gain,dc,repeat" -> {"gain", "dc", "repeat"}; "none" -> set()."""
+    spec = str(spec).strip().lower()
+    if spec in ("none", "off", ""):
+        return set()
+    names = {p.strip() for p in spec.split(",") if p.strip()}
+    unknown = names - set(PROBE_NAMES)
+    if unknown:
+        raise UserError(f"bad --probes {spec!r}: unknown {sorted(unknown)}; use {PROBE_NAMES}")
+    return names
+
+
+def parse_store(spec: str) -> int | None:
+    """"full" -> None; "sample:N" -> N elements (N >= 1)."""
+    spec = str(spec).strip().lower()
+    if spec == "full":
+        return None
+    if spec.startswith("sample:"):
+        try:
+            n = int(spec.split(":", 1)[1])
+        except ValueError:
+            n = 0
+        if n >= 1:
+            return n
+    raise UserError(f"bad --store {spec!r}: use full or sample:N (N >= 1)")

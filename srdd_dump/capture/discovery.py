@@ -83,3 +83,26 @@ def _nothing_found(model: nn.Module) -> str:
         f"no stack of repeated blocks found in {type(model).__name__}; {_largest(model)}; "
         "name the blocks with --layers PATTERN (e.g. 'model.layers.*')"
     )
+
+
+SUBLAYER_NAMES = ("self_attn", "attn", "attention", "self_attention", "mlp", "feed_forward", "ffn")
+
+
+def find_sites(
+    blocks: list[tuple[str, nn.Module]], patterns: str | None = None
+) -> list[tuple[int, str, nn.Module]]:
+    """Sub-layer modules of every block: [(block index, qualified name, module)].
+
+    Default: the attention and MLP children (``self_attn``/``attn``/``attention`` and
+    ``mlp``/``feed_forward``/``ffn``). ``patterns``: comma-separated globs over module names
+    relative to the block, e.g. ``"self_attn,mlp.down_proj"``.
+    """
+    globs = [p.strip() for p in patterns.split(",")] if patterns else list(SUBLAYER_NAMES)
+    sites = []
+    for index, (block_name, block) in enumerate(blocks):
+        for name, module in block.named_modules():
+            if name and any(fnmatchcase(name, g) for g in globs):
+                sites.append((index, f"{block_name}.{name}", module))
+    if patterns and not sites:
+        raise NoBlocksFound(f"--sublayers {patterns!r} matches no module inside the blocks")
+    return sites

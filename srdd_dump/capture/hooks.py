@@ -21,10 +21,13 @@ from torch import nn
 
 from .. import config as cfg
 from ..config import DumpConfig
+from ..faultspec import parse_fault
 from ..format import schema
 from ..format.writer import DumpWriter, Round, Tensor
 from ..version import __version__
-from .discovery import find_blocks
+from .discovery import find_blocks, find_sites
+from .faults import install_faults
+from .probes import ProbeSpec, first_tensor, probe_seed, run_probes
 
 _TORCH_TO_LOGICAL = {
     torch.float32: "float32",
@@ -34,23 +37,11 @@ _TORCH_TO_LOGICAL = {
 }
 
 
-def first_tensor(value: Any) -> torch.Tensor | None:
-    """The hidden state in a block's input or output: a tensor, or the first tensor of a
-    tuple/list/ModelOutput."""
-    if isinstance(value, torch.Tensor):
-        return value
-    if isinstance(value, dict):
-        value = list(value.values())
-    if isinstance(value, (tuple, list)):
-        for item in value:
-            if isinstance(item, torch.Tensor):
-                return item
-    return None
-
-
-def to_host(t: torch.Tensor, positions: torch.Tensor | None) -> tuple[np.ndarray, str]:
-    """Copy (batch, seq, width) hidden states of the kept positions to a numpy array in storage
-    dtype. Always a copy: the user's tensor may be changed in place later."""
+def kept(
+    t: torch.Tensor, positions: torch.Tensor | None, rows: torch.Tensor | None = None
+) -> torch.Tensor:
+    """(batch, ntok, width) view of the kept token positions; with ``rows``, (1, rows, width)
+    of those rows of the flattened (batch * ntok, width) tensor."""
     t = t.detach()
     if t.dim() == 2:
         t = t.unsqueeze(0)
@@ -58,6 +49,17 @@ def to_host(t: torch.Tensor, positions: torch.Tensor | None) -> tuple[np.ndarray
         t = t.reshape(t.shape[0], -1, t.shape[-1])
     if positions is not None:
         t = t.index_select(-2, positions.to(t.device))
+    if rows is not None:
+        t = t.reshape(-1, t.shape[-1]).index_select(0, rows.to(t.device)).unsqueeze(0)
+    return t
+
+
+def to_host(
+    t: torch.Tensor, positions: torch.Tensor | None, rows: torch.Tensor | None = None
+) -> tuple[np.ndarray, str]:
+    """Copy the kept part of a hidden state to a numpy array in storage dtype. Always a copy:
+    the user's tensor may be changed in place later."""
+    t = kept(t, positions, rows)
     logical = _TORCH_TO_LOGICAL.get(t.dtype)
     if logical is None:
         t, logical = t.float(), "float32"
@@ -84,6 +86,28 @@ class CaptureSession:
         self.config = config
         self.blocks = find_blocks(model, config.layers)
         self.layer_names = [name for name, _ in self.blocks]
+        self.sites = (
+            find_sites(self.blocks, config.sublayers) if config.granularity == "sublayer" else []
+        )
+        self.site_names = [name for _, name, _ in self.sites]
+        probes = cfg.parse_probes(config.probes)
+        self.probe_spec = ProbeSpec(
+            sigmas=tuple(config.sigmas) if "gain" in probes else (),
+            draws=config.draws,
+            dc=tuple(config.dc) if "dc" in probes else (),
+            repeats=config.repeats if "repeat" in probes else 0,
+            batched=config.batch_probes,
+        )
+        self._probing = bool(probes)
+        self._store = cfg.parse_store(config.store)
+        self.batched_replays = 0
+        self.sequential_replays = 0
+        self._replaying = False
+        self._rows: torch.Tensor | None = None
+        self._bar = None
+        self._fault_handles, self.faults = install_faults(
+            model, self.blocks, [parse_fault(f) for f in config.inject]
+        )
         self._steps = cfg.parse_steps(config.steps)
         self._last_step = cfg.last_step(self._steps)
         self._tokens = cfg.parse_tokens(config.tokens)
@@ -110,10 +134,14 @@ class CaptureSession:
             first.register_forward_pre_hook(self._on_stack_input, with_kwargs=True)
         )
         for index, (_, block) in enumerate(self.blocks):
-            self._handles.append(block.register_forward_hook(self._output_hook(index)))
+            hook = self._output_hook(index, schema.BLOCK_SITE, index == len(self.blocks) - 1)
+            self._handles.append(block.register_forward_hook(hook, with_kwargs=True))
+        for site, (layer, _, module) in enumerate(self.sites):
+            hook = self._output_hook(layer, site, False)
+            self._handles.append(module.register_forward_hook(hook, with_kwargs=True))
 
     def _guard(self, fn, *args) -> None:
-        if self._closed:
+        if self._closed or self._replaying:
             return
         try:
             fn(*args)
@@ -162,39 +190,90 @@ class CaptureSession:
         ids = None
         if token_ids is not None and token_ids.shape[-1] == seq:
             ids = token_ids.detach().to("cpu").reshape(batch, seq).numpy()
+        probe_rows = self._choose_probe_rows(batch * len(positions), hidden.shape[-1])
         self._round = Round(
             sample=self.sample, step=self.step, batch=batch, seq=seq,
             positions=np.asarray(positions), token_ids=ids, time=time.time(),
+            probe_rows=probe_rows,
         )
-        self._add(schema.STACK_INPUT, hidden)
+        self._rows = None if probe_rows is None else torch.from_numpy(probe_rows.astype(np.int64))
+        self._add(schema.STACK_INPUT, schema.BLOCK_SITE, hidden)
 
-    def _output_hook(self, index: int):
-        last = index == len(self.blocks) - 1
+    def _choose_probe_rows(self, n_rows: int, width: int) -> np.ndarray | None:
+        """Rows kept for the probe records of a prefill round (None: no probes this round)."""
+        if not self._probing or self.step != 0:
+            return None
+        if self._store is None:
+            return np.arange(n_rows)
+        k = min(n_rows, -(-self._store // max(1, width)))
+        rng = np.random.default_rng(probe_seed(self.config.seed, self.sample, 0x5EED))
+        return np.sort(rng.choice(n_rows, size=k, replace=False))
 
-        def hook(module: nn.Module, args: tuple, output: Any) -> None:
+    def _output_hook(self, layer: int, site: int, last: bool):
+        def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
             if self._round is not None:
-                self._guard(self._on_output, index, output, last)
+                self._guard(self._on_output, module, layer, site, args, kwargs, output, last)
 
         return hook
 
-    def _on_output(self, index: int, output: Any, last: bool) -> None:
+    def _on_output(self, module, layer, site, args, kwargs, output, last) -> None:
         hidden = first_tensor(output)
         if hidden is None:
-            raise TypeError(f"block {self.layer_names[index]} returned no tensor")
-        self._add(index, hidden)
+            raise TypeError(f"{type(module).__name__} of layer {layer} returned no tensor")
+        self._add(layer, site, hidden)
+        if self._rows is not None:
+            self._probe(module, layer, site, args, kwargs, hidden)
+        if site == schema.BLOCK_SITE and self.step == 0:
+            self._progress()
         if last:
             self._submit()
 
+    def _probe(self, module, layer, site, args, kwargs, hidden) -> None:
+        def seeds(kind: int, probe: int) -> int:
+            return probe_seed(self.config.seed, self.sample, layer + 1, site + 1, kind, probe)
+
+        self._replaying = True
+        try:
+            outputs, batched = run_probes(module, args, kwargs, hidden, self.probe_spec, seeds)
+        finally:
+            self._replaying = False
+        if batched:
+            self.batched_replays += 1
+        else:
+            self.sequential_replays += 1
+        for p in outputs:
+            array, logical = to_host(p.output, self._positions, self._rows)
+            rms = 0.0
+            if p.perturbation is not None:
+                d = kept(p.perturbation, self._positions, self._rows).double()
+                rms = float(d.pow(2).mean().sqrt())
+            self._round.tensors.append(Tensor(
+                layer=layer, site=site, array=array, dtype=logical, kind=p.kind, probe=p.probe,
+                param=p.param, seed=p.seed, pert_rms=rms, subset=True,
+            ))
+
+    def _progress(self) -> None:
+        if self._bar is None:
+            if not (self.config.progress and sys.stderr.isatty()):
+                return
+            from tqdm import tqdm
+
+            self._bar = tqdm(
+                total=self.config.samples * len(self.blocks), desc="srdd-dump", unit="layer",
+                file=sys.stderr, leave=False,
+            )
+        self._bar.update(1)
+
     # -- rounds ---------------------------------------------------------------------------
-    def _add(self, layer: int, hidden: torch.Tensor) -> None:
+    def _add(self, layer: int, site: int, hidden: torch.Tensor) -> None:
         array, logical = to_host(hidden, self._positions)
-        self._round.tensors.append(Tensor(layer=layer, array=array, dtype=logical))
+        self._round.tensors.append(Tensor(layer=layer, site=site, array=array, dtype=logical))
 
     def _submit(self) -> None:
         r, self._round = self._round, None
         if self.writer is None:
             self.path = dump_file_name(self.config.dump_path)
-            self.writer = DumpWriter(self.path, self._meta(r), self.layer_names)
+            self.writer = DumpWriter(self.path, self._meta(r), self.layer_names, self.site_names)
         if self.writer.error:
             raise OSError(f"writing {self.writer.partial_path} failed: {self.writer.error}")
         self.writer.submit(r)
@@ -232,6 +311,8 @@ class CaptureSession:
             "seed": self.config.seed,
             "torch_initial_seed": int(torch.initial_seed()),
             "dump_config": vars(self.config),
+            "sites": self.site_names,
+            "injected_faults": self.faults,
             "model_config": to_dict() if callable(to_dict) else None,
             "started": time.time(),
         }
@@ -243,9 +324,15 @@ class CaptureSession:
         self.close()
 
     def remove(self) -> None:
+        """Remove the capture hooks (injected faults stay until ``remove_faults``/exit)."""
         for h in self._handles:
             h.remove()
         self._handles.clear()
+
+    def remove_faults(self) -> None:
+        for h in self._fault_handles:
+            h.remove()
+        self._fault_handles.clear()
 
     def close(self) -> str | None:
         """Remove the hooks and finalise the dump file. Returns its path (None if empty)."""
@@ -253,8 +340,14 @@ class CaptureSession:
             return self.path
         self._closed = True
         self.remove()
+        if self._bar is not None:
+            self._bar.close()
         if self.writer is not None:
-            self.path = self.writer.close({"error": self.error, "samples": self.sample + 1})
+            self.path = self.writer.close({
+                "error": self.error, "samples": self.sample + 1,
+                "batched_replays": self.batched_replays,
+                "sequential_replays": self.sequential_replays,
+            })
             if self.writer.error and not self.error:
                 self.error = f"writing {self.path} failed: {self.writer.error}"
         atexit.unregister(self.close)
@@ -265,6 +358,7 @@ class CaptureSession:
 
     def __exit__(self, *exc) -> None:
         self.close()
+        self.remove_faults()
 
 
 def _input_embedding(model: nn.Module) -> nn.Module | None:

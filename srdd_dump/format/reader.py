@@ -77,6 +77,7 @@ class DumpReader:
             s.PARTIAL_SUFFIX
         )
         self.layers = [_text(x) for x in f[s.LAYERS][()]]
+        self.sites = [_text(x) for x in f[s.SITES][()]] if s.SITES in f else []
         rounds = f[s.ROUNDS]
         records = f[s.RECORDS]
         for ds, want in ((rounds, s.ROUND_DTYPE), (records, s.RECORD_DTYPE)):
@@ -118,14 +119,19 @@ class DumpReader:
     def n_samples(self) -> int:
         return int(len(np.unique(self.rounds["sample"]))) if len(self.rounds) else 0
 
-    def select(self, layer: int | None = None, kind: int | None = s.KIND_CLEAN) -> np.ndarray:
-        """Records matching a layer and kind, in file order."""
+    def select(
+        self, layer: int | None = None, kind: int | None = s.KIND_CLEAN,
+        site: int | None = s.BLOCK_SITE,
+    ) -> np.ndarray:
+        """Records matching a layer, kind and site (None = any), in file order."""
         r = self.records
         mask = np.ones(len(r), dtype=bool)
         if layer is not None:
             mask &= r["layer"] == layer
         if kind is not None:
             mask &= r["kind"] == kind
+        if site is not None:
+            mask &= r["site"] == site
         return r[mask]
 
     def read(self, record: np.void) -> np.ndarray:
@@ -147,6 +153,11 @@ class DumpReader:
     def token_ids(self, round_row: np.void) -> np.ndarray:
         off, n = int(round_row["tok_off"]), int(round_row["tok_len"])
         return self.f[s.TOKEN_IDS][off : off + n]
+
+    def probe_rows(self, round_row: np.void) -> np.ndarray:
+        """Rows of a round's clean records that its probe records (subset=1) hold."""
+        off, n = int(round_row["prow_off"]), int(round_row["prow_len"])
+        return self.f[s.PROBE_ROWS][off : off + n]
 
     def positions(self, round_row: np.void) -> np.ndarray:
         off, n = int(round_row["pos_off"]), int(round_row["ntok"])

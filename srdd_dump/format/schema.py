@@ -4,9 +4,11 @@ Layout of one file (one per process), all readable with plain h5py:
 
     /                     attrs: format="srdd-dump", schema_version=1, meta (JSON), complete (0/1)
     /layers               (L,) utf-8 strings: captured module names, index = layer number
+    /sites                (S,) utf-8 strings: sub-layer modules probed/captured (may be empty)
     /rounds               (R,) ROUND_DTYPE: one row per captured forward round
     /token_ids            (T,) int64: input ids of every round, sliced by rounds.tok_off/tok_len
     /positions            (P,) int32: kept token positions of every round (pos_off/pos_len)
+    /probe_rows           (Q,) int32: rows kept for probe records of a round (prow_off/prow_len)
     /records              (N,) RECORD_DTYPE: one row per stored tensor, pointing into /data
     /data/<name>          (rows, width) chunked, resizable; attr dtype = logical dtype name
 
@@ -33,6 +35,8 @@ ATTR_STATUS = "status"
 ATTR_DTYPE = "dtype"
 
 LAYERS = "layers"
+SITES = "sites"
+PROBE_ROWS = "probe_rows"
 ROUNDS = "rounds"
 TOKEN_IDS = "token_ids"
 POSITIONS = "positions"
@@ -40,6 +44,7 @@ RECORDS = "records"
 DATA = "data"
 
 STACK_INPUT = -1  # layer number of the block stack's input (embedding output)
+BLOCK_SITE = -1  # site number of a block's own output (sites >= 0 index /sites)
 
 # Record kinds. CLEAN is the unperturbed capture; the others are probe replays.
 KIND_CLEAN = 0
@@ -67,6 +72,8 @@ ROUND_DTYPE = np.dtype(
         ("tok_off", "<i8"),
         ("tok_len", "<i8"),  # 0 when the input ids were not visible
         ("tokens_hash", "<u8"),  # hash of the input ids (0 if unknown)
+        ("prow_off", "<i8"),  # slice of /probe_rows: rows of the clean record kept for probes
+        ("prow_len", "<i4"),
         ("time", "<f8"),  # unix time at the start of the round
     ]
 )
@@ -74,11 +81,14 @@ ROUND_DTYPE = np.dtype(
 RECORD_DTYPE = np.dtype(
     [
         ("round", "<i4"),
-        ("layer", "<i4"),  # STACK_INPUT or 0..L-1
+        ("layer", "<i4"),  # STACK_INPUT or 0..L-1 (the block the site belongs to)
+        ("site", "<i2"),  # BLOCK_SITE or an index into /sites
         ("kind", "u1"),  # KIND_*
         ("probe", "<i4"),  # draw / repeat index within the kind
         ("param", "<f8"),  # sigma for gain, constant for dc, 0 otherwise
         ("seed", "<i8"),
+        ("pert_rms", "<f8"),  # RMS of the input perturbation over the stored rows (0 if none)
+        ("subset", "u1"),  # 1: rows are the round's /probe_rows of the clean record; 0: all rows
         ("data", "<i4"),  # index into the sorted names of /data
         ("row0", "<i8"),
         ("nrows", "<i8"),

@@ -28,9 +28,12 @@ class Tensor:
     array: np.ndarray  # storage dtype, shape (batch, ntok, width)
     dtype: str  # logical dtype name, key of schema.STORAGE_DTYPES
     kind: int = s.KIND_CLEAN
+    site: int = s.BLOCK_SITE
     probe: int = 0
     param: float = 0.0
     seed: int = 0
+    pert_rms: float = 0.0
+    subset: bool = False  # rows are the round's probe_rows, stored as batch 1
 
 
 @dataclass
@@ -41,6 +44,7 @@ class Round:
     seq: int
     positions: np.ndarray  # kept token positions (int)
     token_ids: np.ndarray | None = None  # (batch, seq) input ids, when visible
+    probe_rows: np.ndarray | None = None  # rows of the clean records kept for probe records
     time: float = field(default_factory=time.time)
     tensors: list[Tensor] = field(default_factory=list)
 
@@ -64,19 +68,21 @@ def _append(ds: h5py.Dataset, rows: np.ndarray) -> int:
 class _H5File:
     """Synchronous part: owns the h5py handle."""
 
-    def __init__(self, partial_path: str, meta: dict, layers: list[str]):
+    def __init__(self, partial_path: str, meta: dict, layers: list[str], sites: list[str]):
         self.f = h5py.File(partial_path, "w")
         f = self.f
         f.attrs[s.ATTR_FORMAT] = s.FORMAT_NAME
         f.attrs[s.ATTR_VERSION] = s.SCHEMA_VERSION
         f.attrs[s.ATTR_META] = json.dumps(meta, default=str)
         f.attrs[s.ATTR_COMPLETE] = 0
-        f.create_dataset(s.LAYERS, data=np.array(layers, dtype=object), dtype=h5py.string_dtype())
+        for name, names in ((s.LAYERS, layers), (s.SITES, sites)):
+            f.create_dataset(name, data=np.array(names, dtype=object), dtype=h5py.string_dtype())
         for name, dtype, chunk in (
             (s.ROUNDS, s.ROUND_DTYPE, 256),
             (s.RECORDS, s.RECORD_DTYPE, 1024),
             (s.TOKEN_IDS, np.dtype("<i8"), 8192),
             (s.POSITIONS, np.dtype("<i4"), 8192),
+            (s.PROBE_ROWS, np.dtype("<i4"), 8192),
         ):
             f.create_dataset(name, shape=(0,), maxshape=(None,), dtype=dtype, chunks=(chunk,))
         f.create_group(s.DATA)
@@ -110,6 +116,8 @@ class _H5File:
             else np.zeros(0, "<i8")
         )
         tok_off = _append(f[s.TOKEN_IDS], tok) if tok.size else f[s.TOKEN_IDS].shape[0]
+        prows = np.zeros(0, "<i4") if r.probe_rows is None else np.asarray(r.probe_rows, "<i4")
+        prow_off = _append(f[s.PROBE_ROWS], prows) if prows.size else f[s.PROBE_ROWS].shape[0]
 
         by_name: dict[str, list[Tensor]] = {}
         for t in r.tensors:
@@ -128,14 +136,14 @@ class _H5File:
         for i, (t, name, row0) in enumerate(placed):
             b, n, w = t.array.shape
             records[i] = (
-                self.n_rounds, t.layer, t.kind, t.probe, t.param, t.seed,
-                self.data_index[name], row0, b * n, b, n, w,
+                self.n_rounds, t.layer, t.site, t.kind, t.probe, t.param, t.seed, t.pert_rms,
+                int(t.subset), self.data_index[name], row0, b * n, b, n, w,
             )
         _append(f[s.RECORDS], records)
         row = np.array(
             [(
                 self.n_rounds, r.sample, r.step, r.batch, r.seq, len(r.positions), pos_off,
-                tok_off, tok.size, tokens_hash(r.token_ids), r.time,
+                tok_off, tok.size, tokens_hash(r.token_ids), prow_off, prows.size, r.time,
             )],
             dtype=s.ROUND_DTYPE,
         )
@@ -156,13 +164,16 @@ class DumpWriter:
     later rounds are dropped, and whatever was flushed before stays readable.
     """
 
-    def __init__(self, path: str, meta: dict, layers: list[str], max_pending: int = 4):
+    def __init__(
+        self, path: str, meta: dict, layers: list[str], sites: list[str] | None = None,
+        max_pending: int = 4,
+    ):
         self.path = path
         self.partial_path = path + s.PARTIAL_SUFFIX
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         self.error: str | None = None
         self.rounds_written = 0
-        self._file = _H5File(self.partial_path, meta, layers)
+        self._file = _H5File(self.partial_path, meta, layers, sites or [])
         self._queue: queue.Queue = queue.Queue(maxsize=max_pending)
         self._thread = threading.Thread(target=self._run, name="srdd-dump-writer", daemon=True)
         self._thread.start()

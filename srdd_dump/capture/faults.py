@@ -1,0 +1,171 @@
+"""Fault simulator: forward hooks that corrupt one module's output, for calibration and demos.
+
+Spec syntax (``srdd-dump --inject``, repeatable)::
+
+    TYPE@layer=K[,site=block|attn|mlp|MODULE.PATH][,m=0.3][,sparsity=0.1][,seed=0][,key=value]
+
+``m`` is the magnitude (default 0.3). ``sparsity`` < 1 restricts the fault to a fixed, seeded
+subset of that fraction of hidden channels; the other channels pass through untouched. ``h`` below
+is the module's output hidden state.
+
+========================  =====================================================================
+dead_zone                 h = 0 where |h| < m * max|h|
+mxfp4_deadzone            h = 0 where |h| < m * max|h| of its 32-element block (m default 0.01)
+saturation                clamp to +-(1 - m) * max|h|  (``mode=absolute,limit=L``: clamp to +-L)
+bias                      h + m * std(h)
+noise                     h + m * mean|h| * eps, eps ~ N(0, 1) fresh on every call
+spike                     with probability m / 100 an element becomes 10 * max|h| * eps
+nondeterminism            fresh small noise on every call, ``mode=``
+                            amplified:    h * (1 + m/100 * eps)           (relative jitter)
+                            inconsistent: h + m/100 * std(h) * eps on half the calls
+                            biased:       h + m/100 * std(h) * (eps + 1)
+                            correlated:   h + m/100 * std(h) * e_c, one draw per channel
+stuck_at                  channels stuck at ``value`` (default m * max|h| of the first call)
+bitflip                   each element flips one random bit with probability ``rate``
+                          (default 1e-4) in the ``bits=mantissa|exponent`` of its float32 value
+precision                 h rounded to ``dtype=bfloat16|float16`` and back
+========================  =====================================================================
+
+The random streams of faults come from their own seeded generators: they never touch the user's
+global RNG.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..errors import UserError
+from ..faultspec import FaultSpec
+
+SITE_NAMES = {
+    "attn": ("self_attn", "attn", "attention", "self_attention"),
+    "mlp": ("mlp", "feed_forward", "ffn"),
+}
+
+
+def fault_site(blocks: list[tuple[str, nn.Module]], model: nn.Module, spec: FaultSpec):
+    """(name, module) where the fault sits."""
+    if not -len(blocks) <= spec.layer < len(blocks):
+        raise UserError(f"--inject: layer {spec.layer} out of range (model has {len(blocks)})")
+    name, block = blocks[spec.layer]
+    if spec.site == "block":
+        return name, block
+    children = dict(block.named_children())
+    for candidate in SITE_NAMES.get(spec.site, ()):
+        if candidate in children:
+            return f"{name}.{candidate}", children[candidate]
+    modules = dict(model.named_modules())
+    for path in (spec.site, f"{name}.{spec.site}"):
+        if path in modules:
+            return path, modules[path]
+    raise UserError(f"--inject: no site {spec.site!r} in {name} (children: {sorted(children)})")
+
+
+class _Fault:
+    """Callable forward hook applying one FaultSpec to the module's first output tensor."""
+
+    def __init__(self, spec: FaultSpec):
+        self.spec = spec
+        self.gen = torch.Generator().manual_seed(spec.seed + 7919)
+        self.calls = 0
+        self.channels: torch.Tensor | None = None
+        self.stuck_value: float | None = None
+
+    def _noise(self, shape, like: torch.Tensor) -> torch.Tensor:
+        return torch.randn(shape, generator=self.gen).to(device=like.device, dtype=torch.float32)
+
+    def _mask(self, width: int, device) -> torch.Tensor | None:
+        if self.spec.sparsity >= 1:
+            return None
+        if self.channels is None:
+            gen = torch.Generator().manual_seed(self.spec.seed)
+            n = max(1, round(self.spec.sparsity * width))
+            self.channels = torch.randperm(width, generator=gen)[:n]
+        mask = torch.zeros(width, dtype=torch.bool, device=device)
+        mask[self.channels.to(device)] = True
+        return mask
+
+    def corrupt(self, h: torch.Tensor) -> torch.Tensor:
+        s, o = self.spec, self.spec.options
+        x = h.float()
+        amax = x.abs().max()
+        m = s.m
+        if s.type == "dead_zone":
+            y = torch.where(x.abs() < m * amax, torch.zeros_like(x), x)
+        elif s.type == "mxfp4_deadzone":
+            width = x.shape[-1]
+            pad = (-width) % 32
+            blocks = torch.nn.functional.pad(x, (0, pad)).reshape(*x.shape[:-1], -1, 32)
+            bmax = blocks.abs().amax(dim=-1, keepdim=True)
+            blocks = torch.where(blocks.abs() < m * bmax, torch.zeros_like(blocks), blocks)
+            y = blocks.reshape(*x.shape[:-1], width + pad)[..., :width]
+        elif s.type == "saturation":
+            limit = float(o["limit"]) if o.get("mode") == "absolute" else (1 - m) * amax
+            y = x.clamp(-limit, limit)
+        elif s.type == "bias":
+            y = x + m * x.std()
+        elif s.type == "noise":
+            y = x + m * x.abs().mean() * self._noise(x.shape, x)
+        elif s.type == "spike":
+            u = torch.rand(x.shape, generator=self.gen).to(x.device)
+            y = torch.where(u < m / 100, 10 * amax * self._noise(x.shape, x), x)
+        elif s.type == "nondeterminism":
+            y = self._nondeterminism(x, o.get("mode", "amplified"))
+        elif s.type == "stuck_at":
+            if self.stuck_value is None:
+                self.stuck_value = float(o.get("value", m * float(amax)))
+            y = torch.full_like(x, self.stuck_value)
+        elif s.type == "bitflip":
+            y = self._bitflip(x, float(o.get("rate", 1e-4)), o.get("bits", "mantissa"))
+        elif s.type == "precision":
+            y = x.to(getattr(torch, o.get("dtype", "bfloat16"))).float()
+        else:  # parse_fault rejects unknown types
+            raise AssertionError(s.type)
+        mask = self._mask(x.shape[-1], x.device)
+        if mask is not None:
+            y = torch.where(mask, y, x)
+        self.calls += 1
+        return y.to(h.dtype)
+
+    def _nondeterminism(self, x: torch.Tensor, mode: str) -> torch.Tensor:
+        scale = self.spec.m / 100
+        if mode == "amplified":
+            return x * (1 + scale * self._noise(x.shape, x))
+        if mode == "inconsistent":
+            hit = bool(torch.rand((), generator=self.gen) < 0.5)
+            return x + scale * x.std() * self._noise(x.shape, x) if hit else x
+        if mode == "biased":
+            return x + scale * x.std() * (self._noise(x.shape, x) + 1)
+        if mode == "correlated":
+            return x + scale * x.std() * self._noise((x.shape[-1],), x)
+        raise UserError(f"nondeterminism mode {mode!r}: amplified|inconsistent|biased|correlated")
+
+    def _bitflip(self, x: torch.Tensor, rate: float, bits: str) -> torch.Tensor:
+        u = torch.rand(x.shape, generator=self.gen).to(x.device)
+        lo, hi = (0, 23) if bits == "mantissa" else (23, 31)
+        which = torch.randint(lo, hi, x.shape, generator=self.gen).to(x.device)
+        flips = torch.where(u < rate, torch.ones_like(which) << which, torch.zeros_like(which))
+        as_int = x.contiguous().view(torch.int32) ^ flips.to(torch.int32)
+        return as_int.view(torch.float32)
+
+    def __call__(self, module: nn.Module, args: tuple, output: Any) -> Any:
+        if isinstance(output, torch.Tensor):
+            return self.corrupt(output)
+        if isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor):
+            return (self.corrupt(output[0]), *output[1:])
+        return output
+
+
+def install_faults(
+    model: nn.Module, blocks: list[tuple[str, nn.Module]], specs: list[FaultSpec]
+) -> tuple[list[Any], list[dict]]:
+    """Register the fault hooks; returns (handles, descriptions for the dump metadata)."""
+    handles, described = [], []
+    for spec in specs:
+        name, module = fault_site(blocks, model, spec)
+        handles.append(module.register_forward_hook(_Fault(spec), prepend=True))
+        described.append({**spec.describe(), "module": name})
+    return handles, described

@@ -1,0 +1,201 @@
+"""Layer-local replay probes: re-run one module on the input it was just given.
+
+For a module call ``out = module(*args, **kwargs)`` whose hidden-state input is ``x``:
+
+* gain:   ``x + sigma * rowstd(x) * eps``, eps ~ N(0, 1) from a seeded CPU generator;
+* dc:     ``x + c * rowstd(x)`` (the same shift on every element of a token row);
+* repeat: ``x`` again, T times, with exactly the original shapes (run-to-run instability).
+
+``rowstd`` is the standard deviation of each token's hidden vector, so the perturbation has the
+same relative size on every token, whatever the scale of outlier tokens. gain and dc inputs
+are replayed in one batched call together with an unperturbed copy (the in-batch reference),
+so batched-GEMM rounding cancels out of the response; when a module refuses a batch, every
+input is replayed on its own and the reference is the recorded output itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+import torch
+from torch import nn
+
+from ..format import schema
+
+
+@dataclass
+class ProbeSpec:
+    sigmas: tuple[float, ...] = (0.1, 0.01)
+    draws: int = 2
+    dc: tuple[float, ...] = (1.0,)
+    repeats: int = 3
+    batched: bool = True
+
+    @property
+    def n_perturbed(self) -> int:
+        return len(self.sigmas) * self.draws + len(self.dc)
+
+
+@dataclass
+class ProbeOutput:
+    kind: int
+    probe: int
+    param: float
+    seed: int
+    output: torch.Tensor  # same shape as the module's hidden-state output
+    perturbation: torch.Tensor | None  # what was added to the input (None for repeats)
+
+
+def probe_seed(*parts: int) -> int:
+    return int(np.random.SeedSequence([p & 0xFFFFFFFF for p in parts]).generate_state(1)[0])
+
+
+def is_cache(value: Any) -> bool:
+    """A KV cache object (transformers' Cache classes) that a replay must not update."""
+    return hasattr(value, "update") and hasattr(value, "get_seq_length")
+
+
+def replay_arguments(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """The call's arguments with every KV cache removed and caching turned off."""
+    args = tuple(None if is_cache(a) else a for a in args)
+    clean = {}
+    for key, value in kwargs.items():
+        if is_cache(value) or "past_key_value" in key or key == "layer_past":
+            value = None
+        elif key == "use_cache":
+            value = False
+        elif key == "output_attentions":
+            value = False
+        clean[key] = value
+    return args, clean
+
+
+def hidden_input(args: tuple, kwargs: dict) -> tuple[torch.Tensor | None, Callable]:
+    """The hidden-state input of a call and a function that rebuilds the call with another."""
+    if args and isinstance(args[0], torch.Tensor):
+        return args[0], lambda x: ((x, *args[1:]), kwargs)
+    if isinstance(kwargs.get("hidden_states"), torch.Tensor):
+        return kwargs["hidden_states"], lambda x: (args, {**kwargs, "hidden_states": x})
+    return None, lambda x: (args, kwargs)
+
+
+def first_tensor(value: Any) -> torch.Tensor | None:
+    if isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, (tuple, list)):
+        for item in value:
+            if isinstance(item, torch.Tensor):
+                return item
+    return None
+
+
+@contextlib.contextmanager
+def preserved_rng(device: torch.device):
+    """Nothing a replay does to the global RNG streams is visible afterwards."""
+    devices = [] if device.type == "cpu" else [device.index or 0]
+    with torch.random.fork_rng(devices=devices, device_type=device.type):
+        yield
+
+
+def _row_std(x: torch.Tensor) -> torch.Tensor:
+    return x.float().std(dim=-1, keepdim=True, unbiased=False)
+
+
+def perturbed_inputs(
+    x: torch.Tensor, spec: ProbeSpec, seeds: Callable[[int, int], int]
+) -> list[tuple[int, int, float, int, torch.Tensor]]:
+    """[(kind, probe, param, seed, x + delta)] for every gain draw and dc constant."""
+    std = _row_std(x)
+    out = []
+    probe = 0
+    for sigma in spec.sigmas:
+        for _ in range(spec.draws):
+            seed = seeds(schema.KIND_GAIN, probe)
+            gen = torch.Generator().manual_seed(seed)
+            eps = torch.randn(x.shape, generator=gen, dtype=torch.float32).to(x.device)
+            xp = (x.float() + sigma * std * eps).to(x.dtype)
+            out.append((schema.KIND_GAIN, probe, sigma, seed, xp))
+            probe += 1
+    for k, c in enumerate(spec.dc):
+        out.append((schema.KIND_DC, k, c, 0, (x.float() + c * std).to(x.dtype)))
+    return out
+
+
+def _expand(value: Any, batch: int, copies: int) -> Any:
+    if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == batch > 1:
+        return torch.cat([value] * copies, dim=0)
+    if isinstance(value, (tuple, list)) and any(isinstance(v, torch.Tensor) for v in value):
+        return type(value)(_expand(v, batch, copies) for v in value)
+    return value
+
+
+def _call(module: nn.Module, args: tuple, kwargs: dict) -> torch.Tensor:
+    out = first_tensor(module(*args, **kwargs))
+    if out is None:
+        raise TypeError(f"{type(module).__name__} returned no tensor on replay")
+    return out
+
+
+def run_probes(
+    module: nn.Module,
+    args: tuple,
+    kwargs: dict,
+    recorded: torch.Tensor,
+    spec: ProbeSpec,
+    seeds: Callable[[int, int], int],
+) -> tuple[list[ProbeOutput], bool]:
+    """Replay ``module`` on perturbed copies of its input; returns (outputs, batched?).
+
+    The first output is the reference (KIND_REPLAY) the perturbed outputs are compared with.
+    """
+    args, kwargs = replay_arguments(args, kwargs)
+    x, rebuild = hidden_input(args, kwargs)
+    if x is None:
+        raise TypeError(f"cannot find the hidden-state input of {type(module).__name__}")
+    results: list[ProbeOutput] = []
+    with torch.no_grad(), preserved_rng(x.device):
+        perturbed = perturbed_inputs(x, spec, seeds)
+        batched = spec.batched and bool(perturbed) and x.dim() >= 2
+        outputs = None
+        if batched:
+            outputs = _batched(module, x, rebuild, perturbed, recorded)
+            batched = outputs is not None
+        if outputs is None:
+            outputs = [recorded] + [_call(module, *rebuild(xp)) for *_, xp in perturbed]
+        results.append(ProbeOutput(schema.KIND_REPLAY, 0, 0.0, 0, outputs[0], None))
+        for (kind, probe, param, seed, xp), out in zip(perturbed, outputs[1:]):
+            results.append(ProbeOutput(kind, probe, param, seed, out, xp.float() - x.float()))
+        for t in range(spec.repeats):
+            out = _call(module, *rebuild(x))
+            results.append(ProbeOutput(schema.KIND_REPEAT, t, 0.0, 0, out, None))
+    return results, batched
+
+
+def _batched(module, x, rebuild, perturbed, recorded) -> list[torch.Tensor] | None:
+    """One call on [x, x+d1, x+d2, ...] stacked along the batch; None if the module refuses."""
+    batch = x.shape[0] if x.dim() >= 3 else 1
+    copies = 1 + len(perturbed)
+    if x.dim() == 2:
+        stacked = torch.stack([x] + [xp for *_, xp in perturbed])
+    else:
+        stacked = torch.cat([x] + [xp for *_, xp in perturbed], dim=0)
+    args, kwargs = rebuild(stacked)
+    args = (args[0], *(_expand(a, batch, copies) for a in args[1:])) if args else args
+    kwargs = {
+        k: (v if k == "hidden_states" else _expand(v, batch, copies)) for k, v in kwargs.items()
+    }
+    try:
+        out = _call(module, args, kwargs)
+    except Exception:
+        return None
+    want = (copies * batch, *recorded.shape[1:]) if x.dim() >= 3 else (copies, *recorded.shape)
+    if tuple(out.shape) != want:
+        return None
+    if x.dim() == 2:
+        return list(out.unbind(0))
+    return list(out.split(batch, dim=0))

@@ -1,0 +1,60 @@
+"""Fault specs for the simulator (``--inject``): parsed without torch, applied by
+``srdd_dump.capture.faults``. Syntax and fault types are documented there and in docs/cli.md."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from .errors import UserError
+
+FAULT_TYPES = (
+    "dead_zone", "mxfp4_deadzone", "saturation", "bias", "noise", "spike", "nondeterminism",
+    "stuck_at", "bitflip", "precision",
+)
+
+
+@dataclass
+class FaultSpec:
+    type: str
+    layer: int
+    site: str = "block"
+    m: float = 0.3
+    sparsity: float = 1.0
+    seed: int = 0
+    options: dict = field(default_factory=dict)
+
+    def describe(self) -> dict:
+        return asdict(self)
+
+
+def parse_fault(text: str) -> FaultSpec:
+    """Parse ``TYPE@layer=K,site=mlp,m=0.3,sparsity=0.1``."""
+    kind, _, rest = text.strip().partition("@")
+    kind = kind.strip()
+    if kind not in FAULT_TYPES:
+        raise UserError(f"--inject {text!r}: unknown fault type {kind!r}; one of {FAULT_TYPES}")
+    values: dict[str, str] = {}
+    for part in filter(None, (p.strip() for p in rest.split(","))):
+        key, eq, value = part.partition("=")
+        if not eq:
+            raise UserError(f"--inject {text!r}: expected key=value, got {part!r}")
+        values[key.strip()] = value.strip()
+    if "layer" not in values:
+        raise UserError(f"--inject {text!r}: layer=K is required")
+    try:
+        spec = FaultSpec(
+            type=kind,
+            layer=int(values.pop("layer")),
+            site=values.pop("site", "block"),
+            m=float(values.pop("m", 0.01 if kind == "mxfp4_deadzone" else 0.3)),
+            sparsity=float(values.pop("sparsity", 1.0)),
+            seed=int(values.pop("seed", 0)),
+            options=values,
+        )
+    except ValueError as exc:
+        raise UserError(f"--inject {text!r}: {exc}") from None
+    if not 0 < spec.sparsity <= 1:
+        raise UserError(f"--inject {text!r}: sparsity must be in (0, 1]")
+    return spec
+
+
