@@ -1,0 +1,114 @@
+"""Fault simulator: each type changes its site and nothing upstream; specs are validated."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from capture_utils import FIXTURES  # noqa: F401
+from tiny_models import build
+
+from srdd_dump import DumpConfig, register_hook
+from srdd_dump.errors import UserError
+from srdd_dump.faultspec import FAULT_TYPES, parse_fault
+from srdd_dump.format import schema as s
+from srdd_dump.format.reader import DumpReader
+
+IDS = torch.randint(0, 128, (1, 16), generator=torch.Generator().manual_seed(0))
+OPTIONS = {"saturation": ",m=0.5", "bitflip": ",rate=0.05,bits=exponent", "spike": ",m=20",
+           "nondeterminism": ",m=50", "precision": ",dtype=float16"}
+
+
+def _clean(tmp_path, inject=(), probes="none"):
+    model = build("llama")
+    cfg = DumpConfig(dump_path=str(tmp_path), granularity="sublayer", probes=probes,
+                     inject=list(inject))
+    with register_hook(model, cfg) as session:
+        with torch.no_grad():
+            model(input_ids=IDS)
+    r = DumpReader(session.path)
+    out = {(int(x["layer"]), int(x["site"])): r.read(x) for x in r.select(None, s.KIND_CLEAN, None)}
+    out["sites"] = r.sites
+    out["meta"] = r.meta
+    out["reader"] = r
+    return out
+
+
+@pytest.fixture(scope="module")
+def healthy(tmp_path_factory):
+    return _clean(tmp_path_factory.mktemp("healthy"))
+
+
+def _site_index(dump, name):
+    return dump["sites"].index(name)
+
+
+@pytest.mark.parametrize("kind", FAULT_TYPES)
+@pytest.mark.parametrize("site", ["block", "mlp", "attn"])
+def test_fault_changes_its_site_and_nothing_upstream(kind, site, healthy, tmp_path):
+    spec = f"{kind}@layer=2,site={site}" + OPTIONS.get(kind, "")
+    faulty = _clean(tmp_path, [spec])
+    sub = {"mlp": "model.layers.2.mlp", "attn": "model.layers.2.self_attn"}.get(site)
+    where = (2, _site_index(faulty, sub)) if sub else (2, s.BLOCK_SITE)
+    assert not np.array_equal(faulty[where], healthy[where]), f"{spec} changed nothing"
+    upstream = [(-1, -1), (0, -1), (1, -1)] + [
+        (layer, _site_index(faulty, f"model.layers.{layer}.{n}"))
+        for layer in (0, 1) for n in ("self_attn", "mlp")
+    ]
+    if site == "mlp":  # inside block 2 the attention runs before the MLP
+        upstream.append((2, _site_index(faulty, "model.layers.2.self_attn")))
+    for key in upstream:
+        np.testing.assert_array_equal(faulty[key], healthy[key], err_msg=f"{spec} at {key}")
+    (described,) = faulty["meta"]["injected_faults"]
+    assert described["type"] == kind and described["layer"] == 2
+    assert described["module"] == (sub or "model.layers.2")
+
+
+def test_sparse_fault_touches_only_its_channels(healthy, tmp_path):
+    faulty = _clean(tmp_path, ["bias@layer=1,m=1.0,sparsity=0.25,seed=4"])
+    changed = np.any(faulty[(1, -1)] != healthy[(1, -1)], axis=(0, 1))
+    assert changed.sum() == 16  # 25% of 64 channels, the same on every token
+
+
+def test_fault_semantics(healthy, tmp_path):
+    x = healthy[(3, -1)]
+    dz = _clean(tmp_path / "dz", ["dead_zone@layer=3,m=0.3"])[(3, -1)]
+    assert (dz == 0).mean() > 0.5 and np.all((dz == 0) | (dz == x))
+    sat = _clean(tmp_path / "sat", ["saturation@layer=3,m=0.3"])[(3, -1)]
+    assert np.abs(sat).max() == pytest.approx(0.7 * np.abs(x).max(), rel=1e-5)
+    stuck = _clean(tmp_path / "st", ["stuck_at@layer=3,value=2.5"])[(3, -1)]
+    assert np.all(stuck == 2.5)
+    prec = _clean(tmp_path / "pr", ["precision@layer=3,dtype=bfloat16"])[(3, -1)]
+    np.testing.assert_array_equal(prec, s.bf16_bits_to_float32(s.float32_to_bf16_bits(x)))
+
+
+def test_noise_is_fresh_on_every_call_so_repeats_see_it(tmp_path):
+    noisy = _clean(tmp_path, ["noise@layer=1,m=0.1"], probes="repeat")
+    r = noisy["reader"]
+    clean_rows = r.read(r.select(1)[0]).reshape(-1, 64)[r.probe_rows(r.rounds[0])]
+    repeats = [r.read(x)[0] for x in r.select(1, s.KIND_REPEAT)]
+    assert all(not np.array_equal(rep, clean_rows) for rep in repeats)
+    for layer in (0, 2):  # layer 0 is upstream; layer 2 replays its recorded input
+        ref = r.read(r.select(layer)[0]).reshape(-1, 64)[r.probe_rows(r.rounds[0])]
+        for rec in r.select(layer, s.KIND_REPEAT):
+            np.testing.assert_array_equal(r.read(rec)[0], ref)
+
+
+@pytest.mark.parametrize("text, message", [
+    ("nosuch@layer=1", "unknown fault type"),
+    ("bias", "layer=K is required"),
+    ("bias@layer=x", "invalid literal"),
+    ("bias@layer=1,sparsity=0", "sparsity must be"),
+    ("bias@layer=1,m", "expected key=value"),
+])
+def test_bad_fault_specs(text, message):
+    with pytest.raises(UserError, match=message):
+        parse_fault(text)
+
+
+def test_fault_site_errors_are_user_errors():
+    model = build("llama")
+    with pytest.raises(UserError, match="out of range"):
+        register_hook(model, DumpConfig(inject=["bias@layer=9"]))
+    with pytest.raises(UserError, match="no site"):
+        register_hook(model, DumpConfig(inject=["bias@layer=1,site=nowhere"]))

@@ -1,0 +1,135 @@
+"""Layer-local replay probes: exact replays, stored perturbations, seeds, no side effects."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from capture_utils import FIXTURES  # noqa: F401
+from tiny_models import ARCHS, build
+
+from srdd_dump import DumpConfig, register_hook
+from srdd_dump.format import schema as s
+from srdd_dump.format.reader import DumpReader
+
+
+def _dump(model, tmp_path, ids, **cfg):
+    with register_hook(model, DumpConfig(dump_path=str(tmp_path), **cfg)) as session:
+        with torch.no_grad():
+            model(input_ids=ids)
+    return session
+
+
+def _rows(r, rec):
+    """A clean record restricted to the probe rows of its round, as (rows, width)."""
+    rnd = r.rounds[r.rounds["round"] == rec["round"]][0]
+    return r.read(rec).reshape(-1, rec["width"])[r.probe_rows(rnd)]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("batched", [True, False])
+def test_replay_reproduces_recorded_output_bit_exactly(arch, batched, tmp_path):
+    model = build(arch)
+    ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(0))
+    session = _dump(model, tmp_path, ids, granularity="sublayer", store="full",
+                    batch_probes=batched)
+    with DumpReader(session.path) as r:
+        assert r.sites, "attention/MLP sub-layers are found"
+        if batched:
+            assert r.status["batched_replays"] > 0 and r.status["sequential_replays"] == 0
+        else:
+            assert r.status["batched_replays"] == 0
+        checked = 0
+        for site in [s.BLOCK_SITE, *range(len(r.sites))]:
+            for layer in range(4):
+                found = r.select(layer, s.KIND_CLEAN, site)
+                if not len(found):
+                    continue
+                (clean,) = found
+                want = _rows(r, clean)
+                repeats = r.select(layer, s.KIND_REPEAT, site)
+                assert len(repeats) == 3
+                for rec in repeats:
+                    np.testing.assert_array_equal(r.read(rec)[0], want)
+                # the reference of the perturbed replays is the recorded output too
+                np.testing.assert_array_equal(r.read(r.select(layer, s.KIND_REPLAY, site)[0])[0],
+                                              want)
+                checked += 1
+        assert checked == 4 + len(r.sites)
+
+
+def test_perturbations_are_recorded_and_measure_gain(tmp_path):
+    model = build("llama")
+    ids = torch.randint(0, 128, (1, 12))
+    session = _dump(model, tmp_path, ids, sigmas=[0.1, 0.01], draws=3, dc=[1.0, 2.0])
+    with DumpReader(session.path) as r:
+        gains = r.select(2, s.KIND_GAIN)
+        assert sorted(gains["param"].tolist()) == [0.01] * 3 + [0.1] * 3
+        assert len(set(gains["seed"].tolist())) == 6  # every draw has its own seed
+        ref = r.read(r.select(2, s.KIND_REPLAY)[0])
+        x = r.read(r.select(1)[0]).reshape(-1, 64)[r.probe_rows(r.rounds[0])]  # layer 2 input
+        for rec in gains:
+            # the recorded perturbation size is sigma * std of each token row
+            want = rec["param"] * np.sqrt(np.mean(x.var(axis=1)))
+            assert rec["pert_rms"] == pytest.approx(want, rel=0.1)
+            gain = np.std(r.read(rec) - ref) / rec["pert_rms"]
+            assert 0.5 < gain < 3  # a residual block passes a small perturbation on
+        dcs = r.select(2, s.KIND_DC)
+        assert dcs["param"].tolist() == [1.0, 2.0]
+        assert dcs["pert_rms"][1] == pytest.approx(2 * dcs["pert_rms"][0], rel=1e-3)
+
+
+def test_store_sample_keeps_whole_seeded_rows(tmp_path):
+    model = build("qwen2")
+    ids = torch.randint(0, 128, (2, 20))
+    a = _dump(model, tmp_path / "a", ids, store="sample:640", seed=5)
+    b = _dump(model, tmp_path / "b", ids, store="sample:640", seed=5)
+    c = _dump(model, tmp_path / "c", ids, store="sample:640", seed=6)
+    rows = []
+    for session in (a, b, c):
+        with DumpReader(session.path) as r:
+            rnd = r.rounds[0]
+            rows.append(r.probe_rows(rnd).tolist())
+            assert rnd["prow_len"] == 10  # 640 elements = 10 rows of width 64
+            assert r.read(r.select(0, s.KIND_GAIN)[0]).shape == (1, 10, 64)
+    assert rows[0] == rows[1] and rows[0] != rows[2]
+
+
+def test_seeds_make_the_dump_reproducible(tmp_path):
+    model = build("gpt2")
+    ids = torch.randint(0, 128, (1, 10))
+    dumps = [_dump(model, tmp_path / str(i), ids, seed=seed) for i, seed in enumerate((3, 3, 4))]
+    data = []
+    for session in dumps:
+        with DumpReader(session.path) as r:
+            data.append({(int(x["layer"]), int(x["kind"]), int(x["probe"])): r.read(x)
+                         for x in r.select(kind=None)})
+    assert data[0].keys() == data[1].keys()
+    for key in data[0]:
+        np.testing.assert_array_equal(data[0][key], data[1][key])
+    gain_keys = [k for k in data[0] if k[1] == s.KIND_GAIN]
+    assert any(not np.array_equal(data[0][k], data[2][k]) for k in gain_keys)
+
+
+def test_probes_leave_user_state_alone(tmp_path):
+    model = build("llama")
+    ids = torch.randint(0, 128, (1, 8))
+    torch.manual_seed(123)
+    with torch.no_grad():
+        want = model.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    after_plain = torch.rand(3)
+    torch.manual_seed(123)
+    with register_hook(model, DumpConfig(dump_path=str(tmp_path), granularity="sublayer")):
+        with torch.no_grad():
+            got = model.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0)
+        after_probed = torch.rand(3)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    torch.testing.assert_close(after_probed, after_plain, rtol=0, atol=0)  # RNG untouched
+
+
+def test_probes_none_captures_only(tmp_path):
+    model = build("bert")
+    session = _dump(model, tmp_path, torch.randint(0, 128, (1, 6)), probes="none")
+    with DumpReader(session.path) as r:
+        assert set(r.records["kind"].tolist()) == {s.KIND_CLEAN}
+        assert r.rounds[0]["prow_len"] == 0
