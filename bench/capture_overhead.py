@@ -16,9 +16,9 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "fixtures"))
-from smollm2 import load  # noqa: E402
-
 from srdd_dump import DumpConfig, register_hook  # noqa: E402
+
+from smollm2 import load  # noqa: E402
 
 
 def main() -> None:

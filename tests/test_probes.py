@@ -5,12 +5,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from capture_utils import FIXTURES  # noqa: F401
-from tiny_models import ARCHS, build
 
 from srdd_dump import DumpConfig, register_hook
 from srdd_dump.format import schema as s
 from srdd_dump.format.reader import DumpReader
+
+from capture_utils import FIXTURES  # noqa: F401
+from tiny_models import ARCHS, build
 
 
 def _dump(model, tmp_path, ids, **cfg):
