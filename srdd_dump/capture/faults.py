@@ -5,7 +5,8 @@ Spec syntax (``srdd-dump --inject``, repeatable)::
     TYPE@layer=K[,site=block|attn|mlp|MODULE.PATH][,m=0.3][,sparsity=0.1][,seed=0][,key=value]
 
 ``m`` is the magnitude (default 0.3). ``sparsity`` < 1 restricts the fault to a fixed, seeded
-subset of that fraction of hidden channels; the other channels pass through untouched. ``h`` below
+subset of that fraction of hidden channels; the other channels pass through untouched, and
+max|h|, std(h) and mean|h| below are taken over the affected channels only. ``h`` below
 is the module's output hidden state.
 
 ========================  =====================================================================
@@ -91,7 +92,11 @@ class _Fault:
     def corrupt(self, h: torch.Tensor) -> torch.Tensor:
         s, o = self.spec, self.spec.options
         x = h.float()
-        amax = x.abs().max()
+        mask = self._mask(x.shape[-1], x.device)
+        # Scales come from the affected channels: a sparse fault acts on its own units' range.
+        ref = x if mask is None else x[..., mask]
+        amax = ref.abs().max()
+        std = ref.std()
         m = s.m
         if s.type == "dead_zone":
             y = torch.where(x.abs() < m * amax, torch.zeros_like(x), x)
@@ -106,14 +111,14 @@ class _Fault:
             limit = float(o["limit"]) if o.get("mode") == "absolute" else (1 - m) * amax
             y = x.clamp(-limit, limit)
         elif s.type == "bias":
-            y = x + m * x.std()
+            y = x + m * std
         elif s.type == "noise":
-            y = x + m * x.abs().mean() * self._noise(x.shape, x)
+            y = x + m * ref.abs().mean() * self._noise(x.shape, x)
         elif s.type == "spike":
             u = torch.rand(x.shape, generator=self.gen).to(x.device)
             y = torch.where(u < m / 100, 10 * amax * self._noise(x.shape, x), x)
         elif s.type == "nondeterminism":
-            y = self._nondeterminism(x, o.get("mode", "amplified"))
+            y = self._nondeterminism(x, std, o.get("mode", "amplified"))
         elif s.type == "stuck_at":
             if self.stuck_value is None:
                 self.stuck_value = float(o.get("value", m * float(amax)))
@@ -124,23 +129,22 @@ class _Fault:
             y = x.to(getattr(torch, o.get("dtype", "bfloat16"))).float()
         else:  # parse_fault rejects unknown types
             raise AssertionError(s.type)
-        mask = self._mask(x.shape[-1], x.device)
         if mask is not None:
             y = torch.where(mask, y, x)
         self.calls += 1
         return y.to(h.dtype)
 
-    def _nondeterminism(self, x: torch.Tensor, mode: str) -> torch.Tensor:
+    def _nondeterminism(self, x: torch.Tensor, std: torch.Tensor, mode: str) -> torch.Tensor:
         scale = self.spec.m / 100
         if mode == "amplified":
             return x * (1 + scale * self._noise(x.shape, x))
         if mode == "inconsistent":
             hit = bool(torch.rand((), generator=self.gen) < 0.5)
-            return x + scale * x.std() * self._noise(x.shape, x) if hit else x
+            return x + scale * std * self._noise(x.shape, x) if hit else x
         if mode == "biased":
-            return x + scale * x.std() * (self._noise(x.shape, x) + 1)
+            return x + scale * std * (self._noise(x.shape, x) + 1)
         if mode == "correlated":
-            return x + scale * x.std() * self._noise((x.shape[-1],), x)
+            return x + scale * std * self._noise((x.shape[-1],), x)
         raise UserError(f"nondeterminism mode {mode!r}: amplified|inconsistent|biased|correlated")
 
     def _bitflip(self, x: torch.Tensor, rate: float, bits: str) -> torch.Tensor:

@@ -1,0 +1,221 @@
+"""Per-layer signals from a dump: clean statistics and probe responses. Pure numpy.
+
+Every signal is computed per sample (prefill round) and then aggregated over samples with a
+median (typical value) or a max (evidence that appears in any sample); see docs/method.md.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+from ..format import schema as s
+from ..format.reader import DumpReader
+from .moments import Moments
+
+
+@dataclass
+class Signals:
+    layer: int
+    site: int  # schema.BLOCK_SITE or an index into the dump's sites
+    module: str
+    samples: int = 0
+    # clean statistics over every captured round
+    mean: float = float("nan")
+    std: float = float("nan")
+    absmax: float = float("nan")
+    kurtosis: float = float("nan")
+    zero_frac: float = float("nan")
+    nan_count: int = 0
+    inf_count: int = 0
+    # shape of the clean output (prefill rounds)
+    pileup: float = float("nan")  # histogram edge bin / its inner neighbours, worse side
+    ties: float = float("nan")  # elements sharing the exact max or min value, worst record
+    update_rms: float = float("nan")  # RMS of what the module adds (block: h_k - h_{k-1})
+    offset: float = float("nan")  # |mean(update)| / rms(update)
+    # probe responses (NaN when the dump has no probes)
+    gain: float = float("nan")  # median std(dO)/rms(dI) at the largest sigma
+    gain_spread: float = float("nan")  # robust spread of that gain over samples and draws
+    gain_small: float = float("nan")  # the same at the smallest sigma
+    linearity: float = float("nan")  # gain_small / gain
+    dc_dead: float = float("nan")  # fraction of elements whose dc response is exactly 0
+    dc_low: float = float("nan")  # fraction with |dc response| < 0.15 x its median
+    instability: float = float("nan")  # max rms(repeat - clean) / rms(clean)
+    instab_changed: float = float("nan")  # fraction of elements a repeat changed (max)
+    instab_kurtosis: float = float("nan")  # excess kurtosis of (repeat - clean) differences
+    extra: dict = field(default_factory=dict)
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d.pop("extra")
+        return d
+
+
+def _rms(x: np.ndarray) -> float:
+    return float(np.sqrt(np.mean(np.square(x, dtype=np.float64)))) if x.size else float("nan")
+
+
+def _pileup(x: np.ndarray, bins: int = 100) -> float:
+    x = x[np.isfinite(x)]
+    if x.size < 10 * bins or x.min() == x.max():
+        return float("nan")
+    hist, _ = np.histogram(x, bins=bins)
+    hist = hist.astype(np.float64)
+    right = hist[-1] / max(1.0, (hist[-3] + hist[-4]) / 2)
+    left = hist[0] / max(1.0, (hist[2] + hist[3]) / 2)
+    return float(max(left, right))
+
+
+def _ties(x: np.ndarray) -> float:
+    x = x[np.isfinite(x)]
+    if not x.size:
+        return float("nan")
+    return float(max(np.count_nonzero(x == x.max()), np.count_nonzero(x == x.min())))
+
+
+def _excess_kurtosis(x: np.ndarray) -> float:
+    m = Moments().add(x)
+    return m.kurtosis
+
+
+class _Rounds:
+    """Round lookups shared by every layer of one file."""
+
+    def __init__(self, reader: DumpReader):
+        self.reader = reader
+        self.by_round = {int(r["round"]): r for r in reader.rounds}
+        self.sample = {k: int(r["sample"]) for k, r in self.by_round.items()}
+        self.probe_rows = {
+            k: reader.probe_rows(r) for k, r in self.by_round.items() if r["prow_len"] > 0
+        }
+
+
+def _records(reader: DumpReader, layer: int, site: int, rounds: _Rounds) -> np.ndarray:
+    recs = reader.select(layer, None, site)
+    # records of a round cut off by a crash are not trusted
+    return recs[np.isin(recs["round"], list(rounds.by_round))]
+
+
+def _rows(x: np.ndarray) -> np.ndarray:
+    return x.reshape(-1, x.shape[-1])
+
+
+def layer_signals(
+    reader: DumpReader, layer: int, site: int, rounds: _Rounds, module: str
+) -> Signals:
+    sig = Signals(layer=layer, site=site, module=module)
+    recs = _records(reader, layer, site, rounds)
+    clean = recs[recs["kind"] == s.KIND_CLEAN]
+    if not len(clean):
+        return sig
+    moments = Moments()
+    samples: set[int] = set()
+    per_sample: dict[str, list[float]] = {k: [] for k in ("pileup", "ties", "offset", "upd")}
+    gains: dict[float, list[float]] = {}
+    dc_dead, dc_low, instab, changed, diffs = [], [], [], [], []
+    prev_clean = None
+    if site == s.BLOCK_SITE:
+        prev = _records(reader, layer - 1, s.BLOCK_SITE, rounds)
+        prev_clean = {int(r["round"]): r for r in prev[prev["kind"] == s.KIND_CLEAN]}
+    for rec in clean:
+        rnd = int(rec["round"])
+        x = reader.read(rec)
+        moments.add(x)
+        samples.add(rounds.sample[rnd])
+        if rounds.by_round[rnd]["step"] != 0:
+            continue
+        finite = x[np.isfinite(x)]
+        per_sample["pileup"].append(_pileup(finite))
+        per_sample["ties"].append(_ties(finite))
+        update = x
+        if prev_clean is not None and rnd in prev_clean:
+            before = reader.read(prev_clean[rnd])
+            if before.shape == x.shape:
+                update = x - before
+        upd = update[np.isfinite(update)]
+        rms = _rms(upd)
+        per_sample["upd"].append(rms)
+        per_sample["offset"].append(abs(float(upd.mean())) / rms if rms > 0 else float("nan"))
+
+        rows = rounds.probe_rows.get(rnd)
+        probes = recs[(recs["round"] == rnd) & (recs["kind"] != s.KIND_CLEAN)]
+        if rows is None or not len(probes):
+            continue
+        clean_rows = _rows(x)[rows]
+        ref_recs = probes[probes["kind"] == s.KIND_REPLAY]
+        ref = _rows(reader.read(ref_recs[0])) if len(ref_recs) else clean_rows
+        for p in probes[probes["kind"] == s.KIND_GAIN]:
+            if p["pert_rms"] > 0:
+                d = _rows(reader.read(p)) - ref
+                gains.setdefault(float(p["param"]), []).append(float(np.std(d)) / p["pert_rms"])
+        for p in probes[probes["kind"] == s.KIND_DC]:
+            d = np.abs(_rows(reader.read(p)) - ref)
+            d = d[np.isfinite(d)]
+            if d.size:
+                dc_dead.append(float(np.mean(d == 0)))
+                med = float(np.median(d))
+                dc_low.append(float(np.mean(d < 0.15 * med)) if med > 0 else 1.0)
+        scale = _rms(clean_rows)
+        for p in probes[probes["kind"] == s.KIND_REPEAT]:
+            d = _rows(reader.read(p)) - clean_rows
+            d = np.where(np.isfinite(d), d, 0.0)
+            instab.append(_rms(d) / scale if scale > 0 else float("nan"))
+            nz = d != 0
+            changed.append(float(np.mean(nz)))
+            if nz.any():
+                diffs.append(d.reshape(-1))
+    sig.samples = len(samples)
+    sig.mean, sig.std, sig.absmax = moments.mean, moments.std, float(moments.absmax)
+    sig.kurtosis, sig.zero_frac = moments.kurtosis, moments.zero_frac
+    sig.nan_count, sig.inf_count = int(moments.nan_count), int(moments.inf_count)
+    med = _nanmedian
+    sig.pileup = _nanmax(per_sample["pileup"])
+    sig.ties = _nanmax(per_sample["ties"])
+    sig.update_rms = med(per_sample["upd"])
+    sig.offset = med(per_sample["offset"])
+    if gains:
+        big, small = max(gains), min(gains)
+        sig.gain = med(gains[big])
+        sig.gain_spread = _mad(gains[big])
+        sig.gain_small = med(gains[small])
+        sig.linearity = sig.gain_small / sig.gain if sig.gain > 0 else float("nan")
+    if dc_dead:
+        sig.dc_dead, sig.dc_low = med(dc_dead), med(dc_low)
+    if instab:
+        sig.instability = _nanmax(instab)
+        sig.instab_changed = _nanmax(changed)
+        sig.instab_kurtosis = _excess_kurtosis(np.concatenate(diffs)) if diffs else 0.0
+    return sig
+
+
+def file_signals(reader: DumpReader) -> list[Signals]:
+    """Signals of every block and site with clean records, in layer order."""
+    rounds = _Rounds(reader)
+    out = []
+    present = {(int(r["layer"]), int(r["site"])) for r in reader.records if r["layer"] >= 0}
+    for layer, site in sorted(present):
+        if site == s.BLOCK_SITE:
+            module = reader.layers[layer] if layer < len(reader.layers) else ""
+        else:
+            module = reader.sites[site] if site < len(reader.sites) else ""
+        out.append(layer_signals(reader, layer, site, rounds, module))
+    return out
+
+
+def _nanmedian(values: list[float]) -> float:
+    v = np.asarray(values, dtype=np.float64)
+    v = v[np.isfinite(v)]
+    return float(np.median(v)) if v.size else float("nan")
+
+
+def _nanmax(values: list[float]) -> float:
+    v = np.asarray(values, dtype=np.float64)
+    v = v[np.isfinite(v)]
+    return float(np.max(v)) if v.size else float("nan")
+
+
+def _mad(values: list[float]) -> float:
+    v = np.asarray(values, dtype=np.float64)
+    v = v[np.isfinite(v)]
+    return float(1.4826 * np.median(np.abs(v - np.median(v)))) if v.size else float("nan")
