@@ -9,6 +9,7 @@ from typing import Optional
 import typer
 
 from srdd_dump.errors import UserError
+from srdd_dump.gating import fail_levels
 from srdd_dump.version import __version__
 
 PROG = "srdd-compare"
@@ -53,6 +54,10 @@ def compare(
         help="Report file, .csv or .xlsx; the default is in the current folder.",
     ),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No summary, no progress bars."),
+    explain: bool = typer.Option(False, "--explain", help="Print the evidence behind every "
+                                 "FAULT and SUSPECT verdict."),
+    fail_on: Optional[str] = typer.Option(None, "--fail-on", help="Exit 1 when a layer is "
+                                          "judged 'fault' (or 'suspect' or worse): CI gating."),
     debug: bool = typer.Option(False, "--debug", help="Full traceback on unexpected errors."),
     version: Optional[bool] = typer.Option(
         None, "--version", callback=_version, is_eager=True, help="Show the version and exit."
@@ -62,11 +67,16 @@ def compare(
         from srdd_dump.compare import compare_path
         from srdd_dump.report.terminal import summary
 
+        gate = fail_levels(fail_on)
         result = compare_path(dumps, output, progress=False if quiet else None)
         for reason in result.skipped_reasons:
             typer.echo(f"{PROG}: warning: skipped {reason}", err=True)
         if not quiet:
-            typer.echo(summary(result.layers, result.files, result.written))
+            typer.echo(summary(result, explain=explain))
+        if result.worst_verdict() in gate:
+            raise typer.Exit(code=1)
+    except typer.Exit:
+        raise
     except UserError as exc:
         _fail(str(exc))
     except KeyboardInterrupt:

@@ -1,4 +1,4 @@
-"""Offline comparison: read every dump file under a path, judge each layer, write the report.
+"""Offline comparison: read every dump file under a path, diagnose each layer, write the report.
 
 numpy + h5py + pandas only: this module (and everything it imports) must never import torch.
 """
@@ -8,28 +8,29 @@ from __future__ import annotations
 import os
 import sys
 from dataclasses import dataclass, field
-from typing import Callable
 
-import numpy as np
 import pandas as pd
 from tqdm import tqdm
 
-from .analysis.basic import judge
-from .analysis.moments import Moments
+from .analysis.diagnosis import FAULT, NORMAL, SUSPECT, diagnose, headline
+from .analysis.signals import file_signals
 from .errors import UserError
 from .format import schema as s
 from .format.reader import DumpError, DumpReader, find_dump_files
-from .report.csvfile import write_csv
-from .report.excel import write_xlsx
-from .report.table import INCOMPLETE, OK, SKIPPED, files_table, layer_row, layers_table
-
-WRITERS: dict[str, Callable[[pd.DataFrame, pd.DataFrame, str], list[str]]] = {
-    ".csv": write_csv,
-    ".xlsx": write_xlsx,
-}
+from .report.table import (
+    INCOMPLETE,
+    OK,
+    SKIPPED,
+    files_table,
+    layer_row,
+    layers_table,
+    site_row,
+    sites_table,
+)
 
 # What a damaged HDF5 file can raise while its data is read (after it opened and validated).
 _READ_ERRORS = (OSError, KeyError, ValueError, RuntimeError)
+REPORT_FORMATS = (".csv", ".xlsx")
 
 
 @dataclass
@@ -37,6 +38,8 @@ class CompareResult:
     path: str  # what was compared, as given
     layers: pd.DataFrame  # report.table.LAYER_COLUMNS, most suspicious first
     files: pd.DataFrame  # report.table.FILE_COLUMNS, one row per dump file found
+    sites: pd.DataFrame = field(default_factory=lambda: sites_table([]))  # sub-layer signals
+    headlines: list[str] = field(default_factory=list)  # one verdict sentence per source
     written: list[str] = field(default_factory=list)  # report files, empty if no output
 
     def count(self, status: str) -> int:
@@ -45,6 +48,18 @@ class CompareResult:
     @property
     def skipped_reasons(self) -> list[str]:
         return list(self.files.loc[self.files["status"] == SKIPPED, "reason"])
+
+    def worst_verdict(self) -> str:
+        verdicts = set(self.layers["verdict"])
+        return next((v for v in (FAULT, SUSPECT) if v in verdicts), NORMAL)
+
+
+@dataclass
+class _FileResult:
+    file_row: dict
+    layer_rows: list[dict] = field(default_factory=list)
+    site_rows: list[dict] = field(default_factory=list)
+    headline: str = ""
 
 
 def compare_path(
@@ -57,7 +72,8 @@ def compare_path(
     crash are used and marked incomplete. ``progress`` (default: stderr is a terminal) shows
     tqdm bars. Raises UserError when there is nothing usable to report.
     """
-    write = _writer_for(output) if output is not None else None
+    if output is not None:
+        _check_format(output)
     if not os.path.exists(path):
         raise UserError(f"{path}: no such file or directory")
     found = find_dump_files(path)
@@ -66,89 +82,108 @@ def compare_path(
     show = sys.stderr.isatty() if progress is None else progress
     root = path if os.path.isdir(path) else os.path.dirname(path)
 
-    layer_rows: list[dict] = []
-    file_rows: list[dict] = []
+    results = []
     for file in tqdm(found, desc="files", unit="file", disable=not show, leave=False):
         source = os.path.relpath(file, root) if root else file
-        rows, file_row = _compare_file(file, source, show)
-        layer_rows.extend(rows)
-        file_rows.append(file_row)
+        results.append(_compare_file(file, source, show))
 
-    files = files_table(file_rows)
+    layer_rows = [row for r in results for row in r.layer_rows]
     if not layer_rows:
-        reason = file_rows[0]["reason"]
+        reason = results[0].file_row["reason"]
         if len(found) == 1:
             raise UserError(reason)
         raise UserError(f"none of the {len(found)} dump files under {path} is usable; {reason}")
-    result = CompareResult(path=path, layers=layers_table(layer_rows), files=files)
-    if write is not None:
-        result.written = _write(write, result, output)
+    result = CompareResult(
+        path=path,
+        layers=layers_table(layer_rows),
+        files=files_table([r.file_row for r in results]),
+        sites=sites_table([row for r in results for row in r.site_rows]),
+        headlines=[r.headline for r in results if r.headline],
+    )
+    if output is not None:
+        result.written = write_report(result, output)
     return result
 
 
-def _writer_for(output: str) -> Callable[[pd.DataFrame, pd.DataFrame, str], list[str]]:
-    ext = os.path.splitext(output)[1].lower()
-    if ext not in WRITERS:
-        raise UserError(
-            f"{output}: unknown report format {ext or '(no extension)'!r}; use .csv or .xlsx"
-        )
-    return WRITERS[ext]
+def write_report(result: CompareResult, output: str) -> list[str]:
+    """Write the report in the format named by the extension; returns the files written."""
+    from .report.csvfile import write_csv
+    from .report.excel import write_xlsx
 
-
-def _write(write, result: CompareResult, output: str) -> list[str]:
+    write = {".csv": write_csv, ".xlsx": write_xlsx}[_check_format(output)]
     try:
-        parent = os.path.dirname(os.path.abspath(output))
-        os.makedirs(parent, exist_ok=True)
-        return write(result.layers, result.files, output)
+        os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
+        return write(result, output)
     except OSError as exc:
         raise UserError(f"{output}: cannot write the report ({exc.strerror or exc})") from exc
 
 
-def _compare_file(file: str, source: str, show: bool) -> tuple[list[dict], dict]:
-    """Layer rows of one file and its row of the file table; never raises for a bad file."""
+def _check_format(output: str) -> str:
+    ext = os.path.splitext(output)[1].lower()
+    if ext not in REPORT_FORMATS:
+        raise UserError(
+            f"{output}: unknown report format {ext or '(no extension)'!r}; use .csv or .xlsx"
+        )
+    return ext
+
+
+def _compare_file(file: str, source: str, show: bool) -> _FileResult:
+    """Rows of one file; never raises for a bad file (it becomes a skipped row)."""
     try:
         reader = DumpReader(file)
     except DumpError as exc:
-        return [], _file_row(source, SKIPPED, str(exc))
+        return _FileResult(_file_row(source, SKIPPED, str(exc)))
     with reader:
         rank, pid = _int_or_none(reader.meta.get("rank")), _int_or_none(reader.meta.get("pid"))
         try:
-            rows = _layer_rows(reader, source, rank, pid, show)
+            result = _diagnose_file(reader, source, rank, pid, show)
         except _READ_ERRORS as exc:
             reason = f"{file}: damaged dump file ({_first_line(exc)})"
-            return [], _file_row(source, SKIPPED, reason, rank=rank, pid=pid)
+            return _FileResult(_file_row(source, SKIPPED, reason, rank=rank, pid=pid))
         counts = dict(
-            rounds=len(reader.rounds), samples=reader.n_samples, layers=len(rows), rank=rank,
-            pid=pid,
+            rounds=len(reader.rounds), samples=reader.n_samples, layers=len(result.layer_rows),
+            rank=rank, pid=pid,
         )
-        if not rows:
+        if not result.layer_rows:
             why = "no captured layer data" + ("" if reader.complete else " (incomplete file)")
-            return [], _file_row(source, SKIPPED, f"{file}: {why}", **counts)
-        if not reader.complete:
-            return rows, _file_row(source, INCOMPLETE, _incomplete_reason(reader), **counts)
-        return rows, _file_row(source, OK, "", **counts)
+            result.file_row = _file_row(source, SKIPPED, f"{file}: {why}", **counts)
+        elif not reader.complete:
+            result.file_row = _file_row(source, INCOMPLETE, _incomplete_reason(reader), **counts)
+        else:
+            result.file_row = _file_row(source, OK, "", **counts)
+        return result
 
 
-def _layer_rows(
+def _diagnose_file(
     reader: DumpReader, source: str, rank: int | None, pid: int | None, show: bool
-) -> list[dict]:
-    """One row per block layer (0..L-1) with clean records; the stack input (-1) is left out."""
-    sample_of = dict(zip(reader.rounds["round"].tolist(), reader.rounds["sample"].tolist()))
+) -> _FileResult:
+    """Signals of every block and sub-layer, then one verdict row per block layer."""
+    signals = file_signals(reader, progress=show, desc=source)
+    blocks = {g.layer: g for g in signals if g.site == s.BLOCK_SITE and g.samples}
+    result = _FileResult(file_row={})
+    if not blocks:
+        return result
+    dtype = str(reader.meta.get("hidden_dtype") or _first_dtype(reader))
+    verdicts = diagnose(signals, dtype, n_layers=max(len(reader.layers), max(blocks) + 1))
+    for v in verdicts:
+        if v.layer in blocks:
+            v.module = blocks[v.layer].module
+            result.layer_rows.append(layer_row(source, blocks[v.layer], v, rank, pid))
+    result.site_rows = [
+        site_row(source, g, rank, pid) for g in signals if g.site != s.BLOCK_SITE and g.samples
+    ]
+    worst = max(verdicts, key=lambda v: v.score)
+    if worst.verdict == NORMAL:
+        result.headline = f"{source}: no faulty layer found (highest score {worst.score:.2f}, " \
+                          f"layer {worst.layer})"
+    else:
+        result.headline = f"{source}: {headline(worst)}"
+    return result
+
+
+def _first_dtype(reader: DumpReader) -> str:
     clean = reader.select(kind=s.KIND_CLEAN)
-    # Records whose round row was never written were cut off by a crash: not trusted.
-    clean = clean[np.isin(clean["round"], reader.rounds["round"])]
-    layers = sorted({int(x) for x in clean["layer"] if x >= 0})
-    rows = []
-    for layer in tqdm(layers, desc=source, unit="layer", disable=not show, leave=False):
-        stats, samples = Moments(), set()
-        for rec in clean[clean["layer"] == layer]:
-            stats.add(reader.read(rec))
-            samples.add(sample_of[int(rec["round"])])
-        module = reader.layers[layer] if layer < len(reader.layers) else ""
-        rows.append(
-            layer_row(source, layer, module, stats, judge(stats), len(samples), rank, pid)
-        )
-    return rows
+    return reader.dtype_of(clean[0]) if len(clean) else "float32"
 
 
 def _file_row(source: str, status: str, reason: str, **counts) -> dict:

@@ -119,8 +119,8 @@ def _collect(returncode: int, status_dir: str) -> ExecResult:
             result.problems.append(reasons[0])
         elif not statuses:
             result.problems.append(
-                "no Python process of the command reported back; is it a Python program "
-                "started with the same interpreter that has srdd-dump installed?"
+                "capture never started: no Python process of the command imported torch with "
+                "srdd-dump loaded (is the command's python the one srdd-dump is installed in?)"
             )
         elif not any(st.get("model_seen") for st in statuses):
             result.problems.append("no model with a block stack ran a forward in any process")

@@ -118,3 +118,18 @@ def test_exec_never_uses_a_shell(tmp_path):
     res = run_cli("srdd-dump", "--exec", f"echo hi; touch {marker}", "-o", str(tmp_path / "d"))
     assert not marker.exists()
     assert res.stdout.strip() == f"hi; touch {marker}"  # echo got the rest as plain arguments
+
+
+def test_wheel_ships_the_sitecustomize(tmp_path):
+    """A normal (non-editable) install must carry the file that starts capture in children."""
+    import zipfile
+
+    from capture_utils import ROOT
+
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
+                    "-q", "-w", str(tmp_path), ROOT], check=True, capture_output=True)
+    (wheel,) = tmp_path.glob("srdd_dump-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "srdd_dump/capture/inject/site/sitecustomize.py" in names
+    assert "srdd_dump/cli/dump.py" in names
+    assert not any(n.startswith("cli/") for n in names)  # no top-level package named cli

@@ -34,6 +34,10 @@ class Signals:
     ties: float = float("nan")  # elements sharing the exact max or min value, worst record
     update_rms: float = float("nan")  # RMS of what the module adds (block: h_k - h_{k-1})
     offset: float = float("nan")  # |mean(update)| / rms(update)
+    dc_energy: float = float("nan")  # ||token-mean of update||^2 / mean ||update row||^2
+    consistency: float = float("nan")  # 99th pct over channels of |mean_t u_c| / rms_t u_c
+    stuck: float = float("nan")  # fraction of channels at one non-zero value over all tokens
+    lowbits: float = float("nan")  # fp32 dumps: fraction of values with 16 zero low bits
     # probe responses (NaN when the dump has no probes)
     gain: float = float("nan")  # median std(dO)/rms(dI) at the largest sigma
     gain_spread: float = float("nan")  # robust spread of that gain over samples and draws
@@ -68,10 +72,18 @@ def _pileup(x: np.ndarray, bins: int = 100) -> float:
 
 
 def _ties(x: np.ndarray) -> float:
+    """How many values share the exact maximum (if > 0) or minimum (if < 0): clipping leaves
+    many; a continuous healthy output attains each extreme once."""
     x = x[np.isfinite(x)]
     if not x.size:
         return float("nan")
-    return float(max(np.count_nonzero(x == x.max()), np.count_nonzero(x == x.min())))
+    hi, lo = x.max(), x.min()
+    counts = [1]
+    if hi > 0:
+        counts.append(np.count_nonzero(x == hi))
+    if lo < 0:
+        counts.append(np.count_nonzero(x == lo))
+    return float(max(counts))
 
 
 def _excess_kurtosis(x: np.ndarray) -> float:
@@ -111,7 +123,9 @@ def layer_signals(
         return sig
     moments = Moments()
     samples: set[int] = set()
-    per_sample: dict[str, list[float]] = {k: [] for k in ("pileup", "ties", "offset", "upd")}
+    per_sample: dict[str, list[float]] = {
+        k: [] for k in ("pileup", "ties", "offset", "upd", "dce", "cons", "stuck", "lowbits")
+    }
     gains: dict[float, list[float]] = {}
     dc_dead, dc_low, instab, changed, diffs = [], [], [], [], []
     prev_clean = None
@@ -137,6 +151,12 @@ def layer_signals(
         rms = _rms(upd)
         per_sample["upd"].append(rms)
         per_sample["offset"].append(abs(float(upd.mean())) / rms if rms > 0 else float("nan"))
+        _channel_signals(_rows(update), _rows(x), per_sample)
+        if reader.dtype_of(rec) == "float32":
+            nz = finite[finite != 0].astype(np.float32)
+            if nz.size:
+                low = (nz.view(np.uint32) & np.uint32(0xFFFF)) == 0
+                per_sample["lowbits"].append(float(np.mean(low)))
 
         rows = rounds.probe_rows.get(rnd)
         probes = recs[(recs["round"] == rnd) & (recs["kind"] != s.KIND_CLEAN)]
@@ -174,6 +194,10 @@ def layer_signals(
     sig.ties = _nanmax(per_sample["ties"])
     sig.update_rms = med(per_sample["upd"])
     sig.offset = med(per_sample["offset"])
+    sig.dc_energy = med(per_sample["dce"])
+    sig.consistency = med(per_sample["cons"])
+    sig.stuck = _nanmax(per_sample["stuck"])
+    sig.lowbits = med(per_sample["lowbits"])
     if gains:
         big, small = max(gains), min(gains)
         sig.gain = med(gains[big])
@@ -189,12 +213,34 @@ def layer_signals(
     return sig
 
 
-def file_signals(reader: DumpReader) -> list[Signals]:
+def _channel_signals(update: np.ndarray, out: np.ndarray, acc: dict[str, list[float]]) -> None:
+    """Token-constant structure per channel: bias (constant offset) and stuck channels."""
+    if update.shape[0] < 4:
+        return
+    u = np.where(np.isfinite(update), update, 0.0).astype(np.float64)
+    mean_c = u.mean(axis=0)
+    rms_c = np.sqrt(np.mean(u * u, axis=0))
+    total = float(np.mean(np.sum(u * u, axis=1)))
+    acc["dce"].append(float(np.sum(mean_c**2)) / total if total > 0 else float("nan"))
+    live = rms_c > 0
+    if live.any():
+        acc["cons"].append(float(np.percentile(np.abs(mean_c[live]) / rms_c[live], 99)))
+    # constant non-zero channels; constant zero channels count as exact zeros (dead zone)
+    constant = (np.ptp(out, axis=0) == 0) & (out[0] != 0)
+    acc["stuck"].append(float(np.mean(constant)))
+
+
+def file_signals(reader: DumpReader, progress: bool = False, desc: str = "") -> list[Signals]:
     """Signals of every block and site with clean records, in layer order."""
+    from tqdm import tqdm
+
     rounds = _Rounds(reader)
     out = []
-    present = {(int(r["layer"]), int(r["site"])) for r in reader.records if r["layer"] >= 0}
-    for layer, site in sorted(present):
+    recs = reader.records
+    present = set(zip(recs["layer"][recs["layer"] >= 0].tolist(),
+                      recs["site"][recs["layer"] >= 0].tolist()))
+    for layer, site in tqdm(sorted(present), desc=desc, unit="layer", disable=not progress,
+                            leave=False):
         if site == s.BLOCK_SITE:
             module = reader.layers[layer] if layer < len(reader.layers) else ""
         else:

@@ -63,16 +63,13 @@ def _by_pattern(model: nn.Module, pattern: str) -> list[tuple[str, nn.Module]]:
 
 
 def _largest(model: nn.Module, n: int = 3) -> str:
-    sized = [
-        (_params(m), name, m)
-        for name, m in model.named_modules()
-        if name and len(list(m.children())) > 0
-    ]
+    sized = [(_params(m), name, m) for name, m in model.named_modules() if name]
     sized.sort(key=lambda t: -t[0])
     if not sized:
         return "the model has no submodules"
     parts = [
-        f"{name} ({type(m).__name__}, {size / 1e6:.2f}M params, {len(list(m.children()))} children)"
+        f"{name} ({type(m).__name__}, {size / 1e6:.2f}M params, "
+        f"{len(list(m.children()))} children)"
         for size, name, m in sized[:n]
     ]
     return "largest candidates: " + "; ".join(parts)

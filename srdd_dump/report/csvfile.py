@@ -1,24 +1,30 @@
-"""CSV output: the layers table at the given path, the file table at ``<stem>.files.csv``."""
+"""CSV output: the layer table at the given path; ``<stem>.files.csv`` lists the input files and
+``<stem>.sublayers.csv`` the sub-layer signals (when the dump has sub-layers)."""
 
 from __future__ import annotations
 
 import os
 
-import pandas as pd
-
 from .table import escape_formulas
 
 
-def files_csv_path(csv_path: str) -> str:
-    """``report.csv`` -> ``report.files.csv``, next to it."""
+def sibling_path(csv_path: str, part: str) -> str:
+    """``report.csv`` -> ``report.<part>.csv``, next to it."""
     stem, _ = os.path.splitext(csv_path)
-    return stem + ".files.csv"
+    return f"{stem}.{part}.csv"
 
 
-def write_csv(layers: pd.DataFrame, files: pd.DataFrame, path: str) -> list[str]:
-    """Write both tables; returns the paths written (layers first)."""
-    files_path = files_csv_path(path)
+def files_csv_path(csv_path: str) -> str:
+    return sibling_path(csv_path, "files")
+
+
+def write_csv(result, path: str) -> list[str]:
+    """Write the tables of a CompareResult; returns the paths written (layers first)."""
+    written = [path, files_csv_path(path)]
     # Escaped too: CSV files are opened in spreadsheet programs as often as XLSX.
-    escape_formulas(layers).to_csv(path, index=False)
-    escape_formulas(files).to_csv(files_path, index=False)
-    return [path, files_path]
+    escape_formulas(result.layers).to_csv(path, index=False)
+    escape_formulas(result.files).to_csv(written[1], index=False)
+    if len(result.sites):
+        written.append(sibling_path(path, "sublayers"))
+        escape_formulas(result.sites).to_csv(written[-1], index=False)
+    return written

@@ -1,37 +1,47 @@
-"""XLSX output: sheet 'layers' (coloured by verdict, frozen header) and sheet 'files'."""
+"""XLSX output: summary, per-layer table (coloured by verdict), signals by layer with native
+line charts, sub-layer signals and the input files."""
 
 from __future__ import annotations
 
 import pandas as pd
-from openpyxl.styles import Font, PatternFill
+from openpyxl.chart import LineChart, Reference
+from openpyxl.formatting.rule import CellIsRule, ColorScaleRule
+from openpyxl.styles import Alignment, Font, PatternFill
 from openpyxl.utils import get_column_letter
 
-from ..analysis.basic import FAULT, SUSPECT
-from .table import escape_formulas
+from ..analysis.diagnosis import FAULT, NORMAL, SUSPECT, VERDICT_ORDER
+from .table import escape_formula, escape_formulas
 
+SUMMARY_SHEET = "summary"
 LAYERS_SHEET = "layers"
+SIGNALS_SHEET = "signals"
+SITES_SHEET = "sublayers"
 FILES_SHEET = "files"
 FILLS = {
     FAULT: PatternFill(fill_type="solid", start_color="FFFFC7CE", end_color="FFFFC7CE"),  # red
     SUSPECT: PatternFill(fill_type="solid", start_color="FFFFEB9C", end_color="FFFFEB9C"),
 }
 MAX_WIDTH = 60
+# Per-layer signals charted against the layer index (one chart each, one line per source).
+CHARTED = ("score", "gain", "kurtosis", "instability", "zero_frac", "offset", "ties")
+MAX_CHART_SOURCES = 8
 
 
-def write_xlsx(layers: pd.DataFrame, files: pd.DataFrame, path: str) -> list[str]:
-    """Write both tables to one workbook; returns ``[path]``."""
+def write_xlsx(result, path: str) -> list[str]:
+    """Write a CompareResult to one workbook; returns ``[path]``."""
+    layers = result.layers
     with pd.ExcelWriter(path, engine="openpyxl") as xw:
+        _summary(xw, result)
         escape_formulas(layers).to_excel(xw, sheet_name=LAYERS_SHEET, index=False)
-        escape_formulas(files).to_excel(xw, sheet_name=FILES_SHEET, index=False)
-        ws = xw.sheets[LAYERS_SHEET]
-        verdict_col = list(layers.columns).index("verdict")
-        for i, verdict in enumerate(layers["verdict"], start=2):  # row 1 is the header
-            fill = FILLS.get(verdict)
-            if fill is not None:
-                for cell in ws[i]:
-                    cell.fill = fill
-                ws.cell(row=i, column=verdict_col + 1).font = Font(bold=True)
-        for name, df in ((LAYERS_SHEET, layers), (FILES_SHEET, files)):
+        _colour_layers(xw.sheets[LAYERS_SHEET], layers)
+        _signals(xw, layers)
+        if len(result.sites):
+            escape_formulas(result.sites).to_excel(xw, sheet_name=SITES_SHEET, index=False)
+        escape_formulas(result.files).to_excel(xw, sheet_name=FILES_SHEET, index=False)
+        for name, df in ((LAYERS_SHEET, layers), (SITES_SHEET, result.sites),
+                         (FILES_SHEET, result.files)):
+            if name not in xw.sheets:
+                continue
             sheet = xw.sheets[name]
             sheet.freeze_panes = "A2"
             if len(df.columns):
@@ -40,8 +50,103 @@ def write_xlsx(layers: pd.DataFrame, files: pd.DataFrame, path: str) -> list[str
     return [path]
 
 
+def _summary(xw: pd.ExcelWriter, result) -> None:
+    pd.DataFrame().to_excel(xw, sheet_name=SUMMARY_SHEET, index=False)
+    ws = xw.sheets[SUMMARY_SHEET]
+    ws["A1"] = "srdd-compare verdict"
+    ws["A1"].font = Font(bold=True, size=14)
+    row = 3
+    for line in result.headlines or ["no layer rows"]:
+        cell = ws.cell(row=row, column=1, value=escape_formula(line))
+        cell.font = Font(bold=True)
+        row += 1
+    row += 1
+    counts = result.layers["verdict"].value_counts()
+    for verdict in VERDICT_ORDER:
+        ws.cell(row=row, column=1, value=verdict).font = Font(bold=True)
+        ws.cell(row=row, column=2, value=int(counts.get(verdict, 0)))
+        if verdict in FILLS:
+            ws.cell(row=row, column=1).fill = FILLS[verdict]
+        row += 1
+    row += 1
+    status = result.files["status"].value_counts()
+    ws.cell(row=row, column=1, value="files")
+    ws.cell(row=row, column=2, value=", ".join(f"{n} {k}" for k, n in status.items()))
+    row += 2
+    worst = result.layers[result.layers["verdict"] != NORMAL].head(10)
+    if len(worst):
+        ws.cell(row=row, column=1, value="most suspicious layers").font = Font(bold=True)
+        row += 1
+        for _, r in worst.iterrows():
+            ws.cell(row=row, column=1, value=escape_formula(str(r["source"])))
+            ws.cell(row=row, column=2, value=int(r["layer"]))
+            ws.cell(row=row, column=3, value=r["verdict"]).fill = FILLS[r["verdict"]]
+            ws.cell(row=row, column=4, value=escape_formula(str(r["diagnosis"])))
+            ws.cell(row=row, column=5, value=float(r["score"]))
+            ws.cell(row=row, column=6, value=escape_formula(str(r["evidence"])))
+            row += 1
+    ws.column_dimensions["A"].width = 100
+    for col in "BCDE":
+        ws.column_dimensions[col].width = 14
+    ws["A1"].alignment = Alignment(wrap_text=False)
+
+
+def _colour_layers(ws, layers: pd.DataFrame) -> None:
+    verdict_col = list(layers.columns).index("verdict")
+    for i, verdict in enumerate(layers["verdict"], start=2):  # row 1 is the header
+        fill = FILLS.get(verdict)
+        if fill is not None:
+            for cell in ws[i]:
+                cell.fill = fill
+            ws.cell(row=i, column=verdict_col + 1).font = Font(bold=True)
+    n = len(layers) + 1
+    if n < 2:
+        return
+    cols = list(layers.columns)
+    score = get_column_letter(cols.index("score") + 1)
+    ws.conditional_formatting.add(
+        f"{score}2:{score}{n}",
+        ColorScaleRule(start_type="num", start_value=0, start_color="FFFFFFFF",
+                       end_type="num", end_value=1, end_color="FFF8696B"),
+    )
+    for name in ("nan_count", "inf_count"):
+        col = get_column_letter(cols.index(name) + 1)
+        ws.conditional_formatting.add(
+            f"{col}2:{col}{n}",
+            CellIsRule(operator="greaterThan", formula=["0"], fill=FILLS[FAULT]),
+        )
+
+
+def _signals(xw: pd.ExcelWriter, layers: pd.DataFrame) -> None:
+    """A layer-ordered table (one column per source and signal) and a line chart per signal."""
+    sources = list(dict.fromkeys(layers["source"]))[:MAX_CHART_SOURCES]
+    by_layer = layers[layers["source"].isin(sources)].sort_values(["source", "layer"])
+    wide = by_layer.pivot_table(index="layer", columns="source", values=list(CHARTED))
+    table = pd.DataFrame({"layer": wide.index})
+    for signal in CHARTED:
+        for src in sources:
+            key = (signal, src)
+            table[f"{signal} | {src}"] = wide[key].values if key in wide else float("nan")
+    escape_formulas(table).to_excel(xw, sheet_name=SIGNALS_SHEET, index=False)
+    ws = xw.sheets[SIGNALS_SHEET]
+    n = len(table) + 1
+    anchor_col = get_column_letter(len(table.columns) + 2)
+    for k, signal in enumerate(CHARTED):
+        chart = LineChart()
+        chart.title = f"{signal} by layer"
+        chart.x_axis.title = "layer"
+        chart.y_axis.title = signal
+        chart.height, chart.width = 7, 16
+        first = 2 + k * len(sources)
+        data = Reference(ws, min_col=first, max_col=first + len(sources) - 1, min_row=1, max_row=n)
+        chart.add_data(data, titles_from_data=True)
+        chart.set_categories(Reference(ws, min_col=1, min_row=2, max_row=n))
+        ws.add_chart(chart, f"{anchor_col}{1 + k * 15}")
+
+
 def _fit_columns(sheet, df: pd.DataFrame) -> None:
     for j, col in enumerate(df.columns, start=1):
         longest = df[col].astype(str).str.len().max() if len(df) else 0
-        width = min(MAX_WIDTH, max(len(str(col)), int(longest or 0)) + 2)
+        longest = 0 if pd.isna(longest) else int(longest)
+        width = min(MAX_WIDTH, max(len(str(col)), longest) + 2)
         sheet.column_dimensions[get_column_letter(j)].width = width

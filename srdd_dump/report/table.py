@@ -6,13 +6,19 @@ import math
 
 import pandas as pd
 
-from ..analysis.basic import VERDICT_ORDER
-from ..analysis.moments import Moments
+from ..analysis.diagnosis import VERDICT_ORDER, LayerVerdict
+from ..analysis.signals import Signals
 
-LAYER_COLUMNS = [
+BASE_COLUMNS = [
     "source", "layer", "module", "score", "verdict", "diagnosis", "mean", "std", "absmax",
-    "kurtosis", "zero_frac", "nan_count", "inf_count", "samples", "rank", "pid",
+    "kurtosis", "zero_frac", "nan_count", "inf_count", "samples",
 ]
+SIGNAL_COLUMNS = [
+    "gain", "gain_spread", "linearity", "dc_dead", "dc_low", "instability", "instab_changed",
+    "ties", "pileup", "offset", "dc_energy", "stuck", "lowbits", "update_rms",
+]
+LAYER_COLUMNS = BASE_COLUMNS + SIGNAL_COLUMNS + ["site", "evidence", "rank", "pid"]
+SITE_COLUMNS = ["source", "layer", "module"] + BASE_COLUMNS[6:] + SIGNAL_COLUMNS + ["rank", "pid"]
 FILE_COLUMNS = ["source", "status", "reason", "rounds", "samples", "layers", "rank", "pid"]
 
 OK = "ok"
@@ -25,22 +31,34 @@ _FORMULA_START = ("=", "+", "-", "@", "\t", "\r")
 
 def layer_row(
     source: str,
-    layer: int,
-    module: str,
-    stats: Moments,
-    judged: tuple[float, str, str],
-    samples: int,
+    sig: Signals,
+    verdict: LayerVerdict,
     rank: int | None = None,
     pid: int | None = None,
 ) -> dict:
-    score, verdict, diagnosis = judged
-    return {
-        "source": source, "layer": layer, "module": module, "score": score,
-        "verdict": verdict, "diagnosis": diagnosis, "mean": stats.mean, "std": stats.std,
-        "absmax": stats.absmax if stats.count else math.nan, "kurtosis": stats.kurtosis,
-        "zero_frac": stats.zero_frac, "nan_count": stats.nan_count,
-        "inf_count": stats.inf_count, "samples": samples, "rank": rank, "pid": pid,
-    }
+    """A block layer's row: its verdict and its block-level signals."""
+    row = {k: v for k, v in sig.as_dict().items() if k in LAYER_COLUMNS}
+    row.update(
+        source=source, layer=verdict.layer, module=sig.module, score=round(verdict.score, 4),
+        verdict=verdict.verdict, diagnosis=verdict.diagnosis, site=verdict.site,
+        evidence=verdict.explain(), rank=rank, pid=pid,
+    )
+    if not sig.samples:
+        row["absmax"] = math.nan
+    return row
+
+
+def site_row(source: str, sig: Signals, rank: int | None = None, pid: int | None = None) -> dict:
+    row = {k: v for k, v in sig.as_dict().items() if k in SITE_COLUMNS}
+    row.update(source=source, rank=rank, pid=pid)
+    return row
+
+
+def sites_table(rows: list[dict]) -> pd.DataFrame:
+    df = pd.DataFrame(rows, columns=SITE_COLUMNS)
+    for col in ("rank", "pid"):
+        df[col] = df[col].astype("Int64")
+    return df.sort_values(["source", "layer", "module"], kind="mergesort").reset_index(drop=True)
 
 
 def layers_table(rows: list[dict]) -> pd.DataFrame:

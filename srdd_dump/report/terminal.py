@@ -4,21 +4,24 @@ from __future__ import annotations
 
 import pandas as pd
 
-from ..analysis.basic import VERDICT_ORDER
+from ..analysis.diagnosis import VERDICT_ORDER
 from .table import INCOMPLETE, OK, SKIPPED
 
 TOP = 10
-SHOWN = ["verdict", "diagnosis", "score", "source", "layer", "module", "absmax", "zero_frac"]
+SHOWN = ["verdict", "diagnosis", "score", "source", "layer", "module", "gain", "instability"]
 MAX_TEXT = 40
 
 
-def summary(layers: pd.DataFrame, files: pd.DataFrame, written: list[str]) -> str:
-    """Files read/skipped/incomplete, layers per verdict, the top rows and the report path."""
+def summary(result, explain: bool = False) -> str:
+    """Verdict sentences, files read/skipped/incomplete, layers per verdict, the top rows, the
+    evidence behind every FAULT/SUSPECT row (``explain``) and the report path."""
+    layers, files, written = result.layers, result.files, result.written
+    lines = list(result.headlines)
     status = files["status"].value_counts()
     n_ok, n_inc, n_skip = (int(status.get(k, 0)) for k in (OK, INCOMPLETE, SKIPPED))
-    lines = [
+    lines.append(
         f"files: {len(files)} found, {n_ok + n_inc} read ({n_inc} incomplete), {n_skip} skipped"
-    ]
+    )
     verdicts = layers["verdict"].value_counts()
     by_verdict = ", ".join(f"{int(verdicts.get(v, 0))} {v}" for v in VERDICT_ORDER)
     lines.append(f"layers: {len(layers)} rows: {by_verdict}")
@@ -29,6 +32,12 @@ def summary(layers: pd.DataFrame, files: pd.DataFrame, written: list[str]) -> st
         lines.append(f"most suspicious {len(top)}:")
         text = top.to_string(index=False, float_format=lambda x: f"{x:.4g}")
         lines.extend("  " + line for line in text.splitlines())
+    if explain:
+        flagged = layers[layers["verdict"] != "NORMAL"]
+        if len(flagged):
+            lines.append("evidence:")
+        for _, r in flagged.iterrows():
+            lines.append(f"  {r['source']} layer {r['layer']} {r['verdict']}: {r['evidence']}")
     if written:
         lines.append("report: " + ", ".join(written))
     return "\n".join(lines)

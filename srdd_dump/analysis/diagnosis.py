@@ -1,0 +1,219 @@
+"""Reference-free diagnosis: per-layer evidence -> score, verdict, labels. Pure numpy.
+
+Two kinds of evidence (docs/method.md has the formulas and the calibration):
+
+* **Exact evidence**: signals whose healthy value is known without any reference. On a healthy
+  layer, repeat replays of the same input are identical (instability 0), floating-point outputs
+  have no exact zeros, no channel is constant over tokens, the extreme value is attained once,
+  and fp32 values use their low mantissa bits. Each has a fixed threshold set from healthy
+  calibration runs with a wide margin; crossing it is a FAULT.
+* **Relative evidence**: signals with no absolute healthy value (gain, mean offset of the
+  residual update, kurtosis change) are robust z-scores against the other layers of the same
+  kind in the same dump. Real models have natural outliers here (SmolLM2's layers 0, 2, 11 and
+  its layer-9 kurtosis cliff), so relative evidence alone gives at most SUSPECT unless it is
+  far beyond anything seen in the healthy calibration runs.
+
+``score`` = the strongest evidence in units of its FAULT threshold: >= 1 is FAULT, >= 0.5 is
+SUSPECT. A layer's score is the maximum over the block and its sub-layers.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..format import schema as s
+from .signals import Signals
+
+FAULT = "FAULT"
+SUSPECT = "SUSPECT"
+NORMAL = "NORMAL"
+VERDICT_ORDER = {FAULT: 0, SUSPECT: 1, NORMAL: 2}  # most suspicious first
+SUSPECT_RATIO = 0.5
+
+# Exact-evidence FAULT thresholds (calibration: bench/calibrate.py, docs/method.md).
+ZERO_FRAC = 1e-3  # fraction of exact zeros; healthy max seen 0
+STUCK_FRAC = 1e-9  # any channel constant over all tokens of a sample; healthy max seen 0
+TIES = {"float32": 4, "float64": 4, "float16": 12, "bfloat16": 12}  # healthy max 1 (fp32)
+INSTABILITY = {"float32": 1e-6, "float64": 1e-12, "float16": 1e-4, "bfloat16": 1e-3}
+INSTABILITY_OVER_MEDIAN = 10.0  # a device-wide jitter floor is not a source
+LOWBITS = 0.5  # fp32 values whose 16 low mantissa bits are 0; healthy ~1e-4
+
+# Relative-evidence robust-z FAULT thresholds (SUSPECT at half of these): twice the largest
+# |z| seen on healthy calibration runs, whose natural outliers reach SUSPECT at most.
+Z_OFFSET = 16.0
+Z_GAIN = 24.0
+Z_KURT_DROP = 24.0
+
+
+@dataclass
+class Evidence:
+    family: str  # DEAD_ZONE, SATURATION, NOISE, SPIKE, BIAS, STUCK, PRECISION, OVERFLOW, ...
+    strength: float  # value / FAULT threshold
+    text: str
+    exact: bool = True
+
+
+@dataclass
+class LayerVerdict:
+    layer: int
+    module: str
+    score: float
+    verdict: str
+    diagnosis: str
+    evidence: list[Evidence] = field(default_factory=list)
+    site: str = ""  # the module where the strongest evidence is
+
+    def explain(self) -> str:
+        items = sorted(self.evidence, key=lambda e: -e.strength)
+        return "; ".join(f"{e.text} [{e.strength:.2g}x]" for e in items)
+
+
+def robust_z(values: np.ndarray) -> np.ndarray:
+    """(v - median) / (1.4826 * max(MAD, 1% of |median|, 1e-12)), NaN-safe."""
+    v = np.asarray(values, dtype=np.float64)
+    ok = np.isfinite(v)
+    if ok.sum() < 3:
+        return np.zeros_like(v)
+    med = np.median(v[ok])
+    mad = np.median(np.abs(v[ok] - med))
+    scale = 1.4826 * max(mad, 0.01 * abs(med), 1e-12)
+    z = (v - med) / scale
+    z[~ok] = 0.0
+    return z
+
+
+def _log(values: list[float]) -> np.ndarray:
+    v = np.asarray(values, dtype=np.float64)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(v > 0, np.log(v), np.nan)
+
+
+def _site_kind(sig: Signals) -> str:
+    if sig.site == s.BLOCK_SITE:
+        return "block"
+    name = sig.module.rsplit(".", 1)[-1]
+    return name
+
+
+def _exact_evidence(sig: Signals, dtype: str, instab_median: float) -> list[Evidence]:
+    ev: list[Evidence] = []
+    where = sig.module
+    if sig.nan_count or sig.inf_count:
+        ev.append(Evidence("OVERFLOW", 1e3, f"{sig.nan_count} NaN, {sig.inf_count} Inf in {where}"))
+    if sig.zero_frac > SUSPECT_RATIO * ZERO_FRAC:
+        extra = f", dc response exactly 0 on {sig.dc_dead:.1%}" if sig.dc_dead > 0 else ""
+        ev.append(Evidence("DEAD_ZONE", sig.zero_frac / ZERO_FRAC,
+                           f"{sig.zero_frac:.2%} exact zeros in {where}{extra}"))
+    if sig.stuck > STUCK_FRAC:
+        ev.append(Evidence("STUCK", 1.0 + 100 * sig.stuck,
+                           f"{sig.stuck:.1%} of channels constant over every token in {where}"))
+    ties = TIES.get(dtype, 4)
+    if sig.ties >= SUSPECT_RATIO * ties:
+        ev.append(Evidence("SATURATION", sig.ties / ties,
+                           f"{sig.ties:.0f} values share the exact extreme in {where} "
+                           f"(pile-up {sig.pileup:.1f})"))
+    floor = INSTABILITY.get(dtype, 1e-6)
+    limit = max(floor, INSTABILITY_OVER_MEDIAN * instab_median)
+    if sig.instability > SUSPECT_RATIO * limit:
+        family = "NOISE"
+        if sig.instab_changed < 0.05 and sig.instab_kurtosis > 20:
+            family = "SPIKE"
+        ev.append(Evidence(family, sig.instability / limit,
+                           f"repeat runs of {where} differ: rms {sig.instability:.2g} of the "
+                           f"output, {sig.instab_changed:.1%} of elements changed"))
+    if dtype == "float32" and sig.lowbits > SUSPECT_RATIO * LOWBITS:
+        ev.append(Evidence("PRECISION", sig.lowbits / LOWBITS,
+                           f"{sig.lowbits:.0%} of fp32 values in {where} carry only "
+                           "bf16/fp16 precision"))
+    return ev
+
+
+def _relative_evidence(group: list[Signals]) -> dict[int, list[Evidence]]:
+    """Robust z of offset, gain and kurtosis change among layers of one site kind."""
+    out: dict[int, list[Evidence]] = {i: [] for i in range(len(group))}
+    z_off = robust_z(_log([g.offset for g in group]))
+    z_gain = robust_z(_log([g.gain for g in group]))
+    kurt = _log([g.kurtosis + 3 for g in group])  # plain kurtosis > 0
+    drop = np.concatenate([[np.nan], np.diff(kurt)])
+    z_drop = robust_z(drop)
+    for i, g in enumerate(group):
+        if z_off[i] > SUSPECT_RATIO * Z_OFFSET:
+            out[i].append(Evidence("BIAS", z_off[i] / Z_OFFSET,
+                                   f"mean offset of the update {g.offset:.3g} "
+                                   f"(z = {z_off[i]:.1f})", exact=False))
+        if abs(z_gain[i]) > SUSPECT_RATIO * Z_GAIN:
+            family = "GAIN_LOW" if z_gain[i] < 0 else "GAIN_HIGH"
+            out[i].append(Evidence(family, abs(z_gain[i]) / Z_GAIN,
+                                   f"gain {g.gain:.3g} (z = {z_gain[i]:.1f})", exact=False))
+        if -z_drop[i] > SUSPECT_RATIO * Z_KURT_DROP:
+            out[i].append(Evidence("SATURATION", -z_drop[i] / Z_KURT_DROP,
+                                   f"kurtosis falls to {g.kurtosis:.3g} (z = {z_drop[i]:.1f})",
+                                   exact=False))
+    return out
+
+
+def diagnose(signals: list[Signals], dtype: str, n_layers: int) -> list[LayerVerdict]:
+    """One verdict per block layer 0..n_layers-1 from the block and sub-layer signals."""
+    by_kind: dict[str, list[Signals]] = {}
+    for sig in signals:
+        by_kind.setdefault(_site_kind(sig), []).append(sig)
+    evidence: dict[int, list[tuple[Evidence, str]]] = {k: [] for k in range(n_layers)}
+    for group in by_kind.values():
+        group.sort(key=lambda g: g.layer)
+        inst = np.array([g.instability for g in group], dtype=np.float64)
+        inst = inst[np.isfinite(inst)]
+        inst_median = float(np.median(inst)) if inst.size else 0.0
+        relative = _relative_evidence(group)
+        for i, sig in enumerate(group):
+            for ev in _exact_evidence(sig, dtype, inst_median) + relative[i]:
+                evidence.setdefault(sig.layer, []).append((ev, sig.module))
+    verdicts = []
+    for layer in range(n_layers):
+        items = evidence.get(layer, [])
+        score = max((e.strength for e, _ in items), default=0.0)
+        verdict = FAULT if score >= 1 else SUSPECT if score >= SUSPECT_RATIO else NORMAL
+        strong = sorted(items, key=lambda t: -t[0].strength)
+        labels = []
+        for e, _ in strong:
+            if e.strength >= SUSPECT_RATIO and e.family not in labels:
+                labels.append(e.family)
+        site = strong[0][1] if strong else ""
+        verdicts.append(LayerVerdict(
+            layer=layer, module="", score=float(score), verdict=verdict,
+            diagnosis=",".join(labels), evidence=[e for e, _ in strong], site=site,
+        ))
+    _mark_propagation(verdicts)
+    return verdicts
+
+
+def _mark_propagation(verdicts: list[LayerVerdict]) -> None:
+    """A layer after a FAULT source whose only evidence is relative (it can be inherited
+    through the residual stream) and of the same family, weaker, is labelled ``<FAMILY>_PROP``.
+    Exact evidence comes from the layer's own replay or output and is never inherited."""
+    sources: dict[str, float] = {}
+    for v in verdicts:
+        families = v.diagnosis.split(",") if v.diagnosis else []
+        if v.verdict == FAULT:
+            for f in families:
+                sources.setdefault(f, v.score)
+            continue
+        shown = [e for e in v.evidence if e.strength >= SUSPECT_RATIO]
+        inherited = all(not e.exact for e in shown)
+        if families and inherited and all(f in sources and v.score < sources[f] for f in families):
+            v.diagnosis = ",".join(f"{f}_PROP" for f in families)
+
+
+def headline(v: LayerVerdict, median_gain: float | None = None) -> str:
+    """One sentence, e.g. 'Layer 10 (model.layers.10.mlp): FAULT - dead zone; ...'."""
+    if v.verdict == NORMAL:
+        return f"Layer {v.layer}: NORMAL"
+    what = (v.diagnosis.split(",")[0] or "unusual").replace("_", " ").lower()
+    top = v.evidence[0].text if v.evidence else ""
+    return f"Layer {v.layer} ({v.site or v.module}): {v.verdict} - {what}; {top}"
+
+
+def finite_or_nan(x: float) -> float:
+    return x if isinstance(x, float) and math.isfinite(x) else float("nan")

@@ -1,0 +1,188 @@
+"""Across-layer reading of a baseline comparison: error growth, first divergence, summary.
+
+Within one compared round (source, sample, step), rows are in layer order and the input of a
+layer is the row before it: the previous layer's output, or for the stack input (layer -1,
+the embedding output) the input ids, which agree unless ``input_match`` says they differ.
+
+* ``error_amplification`` = RED(output) / max(RED(input), u), u = unit roundoff of the
+  tolerance dtype (RED = relative_euclidean_distance; the input ids have RED 0).
+* ``first_divergence``: the first row of the round whose input PASSes and whose output FAILs.
+* ``highlight``: ``red`` on every row whose input PASSes and whose output FAILs, and on FAIL
+  rows with NaN/Inf (msprobe's red); ``yellow`` on other WARN/FAIL rows whose error grew at
+  least 10x across the layer (msprobe's yellow).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+import pandas as pd
+
+from .matching import DIFFER
+from .tolerance import FAIL, NOT_COMPARED, PASS, UNIT_ROUNDOFF, VERDICT_RANK, VERDICTS, WARN
+
+GROUP = ["source", "golden_source", "sample", "golden_sample", "step"]
+RED_COLUMN = "relative_euclidean_distance"
+YELLOW_GROWTH = 10.0
+RED = "red"
+YELLOW = "yellow"
+WORST = 5
+
+
+def mark_divergence(table: pd.DataFrame) -> pd.DataFrame:
+    """Add ``error_amplification``, ``highlight`` and ``first_divergence`` (table in order)."""
+    amp = np.full(len(table), math.nan)
+    highlight = np.full(len(table), "", dtype=object)
+    first = np.zeros(len(table), dtype=bool)
+    has_layer = table["layer"].notna() | table["golden_layer"].notna()
+    keys = table[GROUP].astype(object).where(table[GROUP].notna(), None)
+    groups: dict[tuple, list[int]] = {}
+    for pos, (key, ok) in enumerate(zip(map(tuple, keys.to_numpy()), has_layer)):
+        if ok:
+            groups.setdefault(key, []).append(pos)
+    verdict = table["verdict"].to_numpy()
+    red = table[RED_COLUMN].to_numpy(dtype=float)
+    tolerance = table["tolerance"].to_numpy()
+    match = table["input_match"].to_numpy()
+    nonfinite = (table["golden_nan_inf"].fillna(0) + table["my_nan_inf"].fillna(0)).to_numpy()
+    for rows in groups.values():
+        found = False
+        for k, pos in enumerate(rows):
+            if k == 0:
+                input_ok = match[pos] != DIFFER
+                input_red = 0.0 if input_ok else math.nan
+            else:
+                prev = rows[k - 1]
+                input_ok = verdict[prev] == PASS
+                input_red = red[prev] if verdict[prev] != NOT_COMPARED else math.nan
+            if verdict[pos] == NOT_COMPARED:
+                continue
+            floor = UNIT_ROUNDOFF.get(tolerance[pos], 0.0)
+            amp[pos] = _ratio(red[pos], max(input_red, floor))
+            if verdict[pos] == FAIL and (input_ok or nonfinite[pos] > 0):
+                highlight[pos] = RED
+            elif verdict[pos] in (WARN, FAIL) and amp[pos] >= YELLOW_GROWTH:
+                highlight[pos] = YELLOW
+            if verdict[pos] == FAIL and input_ok and not found:
+                first[pos] = found = True
+    out = table.copy()
+    out["error_amplification"] = amp
+    out["highlight"] = highlight
+    out["first_divergence"] = first
+    return out
+
+
+def _ratio(num: float, den: float) -> float:
+    if math.isnan(num) or math.isnan(den):
+        return math.nan
+    if den == 0:
+        return 0.0 if num == 0 else math.inf
+    return num / den
+
+
+@dataclass
+class BaselineSummary:
+    """What the terminal and the XLSX summary sheet say about a baseline comparison."""
+
+    verdicts: dict[str, int]
+    rounds: int  # compared rounds (source, sample, step)
+    first_divergence: pd.DataFrame  # the rows with first_divergence
+    first_layer: int | None  # earliest layer that introduced the error (-1 = stack input)
+    first_module: str
+    first_rounds: int  # rounds in which first_layer introduced it
+    per_layer: pd.DataFrame  # one row per layer, over every round: the chart's data
+    worst: pd.DataFrame  # the WORST layers with the largest relative error
+    not_compared: dict[str, int] = field(default_factory=dict)  # reason -> rows
+    pattern: str = ""  # introduced | gradual | clean | nothing
+    message: str = ""
+
+
+PER_LAYER_COLUMNS = [
+    "layer", "module", "rows", "verdict", "min_cosine_similarity",
+    "max_relative_euclidean_distance", "max_error_amplification", "first_divergences",
+]
+
+
+def per_layer(table: pd.DataFrame) -> pd.DataFrame:
+    """Worst values of every layer over all compared rounds and sources, in layer order."""
+    rows = table[(table["verdict"] != NOT_COMPARED) & table["layer"].notna()]
+    if rows.empty:
+        return pd.DataFrame(columns=PER_LAYER_COLUMNS)
+    grouped = rows.groupby("layer", sort=True)
+    out = pd.DataFrame({
+        "module": grouped["module"].first(),
+        "rows": grouped.size(),
+        "verdict": grouped["verdict"].agg(lambda v: max(v, key=VERDICT_RANK.__getitem__)),
+        "min_cosine_similarity": grouped["cosine_similarity"].min(),
+        "max_relative_euclidean_distance": grouped[RED_COLUMN].max(),
+        "max_error_amplification": grouped["error_amplification"].max(),
+        "first_divergences": grouped["first_divergence"].sum().astype(int),
+    }).reset_index()
+    out["layer"] = out["layer"].astype(int)
+    return out[PER_LAYER_COLUMNS]
+
+
+def summarize(table: pd.DataFrame) -> BaselineSummary:
+    counts = table["verdict"].value_counts()
+    verdicts = {v: int(counts.get(v, 0)) for v in VERDICTS}
+    compared = table[table["verdict"] != NOT_COMPARED]
+    rounds = len(compared[GROUP].drop_duplicates()) if len(compared) else 0
+    layers = per_layer(table)
+    worst = layers.sort_values(
+        "max_relative_euclidean_distance", ascending=False, kind="mergesort"
+    ).head(WORST)
+    reasons = table.loc[table["verdict"] == NOT_COMPARED, "cmp_fail_reason"]
+    not_compared = {str(k): int(v) for k, v in _reason_kinds(reasons).value_counts().items()}
+    firsts = table[table["first_divergence"]]
+    summary = BaselineSummary(
+        verdicts=verdicts, rounds=rounds, first_divergence=firsts, first_layer=None,
+        first_module="", first_rounds=0, per_layer=layers, worst=worst,
+        not_compared=not_compared,
+    )
+    if len(firsts):
+        layer = int(firsts["layer"].min())
+        at = firsts[firsts["layer"] == layer]
+        summary.first_layer, summary.first_module = layer, str(at["module"].iloc[0])
+        summary.first_rounds = len(at)
+    summary.pattern, summary.message = _explain(summary, compared)
+    return summary
+
+
+def _reason_kinds(reasons: pd.Series) -> pd.Series:
+    """Reasons without their numbers, so that rows of the same kind count together."""
+    return reasons.fillna("").str.split(":").str[0].str.replace(r"\d+", "N", regex=True)
+
+
+def _explain(s: BaselineSummary, compared: pd.DataFrame) -> tuple[str, str]:
+    if compared.empty:
+        return "nothing", "nothing was compared (see cmp_fail_reason)"
+    tol = ", ".join(sorted(set(compared["tolerance"])))
+    if s.first_layer is not None:
+        where = (
+            "the stack input (embedding output, before layer 0)" if s.first_layer < 0
+            else f"layer {s.first_layer} ({s.first_module})"
+        )
+        row = s.first_divergence[s.first_divergence["layer"] == s.first_layer].iloc[0]
+        return "introduced", (
+            f"{where} introduced the error: its input agrees with the golden run and its "
+            f"output does not, in {s.first_rounds} of {s.rounds} compared rounds "
+            f"(cosine {row['cosine_similarity']:.6f}, relative error {row[RED_COLUMN]:.3g}, "
+            f"x{row['error_amplification']:.3g} its input's) at {tol} tolerance"
+        )
+    bad = s.per_layer[s.per_layer["verdict"] != PASS]
+    if bad.empty:
+        return "clean", (
+            f"every compared layer PASSes at {tol} tolerance "
+            f"(largest relative error {s.per_layer['max_relative_euclidean_distance'].max():.3g})"
+        )
+    start = bad.iloc[0]
+    growth = s.per_layer["max_error_amplification"].max()
+    return "gradual", (
+        f"no single layer introduced the error: no layer turns a PASS input into a FAIL output. "
+        f"The first layer beyond {tol} tolerance is {int(start['layer'])} ({start['module']}, "
+        f"{start['verdict']}); the relative error grows to "
+        f"{s.per_layer['max_relative_euclidean_distance'].max():.3g}, at most x{growth:.3g} "
+        f"across one layer: an accumulation such as a precision difference, not one faulty layer"
+    )

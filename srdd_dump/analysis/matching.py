@@ -1,0 +1,140 @@
+"""Pairing of two dumps: samples by their recorded input, rounds by step, layers by name.
+
+Pure functions over the reader's ``rounds`` array and layer names; nothing is read here.
+
+* Samples pair by the token-ids hash of their first captured round (the prefill), then the
+  ones left over pair in order.
+* Rounds of a sample pair by step. A round's inputs are ``same`` when its hash and the hash of
+  every earlier captured round of the sample agree (the KV cache holds them all), ``differ``
+  when one of them differs and ``unknown`` when one side did not record its input ids.
+* Layers pair by module name, then the ones left over by index.
+
+Anything left without a partner is returned with ``None`` on the missing side, never dropped.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+SAME = "same"
+DIFFER = "differ"
+UNKNOWN = "unknown"
+_WORSE = {SAME: 0, UNKNOWN: 1, DIFFER: 2}
+
+
+@dataclass(frozen=True)
+class RoundPair:
+    """One (sample, step) of my dump and its counterpart in the golden dump."""
+
+    sample: int | None  # my sample number (None: the golden round has no counterpart)
+    golden_sample: int | None
+    step: int
+    round: int | None  # my round number
+    golden_round: int | None
+    input_match: str  # SAME / DIFFER / UNKNOWN for rounds present on both sides; "" otherwise
+    reason: str = ""  # why a round has no counterpart
+
+
+def input_match(hash_a: int, hash_b: int) -> str:
+    if not hash_a or not hash_b:
+        return UNKNOWN
+    return SAME if hash_a == hash_b else DIFFER
+
+
+def _samples(rounds: np.ndarray) -> dict[int, list[np.void]]:
+    """sample -> its rounds sorted by step, samples in order of first appearance."""
+    out: dict[int, list[np.void]] = {}
+    for row in rounds:
+        out.setdefault(int(row["sample"]), []).append(row)
+    return {k: sorted(v, key=lambda r: int(r["step"])) for k, v in out.items()}
+
+
+def pair_samples(
+    mine: np.ndarray, golden: np.ndarray
+) -> list[tuple[int | None, int | None]]:
+    """(my sample, golden sample) pairs: by input hash first, then in order; None = unpaired."""
+    my_s, golden_s = _samples(mine), _samples(golden)
+    key_g = {s: int(rows[0]["tokens_hash"]) for s, rows in golden_s.items()}
+    used: set[int] = set()
+    partner: dict[int, int] = {}
+    for s, rows in my_s.items():
+        h = int(rows[0]["tokens_hash"])
+        if not h:
+            continue
+        for g, hg in key_g.items():
+            if g not in used and hg == h:
+                partner[s] = g
+                used.add(g)
+                break
+    left_g = [g for g in golden_s if g not in used]
+    for s in my_s:
+        if s not in partner and left_g:
+            partner[s] = left_g.pop(0)
+    pairs: list[tuple[int | None, int | None]] = [(s, partner.get(s)) for s in my_s]
+    pairs += [(None, g) for g in left_g]
+    return pairs
+
+
+def pair_rounds(mine: np.ndarray, golden: np.ndarray) -> list[RoundPair]:
+    """Every round of both dumps, paired by (sample pair, step); see the module docstring."""
+    my_s, golden_s = _samples(mine), _samples(golden)
+    out: list[RoundPair] = []
+    for s, g in pair_samples(mine, golden):
+        if g is None:
+            for row in my_s[s]:
+                out.append(RoundPair(s, None, int(row["step"]), int(row["round"]), None, "",
+                                     f"my sample {s} has no counterpart in the golden dump"))
+            continue
+        if s is None:
+            for row in golden_s[g]:
+                out.append(RoundPair(None, g, int(row["step"]), None, int(row["round"]), "",
+                                     f"golden sample {g} has no counterpart in my dump"))
+            continue
+        mine_by_step = {int(r["step"]): r for r in my_s[s]}
+        golden_by_step = {int(r["step"]): r for r in golden_s[g]}
+        state = SAME
+        for step in sorted(set(mine_by_step) | set(golden_by_step)):
+            a, b = mine_by_step.get(step), golden_by_step.get(step)
+            if a is None or b is None:
+                side = "golden" if a is not None else "my"
+                out.append(RoundPair(
+                    s, g, step, None if a is None else int(a["round"]),
+                    None if b is None else int(b["round"]), "",
+                    f"step {step} of sample {s if a is not None else g} is not in the {side} dump",
+                ))
+                continue
+            here = input_match(int(a["tokens_hash"]), int(b["tokens_hash"]))
+            state = max(state, here, key=_WORSE.__getitem__)
+            out.append(RoundPair(s, g, step, int(a["round"]), int(b["round"]), state))
+    return out
+
+
+def pair_layers(mine: list[str], golden: list[str]) -> list[tuple[int | None, int | None]]:
+    """(my layer, golden layer) pairs by module name, then by index; in layer order."""
+    golden_index = {}
+    for j, name in enumerate(golden):
+        golden_index.setdefault(name, j)
+    partner: dict[int, int] = {}
+    used: set[int] = set()
+    for i, name in enumerate(mine):
+        j = golden_index.get(name)
+        if j is not None and j not in used:
+            partner[i] = j
+            used.add(j)
+    for i in range(len(mine)):
+        if i not in partner and i < len(golden) and i not in used:
+            partner[i] = i
+            used.add(i)
+    pairs: list[tuple[int | None, int | None]] = [(i, partner.get(i)) for i in range(len(mine))]
+    for j in range(len(golden)):
+        if j not in used:
+            # Insert golden-only layers after the last pair whose golden index is below j.
+            at = len(pairs)
+            for k, (_, gj) in enumerate(pairs):
+                if gj is not None and gj > j:
+                    at = k
+                    break
+            pairs.insert(at, (None, j))
+    return pairs

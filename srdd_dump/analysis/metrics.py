@@ -1,0 +1,311 @@
+"""msit/msprobe-compatible comparison metrics of two tensors, streamed in float64 blocks.
+
+``g`` is the golden (baseline) tensor and ``m`` mine (the target), both flattened. Formulas
+(msit ``llm compare`` unless noted; ``eps`` = float32 machine epsilon):
+
+* cosine_similarity = g.m / (|g| |m|); 1.0 when both are all zero, NaN when only one is
+* relative error per element = |m / g - 1| where |g| > eps, else 0; max and mean over all
+* absolute error per element = |m - g|; max and mean
+* kl_divergence = sum softmax(g) * (log_softmax(g) - log_softmax(m)) over the whole flattened
+  tensor, clamped at 0 (log-softmax with max-subtraction, kept streaming as a running max)
+* relative_euclidean_distance = sqrt(sum (m - g)^2 / sum g^2); 0 when |g| <= eps (msit)
+* sqnr = 20 log10(|g| / |g - m|) in dB, +inf when m == g (PyTorch Numeric Suite)
+* one_thousandth / five_thousandths_err_ratio = fraction of elements with
+  |m - g| / |g| <= 0.001 / 0.005, |g| = 0 replaced by eps (msprobe)
+
+NaN and Inf are compared by position (``nan_inf``); every other metric is computed over the
+elements finite on both sides. ``PairStats`` accumulates all of them block by block, so a tensor
+of any size is compared in constant memory; the functions below wrap it for whole arrays.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+FP32_EPS = float(np.finfo(np.float32).eps)
+BLOCK = 1 << 20  # elements per float64 block (8 MiB)
+
+
+@dataclass
+class NanInf:
+    """NaN/Inf positions of both tensors: counts, and positions where they disagree."""
+
+    golden: int = 0  # non-finite elements in g
+    mine: int = 0  # non-finite elements in m
+    mismatched: int = 0  # positions where the two differ (NaN vs finite, +Inf vs -Inf, ...)
+
+    @property
+    def any(self) -> bool:
+        return bool(self.golden or self.mine)
+
+    def describe(self) -> str:
+        if not self.any:
+            return ""
+        if self.mismatched:
+            return (
+                f"NaN/Inf: golden {self.golden}, my {self.mine}, "
+                f"{self.mismatched} positions differ"
+            )
+        return f"NaN/Inf at the same {self.golden} positions on both sides"
+
+
+@dataclass
+class SideStats:
+    """max, min and mean of one tensor's finite values (NaN when there are none)."""
+
+    count: int = 0
+    total: float = 0.0
+    max: float = -math.inf
+    min: float = math.inf
+    nonfinite: int = 0
+
+    def add_raw(self, x: np.ndarray) -> SideStats:
+        """Fold in any block: non-finite values are counted and left out."""
+        x = np.asarray(x, dtype=np.float64).reshape(-1)
+        finite = np.isfinite(x)
+        if not finite.all():
+            self.nonfinite += int(x.size - finite.sum())
+            x = x[finite]
+        self.add(x)
+        return self
+
+    def add(self, x: np.ndarray) -> None:
+        """Fold in finite values."""
+        if x.size:
+            self.count += x.size
+            self.total += float(x.sum())
+            self.max = max(self.max, float(x.max()))
+            self.min = min(self.min, float(x.min()))
+
+    def values(self) -> tuple[float, float, float]:
+        if not self.count:
+            return math.nan, math.nan, math.nan
+        return self.max, self.min, self.total / self.count
+
+
+@dataclass
+class _LogSumExp:
+    """Running log(sum exp(x)) with max-subtraction, plus sum exp(x - M) * w for a weight w."""
+
+    peak: float = -math.inf
+    total: float = 0.0  # sum exp(x - peak)
+    weighted: float = 0.0  # sum exp(x - peak) * w
+
+    def add(self, x: np.ndarray, w: np.ndarray | None = None) -> None:
+        if not x.size:
+            return
+        peak = max(self.peak, float(x.max()))
+        scale = math.exp(self.peak - peak) if self.total else 0.0
+        e = np.exp(x - peak)
+        self.total = self.total * scale + float(e.sum())
+        if w is not None:
+            self.weighted = self.weighted * scale + float(e @ w)
+        self.peak = peak
+
+    @property
+    def value(self) -> float:
+        return self.peak + math.log(self.total) if self.total else -math.inf
+
+
+@dataclass
+class PairStats:
+    """Streaming accumulator of every metric of a (golden, mine) pair of equal-size tensors."""
+
+    n: int = 0  # elements finite on both sides
+    gg: float = 0.0
+    mm: float = 0.0
+    gm: float = 0.0
+    dd: float = 0.0  # sum (m - g)^2
+    abs_max: float = 0.0
+    abs_sum: float = 0.0
+    rel_max: float = 0.0
+    rel_sum: float = 0.0
+    within_1e3: int = 0
+    within_5e3: int = 0
+    nan_inf: NanInf = field(default_factory=NanInf)
+    golden: SideStats = field(default_factory=SideStats)
+    mine: SideStats = field(default_factory=SideStats)
+    _lse_g: _LogSumExp = field(default_factory=_LogSumExp)
+    _lse_m: _LogSumExp = field(default_factory=_LogSumExp)
+
+    def add(self, g: np.ndarray, m: np.ndarray) -> PairStats:
+        """Fold in one block; ``g`` and ``m`` have the same number of elements."""
+        g = np.asarray(g).reshape(-1)
+        m = np.asarray(m).reshape(-1)
+        if g.size != m.size:
+            raise ValueError(f"size mismatch: {g.size} vs {m.size}")
+        for start in range(0, g.size, BLOCK):
+            stop = start + BLOCK
+            self._add(g[start:stop].astype(np.float64), m[start:stop].astype(np.float64))
+        return self
+
+    def _add(self, g: np.ndarray, m: np.ndarray) -> None:
+        fg, fm = np.isfinite(g), np.isfinite(m)
+        both = fg & fm
+        self.golden.add(g if both.all() else g[fg])
+        self.mine.add(m if both.all() else m[fm])
+        if not both.all():
+            self.golden.nonfinite += int(g.size - fg.sum())
+            self.mine.nonfinite += int(m.size - fm.sum())
+            self.nan_inf.golden = self.golden.nonfinite
+            self.nan_inf.mine = self.mine.nonfinite
+            bad = ~both
+            gb, mb = g[bad], m[bad]
+            same = (np.isnan(gb) & np.isnan(mb)) | (np.isinf(gb) & (gb == mb))
+            self.nan_inf.mismatched += int(bad.sum() - same.sum())
+            g, m = g[both], m[both]
+        if not g.size:
+            return
+        self.n += g.size
+        d = m - g
+        ad = np.abs(d)
+        ag = np.abs(g)
+        self.gg += float(g @ g)
+        self.mm += float(m @ m)
+        self.gm += float(g @ m)
+        self.dd += float(d @ d)
+        self.abs_max = max(self.abs_max, float(ad.max()))
+        self.abs_sum += float(ad.sum())
+        big = ag > FP32_EPS
+        rel = np.zeros_like(g)
+        np.divide(ad, ag, out=rel, where=big)  # |m/g - 1| = |m - g| / |g|
+        self.rel_max = max(self.rel_max, float(rel.max()))
+        self.rel_sum += float(rel.sum())
+        # msprobe: where g == 0, eps is added to both sides, so the error is |m| / eps
+        ratio = ad / np.where(g == 0, FP32_EPS, ag)
+        self.within_1e3 += int(np.count_nonzero(ratio <= 1e-3))
+        self.within_5e3 += int(np.count_nonzero(ratio <= 5e-3))
+        self._lse_g.add(g, d)
+        self._lse_m.add(m)
+
+    # -- results -------------------------------------------------------------------------
+    @property
+    def cosine_similarity(self) -> float:
+        if self.gg == 0 and self.mm == 0:
+            return 1.0 if self.n else math.nan
+        if self.gg == 0 or self.mm == 0:
+            return math.nan
+        return self.gm / math.sqrt(self.gg * self.mm)
+
+    @property
+    def max_relative_error(self) -> float:
+        return self.rel_max if self.n else math.nan
+
+    @property
+    def mean_relative_error(self) -> float:
+        return self.rel_sum / self.n if self.n else math.nan
+
+    @property
+    def max_absolute_error(self) -> float:
+        return self.abs_max if self.n else math.nan
+
+    @property
+    def mean_absolute_error(self) -> float:
+        return self.abs_sum / self.n if self.n else math.nan
+
+    @property
+    def kl_divergence(self) -> float:
+        """sum p_g (log p_g - log p_m) = E_pg[g - m] - LSE(g) + LSE(m), clamped at 0."""
+        if not self.n:
+            return math.nan
+        lse_g, lse_m = self._lse_g, self._lse_m
+        mean_diff = -lse_g.weighted / lse_g.total  # E_pg[g - m]; weights were d = m - g
+        kl = mean_diff + (lse_m.peak - lse_g.peak) + math.log(lse_m.total / lse_g.total)
+        return max(kl, 0.0)
+
+    @property
+    def relative_euclidean_distance(self) -> float:
+        if not self.n:
+            return math.nan
+        if math.sqrt(self.gg) <= FP32_EPS:
+            return 0.0
+        return math.sqrt(self.dd / self.gg)
+
+    @property
+    def sqnr(self) -> float:
+        if not self.n:
+            return math.nan
+        if self.dd == 0:
+            return math.inf
+        if self.gg == 0:
+            return -math.inf
+        return 10.0 * math.log10(self.gg / self.dd)
+
+    @property
+    def one_thousandth_err_ratio(self) -> float:
+        return self.within_1e3 / self.n if self.n else math.nan
+
+    @property
+    def five_thousandths_err_ratio(self) -> float:
+        return self.within_5e3 / self.n if self.n else math.nan
+
+    @property
+    def golden_all_zero(self) -> bool:
+        return self.n > 0 and self.gg == 0
+
+    @property
+    def mine_all_zero(self) -> bool:
+        return self.n > 0 and self.mm == 0
+
+    def metrics(self) -> dict[str, float]:
+        """Every metric by its report column name."""
+        return {name: getattr(self, name) for name in METRIC_NAMES}
+
+
+METRIC_NAMES = (
+    "cosine_similarity", "max_relative_error", "mean_relative_error", "max_absolute_error",
+    "mean_absolute_error", "kl_divergence", "relative_euclidean_distance", "sqnr",
+    "one_thousandth_err_ratio", "five_thousandths_err_ratio",
+)
+
+
+def compare_arrays(golden: np.ndarray, mine: np.ndarray) -> PairStats:
+    """All metrics of two whole arrays with the same number of elements."""
+    return PairStats().add(golden, mine)
+
+
+def cosine_similarity(golden: np.ndarray, mine: np.ndarray) -> float:
+    return compare_arrays(golden, mine).cosine_similarity
+
+
+def max_relative_error(golden: np.ndarray, mine: np.ndarray) -> float:
+    return compare_arrays(golden, mine).max_relative_error
+
+
+def mean_relative_error(golden: np.ndarray, mine: np.ndarray) -> float:
+    return compare_arrays(golden, mine).mean_relative_error
+
+
+def max_absolute_error(golden: np.ndarray, mine: np.ndarray) -> float:
+    return compare_arrays(golden, mine).max_absolute_error
+
+
+def mean_absolute_error(golden: np.ndarray, mine: np.ndarray) -> float:
+    return compare_arrays(golden, mine).mean_absolute_error
+
+
+def kl_divergence(golden: np.ndarray, mine: np.ndarray) -> float:
+    return compare_arrays(golden, mine).kl_divergence
+
+
+def relative_euclidean_distance(golden: np.ndarray, mine: np.ndarray) -> float:
+    return compare_arrays(golden, mine).relative_euclidean_distance
+
+
+def sqnr(golden: np.ndarray, mine: np.ndarray) -> float:
+    return compare_arrays(golden, mine).sqnr
+
+
+def one_thousandth_err_ratio(golden: np.ndarray, mine: np.ndarray) -> float:
+    return compare_arrays(golden, mine).one_thousandth_err_ratio
+
+
+def five_thousandths_err_ratio(golden: np.ndarray, mine: np.ndarray) -> float:
+    return compare_arrays(golden, mine).five_thousandths_err_ratio
+
+
+def nan_inf(golden: np.ndarray, mine: np.ndarray) -> NanInf:
+    return compare_arrays(golden, mine).nan_inf
