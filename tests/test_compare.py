@@ -16,7 +16,7 @@ import openpyxl
 import pytest
 
 from srdd_dump.analysis import moments as moments_mod
-from srdd_dump.analysis.diagnosis import FAULT, NORMAL, SUSPECT
+from srdd_dump.analysis.diagnosis import FAULT, NORMAL, SUSPECT, ZERO_FRAC
 from srdd_dump.analysis.moments import Moments
 from srdd_dump.compare import compare_path
 from srdd_dump.errors import UserError
@@ -101,14 +101,15 @@ def test_moments_constant_and_empty():
 
 
 def faulty_dump(folder, dtype="bfloat16", name="run_rank0.h5", names=None):
-    """Layer 0 normal, 1 has a NaN in sample 1, 2 all zero, 3 a few exact zeros (0.06%, below
-    the FAULT threshold of 0.1% but above half of it); plus stack input."""
+    """Layer 0 normal, 1 has a NaN in sample 1, 2 all zero, 3 a few exact zeros (70% of the
+    dtype's FAULT threshold on the zero fraction: SUSPECT); plus stack input."""
     rng = np.random.default_rng(42)
     rounds = []
+    zeros = int(0.7 * ZERO_FRAC[dtype] * 3200 / 2)
     for i in range(2):
         r = {k: rng.standard_normal((1, 50, 32)).astype(np.float32) for k in (-1, 0, 1, 2, 3)}
         r[2][:] = 0.0
-        r[3][0, i, 3] = 0.0
+        r[3].reshape(-1)[i * 100 : i * 100 + zeros] = 0.0
         if i == 1:
             r[1][0, 2, 5] = np.nan
         rounds.append(r)
@@ -140,7 +141,9 @@ def test_compare_verdicts_sorted_and_stats(tmp_path, dtype):
     assert row["std"] == pytest.approx(std, rel=1e-9)
     assert row["kurtosis"] == pytest.approx(kurt, rel=1e-7, abs=1e-9)
     assert row["absmax"] == np.abs(x).max()
-    assert t[t["layer"] == 3].iloc[0]["zero_frac"] == pytest.approx(2 / 3200)
+    assert t[t["layer"] == 3].iloc[0]["zero_frac"] == pytest.approx(
+        2 * int(0.7 * ZERO_FRAC[dtype] * 3200 / 2) / 3200
+    )
     assert list(result.files["status"]) == ["ok"]
     assert result.written == []
 

@@ -31,7 +31,7 @@ class Signals:
     inf_count: int = 0
     # shape of the clean output (prefill rounds)
     pileup: float = float("nan")  # histogram edge bin / its inner neighbours, worse side
-    ties: float = float("nan")  # elements sharing the exact max or min value, worst record
+    ties: float = float("nan")  # tokens sharing a channel's exact max or min, worst channel
     update_rms: float = float("nan")  # RMS of what the module adds (block: h_k - h_{k-1})
     offset: float = float("nan")  # |mean(update)| / rms(update)
     dc_energy: float = float("nan")  # ||token-mean of update||^2 / mean ||update row||^2
@@ -44,6 +44,8 @@ class Signals:
     gain_small: float = float("nan")  # the same at the smallest sigma
     linearity: float = float("nan")  # gain_small / gain
     dc_dead: float = float("nan")  # fraction of elements whose dc response is exactly 0
+    flat_zero: float = float("nan")  # fraction unmoved by dc and every top-sigma gain draw, =0
+    flat_value: float = float("nan")  # ... the same with a non-zero value (clipped)
     dc_low: float = float("nan")  # fraction with |dc response| < 0.15 x its median
     instability: float = float("nan")  # max rms(repeat - clean) / rms(clean)
     instab_changed: float = float("nan")  # fraction of elements a repeat changed (max)
@@ -57,7 +59,10 @@ class Signals:
 
 
 def _rms(x: np.ndarray) -> float:
-    return float(np.sqrt(np.mean(np.square(x, dtype=np.float64)))) if x.size else float("nan")
+    if not x.size:
+        return float("nan")
+    with np.errstate(over="ignore", invalid="ignore"):
+        return float(np.sqrt(np.mean(np.square(x, dtype=np.float64))))
 
 
 def _pileup(x: np.ndarray, bins: int = 100) -> float:
@@ -71,19 +76,17 @@ def _pileup(x: np.ndarray, bins: int = 100) -> float:
     return float(max(left, right))
 
 
-def _ties(x: np.ndarray) -> float:
-    """How many values share the exact maximum (if > 0) or minimum (if < 0): clipping leaves
-    many; a continuous healthy output attains each extreme once."""
-    x = x[np.isfinite(x)]
-    if not x.size:
+def _ties(rows: np.ndarray) -> float:
+    """Most tokens sharing one channel's exact maximum (if > 0) or minimum (if < 0). Clipping
+    leaves many; a continuous healthy output attains each channel's extremes once. Identical
+    rows (a prompt prefix repeated across a batch) are counted once."""
+    rows = np.unique(np.where(np.isfinite(rows), rows, 0.0), axis=0)
+    if rows.shape[0] < 2:
         return float("nan")
-    hi, lo = x.max(), x.min()
-    counts = [1]
-    if hi > 0:
-        counts.append(np.count_nonzero(x == hi))
-    if lo < 0:
-        counts.append(np.count_nonzero(x == lo))
-    return float(max(counts))
+    hi, lo = rows.max(axis=0), rows.min(axis=0)
+    at_hi = np.where(hi > 0, (rows == hi).sum(axis=0), 1)
+    at_lo = np.where(lo < 0, (rows == lo).sum(axis=0), 1)
+    return float(max(at_hi.max(), at_lo.max()))
 
 
 def _excess_kurtosis(x: np.ndarray) -> float:
@@ -128,6 +131,7 @@ def layer_signals(
     }
     gains: dict[float, list[float]] = {}
     dc_dead, dc_low, instab, changed, diffs = [], [], [], [], []
+    flat_zero, flat_value = [], []
     prev_clean = None
     if site == s.BLOCK_SITE:
         prev = _records(reader, layer - 1, s.BLOCK_SITE, rounds)
@@ -141,7 +145,7 @@ def layer_signals(
             continue
         finite = x[np.isfinite(x)]
         per_sample["pileup"].append(_pileup(finite))
-        per_sample["ties"].append(_ties(finite))
+        per_sample["ties"].append(_ties(_rows(x)))
         update = x
         if prev_clean is not None and rnd in prev_clean:
             before = reader.read(prev_clean[rnd])
@@ -165,17 +169,25 @@ def layer_signals(
         clean_rows = _rows(x)[rows]
         ref_recs = probes[probes["kind"] == s.KIND_REPLAY]
         ref = _rows(reader.read(ref_recs[0])) if len(ref_recs) else clean_rows
+        top_sigma = probes["param"][probes["kind"] == s.KIND_GAIN].max(initial=0.0)
+        flat = np.ones(clean_rows.shape, dtype=bool)
         for p in probes[probes["kind"] == s.KIND_GAIN]:
             if p["pert_rms"] > 0:
                 d = _rows(reader.read(p)) - ref
                 gains.setdefault(float(p["param"]), []).append(float(np.std(d)) / p["pert_rms"])
+                if p["param"] == top_sigma:
+                    flat &= d == 0
         for p in probes[probes["kind"] == s.KIND_DC]:
             d = np.abs(_rows(reader.read(p)) - ref)
-            d = d[np.isfinite(d)]
-            if d.size:
-                dc_dead.append(float(np.mean(d == 0)))
-                med = float(np.median(d))
-                dc_low.append(float(np.mean(d < 0.15 * med)) if med > 0 else 1.0)
+            ok = np.isfinite(d)
+            if ok.any():
+                flat &= d == 0
+                dc_dead.append(float(np.mean((d == 0)[ok])))
+                # flat under every perturbation: 0 -> dead zone, non-zero -> clipped
+                flat_zero.append(float(np.mean((flat & (ref == 0))[ok])))
+                flat_value.append(float(np.mean((flat & (ref != 0))[ok])))
+                med = float(np.median(d[ok]))
+                dc_low.append(float(np.mean(d[ok] < 0.15 * med)) if med > 0 else 1.0)
         scale = _rms(clean_rows)
         for p in probes[probes["kind"] == s.KIND_REPEAT]:
             d = _rows(reader.read(p)) - clean_rows
@@ -206,6 +218,7 @@ def layer_signals(
         sig.linearity = sig.gain_small / sig.gain if sig.gain > 0 else float("nan")
     if dc_dead:
         sig.dc_dead, sig.dc_low = med(dc_dead), med(dc_low)
+        sig.flat_zero, sig.flat_value = med(flat_zero), med(flat_value)
     if instab:
         sig.instability = _nanmax(instab)
         sig.instab_changed = _nanmax(changed)
@@ -226,6 +239,9 @@ def _channel_signals(update: np.ndarray, out: np.ndarray, acc: dict[str, list[fl
     if live.any():
         acc["cons"].append(float(np.percentile(np.abs(mean_c[live]) / rms_c[live], 99)))
     # constant non-zero channels; constant zero channels count as exact zeros (dead zone)
+    out = np.unique(out, axis=0)
+    if out.shape[0] < 4:
+        return
     constant = (np.ptp(out, axis=0) == 0) & (out[0] != 0)
     acc["stuck"].append(float(np.mean(constant)))
 
@@ -245,7 +261,8 @@ def file_signals(reader: DumpReader, progress: bool = False, desc: str = "") -> 
             module = reader.layers[layer] if layer < len(reader.layers) else ""
         else:
             module = reader.sites[site] if site < len(reader.sites) else ""
-        out.append(layer_signals(reader, layer, site, rounds, module))
+        with np.errstate(all="ignore"):  # faulty layers hold NaN/Inf/1e38: expected, not noise
+            out.append(layer_signals(reader, layer, site, rounds, module))
     return out
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import pandas as pd
 
 from ..analysis.diagnosis import VERDICT_ORDER
 from .table import INCOMPLETE, OK, SKIPPED

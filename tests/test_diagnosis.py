@@ -1,0 +1,97 @@
+"""Reference-free diagnosis on tiny random models with planted faults (exact evidence) and on
+healthy models (no FAULT)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from srdd_dump import DumpConfig, register_hook
+from srdd_dump.analysis.diagnosis import FAULT, NORMAL, robust_z
+from srdd_dump.compare import compare_path
+
+from capture_utils import run_cli
+from tiny_models import ARCHS, build
+
+
+def _diagnose(tmp_path, arch="llama", inject=(), layers=6, dtype=torch.float32, **cfg):
+    model = build(arch, layers=layers, dtype=dtype)
+    gen = torch.Generator().manual_seed(0)
+    cfg = DumpConfig(dump_path=str(tmp_path), granularity="sublayer", inject=list(inject), **cfg)
+    with register_hook(model, cfg), torch.no_grad():
+        for n in (24, 31):
+            model(input_ids=torch.randint(0, 128, (1, n), generator=gen))
+    return compare_path(str(tmp_path), progress=False)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_healthy_models_get_no_fault(arch, dtype, tmp_path):
+    result = _diagnose(tmp_path, arch, dtype=dtype)
+    assert FAULT not in set(result.layers["verdict"]), result.layers[["layer", "evidence"]]
+    assert "no faulty layer" in result.headlines[0]
+
+
+@pytest.mark.parametrize("spec, family", [
+    ("dead_zone@layer=3,m=0.3", "DEAD_ZONE"),
+    ("dead_zone@layer=4,m=0.3,sparsity=0.1,site=mlp", "DEAD_ZONE"),
+    ("mxfp4_deadzone@layer=2,site=attn", "DEAD_ZONE"),
+    ("saturation@layer=1,m=0.3", "SATURATION"),
+    ("saturation@layer=5,m=0.3,sparsity=0.1,site=mlp", "SATURATION"),
+    ("noise@layer=0,m=0.3", "NOISE"),
+    ("noise@layer=2,m=0.05,sparsity=0.1,site=attn", "NOISE"),
+    ("nondeterminism@layer=4,m=0.3", "NOISE"),
+    ("spike@layer=5,m=0.3", "SPIKE"),
+    ("stuck_at@layer=2,sparsity=0.1,value=0.5", "STUCK"),
+    ("precision@layer=3,dtype=bfloat16,site=mlp", "PRECISION"),
+    ("bitflip@layer=1,rate=0.01,bits=exponent", "SPIKE|OVERFLOW"),
+])
+def test_planted_fault_is_named(spec, family, tmp_path):
+    result = _diagnose(tmp_path, inject=[spec])
+    layer = int(spec.split("layer=")[1].split(",")[0])
+    top = result.layers.iloc[0]
+    assert top["layer"] == layer, result.layers[["layer", "verdict", "evidence"]].head()
+    assert top["verdict"] == FAULT
+    assert set(family.split("|")) & set(top["diagnosis"].split(",")), top["evidence"]
+    assert f"Layer {layer} (" in result.headlines[0] and "FAULT" in result.headlines[0]
+
+
+def test_first_and_last_layers_are_diagnosable(tmp_path):
+    for layer in (0, 5):
+        result = _diagnose(tmp_path / str(layer), inject=[f"dead_zone@layer={layer},m=0.3"])
+        assert result.layers.iloc[0]["layer"] == layer
+        assert result.layers.iloc[0]["verdict"] == FAULT
+
+
+def test_diagnosis_without_probes_uses_clean_evidence(tmp_path):
+    result = _diagnose(tmp_path, inject=["dead_zone@layer=2,m=0.3"], probes="none")
+    assert result.layers.iloc[0]["layer"] == 2 and result.layers.iloc[0]["verdict"] == FAULT
+    assert np.isnan(result.layers.iloc[0]["gain"])
+
+
+def test_robust_z():
+    v = np.array([1.0, 1.1, 0.9, 1.0, 5.0, np.nan])
+    z = robust_z(v)
+    assert z[4] > 10 and abs(z[0]) < 1 and z[5] == 0
+
+
+def test_cli_explain_and_fail_on(tmp_path):
+    model = build("llama", layers=4)
+    cfg = DumpConfig(dump_path=str(tmp_path / "d"), inject=["dead_zone@layer=1,m=0.3"])
+    with register_hook(model, cfg), torch.no_grad():
+        model(input_ids=torch.randint(0, 128, (1, 20)))
+    res = run_cli("srdd-compare", str(tmp_path / "d"), "-o", str(tmp_path / "r.csv"),
+                  "--explain", "--fail-on", "fault")
+    assert res.returncode == 1
+    assert "Layer 1 (model.layers.1): FAULT - dead zone" in res.stdout
+    assert "evidence:" in res.stdout and "exact zeros" in res.stdout
+    res = run_cli("srdd-compare", str(tmp_path / "d"), "-o", str(tmp_path / "r.csv"), "-q")
+    assert res.returncode == 0
+    res = run_cli("srdd-compare", str(tmp_path / "d"), "--fail-on", "sometimes")
+    assert res.returncode == 2 and "--fail-on" in res.stderr
+
+
+def test_healthy_report_says_normal_everywhere(tmp_path):
+    result = _diagnose(tmp_path, "qwen2")
+    assert set(result.layers["verdict"]) <= {NORMAL, "SUSPECT"}
