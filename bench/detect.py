@@ -96,7 +96,7 @@ def calibration_row(tmp: str) -> dict:
     with DumpReader(path) as r:
         sigs = file_signals(r)
     out: dict[str, float] = {}
-    for kind, group in site_groups(sigs).items():
+    for group in site_groups(sigs).values():
         z = relative_z(group)
         for name, values in z.items():
             out[f"z_{name}"] = max(out.get(f"z_{name}", 0.0), float(np.nanmax(np.abs(values))))

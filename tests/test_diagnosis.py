@@ -95,3 +95,33 @@ def test_cli_explain_and_fail_on(tmp_path):
 def test_healthy_report_says_normal_everywhere(tmp_path):
     result = _diagnose(tmp_path, "qwen2")
     assert set(result.layers["verdict"]) <= {NORMAL, "SUSPECT"}
+
+
+def test_aqn_rules():
+    import pandas as pd
+
+    from srdd_dump.analysis.aqn import aqn_config, to_yaml
+
+    layers = pd.DataFrame({
+        "source": ["a"] * 5, "layer": range(5), "verdict": ["NORMAL"] * 4 + ["FAULT"],
+        "gain": [1.0, 1.0, 0.5, 1.0, 0.5],  # median 1.0: layers 2 and 4 lose signal
+        "kurtosis": [10.0, 10.0, 10.0, 20.0, 20.0],  # median 10: layers 3 and 4 saturate
+        "instability": [0.0, 0.5, 0.0, 0.0, 0.0],  # layer 1 is already noisy
+    })
+    cfg = aqn_config(layers)["aqn"]
+    assert cfg["layer_sigmas"] == {0: 0.05, 1: 0.025, 2: 0.075, 3: 0.075, 4: 0.1125}
+    assert cfg["high_priority_layers"] == [2, 3, 4]
+    text = to_yaml(aqn_config(layers))
+    assert "high_priority_layers: [2, 3, 4]" in text and "fault_layers: [4]" in text
+
+
+def test_cli_writes_aqn_config(tmp_path):
+    model = build("llama", layers=4)
+    with register_hook(model, DumpConfig(dump_path=str(tmp_path / "d"))), torch.no_grad():
+        model(input_ids=torch.randint(0, 128, (1, 20)))
+    res = run_cli("srdd-compare", str(tmp_path / "d"), "-o", str(tmp_path / "r.xlsx"),
+                  "--aqn-config", str(tmp_path / "aqn.yaml"))
+    assert res.returncode == 0, res.stderr
+    text = (tmp_path / "aqn.yaml").read_text()
+    assert "layer_sigmas:" in text and "base_sigma: 0.05" in text
+    assert text.count("    ") >= 4  # one line per layer under layer_sigmas
