@@ -85,12 +85,12 @@ def pair_rounds(mine: np.ndarray, golden: np.ndarray) -> list[RoundPair]:
         if g is None:
             for row in my_s[s]:
                 out.append(RoundPair(s, None, int(row["step"]), int(row["round"]), None, "",
-                                     f"my sample {s} has no counterpart in the golden dump"))
+                                     f"no counterpart: my sample {s} is not in the golden dump"))
             continue
         if s is None:
             for row in golden_s[g]:
                 out.append(RoundPair(None, g, int(row["step"]), None, int(row["round"]), "",
-                                     f"golden sample {g} has no counterpart in my dump"))
+                                     f"no counterpart: golden sample {g} is not in my dump"))
             continue
         mine_by_step = {int(r["step"]): r for r in my_s[s]}
         golden_by_step = {int(r["step"]): r for r in golden_s[g]}
@@ -98,11 +98,12 @@ def pair_rounds(mine: np.ndarray, golden: np.ndarray) -> list[RoundPair]:
         for step in sorted(set(mine_by_step) | set(golden_by_step)):
             a, b = mine_by_step.get(step), golden_by_step.get(step)
             if a is None or b is None:
-                side = "golden" if a is not None else "my"
+                where = f"my sample {s}" if a is not None else f"golden sample {g}"
+                other = "the golden dump" if a is not None else "my dump"
                 out.append(RoundPair(
                     s, g, step, None if a is None else int(a["round"]),
                     None if b is None else int(b["round"]), "",
-                    f"step {step} of sample {s if a is not None else g} is not in the {side} dump",
+                    f"no counterpart: step {step} of {where} is not in {other}",
                 ))
                 continue
             here = input_match(int(a["tokens_hash"]), int(b["tokens_hash"]))

@@ -103,7 +103,8 @@ class Thresholds:
             warn, fail = getattr(self, f"{kind}_warn"), getattr(self, f"{kind}_fail")
             if warn is not None and fail is not None and warn > fail:
                 raise UserError(f"--{_opt(kind)}-warn {warn} is above --{_opt(kind)}-fail {fail}")
-        if self.cos_warn is not None and self.cos_fail is not None and self.cos_warn < self.cos_fail:
+        cos_warn, cos_fail = self.cos_warn, self.cos_fail
+        if cos_warn is not None and cos_fail is not None and cos_warn < cos_fail:
             raise UserError(f"--cos-warn {self.cos_warn} is below --cos-fail {self.cos_fail}")
         return self
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 from ..analysis.diagnosis import VERDICT_ORDER
 from .table import INCOMPLETE, OK, SKIPPED
 

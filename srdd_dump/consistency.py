@@ -1,0 +1,259 @@
+"""Multi-card consistency of one dump folder, reference-free: find the odd card out.
+
+``check_consistency`` groups the dump files that ran the same model (same layer names) on the
+same inputs (same token-ids hashes per sample), and for every group of three or more compares,
+layer by layer over every round they share, each source with the element-wise median of the
+others (analysis.consistency). It names the sources that depart and the first layer where each
+departs. Records are streamed in blocks; ``jobs`` > 1 runs one task per (group, layer) on a
+process pool. numpy + h5py + pandas only.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import pandas as pd
+
+from .analysis.consistency import LayerConsistency
+from .analysis.tolerance import Thresholds, tolerance_dtype
+from .format import schema as s
+from .format.reader import DumpError, DumpReader
+from .pool import run_tasks
+from .streaming import block_rows, clean_block_records, open_reader, record_blocks, shape_of
+
+MIN_SOURCES = 3
+STACK_MODULE = "(stack input)"
+CONSISTENCY_COLUMNS = [
+    "group", "source", "layer", "module", "rounds", "cosine_similarity", "max_absolute_error",
+    "relative_error", "others_relative_error", "nan_inf", "tolerance", "departs",
+    "first_departure",
+]
+SUMMARY_COLUMNS = [
+    "group", "source", "sources", "rounds", "odd", "first_departing_layer",
+    "first_departing_module", "worst_layer", "max_relative_error",
+]
+
+
+@dataclass
+class ConsistencyResult:
+    """``table``: one row per (group, layer, source) in layer order; ``summary``: one row per
+    (group, source); ``messages``: one line per group naming the odd card out (or none)."""
+
+    table: pd.DataFrame
+    summary: pd.DataFrame
+    groups: list[list[str]]
+    messages: list[str]
+    skipped_rounds: int = 0  # rounds left out because a source lacked the record or its shape
+    written: list[str] = field(default_factory=list)
+
+    @property
+    def odd_sources(self) -> list[str]:
+        return list(self.summary.loc[self.summary["odd"], "source"])
+
+
+@dataclass
+class _Source:
+    path: str
+    source: str
+    layers: list[str]
+    records: dict[tuple[int, int], int]
+    rounds: dict[tuple[int, int, int], int]  # (sample hash, step, round hash) -> round
+    samples: frozenset
+    dtype: str
+
+
+@dataclass
+class _Task:
+    group: int
+    layer: int
+    paths: list[str]
+    records: list[list[int]]  # per common round, one record index per source
+    tolerance: float
+    floor: float
+
+
+def check_consistency(
+    files: Sequence[str],
+    root: str | None = None,
+    *,
+    thresholds: Thresholds | None = None,
+    jobs: int = 1,
+    progress: bool = False,
+) -> ConsistencyResult | None:
+    """Consistency of the dump ``files`` (paths, e.g. every file compare_path found).
+
+    Sources are named by their path relative to ``root`` (default: as given). Files that cannot
+    be read, or that did not record their input ids, are left out. Returns None when no group
+    of at least three sources shares a model and inputs.
+    """
+    thresholds = (thresholds or Thresholds()).validate()
+    sources = [x for x in (_inspect(f, root) for f in files) if x is not None]
+    grouped: dict[tuple, list[_Source]] = {}
+    for src in sources:
+        grouped.setdefault((tuple(src.layers), src.samples), []).append(src)
+    groups = [g for g in grouped.values() if len(g) >= MIN_SOURCES]
+    tasks: list[_Task] = []
+    kept: list[list[_Source]] = []
+    tolerance: list[str] = []
+    for members in groups:
+        common = set.intersection(*(set(m.rounds) for m in members))
+        if not common:
+            continue
+        keys = sorted(common, key=lambda k: members[0].rounds[k])
+        limits = thresholds.limits(*_least_precise(members))
+        layers = list(range(len(members[0].layers)))
+        if all(any(k[1] == s.STACK_INPUT for k in m.records) for m in members):
+            layers = [s.STACK_INPUT] + layers
+        for layer in layers:
+            recs = [[m.records.get((m.rounds[k], layer), -1) for m in members] for k in keys]
+            tasks.append(_Task(len(kept), layer, [m.path for m in members], recs,
+                               limits.rel_dist_warn, limits.floor))
+        kept.append(members)
+        tolerance.append(limits.tolerance)
+    if not kept:
+        return None
+    parts = run_tasks(_run_task, tasks, jobs, show=progress, desc="consistency")
+    rows, skipped = [], 0
+    for task, (results, n_rounds, n_skipped) in zip(tasks, parts):
+        skipped += n_skipped
+        members = kept[task.group]
+        for src, res in zip(members, results):
+            rows.append(dict(
+                res, group=task.group, source=src.source, layer=task.layer,
+                module=_module(src, task.layer), rounds=n_rounds, tolerance=tolerance[task.group],
+            ))
+    table = _table(rows)
+    summary = _summary(table, kept)
+    return ConsistencyResult(
+        table=table, summary=summary, groups=[[m.source for m in g] for g in kept],
+        messages=_messages(table, summary), skipped_rounds=skipped,
+    )
+
+
+def _inspect(path: str, root: str | None) -> _Source | None:
+    try:
+        reader = DumpReader(path)
+    except DumpError:
+        return None
+    with reader:
+        records = clean_block_records(reader)
+        if not records:
+            return None
+        rows = sorted(reader.rounds, key=lambda r: (int(r["sample"]), int(r["step"])))
+        first: dict[int, int] = {}
+        rounds: dict[tuple[int, int, int], int] = {}
+        for r in rows:
+            sample_hash = first.setdefault(int(r["sample"]), int(r["tokens_hash"]))
+            if not sample_hash or not int(r["tokens_hash"]):
+                return None  # input ids not recorded: the inputs cannot be checked
+            rounds[(sample_hash, int(r["step"]), int(r["tokens_hash"]))] = int(r["round"])
+        rec = reader.records[next(iter(records.values()))]
+        return _Source(
+            path=path, source=os.path.relpath(path, root) if root else path,
+            layers=list(reader.layers), records=records, rounds=rounds,
+            samples=frozenset(first.values()), dtype=reader.dtype_of(rec),
+        )
+
+
+def _least_precise(members: list[_Source]) -> tuple[str, str]:
+    dtype = members[0].dtype
+    for m in members[1:]:
+        dtype = tolerance_dtype(dtype, m.dtype)
+    return dtype, dtype
+
+
+def _module(src: _Source, layer: int) -> str:
+    if layer == s.STACK_INPUT:
+        return STACK_MODULE
+    return src.layers[layer] if 0 <= layer < len(src.layers) else ""
+
+
+def _run_task(task: _Task) -> tuple[list[dict], int, int]:
+    """Accumulate one layer of one group over its common rounds: (per-source results,
+    rounds used, rounds skipped)."""
+    readers = [open_reader(p) for p in task.paths]
+    acc = LayerConsistency(len(readers))
+    skipped = 0
+    for recs in task.records:
+        if min(recs) < 0:
+            skipped += 1
+            continue
+        records = [r.records[i] for r, i in zip(readers, recs)]
+        if len({shape_of(x) for x in records}) != 1:
+            skipped += 1
+            continue
+        rows = block_rows(int(records[0]["width"]) * len(records))
+        streams = [record_blocks(r, x, rows) for r, x in zip(readers, records)]
+        for blocks in zip(*streams):
+            acc.add(list(blocks))
+        acc.rounds += 1
+    return acc.results(task.tolerance, task.floor), acc.rounds, skipped
+
+
+def _table(rows: list[dict]) -> pd.DataFrame:
+    df = pd.DataFrame(rows, columns=[c for c in CONSISTENCY_COLUMNS if c != "first_departure"])
+    df = df.sort_values(["group", "layer", "source"], kind="mergesort").reset_index(drop=True)
+    df["first_departure"] = False
+    departing = df[df["departs"]]
+    if len(departing):
+        first = departing.groupby(["group", "source"], sort=False)["layer"].idxmin()
+        df.loc[first.to_numpy(), "first_departure"] = True
+    return df[CONSISTENCY_COLUMNS]
+
+
+def _summary(table: pd.DataFrame, groups: list[list[_Source]]) -> pd.DataFrame:
+    rows = []
+    for g, members in enumerate(groups):
+        part = table[table["group"] == g]
+        for m in members:
+            mine = part[part["source"] == m.source]
+            first = mine[mine["first_departure"]]
+            worst = mine.loc[mine["relative_error"].idxmax()] if len(mine) else None
+            rows.append({
+                "group": g, "source": m.source, "sources": len(members),
+                "rounds": int(mine["rounds"].max()) if len(mine) else 0,
+                "odd": bool(len(first)),
+                "first_departing_layer": int(first["layer"].iloc[0]) if len(first) else None,
+                "first_departing_module": str(first["module"].iloc[0]) if len(first) else "",
+                "worst_layer": None if worst is None else int(worst["layer"]),
+                "max_relative_error": np.nan if worst is None else float(worst["relative_error"]),
+            })
+    df = pd.DataFrame(rows, columns=SUMMARY_COLUMNS)
+    for col in ("first_departing_layer", "worst_layer"):
+        df[col] = df[col].astype("Int64")
+    return df
+
+
+def _messages(table: pd.DataFrame, summary: pd.DataFrame) -> list[str]:
+    out = []
+    for g, part in summary.groupby("group", sort=True):
+        odd = part[part["odd"]].sort_values("first_departing_layer", kind="mergesort")
+        rows = table[table["group"] == g]
+        n = len(part)
+        if odd.empty:
+            out.append(
+                f"group {g}: all {n} sources agree (largest relative error to the median of "
+                f"the others {rows['relative_error'].max():.3g}, at "
+                f"{rows['tolerance'].iloc[0]} tolerance)"
+            )
+            continue
+        if len(odd) == 1:
+            o = odd.iloc[0]
+            at = rows[(rows["source"] == o["source"]) & rows["first_departure"]].iloc[0]
+            out.append(
+                f"group {g}: odd card out: {o['source']} departs from the other {n - 1} sources "
+                f"first at layer {int(at['layer'])} ({at['module']}): relative error "
+                f"{at['relative_error']:.3g} to the median of the others, whose own spread is "
+                f"{at['others_relative_error']:.3g}"
+                + (f"; {int(at['nan_inf'])} NaN/Inf the others do not have" if at["nan_inf"]
+                   else "")
+            )
+            continue
+        names = ", ".join(
+            f"{o['source']} (layer {int(o['first_departing_layer'])})" for _, o in odd.iterrows()
+        )
+        out.append(f"group {g}: {len(odd)} of {n} sources depart: {names}")
+    return out

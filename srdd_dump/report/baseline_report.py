@@ -1,0 +1,250 @@
+"""Report of a GPU-baseline comparison: CSV, XLSX (coloured rows, summary sheet, chart), terminal.
+
+CSV: the compare table at the given path and the file table at ``<stem>.files.csv``.
+XLSX: sheets ``compare`` (msprobe-style row colours), ``summary`` (first divergent layer, worst
+layers, per-layer table and a line chart of cosine similarity and relative error against the
+layer) and ``files``. Every text cell is escaped against formula injection.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import TYPE_CHECKING, Callable
+
+import pandas as pd
+from openpyxl.chart import LineChart, Reference
+from openpyxl.styles import Font, PatternFill
+from openpyxl.utils import get_column_letter
+
+from ..analysis.divergence import RED, YELLOW
+from ..analysis.tolerance import VERDICTS
+from ..errors import UserError
+from .csvfile import files_csv_path
+from .table import escape_formula, escape_formulas
+
+if TYPE_CHECKING:
+    from ..analysis.divergence import BaselineSummary
+    from ..baseline import BaselineResult
+
+ID_COLUMNS = [
+    "source", "golden_source", "sample", "golden_sample", "step", "layer", "module",
+    "golden_layer", "golden_module", "input_match",
+]
+# msit llm compare's columns, in its order (its data path and op type columns do not apply).
+MSIT_COLUMNS = [
+    "golden_dtype", "golden_shape", "golden_max_value", "golden_min_value", "golden_mean_value",
+    "my_dtype", "my_shape", "my_max_value", "my_min_value", "my_mean_value",
+    "cosine_similarity", "max_relative_error", "mean_relative_error", "max_absolute_error",
+    "mean_absolute_error", "kl_divergence", "relative_euclidean_distance", "cmp_fail_reason",
+]
+EXTRA_COLUMNS = [
+    "sqnr", "one_thousandth_err_ratio", "five_thousandths_err_ratio", "golden_nan_inf",
+    "my_nan_inf", "error_amplification", "tolerance", "verdict", "highlight", "first_divergence",
+]
+BASELINE_COLUMNS = ID_COLUMNS + MSIT_COLUMNS + EXTRA_COLUMNS
+DERIVED_COLUMNS = ["error_amplification", "highlight", "first_divergence"]
+FILE_COLUMNS = [
+    "role", "source", "status", "reason", "paired_with", "rounds", "samples", "layers", "rank",
+    "pid",
+]
+
+COMPARE_SHEET = "compare"
+SUMMARY_SHEET = "summary"
+FILES_SHEET = "files"
+FILLS = {
+    RED: PatternFill(fill_type="solid", start_color="FFFFC7CE", end_color="FFFFC7CE"),
+    YELLOW: PatternFill(fill_type="solid", start_color="FFFFEB9C", end_color="FFFFEB9C"),
+}
+MAX_WIDTH = 60
+MAX_TEXT = 40
+
+Writer = Callable[["BaselineResult", str], "list[str]"]
+
+
+def writer_for(output: str) -> Writer:
+    ext = os.path.splitext(output)[1].lower()
+    if ext == ".csv":
+        return write_csv
+    if ext == ".xlsx":
+        return write_xlsx
+    raise UserError(
+        f"{output}: unknown report format {ext or '(no extension)'!r}; use .csv or .xlsx"
+    )
+
+
+def write_csv(result: BaselineResult, path: str) -> list[str]:
+    """The compare table at ``path`` and the file table next to it; returns both paths."""
+    files_path = files_csv_path(path)
+    escape_formulas(result.table).to_csv(path, index=False)
+    escape_formulas(result.files).to_csv(files_path, index=False)
+    return [path, files_path]
+
+
+def write_xlsx(result: BaselineResult, path: str) -> list[str]:
+    """Sheets compare, summary (with the chart) and files; returns ``[path]``."""
+    table = result.table
+    with pd.ExcelWriter(path, engine="openpyxl") as xw:
+        _finite_cells(escape_formulas(table)).to_excel(xw, sheet_name=COMPARE_SHEET, index=False)
+        xw.book.create_sheet(SUMMARY_SHEET)
+        escape_formulas(result.files).to_excel(xw, sheet_name=FILES_SHEET, index=False)
+        ws = xw.sheets[COMPARE_SHEET]
+        bold = Font(bold=True)
+        first_col = table.columns.get_loc("first_divergence") + 1
+        for i, (mark, first) in enumerate(zip(table["highlight"], table["first_divergence"]), 2):
+            fill = FILLS.get(mark)
+            if fill is not None:
+                for cell in ws[i]:
+                    cell.fill = fill
+            if first:
+                ws.cell(row=i, column=first_col).font = bold
+        for name, df in ((COMPARE_SHEET, table), (FILES_SHEET, result.files)):
+            sheet = xw.sheets[name]
+            sheet.freeze_panes = "A2"
+            if len(df.columns):
+                sheet.auto_filter.ref = sheet.dimensions
+            _fit_columns(sheet, df)
+        _summary_sheet(xw.book[SUMMARY_SHEET], result)
+    return [path]
+
+
+def _finite_cells(df: pd.DataFrame) -> pd.DataFrame:
+    """Excel has no Inf: write +-Inf as the text 'inf' / '-inf' (NaN stays an empty cell)."""
+    out = df.copy()
+    for col in out.columns:
+        if pd.api.types.is_float_dtype(out[col]):
+            values = out[col]
+            if values.isin([math.inf, -math.inf]).any():
+                out[col] = values.astype(object).where(~values.isin([math.inf]), "inf")
+                out[col] = out[col].where(~values.isin([-math.inf]), "-inf")
+    return out
+
+
+def _summary_sheet(ws, result: BaselineResult) -> None:
+    s = result.summary
+    lines = [
+        ("my dumps", result.path),
+        ("golden dumps", result.baseline),
+        ("compared rounds", s.rounds),
+        *((f"{v} rows", s.verdicts[v]) for v in VERDICTS),
+        ("first divergent layer", "" if s.first_layer is None else s.first_layer),
+        ("first divergent module", s.first_module),
+        ("rounds it introduced the error in", s.first_rounds if s.first_layer is not None else ""),
+        ("finding", s.message),
+    ]
+    lines += [(f"not compared: {k}", v) for k, v in s.not_compared.items()]
+    ws.cell(row=1, column=1, value="srdd-compare: GPU-baseline summary").font = Font(bold=True)
+    for i, (key, value) in enumerate(lines, start=2):
+        ws.cell(row=i, column=1, value=key)
+        ws.cell(row=i, column=2, value=escape_formula(value))
+    row = len(lines) + 3
+    ws.cell(row=row, column=1, value="worst layers (largest relative error)").font = Font(bold=True)
+    row = _write_frame(ws, s.worst, row + 1) + 2
+    ws.cell(row=row, column=1, value="per layer, over every compared round").font = Font(bold=True)
+    header = row + 1
+    last = _write_frame(ws, s.per_layer, header)
+    ws.column_dimensions["A"].width = 34
+    ws.column_dimensions["B"].width = 40
+    if len(s.per_layer):
+        _chart(ws, s.per_layer, header, last)
+
+
+def _write_frame(ws, df: pd.DataFrame, row: int) -> int:
+    """Write a header and the rows of ``df`` from ``row``; returns the last row written."""
+    df = _finite_cells(escape_formulas(df))
+    for j, col in enumerate(df.columns, start=1):
+        ws.cell(row=row, column=j, value=str(col)).font = Font(bold=True)
+    for i, values in enumerate(df.itertuples(index=False), start=row + 1):
+        for j, value in enumerate(values, start=1):
+            ws.cell(row=i, column=j, value=None if _missing(value) else _plain(value))
+    return row + len(df)
+
+
+def _chart(ws, per_layer: pd.DataFrame, header: int, last: int) -> None:
+    cols = list(per_layer.columns)
+    layer = cols.index("layer") + 1
+    cos = cols.index("min_cosine_similarity") + 1
+    red = cols.index("max_relative_euclidean_distance") + 1
+    chart = LineChart()
+    chart.title = "cosine similarity and relative error by layer"
+    chart.x_axis.title = "layer"
+    chart.y_axis.title = "cosine similarity (min)"
+    chart.add_data(Reference(ws, min_col=cos, min_row=header, max_row=last), titles_from_data=True)
+    chart.set_categories(Reference(ws, min_col=layer, min_row=header + 1, max_row=last))
+    errors = LineChart()
+    errors.add_data(Reference(ws, min_col=red, min_row=header, max_row=last), titles_from_data=True)
+    errors.y_axis.axId = 200
+    errors.y_axis.title = "relative error (max)"
+    errors.y_axis.crosses = "max"
+    for axis in (chart.x_axis, chart.y_axis, errors.y_axis):
+        axis.delete = False
+    chart += errors
+    chart.height, chart.width = 9, 18
+    ws.add_chart(chart, "J2")
+
+
+def _fit_columns(sheet, df: pd.DataFrame) -> None:
+    for j, col in enumerate(df.columns, start=1):
+        longest = df[col].astype(str).str.len().max() if len(df) else 0
+        width = min(MAX_WIDTH, max(len(str(col)), int(longest or 0)) + 2)
+        sheet.column_dimensions[get_column_letter(j)].width = width
+
+
+def _missing(value) -> bool:
+    try:
+        return bool(pd.isna(value))
+    except (TypeError, ValueError):
+        return False
+
+
+def _plain(value):
+    """numpy scalars -> Python scalars for openpyxl."""
+    return value.item() if hasattr(value, "item") else value
+
+
+# -- terminal ----------------------------------------------------------------------------------
+
+WORST_SHOWN = [
+    "layer", "module", "verdict", "min_cosine_similarity", "max_relative_euclidean_distance",
+    "max_error_amplification",
+]
+
+
+def summary_text(result: BaselineResult) -> str:
+    """One screen: files, verdict counts, the finding, the first divergence, the worst layers."""
+    s: BaselineSummary = result.summary
+    files = result.files
+    lines = []
+    for role, label in (("my", "my dumps"), ("golden", "golden dumps")):
+        side = files[files["role"] == role]
+        skipped = int((side["status"] == "skipped").sum())
+        where = result.path if role == "my" else result.baseline
+        lines.append(f"{label}: {where}: {len(side)} files, {skipped} skipped")
+    counts = ", ".join(f"{s.verdicts[v]} {v}" for v in VERDICTS)
+    lines.append(f"rows: {len(result.table)} ({s.rounds} compared rounds): {counts}")
+    for reason, n in s.not_compared.items():
+        lines.append(f"not compared: {n} rows: {reason}")
+    lines.append(f"finding: {s.message}")
+    if s.first_layer is not None:
+        lines.append(f"first divergence: layer {s.first_layer} ({s.first_module})")
+    if len(s.worst):
+        lines.append("worst layers:")
+        top = s.worst[WORST_SHOWN].rename(columns={
+            "min_cosine_similarity": "cosine(min)",
+            "max_relative_euclidean_distance": "rel_err(max)",
+            "max_error_amplification": "growth(max)",
+        })
+        top["module"] = top["module"].map(_shorten)
+        text = top.to_string(index=False, formatters={
+            "cosine(min)": "{:.6f}".format, "rel_err(max)": "{:.3g}".format,
+            "growth(max)": "{:.3g}".format,
+        })
+        lines.extend("  " + line for line in text.splitlines())
+    if result.written:
+        lines.append("report: " + ", ".join(result.written))
+    return "\n".join(lines)
+
+
+def _shorten(text) -> str:
+    text = str(text)
+    return text if len(text) <= MAX_TEXT else "..." + text[-(MAX_TEXT - 3) :]

@@ -1,0 +1,85 @@
+"""Report of a multi-card consistency check: CSV, XLSX sheets, terminal lines.
+
+* ``report.csv`` -> ``report.consistency.csv`` (per layer and source) and
+  ``report.consistency_summary.csv`` (per source), next to it.
+* ``report.xlsx`` -> sheets ``consistency`` (departing rows red, first departures bold) and
+  ``consistency_summary``, added to the workbook when it exists (other sheets are kept).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING
+
+import pandas as pd
+from openpyxl.styles import Font, PatternFill
+from openpyxl.utils import get_column_letter
+
+from ..errors import UserError
+from .table import escape_formulas
+
+if TYPE_CHECKING:
+    from ..consistency import ConsistencyResult
+
+TABLE_SHEET = "consistency"
+SUMMARY_SHEET = "consistency_summary"
+RED = PatternFill(fill_type="solid", start_color="FFFFC7CE", end_color="FFFFC7CE")
+MAX_WIDTH = 60
+
+
+def consistency_paths(report_path: str) -> list[str]:
+    """Files ``write_consistency`` writes for a report path (CSV: two siblings; XLSX: itself)."""
+    stem, ext = os.path.splitext(report_path)
+    if ext.lower() == ".csv":
+        return [stem + ".consistency.csv", stem + ".consistency_summary.csv"]
+    return [report_path]
+
+
+def write_consistency(result: ConsistencyResult, report_path: str) -> list[str]:
+    """Write the consistency tables for a report at ``report_path`` (.csv or .xlsx)."""
+    ext = os.path.splitext(report_path)[1].lower()
+    if ext not in (".csv", ".xlsx"):
+        raise UserError(f"{report_path}: unknown report format {ext!r}; use .csv or .xlsx")
+    paths = consistency_paths(report_path)
+    if ext == ".csv":
+        escape_formulas(result.table).to_csv(paths[0], index=False)
+        escape_formulas(result.summary).to_csv(paths[1], index=False)
+        return paths
+    exists = os.path.exists(report_path)
+    kwargs = {"mode": "a", "if_sheet_exists": "replace"} if exists else {"mode": "w"}
+    with pd.ExcelWriter(report_path, engine="openpyxl", **kwargs) as xw:
+        escape_formulas(result.table).to_excel(xw, sheet_name=TABLE_SHEET, index=False)
+        escape_formulas(result.summary).to_excel(xw, sheet_name=SUMMARY_SHEET, index=False)
+        ws = xw.sheets[TABLE_SHEET]
+        first_col = result.table.columns.get_loc("first_departure") + 1
+        for i, (departs, first) in enumerate(
+            zip(result.table["departs"], result.table["first_departure"]), start=2
+        ):
+            if departs:
+                for cell in ws[i]:
+                    cell.fill = RED
+            if first:
+                ws.cell(row=i, column=first_col).font = Font(bold=True)
+        for name, df in ((TABLE_SHEET, result.table), (SUMMARY_SHEET, result.summary)):
+            sheet = xw.sheets[name]
+            sheet.freeze_panes = "A2"
+            if len(df.columns):
+                sheet.auto_filter.ref = sheet.dimensions
+            for j, col in enumerate(df.columns, start=1):
+                longest = df[col].astype(str).str.len().max() if len(df) else 0
+                width = min(MAX_WIDTH, max(len(str(col)), int(longest or 0)) + 2)
+                sheet.column_dimensions[get_column_letter(j)].width = width
+    return paths
+
+
+def consistency_text(result: ConsistencyResult) -> str:
+    """Terminal lines: the groups compared and, per group, the odd card out (or none)."""
+    lines = [
+        f"consistency: {len(result.groups)} group(s) of sources with the same model and inputs "
+        f"({', '.join(str(len(g)) for g in result.groups)} sources)"
+    ]
+    lines += [f"  {m}" for m in result.messages]
+    if result.skipped_rounds:
+        lines.append(f"  {result.skipped_rounds} (round, layer) pairs left out: a source lacked "
+                     f"the record or its shape differed")
+    return "\n".join(lines)

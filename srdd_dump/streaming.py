@@ -1,0 +1,74 @@
+"""Read a dump record in blocks of whole rows, so that any tensor is processed in constant memory.
+
+Only the public ``DumpReader.read`` is used: a block is a copy of the record narrowed to some of
+its rows (``row0``, ``nrows``) and presented as batch 1.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+
+from .format import schema as s
+from .format.reader import DumpReader
+
+BLOCK_ELEMENTS = 1 << 20  # about 4 MiB of float32 per block
+
+
+def block_rows(width: int, elements: int | None = None) -> int:
+    """Whole rows of ``width`` elements per block of about ``elements`` (BLOCK_ELEMENTS)."""
+    return max(1, (elements or BLOCK_ELEMENTS) // max(1, int(width)))
+
+
+def record_blocks(
+    reader: DumpReader, record: np.void, rows: int | None = None
+) -> Iterator[np.ndarray]:
+    """The record's data as float arrays of shape (rows, width), in order."""
+    total, width, row0 = int(record["nrows"]), int(record["width"]), int(record["row0"])
+    step = rows or block_rows(width)
+    for start in range(0, total, step):
+        part = np.array(record).copy()  # np.array(void) alone is a view into reader.records
+        n = min(step, total - start)
+        part["row0"] = row0 + start
+        part["nrows"] = n
+        part["batch"] = 1
+        part["ntok"] = n
+        yield reader.read(part).reshape(n, width)
+
+
+def shape_of(record: np.void) -> tuple[int, int, int]:
+    return int(record["batch"]), int(record["ntok"]), int(record["width"])
+
+
+def clean_block_records(reader: DumpReader) -> dict[tuple[int, int], int]:
+    """(round, layer) -> index into ``reader.records`` of every clean block-output record.
+
+    Records of a round whose row was never written (a crash) are left out, as in compare.
+    """
+    r = reader.records
+    known = set(reader.rounds["round"].tolist())
+    out: dict[tuple[int, int], int] = {}
+    mask = (r["kind"] == s.KIND_CLEAN) & (r["site"] == s.BLOCK_SITE)
+    for i in np.flatnonzero(mask):
+        key = (int(r["round"][i]), int(r["layer"][i]))
+        if key[0] in known:
+            out.setdefault(key, int(i))
+    return out
+
+
+# -- readers shared by the tasks of one process ------------------------------------------------
+
+_READERS: dict[str, DumpReader] = {}
+
+
+def open_reader(path: str) -> DumpReader:
+    """A reader of ``path`` kept open for the later tasks of this process."""
+    if path not in _READERS:
+        _READERS[path] = DumpReader(path)
+    return _READERS[path]
+
+
+def close_readers() -> None:
+    while _READERS:
+        _READERS.popitem()[1].close()

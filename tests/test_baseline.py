@@ -1,0 +1,516 @@
+"""GPU-baseline mode and multi-card consistency: real tiny models captured with register_hook
+(fp32 golden, planted faults, bf16), synthetic dumps for the corner cases, msit metrics by hand,
+the CLI end to end, and -j 2 == -j 1."""
+
+from __future__ import annotations
+
+import csv
+import math
+import os
+import subprocess
+import sys
+import zipfile
+
+import numpy as np
+import openpyxl
+import pandas as pd
+import pytest
+import torch
+
+from srdd_dump import DumpConfig, register_hook, streaming
+from srdd_dump.analysis import metrics as M
+from srdd_dump.analysis.matching import pair_layers, pair_samples
+from srdd_dump.analysis.tolerance import Thresholds, tolerance_dtype
+from srdd_dump.baseline import compare_baseline
+from srdd_dump.consistency import check_consistency
+from srdd_dump.errors import UserError
+from srdd_dump.format import schema as s
+from srdd_dump.format.reader import find_dump_files
+from srdd_dump.report.baseline_report import BASELINE_COLUMNS, MSIT_COLUMNS
+from srdd_dump.report.consistency_report import consistency_text, write_consistency
+
+from capture_utils import ROOT, run_cli
+from dumpfactory import write_dump
+from tiny_models import build
+
+PROMPTS = [torch.randint(0, 128, (1, 16), generator=torch.Generator().manual_seed(k))
+           for k in range(3)]
+FAULT = "noise@layer=2,site=mlp,m=0.05"
+
+
+def capture(folder, *, dtype=torch.float32, inject=(), layers=4, prompts=PROMPTS[:1],
+            new_tokens=0, steps="0") -> str:
+    model = build("llama", layers=layers, dtype=dtype)
+    cfg = DumpConfig(dump_path=str(folder), probes="none", inject=list(inject), steps=steps)
+    with register_hook(model, cfg) as session, torch.no_grad():
+        for ids in prompts:
+            if new_tokens:
+                model.generate(ids, max_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+            else:
+                model(input_ids=ids)
+    return session.path
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("runs")
+    return {
+        "golden": capture(root / "golden"),
+        "fault": capture(root / "fault", inject=[FAULT]),
+        "bf16": capture(root / "bf16", dtype=torch.bfloat16),
+    }
+
+
+def compare(mine, golden, **kw):
+    return compare_baseline(str(mine), str(golden), progress=False, **kw)
+
+
+def block_rows(t: pd.DataFrame) -> pd.DataFrame:
+    return t[t["layer"].notna()]
+
+
+# -- (a) a small fault inside one layer's MLP --------------------------------------------------
+
+
+def test_fault_in_one_mlp_is_the_first_divergence(runs):
+    result = compare(runs["fault"], runs["golden"])
+    t = result.table
+    assert list(t.columns) == BASELINE_COLUMNS
+    assert list(t["layer"]) == [-1, 0, 1, 2, 3]  # layer order, stack input first
+    assert list(t["verdict"]) == ["PASS", "PASS", "PASS", "FAIL", "FAIL"]
+    assert list(t.loc[t["first_divergence"], "layer"]) == [2]
+    assert list(t["highlight"]) == ["", "", "", "red", ""]
+    # The fault is small: every output still looks plausible (cosine far above msprobe's 0.99).
+    assert t["cosine_similarity"].min() > 0.9999
+    assert set(t["input_match"]) == {"same"}
+    row = t[t["layer"] == 2].iloc[0]
+    assert row["error_amplification"] > 1000  # its input agreed exactly
+    assert row["module"] == row["golden_module"] == "model.layers.2"
+    assert row["golden_dtype"] == row["my_dtype"] == "float32"
+    assert row["golden_shape"] == row["my_shape"] == "[1, 16, 64]"
+    assert row["cmp_fail_reason"] == ""
+    summary = result.summary
+    assert (summary.first_layer, summary.first_module) == (2, "model.layers.2")
+    assert summary.pattern == "introduced" and "layer 2 (model.layers.2)" in summary.message
+    assert summary.worst["layer"].iloc[0] == 2
+
+
+def test_side_statistics_are_msit_columns(runs):
+    t = compare(runs["fault"], runs["golden"]).table
+    from srdd_dump.format.reader import DumpReader
+
+    with DumpReader(runs["golden"]) as r:
+        x = r.read(r.select(1)[0]).astype(np.float64)
+    row = t[t["layer"] == 1].iloc[0]
+    assert row["golden_max_value"] == x.max() and row["golden_min_value"] == x.min()
+    assert row["golden_mean_value"] == pytest.approx(x.mean(), rel=1e-12)
+    assert row["relative_euclidean_distance"] == 0 and row["sqnr"] == math.inf
+    assert row["one_thousandth_err_ratio"] == row["five_thousandths_err_ratio"] == 1.0
+
+
+# -- (b) bf16 against fp32: no single introducing layer ----------------------------------------
+
+
+def test_bf16_against_fp32_has_no_introducing_layer(runs):
+    result = compare(runs["bf16"], runs["golden"])
+    t = result.table
+    assert set(t["tolerance"]) == {"bfloat16"}
+    assert set(t["verdict"]) <= {"PASS", "WARN"}
+    assert not t["first_divergence"].any() and not (t["highlight"] != "").any()
+    assert (t["error_amplification"] < 10).all()
+    red = t["relative_euclidean_distance"].to_numpy()
+    assert 0 < red[0] < red[-1]  # the rounding error accumulates along the stack
+    assert t["cmp_fail_reason"].str.startswith("dtypes differ: golden float32, my bfloat16").all()
+    assert result.summary.first_layer is None
+    assert result.summary.pattern == "clean"  # docs/method.md: what the report says
+    assert "bfloat16 tolerance" in result.summary.message
+
+    # Judged at fp32 tolerance, the cast of the embedding output is what introduced the error.
+    strict = compare(runs["bf16"], runs["golden"], thresholds=Thresholds(tolerance="float32"))
+    assert list(strict.table.loc[strict.table["first_divergence"], "layer"]) == [-1]
+    assert "stack input" in strict.summary.message
+
+
+# -- (c) three cards, one faulty ---------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def cards(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cards")
+    for name, inject in (("card0", ()), ("card1", [FAULT]), ("card2", ())):
+        capture(root / name, inject=inject, prompts=PROMPTS[:2])
+    return root
+
+
+def test_consistency_names_the_odd_card_and_its_first_layer(cards, tmp_path):
+    files = find_dump_files(str(cards))
+    result = check_consistency(files, str(cards))
+    assert result is not None and len(result.groups) == 1 and len(result.groups[0]) == 3
+    (odd,) = result.odd_sources
+    assert odd.startswith("card1" + os.sep)
+    row = result.summary.set_index("source").loc[odd]
+    assert row["first_departing_layer"] == 2 and row["first_departing_module"] == "model.layers.2"
+    t = result.table
+    assert list(t.loc[t["first_departure"], "layer"]) == [2]
+    assert set(t.loc[t["departs"], "source"]) == {odd}
+    assert (t["rounds"] == 2).all()
+    assert "odd card out: " + odd in result.messages[0] and "layer 2" in result.messages[0]
+    assert "odd card out" in consistency_text(result)
+
+    csv_paths = write_consistency(result, str(tmp_path / "r.csv"))
+    assert [os.path.basename(p) for p in csv_paths] == [
+        "r.consistency.csv", "r.consistency_summary.csv"]
+    pd.testing.assert_frame_equal(
+        pd.read_csv(csv_paths[0])[["source", "layer", "departs"]],
+        t[["source", "layer", "departs"]].reset_index(drop=True))
+    xlsx = tmp_path / "r.xlsx"
+    openpyxl.Workbook().save(xlsx)  # an existing report keeps its sheets
+    write_consistency(result, str(xlsx))
+    wb = openpyxl.load_workbook(xlsx)
+    assert wb.sheetnames == ["Sheet", "consistency", "consistency_summary"]
+
+
+def test_consistency_needs_three_sources_with_the_same_inputs(cards, tmp_path):
+    files = find_dump_files(str(cards))
+    assert check_consistency(files[:2], str(cards)) is None
+    other = capture(tmp_path / "other", prompts=PROMPTS[2:3])  # same model, other input
+    assert check_consistency(files[:2] + [other]) is None
+
+
+def test_consistency_flags_nan_on_one_card(tmp_path):
+    rng = np.random.default_rng(0)
+    base = [{k: rng.standard_normal((1, 4, 8)).astype(np.float32) for k in (-1, 0, 1)}]
+    for name in ("a", "b", "c", "d"):
+        rounds = [{k: v.copy() for k, v in base[0].items()}]
+        if name == "c":
+            rounds[0][1][0, 1, 3] = np.nan
+        write_dump(str(tmp_path / f"{name}.h5"), rounds)
+    result = check_consistency(find_dump_files(str(tmp_path)), str(tmp_path))
+    assert result.odd_sources == ["c.h5"]
+    t = result.table
+    assert t.loc[t["first_departure"], ["source", "layer", "nan_inf"]].values.tolist() == [
+        ["c.h5", 1, 1]]
+
+
+# -- (d) mismatched models ---------------------------------------------------------------------
+
+
+def test_mismatched_layer_counts_give_rows_not_a_crash(runs, tmp_path):
+    short = capture(tmp_path / "short", layers=3)
+    t = compare(short, runs["golden"]).table
+    assert len(t) == 5  # golden layer 3 kept, with the reason
+    missing = t[t["layer"].isna()].iloc[0]
+    assert missing["golden_layer"] == 3 and missing["verdict"] == "N/A"
+    assert missing["cmp_fail_reason"].startswith("no counterpart: golden layer 3")
+    assert missing["golden_shape"] == "[1, 16, 64]" and missing["my_shape"] == ""
+    assert not math.isnan(missing["golden_max_value"])
+    assert "N/A" not in set(t["verdict"][:4])  # the others are compared (other weights: FAIL)
+
+
+def test_mismatched_widths_and_names_give_rows(tmp_path):
+    rng = np.random.default_rng(1)
+    golden = write_dump(str(tmp_path / "g" / "g.h5"),
+                        [{k: rng.standard_normal((1, 4, 16)) for k in (-1, 0, 1)}],
+                        names=["enc.0", "enc.1"])
+    mine = write_dump(str(tmp_path / "m" / "m.h5"),
+                      [{k: rng.standard_normal((1, 4, 8)) for k in (-1, 0, 1, 2)}],
+                      names=["blocks.0", "blocks.1", "blocks.2"], dtype="float16")
+    result = compare(mine, golden)
+    t = result.table
+    assert list(t["verdict"]) == ["N/A"] * 4
+    paired = t[t["golden_layer"].notna()]
+    assert list(paired["golden_module"]) == ["(stack input)", "enc.0", "enc.1"]  # by index
+    assert paired["cmp_fail_reason"].str.startswith("shape mismatch: golden [1, 4, 16] vs my "
+                                                    "[1, 4, 8]").all()
+    assert t.iloc[-1]["cmp_fail_reason"].startswith("no counterpart: my layer 2 (blocks.2)")
+    assert result.summary.pattern == "nothing"
+    assert set(result.summary.not_compared) == {"shape mismatch", "no counterpart"}
+
+
+# -- (e) NaN/Inf on one side -------------------------------------------------------------------
+
+
+def test_nan_inf_on_one_side_is_flagged(tmp_path):
+    rng = np.random.default_rng(2)
+    rounds = [{k: rng.standard_normal((1, 4, 8)).astype(np.float32) for k in (-1, 0, 1, 2)}]
+    golden = write_dump(str(tmp_path / "g.h5"), rounds)
+    bad = [{k: v.copy() for k, v in rounds[0].items()}]
+    bad[0][1][0, 2, 5] = np.nan
+    bad[0][2][0, 0, 0] = np.inf
+    bad[0][2][0, 2, 5] = np.nan
+    mine = write_dump(str(tmp_path / "m.h5"), bad)
+    t = compare(mine, golden).table
+    assert list(t["verdict"]) == ["PASS", "PASS", "FAIL", "FAIL"]
+    assert list(t["first_divergence"]) == [False, False, True, False]
+    assert list(t["highlight"]) == ["", "", "red", "red"]  # msprobe: NaN/Inf rows are red
+    assert list(t["my_nan_inf"]) == [0, 0, 1, 2] and list(t["golden_nan_inf"]) == [0] * 4
+    assert t.iloc[2]["cmp_fail_reason"] == "NaN/Inf: golden 0, my 1, 1 positions differ"
+    assert t.iloc[2]["cosine_similarity"] == pytest.approx(1.0)  # the finite rest agrees
+
+    same = compare(mine, mine).table  # NaN at the same places on both sides: a warning
+    assert list(same["verdict"]) == ["PASS", "PASS", "WARN", "WARN"]
+    assert "same 1 positions" in same.iloc[2]["cmp_fail_reason"]
+
+
+def test_injected_nan_in_a_real_model(runs, tmp_path):
+    nan = capture(tmp_path / "nan", inject=["stuck_at@layer=1,site=mlp,value=nan"])
+    t = compare(nan, runs["golden"]).table
+    assert list(t.loc[t["first_divergence"], "layer"]) == [1]
+    assert t.iloc[2]["my_nan_inf"] == 16 * 64 and t.iloc[2]["verdict"] == "FAIL"
+
+
+# -- (f) different inputs ----------------------------------------------------------------------
+
+
+def test_different_inputs_are_reported_not_compared(tmp_path):
+    golden = capture(tmp_path / "g", prompts=[PROMPTS[0], PROMPTS[1]])
+    mine = capture(tmp_path / "m", prompts=[PROMPTS[1], PROMPTS[2]])
+    result = compare(mine, golden)
+    t = result.table
+    same = t[t["sample"] == 0]
+    assert (same["golden_sample"] == 1).all()  # paired by the input hash, not by order
+    assert set(same["input_match"]) == {"same"} and set(same["verdict"]) == {"PASS"}
+    differ = t[t["sample"] == 1]
+    assert (differ["golden_sample"] == 0).all()
+    assert set(differ["input_match"]) == {"differ"} and set(differ["verdict"]) == {"N/A"}
+    assert differ["cmp_fail_reason"].str.startswith("inputs differ").all()
+    assert differ["cosine_similarity"].isna().all()
+    assert result.summary.not_compared == {"inputs differ": 5}
+
+
+def test_decode_steps_pair_by_step_and_track_the_inputs(tmp_path):
+    golden = capture(tmp_path / "g", new_tokens=3, steps="all")
+    mine = capture(tmp_path / "m", new_tokens=3, steps="all", inject=[FAULT])
+    t = compare(mine, golden).table
+    assert sorted(set(t["step"])) == [0, 1, 2]
+    firsts = t[t["first_divergence"]]
+    compared = t[t["verdict"] != "N/A"]
+    assert set(firsts["layer"]) == {2}
+    assert len(firsts) == len(compared.groupby("step"))
+
+
+# -- (g) the CLI end to end --------------------------------------------------------------------
+
+NO_TORCH = """
+import sys
+sys.modules["torch"] = None
+from srdd_dump.cli.compare import main
+sys.argv = ["srdd-compare", *{args!r}]
+try:
+    main()
+except SystemExit as e:
+    print("exit", e.code)
+"""
+
+
+def test_cli_csv_end_to_end_without_torch(runs, tmp_path):
+    out = tmp_path / "report.csv"
+    code = NO_TORCH.format(args=[runs["fault"], "--baseline", runs["golden"], "-o", str(out)])
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60, cwd=ROOT)
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+    assert "exit 0" in proc.stdout
+    assert "first divergence: layer 2 (model.layers.2)" in proc.stdout
+    assert "1 compared rounds" in proc.stdout and "report.csv" in proc.stdout
+    with open(out, newline="") as f:
+        rows = list(csv.reader(f))
+    header = rows[0]
+    assert header == BASELINE_COLUMNS
+    assert header[header.index("golden_dtype"):header.index("cmp_fail_reason") + 1] == MSIT_COLUMNS
+    assert [r[header.index("first_divergence")] for r in rows[1:]] == [
+        "False", "False", "False", "True", "False"]
+    assert (tmp_path / "report.files.csv").exists()
+
+
+def test_cli_xlsx_colours_summary_chart_and_gating(runs, tmp_path):
+    out = tmp_path / "report.xlsx"
+    proc = run_cli("srdd-compare", runs["fault"], "--baseline", runs["golden"], "-o", str(out),
+                   "--fail-on", "fault", "-q", timeout=60)
+    assert proc.returncode == 1 and proc.stdout == "" and proc.stderr == "", proc.stderr
+    wb = openpyxl.load_workbook(out)
+    assert wb.sheetnames == ["compare", "summary", "files"]
+    ws = wb["compare"]
+    header = [c.value for c in ws[1]]
+    assert header == BASELINE_COLUMNS
+    fills = [ws.cell(row=i, column=1).fill.fgColor.rgb for i in range(2, ws.max_row + 1)]
+    assert fills[3] == "FFFFC7CE" and all(f != "FFFFC7CE" for k, f in enumerate(fills) if k != 3)
+    assert ws.cell(row=2, column=header.index("sqnr") + 1).value == "inf"  # Excel has no Inf
+    summary = {r[0].value: r[1].value for r in wb["summary"].iter_rows(min_row=2, max_col=2)
+               if r[0].value}
+    assert summary["first divergent layer"] == 2
+    assert summary["first divergent module"] == "model.layers.2"
+    assert summary["FAIL rows"] == 2
+    with zipfile.ZipFile(out) as z:
+        chart = [n for n in z.namelist() if n.startswith("xl/charts/chart")]
+        assert len(chart) == 1
+        xml = z.read(chart[0]).decode()
+    assert xml.count("<lineChart>") == 2 and "cosine similarity" in xml
+    assert "relative error" in xml and "'summary'!" in xml
+
+
+def test_cli_errors_are_one_line_exit_2(runs, tmp_path):
+    from typer.testing import CliRunner
+
+    from srdd_dump.cli.compare import app
+
+    cases = {
+        ("--baseline", str(tmp_path / "nope")): "--baseline " + str(tmp_path / "nope"),
+        ("--baseline", runs["golden"], "--cos-fail", "2"): "--cos-fail 2.0",
+        ("--baseline", runs["golden"], "--rel-dist-warn", "0.1", "--rel-dist-fail", "0.01"):
+            "--rel-dist-warn 0.1 is above",
+        ("--baseline", runs["golden"], "-j", "0"): "--jobs 0",
+        ("--baseline", runs["golden"], "--tolerance", "int8"): "--tolerance 'int8'",
+        ("--cos-fail", "0.9"): "apply with --baseline only",
+    }
+    runner = CliRunner()
+    for args, expected in cases.items():
+        out = tmp_path / "r.csv"
+        res = runner.invoke(app, [runs["fault"], "-o", str(out), *args])
+        lines = res.output.strip().splitlines()
+        assert res.exit_code == 2, (args, res.output)
+        assert len(lines) == 1 and lines[0].startswith("srdd-compare: error: "), res.output
+        assert expected in lines[0], (args, lines[0])
+        assert not out.exists()
+
+
+def test_report_escapes_formulas(tmp_path):
+    rng = np.random.default_rng(3)
+    rounds = [{k: rng.standard_normal((1, 2, 4)) for k in (-1, 0, 1)}]
+    names = ['=HYPERLINK("http://x")', "@sum"]
+    golden = write_dump(str(tmp_path / "g.h5"), rounds, names=names)
+    mine = write_dump(str(tmp_path / "m.h5"), rounds, names=names)
+    compare(mine, golden, output=str(tmp_path / "r.xlsx"))
+    compare(mine, golden, output=str(tmp_path / "r.csv"))
+    ws = openpyxl.load_workbook(tmp_path / "r.xlsx")["compare"]
+    header = [c.value for c in ws[1]]
+    modules = {ws.cell(row=i, column=header.index("module") + 1).value for i in (3, 4)}
+    assert modules == {"'=HYPERLINK(\"http://x\")", "'@sum"}
+    assert "'@sum" in (tmp_path / "r.csv").read_text()
+
+
+# -- (h) metrics against hand-computed values --------------------------------------------------
+
+
+def test_metrics_by_hand():
+    g = np.array([1.0, 2.0, 0.0, -4.0, 1000.0])
+    m = np.array([1.1, 2.0, 0.0, -3.0, 1003.0])
+    gg = 1 + 4 + 16 + 1e6
+    mm = 1.21 + 4 + 9 + 1003.0**2
+    dd = 0.01 + 1 + 9
+    assert M.cosine_similarity(g, m) == pytest.approx((1.1 + 4 + 12 + 1003e3) / math.sqrt(gg * mm))
+    # |m/g - 1| where |g| > eps, else 0: [0.1, 0, 0, 0.25, 0.003]
+    assert M.max_relative_error(g, m) == pytest.approx(0.25)
+    assert M.mean_relative_error(g, m) == pytest.approx((0.1 + 0.25 + 0.003) / 5)
+    assert M.max_absolute_error(g, m) == pytest.approx(3.0)
+    assert M.mean_absolute_error(g, m) == pytest.approx((0.1 + 1 + 3) / 5)
+    assert M.relative_euclidean_distance(g, m) == pytest.approx(math.sqrt(dd / gg))
+    assert M.sqnr(g, m) == pytest.approx(20 * math.log10(math.sqrt(gg) / math.sqrt(dd)))
+    # msprobe ratios: exact (2.0), both zero, and 0.003 <= 0.005 but not <= 0.001
+    assert M.one_thousandth_err_ratio(g, m) == pytest.approx(2 / 5)
+    assert M.five_thousandths_err_ratio(g, m) == pytest.approx(3 / 5)
+
+
+def test_kl_divergence_by_hand_and_stable():
+    z = 1 + math.e + math.e**2
+    p = [1 / z, math.e / z, math.e**2 / z]
+    q = [1 / (1 + 2 * math.e), math.e / (1 + 2 * math.e), math.e / (1 + 2 * math.e)]
+    want = sum(a * math.log(a / b) for a, b in zip(p, q))
+    assert M.kl_divergence(np.array([0.0, 1, 2]), np.array([0.0, 1, 1])) == pytest.approx(want)
+    # softmax is shift invariant: huge values give the same, finite result
+    big = M.kl_divergence(np.array([1000.0, 1001, 1002]), np.array([1000.0, 1001, 1001]))
+    assert big == pytest.approx(want)
+    assert M.kl_divergence(np.array([3.0, -1]), np.array([3.0, -1])) == 0.0  # clamped, exact
+
+
+def test_metric_edge_cases():
+    zero = np.zeros(4)
+    one = np.ones(4)
+    assert M.cosine_similarity(zero, zero) == 1.0  # msit: both all zero
+    assert math.isnan(M.cosine_similarity(zero, one))
+    assert M.relative_euclidean_distance(zero, one) == 0.0  # msit: |g| <= eps gives 0
+    assert M.sqnr(one, one) == math.inf
+    assert M.five_thousandths_err_ratio(zero, one) == 0.0  # msprobe: |m| / eps
+    g = np.array([1.0, np.nan, np.inf, 2.0, 5.0])
+    m = np.array([1.0, np.nan, -np.inf, np.nan, 5.5])
+    check = M.nan_inf(g, m)
+    assert (check.golden, check.mine, check.mismatched) == (2, 3, 2)
+    stats = M.compare_arrays(g, m)
+    assert stats.n == 2 and stats.max_absolute_error == pytest.approx(0.5)
+    assert stats.golden.values() == (5.0, 1.0, pytest.approx(8 / 3))  # finite golden values
+
+
+def test_streamed_blocks_equal_the_whole(monkeypatch):
+    rng = np.random.default_rng(0)
+    g = rng.standard_normal(5000) * 20
+    m = g + rng.standard_normal(5000) * 0.1
+    m[17] = np.nan
+    whole = M.compare_arrays(g, m).metrics()
+    monkeypatch.setattr(M, "BLOCK", 333)
+    parts = M.compare_arrays(g, m).metrics()
+    for name, value in whole.items():
+        assert parts[name] == pytest.approx(value, rel=1e-9, abs=1e-15), name
+
+
+def test_table_is_the_same_in_tiny_blocks(runs, monkeypatch):
+    want = compare(runs["fault"], runs["golden"]).table
+    monkeypatch.setattr(streaming, "BLOCK_ELEMENTS", 100)  # 1 row of 64 per block
+    monkeypatch.setattr(M, "BLOCK", 50)
+    got = compare(runs["fault"], runs["golden"]).table
+    pd.testing.assert_frame_equal(got, want, rtol=1e-9)
+
+
+# -- tolerance and matching --------------------------------------------------------------------
+
+
+def test_thresholds_defaults_and_overrides():
+    assert tolerance_dtype("float32", "bfloat16") == "bfloat16"
+    assert tolerance_dtype("float16", "float32") == "float16"
+    limits = Thresholds().limits("float32", "float32")
+    assert (limits.rel_dist_warn, limits.rel_dist_fail, limits.cos_fail) == (1e-4, 1e-3, 0.99)
+    assert Thresholds().limits("float32", "bfloat16").rel_dist_fail == 0.15
+    forced = Thresholds(tolerance="float16", cos_fail=0.999).limits("float32", "float32")
+    assert (forced.tolerance, forced.rel_dist_warn, forced.cos_fail) == ("float16", 2e-3, 0.999)
+    low = Thresholds(rel_dist_fail=1e-5).limits("float32", "float32")
+    assert low.rel_dist_warn == low.rel_dist_fail == 1e-5  # the pair stays ordered
+    with pytest.raises(UserError, match="--max-abs-warn -1"):
+        Thresholds(max_abs_warn=-1).validate()
+    with pytest.raises(UserError, match="--cos-warn 0.9 is below --cos-fail 0.95"):
+        Thresholds(cos_warn=0.9, cos_fail=0.95).validate()
+
+
+def test_msprobe_style_limits_can_be_set(runs):
+    t = compare(runs["bf16"], runs["golden"],
+                thresholds=Thresholds(cos_fail=0.99, max_abs_fail=0.001)).table
+    over = t["max_absolute_error"] > 0.001  # absolute: depends on the scale of the values
+    assert over.any()
+    assert list(t["verdict"]) == ["FAIL" if x else "PASS" for x in over]
+
+
+def _rounds(hashes):
+    rows = np.zeros(len(hashes), s.ROUND_DTYPE)
+    for i, (sample, step, h) in enumerate(hashes):
+        rows[i]["round"], rows[i]["sample"], rows[i]["step"], rows[i]["tokens_hash"] = (
+            i, sample, step, h)
+    return rows
+
+
+def test_matching_rules():
+    assert pair_layers(["a", "b", "c"], ["b", "a"]) == [(0, 1), (1, 0), (2, None)]
+    assert pair_layers(["x.0", "x.1"], ["y.0", "y.1", "y.2"]) == [(0, 0), (1, 1), (None, 2)]
+    assert pair_layers(["a", "c"], ["a", "b", "c"]) == [(0, 0), (None, 1), (1, 2)]
+    mine = _rounds([(0, 0, 7), (1, 0, 8), (2, 0, 0)])
+    golden = _rounds([(0, 0, 8), (1, 0, 9), (2, 0, 7), (3, 0, 5)])
+    assert pair_samples(mine, golden) == [(0, 2), (1, 0), (2, 1), (None, 3)]
+
+
+# -- (i) -j 2 gives the same table as -j 1 -----------------------------------------------------
+
+
+def test_jobs_two_gives_the_same_table(tmp_path):
+    golden = capture(tmp_path / "g", prompts=PROMPTS[:2], new_tokens=2, steps="all")
+    mine = capture(tmp_path / "m", prompts=PROMPTS[:2], new_tokens=2, steps="all",
+                   inject=[FAULT])
+    one = compare(mine, golden, jobs=1)
+    two = compare(mine, golden, jobs=2)
+    pd.testing.assert_frame_equal(one.table, two.table)
+    assert len(one.table) == 2 * 2 * 5  # samples x steps (prefill, 1 decode) x layers
