@@ -56,7 +56,7 @@ Z_OFFSET = 12.0
 
 @dataclass
 class Evidence:
-    family: str  # DEAD_ZONE, SATURATION, NOISE, SPIKE, BIAS, STUCK, PRECISION, OVERFLOW, ...
+    family: str  # DEAD_ZONE, SAT_SOURCE, PILEUP_SAT, NOISE_SOURCE, SPIKE, BIAS, STUCK, ...
     strength: float  # value / FAULT threshold
     text: str
     exact: bool = True
@@ -116,7 +116,7 @@ def _exact_evidence(sig: Signals, dtype: str, instab_median: float) -> list[Evid
                            f"{sig.zero_frac:.2%} exact zeros in {where}{extra}"))
     flat_limit = FLAT_VALUE.get(dtype, 1e-3)
     if sig.flat_value > SUSPECT_RATIO * flat_limit:
-        ev.append(Evidence("SATURATION", sig.flat_value / flat_limit,
+        ev.append(Evidence("SAT_SOURCE", sig.flat_value / flat_limit,
                            f"{sig.flat_value:.2%} of non-zero elements in {where} do not move "
                            "under a dc shift of the input (clipped)"))
     if sig.stuck > STUCK_FRAC:
@@ -124,13 +124,13 @@ def _exact_evidence(sig: Signals, dtype: str, instab_median: float) -> list[Evid
                            f"{sig.stuck:.1%} of channels constant over every token in {where}"))
     ties = TIES.get(dtype, 4)
     if sig.ties >= SUSPECT_RATIO * ties:
-        ev.append(Evidence("SATURATION", sig.ties / ties,
+        ev.append(Evidence("PILEUP_SAT", sig.ties / ties,
                            f"{sig.ties:.0f} tokens share a channel's exact extreme in {where} "
                            f"(pile-up {sig.pileup:.1f})"))
     floor = INSTABILITY.get(dtype, 1e-6)
     limit = max(floor, INSTABILITY_OVER_MEDIAN * instab_median)
     if sig.instability > SUSPECT_RATIO * limit:
-        family = "NOISE"
+        family = "NOISE_SOURCE"
         if sig.instab_changed < 0.05 and sig.instab_kurtosis > 20:
             family = "SPIKE"
         ev.append(Evidence(family, sig.instability / limit,
@@ -219,7 +219,7 @@ def _mark_propagation(verdicts: list[LayerVerdict]) -> None:
         shown = [e for e in v.evidence if e.strength >= SUSPECT_RATIO]
         inherited = all(not e.exact for e in shown)
         if families and inherited and all(f in sources and v.score < sources[f] for f in families):
-            v.diagnosis = ",".join(f"{f}_PROP" for f in families)
+            v.diagnosis = ",".join(f"{f.replace('_SOURCE', '')}_PROP" for f in families)
 
 
 def headline(v: LayerVerdict, median_gain: float | None = None) -> str:

@@ -26,6 +26,7 @@ class Signals:
     std: float = float("nan")
     absmax: float = float("nan")
     kurtosis: float = float("nan")
+    kurt_change: float = float("nan")  # blocks: log((kurtosis_k + 3) / (kurtosis_{k-1} + 3))
     zero_frac: float = float("nan")
     nan_count: int = 0
     inf_count: int = 0
@@ -263,6 +264,11 @@ def file_signals(reader: DumpReader, progress: bool = False, desc: str = "") -> 
             module = reader.sites[site] if site < len(reader.sites) else ""
         with np.errstate(all="ignore"):  # faulty layers hold NaN/Inf/1e38: expected, not noise
             out.append(layer_signals(reader, layer, site, rounds, module))
+    blocks = {g.layer: g for g in out if g.site == s.BLOCK_SITE}
+    for layer, g in blocks.items():
+        before = blocks.get(layer - 1)
+        if before is not None and g.kurtosis + 3 > 0 and before.kurtosis + 3 > 0:
+            g.kurt_change = float(np.log((g.kurtosis + 3) / (before.kurtosis + 3)))
     return out
 
 
