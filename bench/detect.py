@@ -4,6 +4,9 @@ diagnosis names the faulty layer. Uses only the public API (register_hook with
 
     python bench/detect.py [--quick] [--out bench/results/detect.csv] [--resume]
     python bench/detect.py --healthy-only          # calibration: healthy runs only
+    python bench/detect.py --shard 0/2 --threads 1 --out a.csv &   # two cores: two shards
+    python bench/detect.py --shard 1/2 --threads 1 --out b.csv; wait
+    python bench/detect.py --summarize a.csv b.csv
 
 Each case: one fault spec, one seed r (fault channel subset and srdd-dump seed) and one prompt
 set r (2 prompts). Healthy runs: prompt sets 0..4 in fp32 and bf16. Rows are appended to the
@@ -122,8 +125,16 @@ def main() -> None:
     ap.add_argument("--resume", action="store_true", help="skip cases already in --out")
     ap.add_argument("--healthy-only", action="store_true")
     ap.add_argument("--healthy-sets", type=int, default=5)
+    ap.add_argument("--shard", default="0/1", help="i/n: run every n-th case from the i-th "
+                    "(run n processes with --threads 1 to use n cores)")
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--summarize", nargs="*", help="only print the summary of these CSVs")
     args = ap.parse_args()
-    torch.set_num_threads(os.cpu_count() or 1)
+    if args.summarize:
+        summarize(*args.summarize)
+        return
+    shard, shards = (int(v) for v in args.shard.split("/"))
+    torch.set_num_threads(args.threads)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     done = set()
     if args.resume and os.path.exists(args.out):
@@ -143,9 +154,10 @@ def main() -> None:
         return models[dtype]
 
     calib = []
-    for dtype, prompt_set in product(("float32", "bfloat16"), range(args.healthy_sets)):
+    for i, (dtype, prompt_set) in enumerate(product(("float32", "bfloat16"),
+                                                    range(args.healthy_sets))):
         key = ("healthy", "", "", "", "", str(prompt_set), dtype)
-        if key in done:
+        if key in done or i % shards != shard:
             continue
         model, tok = model_for(dtype)
         result, tmp, secs = run_case(model, prompt_ids(tok, 100 + prompt_set), [], prompt_set)
@@ -165,9 +177,9 @@ def main() -> None:
     if args.healthy_only:
         return
     model, tok = model_for("float32")
-    for kind, sparsity, site, layer, seed in cases(args.quick):
+    for i, (kind, sparsity, site, layer, seed) in enumerate(cases(args.quick)):
         key = ("fault", kind, str(sparsity), site, str(layer), str(seed), "float32")
-        if key in done:
+        if key in done or i % shards != shard:
             continue
         spec = f"{kind}@layer={layer},site={site},sparsity={sparsity},seed={seed}"
         result, tmp, secs = run_case(model, prompt_ids(tok, seed), [spec], seed)
@@ -183,10 +195,10 @@ def main() -> None:
     summarize(args.out)
 
 
-def summarize(path: str) -> None:
+def summarize(*paths: str) -> None:
     import pandas as pd
 
-    df = pd.read_csv(path)
+    df = pd.concat([pd.read_csv(p) for p in paths], ignore_index=True)
     faults = df[df["kind"] == "fault"]
     healthy = df[df["kind"] == "healthy"]
     lines = ["| group | cases | top-1 | top-3 |", "|---|---|---|---|"]
