@@ -9,8 +9,11 @@ diagnosis names the faulty layer. Uses only the public API (register_hook with
     python bench/detect.py --summarize a.csv b.csv
 
 Each case: one fault spec, one seed r (fault channel subset and srdd-dump seed) and one prompt
-set r (2 prompts). Healthy runs: prompt sets 0..4 in fp32 and bf16. Rows are appended to the
-output CSV as they finish, so ``--resume`` continues an interrupted run.
+set r (2 prompts). Block-output faults are dumped with the default ``--granularity block``,
+MLP/attention faults with ``--granularity sublayer``; healthy runs with ``sublayer`` (the
+stricter test: more modules that could raise a false alarm). Healthy runs: prompt sets 0..4
+in fp32 and bf16. Rows are appended to the output CSV as they finish, so ``--resume``
+continues an interrupted run.
 """
 
 from __future__ import annotations
@@ -65,10 +68,11 @@ def prompt_ids(tokenizer, prompt_set: int) -> list[torch.Tensor]:
     return out
 
 
-def run_case(model, ids, inject: list[str], seed: int) -> tuple[object, str, float]:
+def run_case(model, ids, inject: list[str], seed: int, granularity: str = "sublayer"
+             ) -> tuple[object, str, float]:
     tmp = tempfile.mkdtemp(prefix="srdd-detect-")
     t = time.perf_counter()
-    config = DumpConfig(dump_path=tmp, samples=len(ids), granularity="sublayer",
+    config = DumpConfig(dump_path=tmp, samples=len(ids), granularity=granularity,
                         inject=inject, seed=seed, progress=False)
     with register_hook(model, config), torch.no_grad():
         for x in ids:
@@ -182,7 +186,10 @@ def main() -> None:
         if key in done or i % shards != shard:
             continue
         spec = f"{kind}@layer={layer},site={site},sparsity={sparsity},seed={seed}"
-        result, tmp, secs = run_case(model, prompt_ids(tok, seed), [spec], seed)
+        # block faults are looked for with the default block granularity; faults inside a
+        # block with --granularity sublayer, as a user hunting an operator would run it
+        granularity = "block" if site == "block" else "sublayer"
+        result, tmp, secs = run_case(model, prompt_ids(tok, seed), [spec], seed, granularity)
         shutil.rmtree(tmp, ignore_errors=True)
         row = dict(kind="fault", type=kind, sparsity=sparsity, site=site, layer=layer,
                    seed=seed, dtype="float32", seconds=round(secs, 2),
