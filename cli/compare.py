@@ -9,7 +9,7 @@ from typing import Optional
 import typer
 
 from srdd_dump.analysis.tolerance import Thresholds
-from srdd_dump.errors import UserError
+from srdd_dump.errors import UserError, first_line
 from srdd_dump.gating import fail_levels
 from srdd_dump.version import __version__
 
@@ -131,7 +131,7 @@ def compare(
         if debug:
             traceback.print_exc(file=sys.stderr)
         hint = "" if debug else " (run with --debug for the traceback)"
-        _fail(f"unexpected {type(exc).__name__}: {_first_line(exc)}{hint}")
+        _fail(f"unexpected {type(exc).__name__}: {first_line(exc)}{hint}")
 
 
 def _compare_baseline(dumps, baseline, output, thresholds, jobs, quiet, gate) -> None:
@@ -147,10 +147,6 @@ def _compare_baseline(dumps, baseline, output, thresholds, jobs, quiet, gate) ->
     if result.worst_verdict() in gate:
         raise typer.Exit(code=1)
 
-
-def _first_line(exc: BaseException) -> str:
-    lines = str(exc).strip().splitlines()
-    return lines[0] if lines else ""
 
 
 def main() -> None:

@@ -21,7 +21,7 @@ from .analysis.divergence import BaselineSummary, mark_divergence, summarize
 from .analysis.matching import DIFFER, RoundPair, pair_layers, pair_rounds
 from .analysis.metrics import METRIC_NAMES, PairStats, SideStats
 from .analysis.tolerance import FAIL, NOT_COMPARED, WARN, Thresholds, judge
-from .errors import UserError
+from .errors import UserError, first_line
 from .format import schema as s
 from .format.reader import DumpError, DumpReader, find_dump_files
 from .pool import run_tasks
@@ -160,7 +160,7 @@ def _inspect(path: str, source: str, role: str) -> _File:
         return f
     with reader:
         f.layers, f.rounds = list(reader.layers), reader.rounds
-        f.rank, f.pid = _int_or_none(reader.meta.get("rank")), _int_or_none(reader.meta.get("pid"))
+        f.rank, f.pid = reader.meta_int("rank"), reader.meta_int("pid")
         f.records = clean_block_records(reader)
         if not f.records:
             f.status, f.reason = SKIPPED, f"{path}: no captured layer data"
@@ -290,7 +290,7 @@ def _run_task(task: _Task) -> list[dict]:
             out.append(_compare_row(spec, mine, golden, task.thresholds))
         except (DumpError, *_READ_ERRORS) as exc:
             failed = _Spec(spec.order, spec.keys, None, None, False,
-                           f"read error: {_first_line(exc)}")
+                           f"read error: {first_line(exc)}")
             out.append(_compare_row(failed, None, None, task.thresholds))
     return out
 
@@ -366,16 +366,4 @@ def _table(rows: list[dict]) -> pd.DataFrame:
         df[col] = df[col].astype(object).where(df[col].notna(), "").astype(str)
     df = mark_divergence(df)
     return df[BASELINE_COLUMNS].reset_index(drop=True)
-
-
-def _int_or_none(value) -> int | None:
-    try:
-        return int(value)
-    except (TypeError, ValueError):
-        return None
-
-
-def _first_line(what) -> str:
-    lines = str(what).strip().splitlines()
-    return lines[0] if lines else type(what).__name__
 

@@ -14,7 +14,7 @@ from tqdm import tqdm
 
 from .analysis.diagnosis import FAULT, NORMAL, SUSPECT, diagnose, headline
 from .analysis.signals import file_signals
-from .errors import UserError
+from .errors import UserError, first_line
 from .format import schema as s
 from .format.reader import DumpError, DumpReader, find_dump_files
 from .report.table import (
@@ -134,11 +134,11 @@ def _compare_file(file: str, source: str, show: bool) -> _FileResult:
     except DumpError as exc:
         return _FileResult(_file_row(source, SKIPPED, str(exc)))
     with reader:
-        rank, pid = _int_or_none(reader.meta.get("rank")), _int_or_none(reader.meta.get("pid"))
+        rank, pid = reader.meta_int("rank"), reader.meta_int("pid")
         try:
             result = _diagnose_file(reader, source, rank, pid, show)
         except _READ_ERRORS as exc:
-            reason = f"{file}: damaged dump file ({_first_line(exc)})"
+            reason = f"{file}: damaged dump file ({first_line(exc)})"
             return _FileResult(_file_row(source, SKIPPED, reason, rank=rank, pid=pid))
         counts = dict(
             rounds=len(reader.rounds), samples=reader.n_samples, layers=len(result.layer_rows),
@@ -197,17 +197,6 @@ def _incomplete_reason(reader: DumpReader) -> str:
         why = "capture did not finish cleanly"
     error = reader.status.get("error") or reader.status.get("write_error")
     if error:
-        why += f": {_first_line(error)}"
+        why += f": {first_line(error)}"
     return f"{why}; the {len(reader.rounds)} rounds written were used"
 
-
-def _int_or_none(value) -> int | None:
-    try:
-        return int(value)
-    except (TypeError, ValueError):
-        return None
-
-
-def _first_line(what) -> str:
-    lines = str(what).strip().splitlines()
-    return lines[0] if lines else type(what).__name__

@@ -3,3 +3,9 @@
 
 class UserError(Exception):
     """Bad options, paths or inputs: the message is one line meant for the user."""
+
+
+def first_line(what: object) -> str:
+    """The first line of an exception's (or any object's) text, for one-line messages."""
+    lines = str(what).strip().splitlines()
+    return lines[0] if lines else type(what).__name__

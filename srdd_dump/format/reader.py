@@ -9,6 +9,7 @@ from collections.abc import Iterator
 import h5py
 import numpy as np
 
+from ..errors import first_line
 from . import schema as s
 
 
@@ -41,7 +42,7 @@ class DumpReader:
         try:
             self.f = h5py.File(path, "r")
         except (OSError, ValueError) as exc:
-            raise DumpError(f"{path}: not a readable HDF5 file ({_first_line(exc)})") from exc
+            raise DumpError(f"{path}: not a readable HDF5 file ({first_line(exc)})") from exc
         try:
             self._validate()
         except DumpError:
@@ -49,7 +50,7 @@ class DumpReader:
             raise
         except Exception as exc:  # corrupt internals surface as many h5py error types
             self.f.close()
-            raise DumpError(f"{path}: damaged dump file ({_first_line(exc)})") from exc
+            raise DumpError(f"{path}: damaged dump file ({first_line(exc)})") from exc
 
     def _validate(self) -> None:
         f, path = self.f, self.path
@@ -115,6 +116,13 @@ class DumpReader:
                 )
 
     # -- queries ---------------------------------------------------------------------------
+    def meta_int(self, key: str) -> int | None:
+        """An integer metadata field (rank, pid...), None when absent or not a number."""
+        try:
+            return int(self.meta.get(key))
+        except (TypeError, ValueError):
+            return None
+
     @property
     def n_samples(self) -> int:
         return int(len(np.unique(self.rounds["sample"]))) if len(self.rounds) else 0
@@ -175,8 +183,3 @@ class DumpReader:
 
 def _text(x) -> str:
     return x.decode("utf-8", "replace") if isinstance(x, bytes) else str(x)
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return text[0] if text else type(exc).__name__
