@@ -119,7 +119,9 @@ def cases(quick: bool):
         yield from product(("dead_zone", "bias", "noise"), (1.0, 0.1), ("block", "mlp"),
                            (1, 10, 28), (0,))
         return
-    yield from product(TYPES, SPARSITY, SITES, LAYERS, SEEDS)
+    # seeds outermost: a run stopped early still covers every case for its first seeds
+    for seed, kind, sparsity, site, layer in product(SEEDS, TYPES, SPARSITY, SITES, LAYERS):
+        yield kind, sparsity, site, layer, seed
 
 
 def main() -> None:
@@ -133,6 +135,7 @@ def main() -> None:
                     "(run n processes with --threads 1 to use n cores)")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--summarize", nargs="*", help="only print the summary of these CSVs")
+    ap.add_argument("--done-from", nargs="*", default=[], help="also skip cases in these CSVs")
     args = ap.parse_args()
     if args.summarize:
         summarize(*args.summarize)
@@ -141,10 +144,11 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     done = set()
-    if args.resume and os.path.exists(args.out):
-        with open(args.out) as fh:
-            done = {(r["kind"], r["type"], r["sparsity"], r["site"], r["layer"], r["seed"],
-                     r["dtype"]) for r in csv.DictReader(fh)}
+    for path in ([args.out] if args.resume else []) + args.done_from:
+        if os.path.exists(path):
+            with open(path) as fh:
+                done |= {(r["kind"], r["type"], r["sparsity"], r["site"], r["layer"], r["seed"],
+                          r["dtype"]) for r in csv.DictReader(fh)}
     new_file = not (args.resume and os.path.exists(args.out))
     out = open(args.out, "w" if new_file else "a", newline="")
     writer = csv.DictWriter(out, fieldnames=FIELDS, extrasaction="ignore")
