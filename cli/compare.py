@@ -12,6 +12,7 @@ from srdd_dump.analysis.tolerance import Thresholds
 from srdd_dump.errors import UserError, first_line
 from srdd_dump.gating import fail_levels
 from srdd_dump.version import __version__
+from srdd_dump.watchdog import arm, supervise
 
 PROG = "srdd-compare"
 DEFAULT_OUTPUT = "srdd_report.csv"
@@ -69,7 +70,8 @@ def compare(
     baseline: Optional[str] = typer.Option(
         None, "--baseline", help="Golden dumps (e.g. from a GPU): compare DUMPS with them layer "
         "by layer (msit metrics, PASS/WARN/FAIL, first divergent layer)."),
-    jobs: int = typer.Option(1, "--jobs", "-j", help="Worker processes for --baseline."),
+    jobs: int = typer.Option(1, "--jobs", "-j", help="Processes that share the work (e.g. 2 "
+                             "on a 2-core machine); with and without --baseline."),
     tolerance: str = typer.Option(
         "auto", "--tolerance", help="--baseline: dtype whose default limits judge the rows: "
         "auto (the less precise side), float32, float16 or bfloat16."),
@@ -89,11 +91,16 @@ def compare(
     max_abs_fail: Optional[float] = typer.Option(
         None, "--max-abs-fail", help="--baseline: FAIL when max_absolute_error is above this "
         "(msprobe: 0.001)."),
+    read_timeout: float = typer.Option(
+        300.0, "--read-timeout", help="Fail with exit code 2 when one read of a dump file "
+        "takes longer than this many seconds (a damaged file can hang the HDF5 library); "
+        "0 = no limit."),
     debug: bool = typer.Option(False, "--debug", help="Full traceback on unexpected errors."),
     version: Optional[bool] = typer.Option(
         None, "--version", callback=_version, is_eager=True, help="Show the version and exit."
     ),
 ) -> None:
+    arm(read_timeout)
     try:
         from srdd_dump.compare import compare_path
         from srdd_dump.report.terminal import summary
@@ -108,7 +115,7 @@ def compare(
             return
         if thresholds != Thresholds():
             raise UserError("--tolerance and the threshold options apply with --baseline only")
-        result = compare_path(dumps, output, progress=False if quiet else None)
+        result = compare_path(dumps, output, progress=False if quiet else None, jobs=jobs)
         for reason in result.skipped_reasons:
             typer.echo(f"{PROG}: warning: skipped {reason}", err=True)
         if aqn_config:
@@ -150,7 +157,8 @@ def _compare_baseline(dumps, baseline, output, thresholds, jobs, quiet, gate) ->
 
 
 def main() -> None:
-    app(prog_name=PROG)
+    # The command runs in a child process, so a read that hangs inside HDF5 ends in one line.
+    sys.exit(supervise(lambda: app(prog_name=PROG), PROG))
 
 
 if __name__ == "__main__":

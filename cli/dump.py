@@ -57,6 +57,9 @@ def dump(
                                      "(repeatable)."),
     batch_probes: bool = typer.Option(True, "--batch-probes/--no-batch-probes",
                                       help="Replay perturbed inputs in one batched call."),
+    min_free_gb: float = typer.Option(2.0, "--min-free-gb", help="Refuse to start when the "
+                                      "output folder's file system has less free space (GB); "
+                                      "0 = no check."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
     version: bool = typer.Option(False, "--version", callback=_version, is_eager=True),
@@ -74,7 +77,7 @@ def dump(
         )
         for spec in config.inject:
             parse_fault(spec)
-        result = run_exec(exec_, config)
+        result = run_exec(exec_, config, min_free_gb=min_free_gb)
     except UserError as exc:
         typer.echo(f"srdd-dump: error: {exc}", err=True)
         raise typer.Exit(2) from None
@@ -87,8 +90,9 @@ def dump(
         typer.echo(f"srdd-dump: wrote {path}", err=True)
     for problem in result.problems:
         typer.echo(f"srdd-dump: error: {problem}", err=True)
-    if result.returncode != 0:
-        typer.echo(f"srdd-dump: the command exited with code {result.returncode}", err=True)
+    ended = result.describe_exit()
+    if ended:
+        typer.echo(f"srdd-dump: {ended}", err=True)
     raise typer.Exit(result.exit_code)
 
 

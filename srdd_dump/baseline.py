@@ -4,8 +4,9 @@
 mine), samples (by input hash, then order), rounds (same step) and layers (module name, then
 index), computes msit's metrics and more for every pair of clean block-output records, and
 judges each row (analysis.tolerance) and the run (analysis.divergence). Each record is read in
-blocks of rows, so memory does not grow with the dump; ``jobs`` > 1 runs the (file pair, layer)
-tasks on a process pool. numpy + h5py + pandas only: never imports torch.
+blocks of rows, so memory does not grow with the dump; ``jobs`` > 1 shares the tasks (up to
+TASK_ROWS rows of one file pair and layer) between this process and ``jobs - 1`` workers, which
+run baseline_rows.py only. numpy + h5py + pandas only: never imports torch.
 """
 
 from __future__ import annotations
@@ -19,18 +20,19 @@ import pandas as pd
 
 from .analysis.divergence import BaselineSummary, mark_divergence, summarize
 from .analysis.matching import DIFFER, RoundPair, pair_layers, pair_rounds
-from .analysis.metrics import METRIC_NAMES, PairStats, SideStats
-from .analysis.tolerance import FAIL, NOT_COMPARED, WARN, Thresholds, judge
-from .errors import UserError, first_line
+from .analysis.metrics import METRIC_NAMES
+from .analysis.tolerance import FAIL, WARN, Thresholds
+from .baseline_rows import TASK_ROWS, _run_task, _Spec, _Task
+from .errors import UserError
 from .format import schema as s
 from .format.reader import DumpError, DumpReader, find_dump_files
+from .memory import keep_freed_memory
 from .pool import run_tasks
 from .report.baseline_report import BASELINE_COLUMNS, DERIVED_COLUMNS, FILE_COLUMNS, writer_for
 from .report.table import INCOMPLETE, OK, SKIPPED
-from .streaming import block_rows, clean_block_records, open_reader, record_blocks, shape_of
+from .streaming import clean_block_records
 
 STACK_MODULE = "(stack input)"
-_READ_ERRORS = (OSError, KeyError, ValueError, RuntimeError)
 
 
 @dataclass
@@ -70,26 +72,6 @@ class _File:
     paired_with: str = ""
 
 
-@dataclass
-class _Spec:
-    """One row to produce: keys, the two records (indices into reader.records) and why not."""
-
-    order: tuple
-    keys: dict
-    mine: int | None
-    golden: int | None
-    compare: bool
-    reason: str = ""
-
-
-@dataclass
-class _Task:
-    my_path: str
-    golden_path: str
-    thresholds: Thresholds
-    specs: list[_Spec]
-
-
 def compare_baseline(
     target_path: str,
     baseline_path: str,
@@ -106,6 +88,7 @@ def compare_baseline(
     worker processes. Raises UserError on bad arguments or when either side has no usable file.
     """
     thresholds = (thresholds or Thresholds()).validate()
+    keep_freed_memory()
     if jobs < 1:
         raise UserError(f"--jobs {jobs}: must be at least 1")
     write = writer_for(output) if output is not None else None
@@ -240,7 +223,9 @@ def _plan(pairs: list[tuple[_File, _File]], thresholds: Thresholds) -> list[_Tas
                 key = (p, i, j)
                 tasks.setdefault(key, _Task(mine.path, golden.path, thresholds, []))
                 tasks[key].specs.append(spec)
-    return list(tasks.values())
+    # at most TASK_ROWS rows a task: the processes of -j N finish together
+    return [_Task(task.my_path, task.golden_path, task.thresholds, task.specs[i: i + TASK_ROWS])
+            for task in tasks.values() for i in range(0, len(task.specs), TASK_ROWS)]
 
 
 def _has_layer(f: _File, layer: int) -> bool:
@@ -277,75 +262,6 @@ def _module(f: _File, layer: int | None) -> str:
     if layer == s.STACK_INPUT:
         return STACK_MODULE
     return f.layers[layer] if 0 <= layer < len(f.layers) else ""
-
-
-# -- running -----------------------------------------------------------------------------------
-
-def _run_task(task: _Task) -> list[dict]:
-    out = []
-    for spec in task.specs:
-        try:
-            mine = open_reader(task.my_path) if spec.mine is not None else None
-            golden = open_reader(task.golden_path) if spec.golden is not None else None
-            out.append(_compare_row(spec, mine, golden, task.thresholds))
-        except (DumpError, *_READ_ERRORS) as exc:
-            failed = _Spec(spec.order, spec.keys, None, None, False,
-                           f"read error: {first_line(exc)}")
-            out.append(_compare_row(failed, None, None, task.thresholds))
-    return out
-
-
-def _compare_row(
-    spec: _Spec, mine: DumpReader | None, golden: DumpReader | None, thresholds: Thresholds
-) -> dict:
-    row = dict(spec.keys, _order=spec.order, verdict=NOT_COMPARED, tolerance="")
-    reasons = [spec.reason] if spec.reason else []
-    my_rec = mine.records[spec.mine] if mine is not None else None
-    golden_rec = golden.records[spec.golden] if golden is not None else None
-    for prefix, reader, rec in (("my", mine, my_rec), ("golden", golden, golden_rec)):
-        if rec is not None:
-            row[f"{prefix}_dtype"] = reader.dtype_of(rec)
-            row[f"{prefix}_shape"] = str(list(shape_of(rec)))
-    compare = spec.compare and my_rec is not None and golden_rec is not None
-    if compare and shape_of(my_rec) != shape_of(golden_rec):
-        reasons.append(
-            f"shape mismatch: golden {row['golden_shape']} vs my {row['my_shape']}"
-        )
-        compare = False
-    if compare:
-        stats = PairStats()
-        rows = block_rows(int(my_rec["width"]))
-        for g, m in zip(record_blocks(golden, golden_rec, rows), record_blocks(mine, my_rec, rows)):
-            stats.add(g, m)
-        limits = thresholds.limits(row["golden_dtype"], row["my_dtype"])
-        verdict, why = judge(stats, limits)
-        reasons += why
-        if row["golden_dtype"] != row["my_dtype"]:
-            reasons.append(
-                f"dtypes differ: golden {row['golden_dtype']}, my {row['my_dtype']}"
-            )
-        row.update(stats.metrics(), verdict=verdict, tolerance=limits.tolerance)
-        sides = (("golden", stats.golden), ("my", stats.mine))
-    else:
-        sides = tuple(
-            (prefix, _side_stats(reader, rec))
-            for prefix, reader, rec in (("golden", golden, golden_rec), ("my", mine, my_rec))
-            if rec is not None
-        )
-    for prefix, side in sides:
-        row[f"{prefix}_max_value"], row[f"{prefix}_min_value"], row[f"{prefix}_mean_value"] = (
-            side.values()
-        )
-        row[f"{prefix}_nan_inf"] = side.nonfinite
-    row["cmp_fail_reason"] = "; ".join(r for r in reasons if r)
-    return row
-
-
-def _side_stats(reader: DumpReader, rec: np.void) -> SideStats:
-    side = SideStats()
-    for block in record_blocks(reader, rec):
-        side.add_raw(block)
-    return side
 
 
 # -- the table ---------------------------------------------------------------------------------

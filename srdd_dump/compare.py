@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import os
 import sys
+from concurrent.futures import BrokenExecutor
 from dataclasses import dataclass, field
 
 import pandas as pd
 from tqdm import tqdm
 
 from .analysis.diagnosis import FAULT, NORMAL, SUSPECT, diagnose, headline
-from .analysis.signals import file_signals
+from .analysis.signals import file_signals, make_pool
 from .errors import UserError, first_line
 from .format import schema as s
 from .format.reader import DumpError, DumpReader, find_dump_files
@@ -63,15 +64,18 @@ class _FileResult:
 
 
 def compare_path(
-    path: str, output: str | None = None, *, progress: bool | None = None
+    path: str, output: str | None = None, *, progress: bool | None = None, jobs: int = 1
 ) -> CompareResult:
     """Compare every dump file (``*.h5``, ``*.h5.partial``) under ``path`` (a folder or a file).
 
     ``output`` ending in ``.csv`` or ``.xlsx`` selects the report format; None writes nothing.
     Unreadable files are skipped with their reason in the file table; files cut short by a
     crash are used and marked incomplete. ``progress`` (default: stderr is a terminal) shows
-    tqdm bars. Raises UserError when there is nothing usable to report.
+    tqdm bars. ``jobs`` > 1 splits each file's layers among that many processes (this one and
+    ``jobs - 1`` spawned workers). Raises UserError when there is nothing usable to report.
     """
+    if jobs < 1:
+        raise UserError(f"--jobs {jobs}: must be at least 1")
     if output is not None:
         _check_format(output)
     if not os.path.exists(path):
@@ -83,9 +87,13 @@ def compare_path(
     root = path if os.path.isdir(path) else os.path.dirname(path)
 
     results = []
-    for file in tqdm(found, desc="files", unit="file", disable=not show, leave=False):
-        source = os.path.relpath(file, root) if root else file
-        results.append(_compare_file(file, source, show))
+    pool = _Pool(jobs)
+    try:
+        for file in tqdm(found, desc="files", unit="file", disable=not show, leave=False):
+            source = os.path.relpath(file, root) if root else file
+            results.append(_compare_file(file, source, show, pool))
+    finally:
+        pool.close()
 
     layer_rows = [row for r in results for row in r.layer_rows]
     if not layer_rows:
@@ -127,7 +135,31 @@ def _check_format(output: str) -> str:
     return ext
 
 
-def _compare_file(file: str, source: str, show: bool) -> _FileResult:
+class _Pool:
+    """Worker processes shared by the files of one compare, made on first use; a pool broken
+    by a worker that died is replaced for the next file."""
+
+    def __init__(self, jobs: int):
+        self.jobs = jobs
+        self.executor = None
+
+    def get(self):
+        if self.jobs <= 1:
+            return None
+        if self.executor is None:
+            self.executor = make_pool(self.jobs - 1)
+        return self.executor
+
+    def broken(self) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self.executor is not None:
+            self.executor.shutdown(cancel_futures=True)
+            self.executor = None
+
+
+def _compare_file(file: str, source: str, show: bool, pool: _Pool | None = None) -> _FileResult:
     """Rows of one file; never raises for a bad file (it becomes a skipped row)."""
     try:
         reader = DumpReader(file)
@@ -136,8 +168,10 @@ def _compare_file(file: str, source: str, show: bool) -> _FileResult:
     with reader:
         rank, pid = reader.meta_int("rank"), reader.meta_int("pid")
         try:
-            result = _diagnose_file(reader, source, rank, pid, show)
+            result = _diagnose_file(reader, source, rank, pid, show, pool)
         except _READ_ERRORS as exc:
+            if isinstance(exc, BrokenExecutor) and pool is not None:
+                pool.broken()
             reason = f"{file}: damaged dump file ({first_line(exc)})"
             return _FileResult(_file_row(source, SKIPPED, reason, rank=rank, pid=pid))
         counts = dict(
@@ -155,10 +189,13 @@ def _compare_file(file: str, source: str, show: bool) -> _FileResult:
 
 
 def _diagnose_file(
-    reader: DumpReader, source: str, rank: int | None, pid: int | None, show: bool
+    reader: DumpReader, source: str, rank: int | None, pid: int | None, show: bool,
+    pool: _Pool | None = None,
 ) -> _FileResult:
     """Signals of every block and sub-layer, then one verdict row per block layer."""
-    signals = file_signals(reader, progress=show, desc=source)
+    jobs = pool.jobs if pool is not None else 1
+    executor = pool.get() if pool is not None else None
+    signals = file_signals(reader, progress=show, desc=source, jobs=jobs, pool=executor)
     blocks = {g.layer: g for g in signals if g.site == s.BLOCK_SITE and g.samples}
     result = _FileResult(file_row={})
     if not blocks:

@@ -13,7 +13,9 @@ import tempfile
 from dataclasses import dataclass, field
 
 from .config import ENV_CONFIG, ENV_STATUS_DIR, DumpConfig
+from .diskspace import check_free_space
 from .errors import UserError
+from .format import schema
 
 EXIT_CAPTURE_FAILED = 3
 
@@ -29,9 +31,23 @@ class ExecResult:
 
     @property
     def exit_code(self) -> int:
+        if self.returncode < 0:  # killed by a signal: the shell's convention, 128 + signal
+            return 128 - self.returncode
         if self.returncode != 0:
             return self.returncode
         return EXIT_CAPTURE_FAILED if self.problems else 0
+
+    def describe_exit(self) -> str | None:
+        """How the command ended, when it did not succeed."""
+        if self.returncode < 0:
+            try:
+                name = signal.Signals(-self.returncode).name
+            except ValueError:
+                name = f"signal {-self.returncode}"
+            return f"the command was killed by {name} (exit code {self.exit_code})"
+        if self.returncode != 0:
+            return f"the command exited with code {self.returncode}"
+        return None
 
 
 def split_command(command: str) -> list[str]:
@@ -59,47 +75,73 @@ def child_env(config: DumpConfig, status_dir: str) -> dict[str, str]:
     return env
 
 
-def run_exec(command: str, config: DumpConfig) -> ExecResult:
-    """Run ``command`` (never through a shell), capturing in every Python process it starts."""
+def run_exec(command: str, config: DumpConfig, min_free_gb: float = 0.0) -> ExecResult:
+    """Run ``command`` (never through a shell), capturing in every Python process it starts.
+
+    ``min_free_gb`` > 0 refuses to start when the dump folder's file system has less free space.
+    """
     argv = split_command(command)
     config.command = command
-    os.makedirs(config.dump_path, exist_ok=True)
-    status_dir = tempfile.mkdtemp(prefix="srdd-status-")
+    check_free_space(config.dump_path, min_free_gb)
     try:
-        proc = subprocess.Popen(argv, env=child_env(config, status_dir), shell=False)
-        returncode = _wait_forwarding_signals(proc)
-        return _collect(returncode, status_dir)
+        os.makedirs(config.dump_path, exist_ok=True)
+    except OSError as exc:
+        raise UserError(f"-o {config.dump_path}: cannot create it ({exc.strerror})") from None
+    status_dir = tempfile.mkdtemp(prefix="srdd-status-")
+    before = _partial_files(config.dump_path)
+    try:
+        returncode = _run_forwarding_signals(argv, child_env(config, status_dir))
+        return _collect(returncode, status_dir, _partial_files(config.dump_path) - before)
     finally:
         shutil.rmtree(status_dir, ignore_errors=True)
 
 
-def _wait_forwarding_signals(proc: subprocess.Popen) -> int:
-    """Wait for the child; pass SIGINT/SIGTERM on so it can finish its dump file."""
+def _run_forwarding_signals(argv: list[str], env: dict[str, str]) -> int:
+    """Run and wait for the child; pass SIGINT/SIGTERM on so it can finish its dump file. The
+    handlers are in place before the child starts, so no signal is lost in between."""
+    procs: list[subprocess.Popen] = []
+    pending: list[int] = []
 
     def forward(signum, frame):
-        if signum == signal.SIGINT and _terminal_delivers_to_child():
+        if signum == signal.SIGINT and terminal_delivers_to_child():
             return  # Ctrl-C at a terminal already reached the child's process group
+        if not procs:
+            pending.append(signum)
+            return
         try:
-            proc.send_signal(signum)
+            procs[0].send_signal(signum)
         except ProcessLookupError:
             pass
 
     previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        return proc.wait()
+        procs.append(subprocess.Popen(argv, env=env, shell=False))
+        for signum in pending:
+            procs[0].send_signal(signum)
+        return procs[0].wait()
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
 
 
-def _terminal_delivers_to_child() -> bool:
+def terminal_delivers_to_child() -> bool:
     try:
         return os.tcgetpgrp(sys.stdin.fileno()) == os.getpgrp()
     except (OSError, ValueError, AttributeError):
         return False
 
 
-def _collect(returncode: int, status_dir: str) -> ExecResult:
+def _partial_files(dump_path: str) -> set[str]:
+    try:
+        names = os.listdir(dump_path)
+    except OSError:
+        return set()
+    suffix = schema.FILE_SUFFIX + schema.PARTIAL_SUFFIX
+    return {os.path.abspath(os.path.join(dump_path, n)) for n in names if n.endswith(suffix)}
+
+
+def _collect(returncode: int, status_dir: str, new_partials: set[str] | None = None) -> ExecResult:
+    """What the processes reported; ``new_partials``: unfinished dump files of this run."""
     result = ExecResult(returncode=returncode)
     statuses = []
     for name in sorted(os.listdir(status_dir)):
@@ -109,10 +151,22 @@ def _collect(returncode: int, status_dir: str) -> ExecResult:
         except (OSError, ValueError):
             continue
     for st in statuses:
-        if st.get("file"):
-            result.files.append(st["file"])
+        file = st.get("file")
+        if file and file.endswith(schema.BROKEN_SUFFIX):
+            result.problems.append(
+                f"{file}: a write failed half-way, so the file is set aside and not used"
+            )
+        elif file:
+            result.files.append(file)
         if st.get("error"):
             result.problems.append(f"pid {st['pid']}: capture failed: {st['error']}")
+    reported = {os.path.abspath(f) for f in result.files}
+    for path in sorted((new_partials or set()) - reported):
+        # its process died before finishing it (SIGKILL, out of memory, os._exit)
+        result.problems.append(
+            f"{path}: the process writing it ended without finishing it; srdd-compare uses the "
+            "rounds written before (marked incomplete)"
+        )
     if not result.files and not result.problems:
         reasons = [st["no_blocks"] for st in statuses if st.get("no_blocks")]
         if reasons:
@@ -129,3 +183,4 @@ def _collect(returncode: int, status_dir: str) -> ExecResult:
                 "no model forward with more than one token was captured (no prefill seen)"
             )
     return result
+

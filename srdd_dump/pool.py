@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import multiprocessing
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
 from typing import Callable, TypeVar
 
@@ -19,7 +19,9 @@ def run_tasks(
     fn: Callable[[T], R], tasks: Sequence[T], jobs: int = 1, *, show: bool = False,
     desc: str = "compare",
 ) -> list[R]:
-    """``[fn(t) for t in tasks]``, on ``jobs`` worker processes when jobs > 1.
+    """``[fn(t) for t in tasks]``, shared by ``jobs`` processes when jobs > 1: this one and
+    ``jobs - 1`` spawned workers. Each idle worker gets the next task (with one more queued),
+    and while they are all busy, or still starting, this process runs the next task itself.
 
     ``fn`` must be a module-level function. Workers are spawned, never forked: the parent may
     hold HDF5 or torch state that a fork would copy. Readers opened by tasks run here are closed
@@ -27,25 +29,36 @@ def run_tasks(
     """
     bar = tqdm(total=len(tasks), desc=desc, unit="task", disable=not show, leave=False)
     try:
-        return list(_progress(_results(fn, tasks, jobs), bar))
+        if jobs <= 1 or len(tasks) <= 1:
+            out = []
+            for task in tasks:
+                out.append(fn(task))
+                bar.update()
+            return out
+        return _shared(fn, tasks, jobs - 1, bar)
     finally:
+        close_readers()
         bar.close()
 
 
-def _results(fn, tasks, jobs) -> Iterator:
-    if jobs <= 1 or len(tasks) <= 1:
-        try:
-            for task in tasks:
-                yield fn(task)
-        finally:
-            close_readers()
-        return
+def _shared(fn, tasks, workers: int, bar) -> list:
     ctx = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(max_workers=min(jobs, len(tasks)), mp_context=ctx) as pool:
-        yield from pool.map(fn, tasks, chunksize=1)
+    results: list = [None] * len(tasks)
+    pending: dict = {}
 
+    def collect(wait: bool) -> None:
+        done = list(pending) if wait else [f for f in pending if f.done()]
+        for future in done:
+            results[pending.pop(future)] = future.result()
+            bar.update()
 
-def _progress(results: Iterator, bar) -> Iterator:
-    for result in results:
-        bar.update()
-        yield result
+    with ProcessPoolExecutor(max_workers=min(workers, len(tasks)), mp_context=ctx) as pool:
+        for n, task in enumerate(tasks):
+            collect(wait=False)
+            if len(pending) < 2 * workers:
+                pending[pool.submit(fn, task)] = n
+            else:
+                results[n] = fn(task)
+                bar.update()
+        collect(wait=True)
+    return results

@@ -27,6 +27,9 @@ def record_blocks(
     """The record's data as float arrays of shape (rows, width), in order."""
     total, width, row0 = int(record["nrows"]), int(record["width"]), int(record["row0"])
     step = rows or block_rows(width)
+    if total <= step:  # one block: the record itself
+        yield reader.read(record).reshape(total, width)
+        return
     for start in range(0, total, step):
         part = np.array(record).copy()  # np.array(void) alone is a view into reader.records
         n = min(step, total - start)

@@ -23,7 +23,7 @@ from .. import config as cfg
 from ..config import DumpConfig
 from ..faultspec import parse_fault
 from ..format import schema
-from ..format.writer import DumpWriter, Round, Tensor
+from ..format.writer import DumpWriter, Round, Tensor, describe_error
 from ..version import __version__
 from .discovery import find_blocks, find_sites
 from .faults import install_faults
@@ -146,7 +146,7 @@ class CaptureSession:
         try:
             fn(*args)
         except Exception as exc:  # capture must never break the user's program
-            self._fail(f"{type(exc).__name__}: {exc}")
+            self._fail(describe_error(exc))
 
     def _on_embedding(self, module: nn.Module, args: tuple) -> None:
         def grab() -> None:
@@ -275,7 +275,8 @@ class CaptureSession:
             self.path = dump_file_name(self.config.dump_path)
             self.writer = DumpWriter(self.path, self._meta(r), self.layer_names, self.site_names)
         if self.writer.error:
-            raise OSError(f"writing {self.writer.partial_path} failed: {self.writer.error}")
+            self._fail(f"cannot write {self.writer.path}: {self.writer.error}")
+            return
         self.writer.submit(r)
 
     def _meta(self, first: Round) -> dict:
@@ -343,13 +344,18 @@ class CaptureSession:
         if self._bar is not None:
             self._bar.close()
         if self.writer is not None:
-            self.path = self.writer.close({
-                "error": self.error, "samples": self.sample + 1,
-                "batched_replays": self.batched_replays,
-                "sequential_replays": self.sequential_replays,
-            })
+            try:
+                self.path = self.writer.close({
+                    "error": self.error, "samples": self.sample + 1,
+                    "batched_replays": self.batched_replays,
+                    "sequential_replays": self.sequential_replays,
+                })
+            except Exception as exc:  # runs at exit too: never a traceback in the user's program
+                self.path = self.writer.partial_path
+                self.writer.error = self.writer.error or describe_error(exc)
             if self.writer.error and not self.error:
-                self.error = f"writing {self.path} failed: {self.writer.error}"
+                self.error = f"cannot write {self.path}: {self.writer.error}"
+                sys.stderr.write(f"srdd-dump: warning: capture stopped: {self.error}\n")
         atexit.unregister(self.close)
         return self.path
 

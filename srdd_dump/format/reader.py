@@ -1,16 +1,54 @@
-"""Reader of schema-v1 dump files. numpy + h5py only (no torch, no pickle)."""
+"""Reader of schema-v1 dump files. numpy + h5py only (no torch, no pickle).
+
+Every file is checked against the schema before anything is read, and the check is what keeps
+damaged or hostile files harmless: data sets must be plain numbers (no object, reference or
+variable-length types beyond the string lists), every offset and length must point inside its
+data set, and no data set may declare more data than the file actually stores, so a forged
+shape can never make the reader allocate memory for data that is not there.
+"""
 
 from __future__ import annotations
 
 import json
 import os
 from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Callable
 
 import h5py
 import numpy as np
 
 from ..errors import first_line
 from . import schema as s
+from .direct import ChunkRows, open_file
+
+# A data set may declare this much more than the file stores (a chunk being written at a crash).
+_STORAGE_SLACK = 1 << 20
+# Compressed data sets (a file repacked with h5repack) may hold this ratio: gzip's limit.
+_MAX_COMPRESSION = 1100
+_NUMBER_KINDS = "biuf"
+
+# Called with a file's path before each HDF5 access and with None after it; set by
+# srdd_dump.watchdog so that another process can see an access that never returns.
+_monitor: Callable[[str | None], None] | None = None
+
+
+def set_read_monitor(monitor: Callable[[str | None], None] | None) -> None:
+    global _monitor
+    _monitor = monitor
+
+
+@contextmanager
+def _reading(path: str) -> Iterator[None]:
+    monitor = _monitor
+    if monitor is None:
+        yield
+        return
+    monitor(path)
+    try:
+        yield
+    finally:
+        monitor(None)
 
 
 class DumpError(Exception):
@@ -34,94 +72,219 @@ class DumpReader:
     """Open a dump file and check it against the schema before anything is read.
 
     Attributes: ``meta`` (dict), ``layers`` (names), ``rounds`` and ``records`` (structured
-    arrays), ``complete`` (False for a file cut short by a crash), ``status`` (dict).
+    arrays in the schema's dtypes), ``complete`` (False for a file cut short by a crash),
+    ``status`` (dict).
     """
 
     def __init__(self, path: str):
         self.path = path
-        try:
-            self.f = h5py.File(path, "r")
-        except (OSError, ValueError) as exc:
-            raise DumpError(f"{path}: not a readable HDF5 file ({first_line(exc)})") from exc
-        try:
-            self._validate()
-        except DumpError:
-            self.f.close()
-            raise
-        except Exception as exc:  # corrupt internals surface as many h5py error types
-            self.f.close()
-            raise DumpError(f"{path}: damaged dump file ({first_line(exc)})") from exc
+        if path.endswith(s.BROKEN_SUFFIX):
+            raise DumpError(
+                f"{path}: set aside by srdd-dump after a write failed half-way (disk full?); "
+                "its content is not trusted"
+            )
+        with _reading(path):
+            try:
+                self.f = h5py.File(path, "r")
+            except Exception as exc:
+                raise DumpError(f"{path}: not a readable HDF5 file ({first_line(exc)})") from exc
+            try:
+                self._validate()
+            except DumpError:
+                self.f.close()
+                raise
+            except Exception as exc:  # corrupt internals surface as many h5py error types
+                self.f.close()
+                raise DumpError(f"{path}: damaged dump file ({first_line(exc)})") from exc
 
     def _validate(self) -> None:
         f, path = self.f, self.path
-        if f.attrs.get(s.ATTR_FORMAT) != s.FORMAT_NAME:
+        if _attr_text(f, s.ATTR_FORMAT) != s.FORMAT_NAME:
             raise DumpError(f"{path}: not an srdd-dump file (no format attribute)")
         version = f.attrs.get(s.ATTR_VERSION)
-        if not isinstance(version, (int, np.integer)):
+        if not isinstance(version, (int, np.integer)) or isinstance(version, (bool, np.bool_)):
             raise DumpError(f"{path}: schema_version attribute missing or not an integer")
         if version > s.SCHEMA_VERSION:
             raise DumpError(
                 f"{path}: schema version {version} is newer than this srdd-compare reads "
                 f"({s.SCHEMA_VERSION}); upgrade srdd-dump"
             )
+        if version < 1:
+            raise DumpError(f"{path}: unknown schema version {version}")
         for name in (s.LAYERS, s.ROUNDS, s.RECORDS, s.DATA):
             if name not in f:
                 raise DumpError(f"{path}: missing /{name}")
-        try:
-            self.meta = json.loads(f.attrs.get(s.ATTR_META, "{}"))
-            self.status = json.loads(f.attrs.get(s.ATTR_STATUS, "{}"))
-        except (TypeError, ValueError) as exc:
-            raise DumpError(f"{path}: metadata is not valid JSON") from exc
-        if not isinstance(self.meta, dict) or not isinstance(self.status, dict):
-            raise DumpError(f"{path}: metadata is not a JSON object")
-        self.complete = bool(f.attrs.get(s.ATTR_COMPLETE, 0)) and not path.endswith(
-            s.PARTIAL_SUFFIX
+        self.meta = self._json_attr(s.ATTR_META)
+        self.status = self._json_attr(s.ATTR_STATUS)
+        complete = f.attrs.get(s.ATTR_COMPLETE, 0)
+        self.complete = (
+            isinstance(complete, (int, np.integer)) and bool(complete)
+            and not path.endswith(s.PARTIAL_SUFFIX)
         )
-        self.layers = [_text(x) for x in f[s.LAYERS][()]]
-        self.sites = [_text(x) for x in f[s.SITES][()]] if s.SITES in f else []
-        rounds = f[s.ROUNDS]
-        records = f[s.RECORDS]
-        for ds, want in ((rounds, s.ROUND_DTYPE), (records, s.RECORD_DTYPE)):
-            missing = set(want.names) - set(ds.dtype.names or ())
-            if missing:
-                raise DumpError(f"{path}: /{ds.name.lstrip('/')} lacks fields {sorted(missing)}")
-        self.rounds = rounds[()]
-        self.records = records[()]
-        self.data_names = sorted(f[s.DATA].keys())
+        self.layers = self._names(s.LAYERS)
+        self.sites = self._names(s.SITES) if s.SITES in f else []
+        self.rounds = self._table(s.ROUNDS, s.ROUND_DTYPE)
+        self.records = self._table(s.RECORDS, s.RECORD_DTYPE)
+        data = f[s.DATA]
+        if not isinstance(data, h5py.Group):
+            raise DumpError(f"{path}: /{s.DATA} is not a group")
+        self.data_names = sorted(data.keys())
         self._data = []
         for name in self.data_names:
-            ds = f[s.DATA][name]
-            dtype = _text(ds.attrs.get(s.ATTR_DTYPE, ""))
-            if ds.ndim != 2 or dtype not in s.STORAGE_DTYPES or ds.dtype != s.STORAGE_DTYPES[dtype]:
+            ds = data.get(name)
+            dtype = _attr_text(ds, s.ATTR_DTYPE) if isinstance(ds, h5py.Dataset) else None
+            if (
+                dtype not in s.STORAGE_DTYPES or ds.ndim != 2 or ds.shape[1] < 1
+                or ds.dtype != s.STORAGE_DTYPES[dtype]
+            ):
                 raise DumpError(f"{path}: /data/{name} has an unexpected shape or dtype")
+            self._check_stored(ds)
             self._data.append((ds, dtype))
-        # A round without records (cut off mid-write) is ignored; records must point inside data.
-        if len(self.records):
-            r = self.records
-            ids = r["data"]
-            if ids.min() < 0 or ids.max() >= len(self._data):
-                raise DumpError(f"{path}: records point to missing data sets")
-            lengths = np.array([d.shape[0] for d, _ in self._data])
-            widths = np.array([d.shape[1] for d, _ in self._data])
-            bad = (
-                (r["row0"] < 0)
-                | (r["nrows"] < 0)
-                | (r["row0"] + r["nrows"] > lengths[ids])
-                | (r["width"] != widths[ids])
-                | (r["batch"].astype(np.int64) * r["ntok"] != r["nrows"])
+        lengths = {
+            name: self._index_length(name)
+            for name in (s.POSITIONS, s.TOKEN_IDS, s.PROBE_ROWS)
+        }
+        self._check_rounds(lengths)
+        self._check_records()
+
+    # -- validation helpers -----------------------------------------------------------------
+    def _json_attr(self, name: str) -> dict:
+        text = _attr_text(self.f, name)
+        if name not in self.f.attrs:
+            return {}
+        try:
+            value = json.loads(text) if text is not None else None
+        except ValueError as exc:
+            raise DumpError(f"{self.path}: {name} attribute is not valid JSON") from exc
+        if not isinstance(value, dict):
+            raise DumpError(f"{self.path}: {name} attribute is not a JSON object")
+        return value
+
+    def _dataset(self, name: str) -> h5py.Dataset:
+        ds = self.f.get(name)
+        if not isinstance(ds, h5py.Dataset) or ds.ndim != 1:
+            raise DumpError(f"{self.path}: /{name} is not a one-dimensional data set")
+        self._check_stored(ds)
+        return ds
+
+    def _check_stored(self, ds: h5py.Dataset) -> None:
+        """Refuse a data set that declares more data than the file stores: HDF5 would return
+        fill values for the missing part, so reading it would only allocate memory."""
+        declared = ds.size * ds.dtype.itemsize
+        if declared <= _STORAGE_SLACK:
+            return
+        stored = ds.id.get_storage_size()
+        chunk = int(np.prod(ds.chunks)) * ds.dtype.itemsize if ds.chunks else 0
+        if ds.id.get_create_plist().get_nfilters():
+            stored *= _MAX_COMPRESSION
+        if declared > stored + chunk + _STORAGE_SLACK:
+            raise DumpError(
+                f"{self.path}: {ds.name} declares shape {ds.shape} ({declared} bytes) but the "
+                f"file stores {ds.id.get_storage_size()} bytes of it (damaged file)"
             )
-            if bad.any():
+
+    def _names(self, name: str) -> list[str]:
+        ds = self._dataset(name)
+        if h5py.check_string_dtype(ds.dtype) is None:  # never object references
+            raise DumpError(f"{self.path}: /{name} does not hold strings")
+        return [_text(x) for x in ds[()]]
+
+    def _table(self, name: str, want: np.dtype) -> np.ndarray:
+        """The whole table in the schema's dtype; fields must exist and hold plain numbers."""
+        ds = self._dataset(name)
+        have = ds.dtype
+        missing = set(want.names) - set(have.names or ())
+        if missing:
+            raise DumpError(f"{self.path}: /{name} lacks fields {sorted(missing)}")
+        for field in want.names:
+            if have[field].kind not in _NUMBER_KINDS or have[field].shape != ():
                 raise DumpError(
-                    f"{path}: {int(bad.sum())} records point outside their data (damaged file)"
+                    f"{self.path}: /{name} field {field!r} has type {have[field]}, not a number"
                 )
+        raw = ds[()]
+        out = np.zeros(raw.shape[0], dtype=want)
+        with np.errstate(all="ignore"):  # a damaged file may hold NaN or huge values here
+            for field in want.names:
+                out[field] = raw[field]
+        return out
+
+    def _index_length(self, name: str) -> int:
+        """Length of an index data set (0 when absent); it must hold integers."""
+        if name not in self.f:
+            return 0
+        ds = self._dataset(name)
+        if ds.dtype.kind not in "iu":
+            raise DumpError(f"{self.path}: /{name} does not hold integers")
+        return ds.shape[0]
+
+    def _check_rounds(self, lengths: dict[str, int]) -> None:
+        r = self.rounds
+        bad = np.zeros(len(r), dtype=bool)
+        for off, n, name in (
+            ("pos_off", "ntok", s.POSITIONS),
+            ("tok_off", "tok_len", s.TOKEN_IDS),
+            ("prow_off", "prow_len", s.PROBE_ROWS),
+        ):
+            start, count = r[off].astype(np.int64), r[n].astype(np.int64)
+            bad |= (start < 0) | (count < 0) | (start > lengths[name] - count)
+        bad |= (r["batch"] < 1) | (r["seq"] < 0)
+        if bad.any():
+            raise DumpError(
+                f"{self.path}: {int(bad.sum())} rounds point outside their data (damaged file)"
+            )
+        if len(r) and r["prow_len"].any():
+            rows = self.f[s.PROBE_ROWS][()]
+            for row in r[r["prow_len"] > 0]:
+                mine = rows[int(row["prow_off"]) : int(row["prow_off"]) + int(row["prow_len"])]
+                limit = int(row["batch"]) * int(row["ntok"])
+                if mine.min() < 0 or mine.max() >= limit:
+                    raise DumpError(
+                        f"{self.path}: probe rows of round {int(row['round'])} are outside its "
+                        f"{limit} rows (damaged file)"
+                    )
+
+    def _check_records(self) -> None:
+        """Records must point inside their data and have their round's shape. Records of a
+        round without a /rounds row (cut off by a crash) are ignored by every reader."""
+        r = self.records
+        if not len(r):
+            return
+        ids = r["data"]
+        if ids.min() < 0 or ids.max() >= len(self._data):
+            raise DumpError(f"{self.path}: records point to missing data sets")
+        lengths = np.array([d.shape[0] for d, _ in self._data], dtype=np.int64)
+        widths = np.array([d.shape[1] for d, _ in self._data], dtype=np.int64)
+        row0, nrows = r["row0"], r["nrows"]
+        batch, ntok = r["batch"].astype(np.int64), r["ntok"].astype(np.int64)
+        bad = (
+            (row0 < 0) | (nrows < 0) | (row0 > lengths[ids] - nrows)
+            | (r["width"] != widths[ids]) | (batch < 1) | (ntok < 1) | (batch * ntok != nrows)
+            | (r["layer"] < s.STACK_INPUT) | (r["layer"] >= len(self.layers))
+            | (r["site"] < s.BLOCK_SITE) | (r["site"] >= len(self.sites))
+        )
+        if len(self.rounds):
+            order = np.argsort(self.rounds["round"], kind="stable")
+            keys = self.rounds["round"][order]
+            at = np.clip(np.searchsorted(keys, r["round"]), 0, len(keys) - 1)
+            known = keys[at] == r["round"]
+            rnd = self.rounds[order[at]]
+            subset = r["subset"] != 0
+            want_batch = np.where(subset, 1, rnd["batch"])
+            want_ntok = np.where(subset, rnd["prow_len"], rnd["ntok"])
+            bad |= known & ((batch != want_batch) | (ntok != want_ntok))
+        if bad.any():
+            raise DumpError(
+                f"{self.path}: {int(bad.sum())} records point outside their data (damaged file)"
+            )
 
     # -- queries ---------------------------------------------------------------------------
     def meta_int(self, key: str) -> int | None:
         """An integer metadata field (rank, pid...), None when absent or not a number."""
         try:
-            return int(self.meta.get(key))
-        except (TypeError, ValueError):
+            value = int(self.meta.get(key))
+        except (TypeError, ValueError, OverflowError):  # JSON allows Infinity
             return None
+        return value if -(2**63) <= value < 2**63 else None  # the tables hold int64
 
     @property
     def n_samples(self) -> int:
@@ -144,10 +307,38 @@ class DumpReader:
 
     def read(self, record: np.void) -> np.ndarray:
         """Decode one record to a float array of shape (batch, ntok, width)."""
-        ds, dtype = self._data[int(record["data"])]
         row0, n = int(record["row0"]), int(record["nrows"])
-        rows = s.decode(ds[row0 : row0 + n], dtype)
+        rows = self.read_rows(int(record["data"]), row0, row0 + n)
         return rows.reshape(int(record["batch"]), int(record["ntok"]), int(record["width"]))
+
+    def read_rows(self, data: int, start: int, stop: int) -> np.ndarray:
+        """Rows ``start:stop`` of the data set with index ``data``, decoded, (rows, width):
+        one read for the records of many layers of a round."""
+        ds, dtype = self._data[int(data)]
+        direct = self._direct(int(data))
+        with _reading(self.path):
+            stored = direct.read(start, stop) if direct is not None else None
+            if stored is None:
+                stored = ds[start:stop]
+        return s.decode(stored, dtype)
+
+    def _direct(self, data: int) -> ChunkRows | None:
+        """The data set's rows read straight from the file (format/direct.py), when safe."""
+        if not hasattr(self, "_chunk_rows"):
+            self._chunk_rows: dict[int, ChunkRows | None] = {}
+            self._fd = open_file(self.path)
+        if data not in self._chunk_rows:
+            ds = self._data[data][0]
+            self._chunk_rows[data] = None if self._fd is None else ChunkRows.open(
+                ds, self._fd[0], self._fd[1], int(self.f.userblock_size))
+        return self._chunk_rows[data]
+
+    def all_probe_rows(self) -> np.ndarray:
+        """The whole /probe_rows array; a round's rows are ``[prow_off: prow_off + prow_len]``."""
+        if s.PROBE_ROWS not in self.f:
+            return np.zeros(0, np.int32)
+        with _reading(self.path):
+            return self.f[s.PROBE_ROWS][()]
 
     def dtype_of(self, record: np.void) -> str:
         return self._data[int(record["data"])][1]
@@ -159,26 +350,44 @@ class DumpReader:
             yield rec, self.read(rec)
 
     def token_ids(self, round_row: np.void) -> np.ndarray:
-        off, n = int(round_row["tok_off"]), int(round_row["tok_len"])
-        return self.f[s.TOKEN_IDS][off : off + n]
+        return self._slice(s.TOKEN_IDS, round_row["tok_off"], round_row["tok_len"])
 
     def probe_rows(self, round_row: np.void) -> np.ndarray:
         """Rows of a round's clean records that its probe records (subset=1) hold."""
-        off, n = int(round_row["prow_off"]), int(round_row["prow_len"])
-        return self.f[s.PROBE_ROWS][off : off + n]
+        return self._slice(s.PROBE_ROWS, round_row["prow_off"], round_row["prow_len"])
 
     def positions(self, round_row: np.void) -> np.ndarray:
-        off, n = int(round_row["pos_off"]), int(round_row["ntok"])
-        return self.f[s.POSITIONS][off : off + n]
+        return self._slice(s.POSITIONS, round_row["pos_off"], round_row["ntok"])
+
+    def _slice(self, name: str, off, n) -> np.ndarray:
+        off, n = int(off), int(n)
+        if n <= 0 or name not in self.f:
+            return np.zeros(0, dtype=np.int64)
+        with _reading(self.path):
+            return self.f[name][off : off + n]
 
     def close(self) -> None:
-        self.f.close()
+        fd = getattr(self, "_fd", None)
+        if fd is not None:
+            os.close(fd[0])
+            self._fd = None
+            self._chunk_rows = {}
+        with _reading(self.path):
+            self.f.close()
 
     def __enter__(self) -> DumpReader:
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _attr_text(obj, name: str) -> str | None:
+    """A string attribute, or None when it is missing or not a single string."""
+    value = obj.attrs.get(name)
+    if isinstance(value, bytes):
+        return value.decode("utf-8", "replace")
+    return value if isinstance(value, str) else None
 
 
 def _text(x) -> str:

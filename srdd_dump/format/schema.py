@@ -25,6 +25,9 @@ import numpy as np
 FORMAT_NAME = "srdd-dump"
 SCHEMA_VERSION = 1
 PARTIAL_SUFFIX = ".partial"
+# A file whose write failed half-way (disk full) is renamed to <name>.h5.broken and not read:
+# HDF5 may have recorded data that never reached the disk.
+BROKEN_SUFFIX = ".broken"
 FILE_SUFFIX = ".h5"
 
 ATTR_FORMAT = "format"

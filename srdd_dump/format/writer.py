@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import os
 import queue
+import re
+import shutil
 import threading
 import time
 from dataclasses import dataclass, field
@@ -58,6 +60,41 @@ def tokens_hash(token_ids: np.ndarray | None) -> int:
     return int.from_bytes(digest.digest(), "little")
 
 
+# Kept free after every round: the metadata a round adds and what closing the file writes.
+ROOM_RESERVE = 1 << 20
+_MB = 1 << 20
+
+
+class NoRoom(OSError):
+    """The next round would not fit under the file-size limit or in the free disk space."""
+
+
+def describe_error(exc: BaseException) -> str:
+    """One line for an error; HDF5's own messages span lines and bury the errno."""
+    text = " ".join(str(exc).split())
+    found = re.search(r"errno = (\d+), error message = '([^']*)'", text)
+    if found:
+        return f"{found.group(2)} (errno {found.group(1)})"
+    return f"{type(exc).__name__}: {text}" if not isinstance(exc, NoRoom) else text
+
+
+def _file_size_limit() -> int | None:
+    try:
+        import resource
+    except ImportError:  # not on Unix
+        return None
+    soft, _ = resource.getrlimit(resource.RLIMIT_FSIZE)
+    return None if soft == resource.RLIM_INFINITY else soft
+
+
+def _growth(ds: h5py.Dataset | None, rows: int, chunk_rows: int, row_bytes: int) -> int:
+    """Bytes the file grows by when ``rows`` rows are appended to a chunked data set."""
+    before = ds.shape[0] if ds is not None else 0
+    chunk_rows = ds.chunks[0] if ds is not None else chunk_rows
+    new_chunks = -(-(before + rows) // chunk_rows) - (-(-before // chunk_rows))
+    return new_chunks * chunk_rows * row_bytes
+
+
 def _append(ds: h5py.Dataset, rows: np.ndarray) -> int:
     start = ds.shape[0]
     ds.resize(start + rows.shape[0], axis=0)
@@ -69,7 +106,17 @@ class _H5File:
     """Synchronous part: owns the h5py handle."""
 
     def __init__(self, partial_path: str, meta: dict, layers: list[str], sites: list[str]):
+        self.path = partial_path
+        self._close_tried = False
+        self._check_room(ROOM_RESERVE, 0)
         self.f = h5py.File(partial_path, "w")
+        try:
+            self._create(meta, layers, sites)
+        except Exception:
+            self.abandon()
+            raise
+
+    def _create(self, meta: dict, layers: list[str], sites: list[str]) -> None:
         f = self.f
         f.attrs[s.ATTR_FORMAT] = s.FORMAT_NAME
         f.attrs[s.ATTR_VERSION] = s.SCHEMA_VERSION
@@ -107,8 +154,49 @@ class _H5File:
             self.data_index = {n: i for i, n in enumerate(names)}
         return group[name]
 
+    def room_needed(self, r: Round) -> int:
+        """Upper bound of the bytes writing ``r`` adds to the file, with ROOM_RESERVE."""
+        f, need = self.f, ROOM_RESERVE
+        group = f[s.DATA]
+        by_name: dict[str, list[int]] = {}
+        for t in r.tensors:
+            name = s.data_name(t.kind, t.dtype, t.array.shape[-1])
+            width, itemsize = t.array.shape[-1], s.STORAGE_DTYPES[t.dtype].itemsize
+            entry = by_name.setdefault(name, [0, width * itemsize, s.chunk_rows(width, itemsize)])
+            entry[0] += t.array.size // max(1, width)
+        for name, (rows, row_bytes, chunk) in by_name.items():
+            need += _growth(group.get(name), rows, chunk, row_bytes)
+        tok = 0 if r.token_ids is None else int(np.size(r.token_ids))
+        prows = 0 if r.probe_rows is None else len(r.probe_rows)
+        for name, rows in (
+            (s.POSITIONS, len(r.positions)), (s.TOKEN_IDS, tok), (s.PROBE_ROWS, prows),
+            (s.RECORDS, len(r.tensors)), (s.ROUNDS, 1),
+        ):
+            ds = f[name]
+            need += _growth(ds, rows, ds.chunks[0], ds.dtype.itemsize)
+        return need
+
+    def _check_room(self, need: int, size: int) -> None:
+        """Raise NoRoom when ``need`` more bytes would pass the file-size limit or fill the
+        disk: a write that fails half-way leaves an HDF5 file that cannot be closed safely."""
+        limit = _file_size_limit()
+        if limit is not None and size + need > limit:
+            raise NoRoom(
+                f"no room for the next round: the file-size limit (RLIMIT_FSIZE, "
+                f"{limit / _MB:.2f} MB) allows {max(0, limit - size) / _MB:.2f} MB more, it "
+                f"needs {need / _MB:.2f} MB"
+            )
+        folder = os.path.dirname(os.path.abspath(self.path))
+        free = shutil.disk_usage(folder).free
+        if need > free:
+            raise NoRoom(
+                f"no room for the next round: {free / _MB:.2f} MB free on the file system of "
+                f"{folder}, it needs {need / _MB:.2f} MB"
+            )
+
     def write_round(self, r: Round) -> None:
         f = self.f
+        self._check_room(self.room_needed(r), f.id.get_filesize())
         pos_off = _append(f[s.POSITIONS], np.asarray(r.positions, dtype="<i4"))
         tok = (
             np.asarray(r.token_ids, dtype="<i8").reshape(-1)
@@ -152,16 +240,58 @@ class _H5File:
         f.flush()
 
     def close(self, status: dict, complete: bool) -> None:
+        """Write the status and close. Everything is flushed before ``close``: if the flush
+        fails the caller can still ``abandon`` the file, which a failed close rules out."""
         self.f.attrs[s.ATTR_STATUS] = json.dumps(status, default=str)
         self.f.attrs[s.ATTR_COMPLETE] = int(complete)
+        self.f.flush()
+        self._close_tried = True
         self.f.close()
+
+    def flushes(self) -> bool:
+        """Whether the file can still be flushed after a failed write (then it is intact)."""
+        try:
+            self.f.flush()
+            return True
+        except Exception:
+            return False
+
+    def detach(self) -> None:
+        """Point the file's descriptor at /dev/null, after a write failed for good.
+
+        HDF5 then still holds dirty data for the file, and every later release of a handle
+        (a data set object being freed, the file's close, the library's own at process exit)
+        tries to write it, fails, and the second failure crashes the process (use after free
+        in HDF5 2.0). Detached, those writes succeed into /dev/null and what is on disk stays
+        as the last successful flush left it. Call it before any handle of the file is freed.
+        """
+        try:
+            fd = self.f.id.get_vfd_handle()
+            null = os.open(os.devnull, os.O_RDWR)
+            os.dup2(null, fd)
+            os.close(null)
+        except Exception:
+            pass
+
+    def abandon(self) -> None:
+        """Close a file whose writes failed, without writing anything more to it."""
+        self.detach()
+        if self._close_tried:
+            return  # a second close of the same file is the crash itself
+        try:
+            self.f.close()
+        except Exception:
+            pass
 
 
 class DumpWriter:
     """Writes one dump file as ``path + '.partial'`` and renames it to ``path`` on close.
 
-    ``submit`` never raises: an I/O failure (disk full, file-size limit) is kept in ``error``,
-    later rounds are dropped, and whatever was flushed before stays readable.
+    ``submit`` never raises: an I/O failure is kept in ``error`` and later rounds are dropped.
+    Before each round the writer checks that it fits under the file-size limit and in the free
+    disk space; if not, it stops there and the file is finalised with every round before it.
+    A write that fails anyway (the disk filled up from elsewhere) makes the file abandoned:
+    closed without further writes and renamed ``*.h5.broken``; the process stays safe.
     """
 
     def __init__(
@@ -173,6 +303,7 @@ class DumpWriter:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         self.error: str | None = None
         self.rounds_written = 0
+        self._broken = False  # a write failed: the HDF5 file must be abandoned, not closed
         self._file = _H5File(self.partial_path, meta, layers, sites or [])
         self._queue: queue.Queue = queue.Queue(maxsize=max_pending)
         self._thread = threading.Thread(target=self._run, name="srdd-dump-writer", daemon=True)
@@ -189,17 +320,34 @@ class DumpWriter:
             try:
                 self._file.write_round(item)
                 self.rounds_written += 1
-            except Exception as exc:  # disk full, RLIMIT_FSIZE, ... keep what is flushed
-                self.error = f"{type(exc).__name__}: {exc}"
+            except NoRoom as exc:  # nothing was written: the file is intact
+                self.error = describe_error(exc)
+            except Exception as exc:  # disk full, RLIMIT_FSIZE... from elsewhere
+                self.error = describe_error(exc)
+                if not self._file.flushes():  # still inside except: the data sets are alive
+                    self._file.detach()
+                    self._broken = True
 
     def submit(self, r: Round) -> None:
         if self.error is None and not self._closed:
             self._queue.put(r)
 
+    def _set_aside(self) -> str:
+        broken = self.path + s.BROKEN_SUFFIX
+        try:
+            os.replace(self.partial_path, broken)
+        except OSError:
+            return self.partial_path
+        return broken
+
     def close(self, status: dict | None = None) -> str:
-        """Finish pending writes, mark the file complete and rename it. Returns the final path."""
+        """Finish pending writes, mark the file complete and rename it. Returns the final path:
+        ``path``, or ``path + s.BROKEN_SUFFIX`` when a write failed half-way."""
         if self._closed:
-            return self.path if os.path.exists(self.path) else self.partial_path
+            for name in (self.path, self.path + s.BROKEN_SUFFIX):
+                if os.path.exists(name):
+                    return name
+            return self.partial_path
         self._closed = True
         self._queue.put(None)
         self._thread.join()
@@ -207,14 +355,18 @@ class DumpWriter:
         status.setdefault("rounds", self.rounds_written)
         if self.error:
             status["write_error"] = self.error
-        try:
-            self._file.close(status, complete=self.error is None and not status.get("error"))
-        except Exception as exc:
-            self.error = self.error or f"{type(exc).__name__}: {exc}"
+        if not self._broken:
             try:
-                self._file.f.close()
-            except Exception:
-                pass
+                self._file.close(status, complete=self.error is None and not status.get("error"))
+            except Exception as exc:
+                self.error = self.error or describe_error(exc)
+                self._broken = True
+        if self._broken:
+            self._file.abandon()
+            return self._set_aside()
+        try:
+            os.replace(self.partial_path, self.path)
+        except OSError as exc:  # the finished file stays usable under its .partial name
+            self.error = self.error or f"cannot rename it: {describe_error(exc)}"
             return self.partial_path
-        os.replace(self.partial_path, self.path)
         return self.path

@@ -186,7 +186,8 @@ def _chart(ws, per_layer: pd.DataFrame, header: int, last: int) -> None:
 def _fit_columns(sheet, df: pd.DataFrame) -> None:
     for j, col in enumerate(df.columns, start=1):
         longest = df[col].astype(str).str.len().max() if len(df) else 0
-        width = min(MAX_WIDTH, max(len(str(col)), int(longest or 0)) + 2)
+        longest = 0 if pd.isna(longest) else int(longest)  # an all-empty column
+        width = min(MAX_WIDTH, max(len(str(col)), longest) + 2)
         sheet.column_dimensions[get_column_letter(j)].width = width
 
 

@@ -1,0 +1,38 @@
+"""Free-space gate before a dump starts (msit refuses to dump with less than 2 GB free)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+from .errors import UserError
+
+GB = 1 << 30
+
+
+def free_bytes(path: str) -> int:
+    """Free space for an unprivileged user on the file system that holds (or will hold) path."""
+    probe = os.path.abspath(path)
+    while not os.path.exists(probe):
+        parent = os.path.dirname(probe)
+        if parent == probe:
+            break
+        probe = parent
+    return shutil.disk_usage(probe).free
+
+
+def check_free_space(path: str, min_free_gb: float) -> None:
+    """Raise UserError when the file system of ``path`` has less than ``min_free_gb`` GB free
+    (``min_free_gb`` <= 0: no check)."""
+    if min_free_gb <= 0:
+        return
+    try:
+        free = free_bytes(path)
+    except OSError as exc:
+        raise UserError(f"-o {path}: cannot check the free space ({exc.strerror})") from None
+    if free < min_free_gb * GB:
+        raise UserError(
+            f"-o {path}: only {free / GB:.2f} GB free on its file system, {min_free_gb:g} GB "
+            "required; free some space, choose another -o, or pass --min-free-gb 0 to skip "
+            "this check"
+        )

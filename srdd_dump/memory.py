@@ -1,0 +1,41 @@
+"""Keep freed heap memory for reuse (glibc), so numpy temporaries do not fault in fresh pages.
+
+By default glibc hands a freed block back to the kernel as soon as the free space at the top
+of the heap passes its trim threshold (dynamically about twice the largest freed block), and
+serves blocks above its mmap threshold with fresh mappings. The compare loops allocate and
+free temporaries of a few hundred KB to a few MB per layer and round, so every new temporary
+page-faulted in zeroed pages: ``Moments.add`` of one 121 x 576 record took 1.6 ms instead of
+0.29 ms. Raising both thresholds once per process removes that; the heap then keeps up to
+``TRIM_BYTES`` of freed memory, which counts in the resident set.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import sys
+
+M_TRIM_THRESHOLD = -1
+M_MMAP_THRESHOLD = -3
+MMAP_BYTES = 32 << 20  # glibc's largest allowed mmap threshold on 64-bit
+TRIM_BYTES = 256 << 20
+
+_done = False
+
+
+def keep_freed_memory() -> bool:
+    """Raise glibc's mmap and trim thresholds for this process; False where not glibc."""
+    global _done
+    if _done:
+        return True
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    ok = bool(mallopt(M_MMAP_THRESHOLD, MMAP_BYTES)) and bool(mallopt(M_TRIM_THRESHOLD, TRIM_BYTES))
+    _done = ok
+    return ok

@@ -1,0 +1,210 @@
+"""The compare hot path's shortcuts give exactly what the plain numpy formulations give."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from srdd_dump.analysis import metrics, signals
+from srdd_dump.analysis.moments import BLOCK, Moments
+
+RNG = np.random.default_rng(0)
+
+
+def _pileup_reference(x: np.ndarray, bins: int = 100) -> float:
+    """The full-histogram formulation the fast _pileup replaces."""
+    x = x[np.isfinite(x)]
+    if x.size < 10 * bins or x.min() == x.max():
+        return float("nan")
+    hist, _ = np.histogram(x, bins=bins)
+    hist = hist.astype(np.float64)
+    right = hist[-1] / max(1.0, (hist[-3] + hist[-4]) / 2)
+    left = hist[0] / max(1.0, (hist[2] + hist[3]) / 2)
+    return float(max(left, right))
+
+
+def _adversarial(dtype, n=5000) -> list[np.ndarray]:
+    base = RNG.standard_normal(n).astype(dtype)
+    clipped = np.clip(base, -1.5, 1.5)  # pile-ups on both edges
+    lo, hi = base.min(), base.max()
+    edges = np.linspace(lo, hi, 101, dtype=dtype)
+    # values exactly on every bin edge and one ulp either side
+    on_edges = np.concatenate([base, edges, np.nextafter(edges, np.inf).astype(dtype),
+                               np.nextafter(edges, -np.inf).astype(dtype)])
+    on_edges = np.clip(on_edges, lo, hi)
+    steps = np.round(base * 3).astype(dtype)  # few distinct values
+    wide = (RNG.standard_normal(n) * 1e30).astype(dtype)
+    return [base, clipped, on_edges, steps, wide, np.abs(base)]
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_pileup_matches_full_histogram(dtype):
+    for x in _adversarial(dtype):
+        got, want = signals._pileup(x), _pileup_reference(x)
+        assert (np.isnan(got) and np.isnan(want)) or got == want
+
+
+def test_median_matches_numpy():
+    for n in (1, 2, 3, 10, 33001, 33002):
+        x = np.abs(RNG.standard_normal(n)).astype(np.float32)
+        x[: n // 3] = 0
+        assert signals._median(x) == float(np.median(x))
+
+
+def _ties_reference(rows: np.ndarray) -> float:
+    rows = np.unique(rows, axis=0)
+    if rows.shape[0] < 2:
+        return float("nan")
+    hi, lo = rows.max(axis=0), rows.min(axis=0)
+    at_hi = np.where(hi > 0, (rows == hi).sum(axis=0), 1)
+    at_lo = np.where(lo < 0, (rows == lo).sum(axis=0), 1)
+    return float(max(at_hi.max(), at_lo.max()))
+
+
+def test_ties_and_unique_rows_match_np_unique():
+    x = RNG.standard_normal((40, 16)).astype(np.float32)
+    cases = [
+        x,
+        np.vstack([x, x[:5]]),  # duplicated rows (a batch repeating a prompt)
+        np.clip(x, -0.5, 0.5),  # clipped columns: ties in every column
+        np.where(x > 0, x, 0).astype(np.float32),  # many zeros
+        np.vstack([x[:1] * 0.0, -(x[:1] * 0.0), x[1:]]),  # +0 and -0 rows are equal
+        np.zeros((7, 16), np.float32),
+        x[:1],
+    ]
+    for rows in cases:
+        got, want = signals._ties(rows), _ties_reference(rows)
+        assert (np.isnan(got) and np.isnan(want)) or got == want
+        assert len(signals._unique_rows(rows)) == len(np.unique(rows, axis=0))
+
+
+def test_streamed_kurtosis_matches_concatenation():
+    parts = [RNG.standard_normal(n).astype(np.float32) for n in (10, BLOCK - 3, 7, BLOCK + 5, 1)]
+    k = signals._Kurtosis()
+    for p in parts:
+        k.add(p)
+    assert k.value == Moments().add(np.concatenate(parts)).kurtosis
+
+
+def test_exp_below_matches_numpy_above_the_flush_limit():
+    for peak in (0.0, 50.0, 720.0, 800.0, 30000.0):
+        for spread in (1.0, 300.0, 1e4):
+            x = np.concatenate([RNG.standard_normal(5000) * spread,
+                                [peak, peak - 700, peak - 707, peak - 708.5, peak - 745.1]])
+            x = x[x <= peak]
+            got = metrics._exp_below(x, peak, float(x.min()))
+            y = x - peak
+            want = np.where(y >= metrics.EXP_FLUSH, np.exp(y), 0.0)
+            assert got.tobytes() == want.tobytes()
+            assert np.all(np.exp(y)[y < metrics.EXP_FLUSH] < 1.1e-307)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_pair_stats_fast_path_matches_general_path(dtype):
+    for trial in range(6):
+        g = RNG.standard_normal(3000).astype(dtype)
+        m = (g.astype(np.float32) + RNG.standard_normal(3000).astype(np.float32) * 1e-2)
+        m = m.astype(dtype)
+        if trial % 2:
+            g[:500] = 0
+        if trial % 3 == 0:
+            g[500:600] = 1e-8
+        fast = metrics.PairStats().add(g, m)
+        slow = metrics.PairStats()
+        slow._add(g.astype(np.float64), m.astype(np.float64), None)  # no finite shortcut
+        assert fast.metrics() == slow.metrics()
+        assert fast.golden.values() == slow.golden.values()
+        assert fast.mine.values() == slow.mine.values()
+
+
+def test_keep_freed_memory_is_idempotent():
+    from srdd_dump.memory import keep_freed_memory
+
+    first = keep_freed_memory()
+    assert keep_freed_memory() == first
+
+
+def test_worker_processes_give_the_same_report(tmp_path):
+    """compare_path with jobs=2 (layers split between this process and a spawned worker) gives
+    the report of jobs=1, sub-layer signals included."""
+    import torch
+
+    from srdd_dump import DumpConfig, register_hook
+    from srdd_dump.compare import compare_path
+
+    import capture_utils  # noqa: F401  (puts fixtures/ on sys.path)
+    from tiny_models import build
+
+    model = build("llama", layers=6)
+    gen = torch.Generator().manual_seed(0)
+    cfg = DumpConfig(dump_path=str(tmp_path), granularity="sublayer",
+                     inject=["dead_zone@layer=3,m=0.3"])
+    with register_hook(model, cfg), torch.no_grad():
+        for n in (24, 31):
+            model(input_ids=torch.randint(0, 128, (1, n), generator=gen))
+    one = compare_path(str(tmp_path), progress=False)
+    two = compare_path(str(tmp_path), progress=False, jobs=2)
+    assert one.layers.equals(two.layers)
+    assert one.sites.equals(two.sites)
+
+
+def test_direct_chunk_reads_match_h5py(tmp_path):
+    import h5py
+
+    from srdd_dump.format.direct import ChunkRows, open_file
+
+    path = str(tmp_path / "x.h5")
+    data = RNG.standard_normal((1000, 24)).astype(np.float32)
+    with h5py.File(path, "w") as f:
+        f.create_dataset("plain", data=data, chunks=(37, 24), maxshape=(None, 24))
+        f.create_dataset("u2", data=data.view(np.uint16)[:, :24], chunks=(50, 24))
+        f.create_dataset("gzip", data=data, chunks=(37, 24), compression="gzip")
+        f.create_dataset("cols", data=data, chunks=(37, 12))
+        holes = f.create_dataset("holes", shape=(1000, 24), dtype=np.float32, chunks=(37, 24))
+        holes[:100] = data[:100]
+        holes[500:600] = data[500:600]
+    fd, size = open_file(path)
+    try:
+        with h5py.File(path, "r") as f:
+            for name in ("plain", "u2"):
+                ds = f[name]
+                rows = ChunkRows.open(ds, fd, size, int(f.userblock_size))
+                assert rows is not None
+                for a, b in [(0, 1), (0, 1000), (36, 38), (37, 74), (999, 1000), (5, 5),
+                             (123, 777)]:
+                    assert rows.read(a, b).tobytes() == ds[a:b].tobytes()
+            for name in ("gzip", "cols"):  # h5py answers
+                assert ChunkRows.open(f[name], fd, size, int(f.userblock_size)) is None
+            holes = ChunkRows.open(f["holes"], fd, size, int(f.userblock_size))
+            assert holes is not None
+            assert holes.read(0, 100).tobytes() == data[:100].tobytes()
+            assert holes.read(100, 200) is None  # never written: HDF5's fill value
+    finally:
+        import os
+
+        os.close(fd)
+
+
+def test_log_sum_exp_single_term_shortcut_is_exact():
+    """A block whose only element within reach of the peak is the peak itself (one large
+    outlier) gives the sums over the full arrays."""
+    for trial in range(20):
+        x = RNG.standard_normal(4000)
+        x[int(RNG.integers(0, 4000))] = 1000.0 + trial
+        w = RNG.standard_normal(4000)
+        w[:10] = -0.0
+        fast = metrics._LogSumExp()
+        fast.add(x, w)
+        fast.add(x * 0.5, w)
+        e1 = np.where(x - x.max() >= metrics.EXP_FLUSH, np.exp(x - x.max()), 0.0)
+        slow_total = float(e1.sum())
+        slow_weighted = metrics._dot(e1, w)
+        peak = x.max()
+        x2 = x * 0.5
+        scale = np.exp(peak - max(peak, x2.max())) if slow_total else 0.0
+        e2 = metrics._exp_below(x2, max(peak, x2.max()), float(x2.min()))
+        slow_total = slow_total * scale + float(e2.sum())
+        slow_weighted = slow_weighted * scale + metrics._dot(e2, w)
+        assert fast.total == slow_total and fast.weighted == slow_weighted
+    y = RNG.uniform(-706, 0, 100000)
+    assert all(np.exp(y[i: i + 1])[0] == np.exp(y)[i] for i in range(0, 100000, 997))

@@ -1,0 +1,500 @@
+"""Faults and security (issue 7), with real processes: a program killed mid-dump, a file-size
+limit and a full disk, a capture error, Ctrl-C and SIGTERM to srdd-dump, the free-space gate,
+umask, odd paths, the child's environment, no shell, no formulas in XLSX, no unpickling.
+
+Every guarantee in docs/reliability.md names the test here that proves it. The user programs
+are loops of forward passes on the tiny llama of fixtures/tiny_models.py, or, where the model
+does not matter and a transformers import would only cost time, on a 4-block torch toy.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import re
+import select
+import shlex
+import signal
+import stat
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import openpyxl
+import pytest
+
+from srdd_dump.baseline import compare_baseline
+from srdd_dump.compare import compare_path
+from srdd_dump.config import DumpConfig
+from srdd_dump.format import schema as s
+from srdd_dump.format.reader import DumpReader, find_dump_files
+from srdd_dump.launch import CHILD_ENV, child_env
+
+from capture_utils import FIXTURES, ROOT, run_cli
+from dumpfactory import normal_rounds, write_dump
+
+LOOP = textwrap.dedent(f"""
+    import os, sys, time
+    sys.path.insert(0, {FIXTURES!r})
+    import torch
+    n, pause, seq, arch = int(sys.argv[1]), float(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+    if arch == "toy":
+        class Block(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.linear = torch.nn.Linear(64, 64)
+            def forward(self, x):
+                return x + torch.tanh(self.linear(x))
+        class Toy(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.embed = torch.nn.Embedding(128, 64)
+                self.layers = torch.nn.ModuleList(Block() for _ in range(4))
+            def forward(self, input_ids):
+                h = self.embed(input_ids)
+                for block in self.layers:
+                    h = block(h)
+                return h
+        torch.manual_seed(0)
+        model = Toy().eval()
+    else:
+        from tiny_models import build
+        model = build(arch)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for i in range(n):
+            model(input_ids=torch.randint(0, 128, (1, seq), generator=gen))
+            print("forward", i, os.getpid(), flush=True)
+            time.sleep(pause)
+    print("finished", flush=True)
+""")
+
+# Runs a command under a file-size limit. SIGXFSZ is ignored, as a batch system would set it,
+# so that a write past the limit fails with EFBIG instead of killing the program: srdd-dump
+# itself never changes how the user's program handles signals.
+LIMIT = textwrap.dedent("""
+    import os, resource, signal, sys
+    limit = int(sys.argv[1])
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+    os.execv(sys.executable, [sys.executable, *sys.argv[2:]])
+""")
+
+# The same loop with the writer's room check switched off, so that the write itself fails:
+# what happens when something else fills the disk between the check and the write.
+NO_CHECK = "import srdd_dump.format.writer as w\nw._H5File._check_room = lambda *a: None\n"
+
+
+def _script(tmp_path, name: str = "loop.py", prefix: str = "") -> str:
+    path = tmp_path / name
+    path.write_text(prefix + LOOP)
+    return str(path)
+
+
+def _command(*argv: str) -> str:
+    return shlex.join([sys.executable, *argv])
+
+
+def _start(*args: str, umask: int | None = None) -> subprocess.Popen:
+    """srdd-dump as a user starts it, in its own session (no terminal to deliver Ctrl-C)."""
+    env = dict(os.environ)
+    env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
+    return subprocess.Popen(
+        [sys.executable, "-m", "srdd_dump.cli.dump", *args], cwd=ROOT, env=env,
+        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True,
+        preexec_fn=(lambda: os.umask(umask)) if umask is not None else None,
+    )
+
+
+def _wait_for_forward(proc: subprocess.Popen, n: int, timeout: float = 120) -> int:
+    """Read the program's output until its forward number ``n``; returns the program's pid."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([proc.stdout], [], [], deadline - time.monotonic())
+        line = proc.stdout.readline() if ready else ""
+        if not line:
+            break
+        if line.startswith(f"forward {n} "):
+            return int(line.split()[2])
+    proc.kill()
+    pytest.fail(f"the program did not reach forward {n}: {proc.stderr.read()[-2000:]}")
+
+
+def _finish(proc: subprocess.Popen, timeout: float = 120) -> tuple[int, str, str]:
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        pytest.fail("srdd-dump did not end")
+    return proc.returncode, out, err
+
+
+def _dump_cli(*args: str, umask: int | None = None) -> tuple[int, str, str]:
+    return _finish(_start(*args, umask=umask))
+
+
+def _only(folder) -> str:
+    files = find_dump_files(str(folder))
+    assert len(files) == 1, files
+    return files[0]
+
+
+def _all_records_readable(path: str) -> int:
+    """Read every record of every round the file lists; returns the number of rounds."""
+    with DumpReader(path) as r:
+        known = set(r.rounds["round"].tolist())
+        for rec in r.records:
+            if int(rec["round"]) in known:
+                assert np.isfinite(r.read(rec)).all()
+        return len(r.rounds)
+
+
+# -- killed mid-dump -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("how", ["SIGKILL to the program", "SIGTERM to srdd-dump"])
+def test_killed_mid_dump_keeps_every_finished_sample(how, tmp_path):
+    arch = "llama" if how.startswith("SIGKILL") else "toy"
+    proc = _start("--exec", _command(_script(tmp_path), "100000", "0.3", "12", arch),
+                  "-o", str(tmp_path / "d"), "--samples", "100000", "--min-free-gb", "0")
+    pid = _wait_for_forward(proc, 3)
+    time.sleep(0.15)  # the writer thread flushes round 3 while the program sleeps
+    if how.startswith("SIGKILL"):
+        os.kill(pid, signal.SIGKILL)
+        want = 128 + signal.SIGKILL
+    else:
+        os.kill(proc.pid, signal.SIGTERM)  # forwarded; Python dies of SIGTERM, no atexit
+        want = 128 + signal.SIGTERM
+    code, _, err = _finish(proc)
+    assert code == want, err
+    name = signal.Signals(want - 128).name
+    assert f"the command was killed by {name} (exit code {want})" in err
+    path = _only(tmp_path / "d")
+    assert path.endswith(".h5.partial")
+    assert f"{path}: the process writing it ended without finishing it" in err
+    assert "Traceback" not in err
+    rounds = _all_records_readable(path)
+    assert rounds >= 4
+    with DumpReader(path) as r:
+        assert not r.complete and r.n_samples == rounds  # every round is a finished sample
+    result = compare_path(str(tmp_path / "d"), progress=False)
+    files = result.files.iloc[0]
+    assert files["status"] == "incomplete" and "(.partial file)" in files["reason"]
+    assert files["rounds"] == rounds and set(result.layers["samples"]) == {rounds}
+
+
+# -- Ctrl-C ----------------------------------------------------------------------------------
+
+
+def test_ctrl_c_reaches_the_program_and_the_dump_is_finalised(tmp_path):
+    proc = _start("--exec", _command(_script(tmp_path), "100000", "0.2", "12", "llama"),
+                  "-o", str(tmp_path / "d"), "--samples", "100000", "--min-free-gb", "0")
+    _wait_for_forward(proc, 2)
+    os.kill(proc.pid, signal.SIGINT)  # to srdd-dump only, as `kill -INT` would
+    code, out, err = _finish(proc)
+    # The program's own exit code: KeyboardInterrupt's traceback and 1 for a program that
+    # loaded a transformers model, death by SIGINT (130) for a plain Python program.
+    assert code in (1, 128 + signal.SIGINT), err
+    assert "KeyboardInterrupt" in err
+    assert "finished" not in out
+    path = _only(tmp_path / "d")
+    assert path.endswith(".h5") and f"srdd-dump: wrote {path}" in err
+    with DumpReader(path) as r:
+        assert r.complete and len(r.rounds) >= 3
+    assert compare_path(path, progress=False).files["status"].tolist() == ["ok"]
+
+
+# -- file-size limit, full disk ----------------------------------------------------------------
+
+
+def _check_capture_stopped(code: int, out: str, err: str, cause: str) -> None:
+    assert code == 3, err
+    assert "finished" in out  # the program ran to its end
+    assert "Traceback" not in err and "Exception ignored" not in err
+    warnings = [line for line in err.splitlines() if "warning:" in line]
+    assert len(warnings) == 1 and "capture turned off" in warnings[0], err
+    assert re.search(rf"error: pid \d+: capture failed: cannot write .*{cause}", err), err
+
+
+def test_file_size_limit_stops_capture_before_the_file_breaks(tmp_path):
+    limit = tmp_path / "limit.py"
+    limit.write_text(LIMIT)
+    cmd = _command(str(limit), "2300000", _script(tmp_path), "40", "0", "64", "toy")
+    code, out, err = _dump_cli("--exec", cmd, "-o", str(tmp_path / "d"), "--samples", "1000",
+                               "--probes", "none", "--min-free-gb", "0")
+    _check_capture_stopped(code, out, err, r"file-size limit \(RLIMIT_FSIZE")
+    path = _only(tmp_path / "d")
+    assert path.endswith(".h5")  # finalised, with every round before the one that did not fit
+    rounds = _all_records_readable(path)
+    assert 1 <= rounds < 40
+    with DumpReader(path) as r:
+        assert not r.complete and "RLIMIT_FSIZE" in r.status["write_error"]
+    result = compare_path(path, progress=False)
+    assert result.files["status"].tolist() == ["incomplete"]
+    assert "RLIMIT_FSIZE" in result.files["reason"][0]
+
+
+def test_a_write_that_fails_anyway_is_survived(tmp_path):
+    """The disk fills between the check and the write: HDF5 cannot close such a file, and
+    closing it twice crashed the program at exit (SIGSEGV) before the file was detached."""
+    limit = tmp_path / "limit.py"
+    limit.write_text(LIMIT)
+    cmd = _command(str(limit), "2000000", _script(tmp_path, prefix=NO_CHECK), "40", "0", "64",
+                   "toy")
+    code, out, err = _dump_cli("--exec", cmd, "-o", str(tmp_path / "d"), "--samples", "1000",
+                               "--probes", "none", "--min-free-gb", "0")
+    _check_capture_stopped(code, out, err, r"File too large \(errno 27\)")
+    (broken,) = os.listdir(tmp_path / "d")
+    assert broken.endswith(".h5" + s.BROKEN_SUFFIX)  # set aside: its content is not trusted
+    assert f"{broken}: a write failed half-way, so the file is set aside" in err
+    proc = run_cli("srdd-compare", str(tmp_path / "d"), "-o", str(tmp_path / "r.csv"),
+                   timeout=60)
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 2.5 MB tmpfs (root only); unmounted afterwards."""
+    mnt = tmp_path / "disk"
+    mnt.mkdir()
+    if os.geteuid() != 0 or subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=2500k", "tmpfs", str(mnt)], capture_output=True
+    ).returncode != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_disk_full_gate_and_stop(small_disk, tmp_path):
+    out = small_disk / "d"
+    cmd = _command(_script(tmp_path), "40", "0", "64", "toy")
+    code, _, err = _dump_cli("--exec", cmd, "-o", str(out), "--samples", "1000")
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1, err  # the default 2 GB gate refuses to start
+    assert "GB free on its file system, 2 GB required" in lines[0] and "--min-free-gb 0" in err
+    assert not out.exists()
+    code, stdout, err = _dump_cli("--exec", cmd, "-o", str(out), "--samples", "1000",
+                                  "--probes", "none", "--min-free-gb", "0")
+    _check_capture_stopped(code, stdout, err, "MB free on the file system of")
+    path = _only(out)
+    assert path.endswith(".h5") and _all_records_readable(path) >= 1
+    assert compare_path(path, progress=False).files["status"].tolist() == ["incomplete"]
+
+
+def test_free_space_gate_runs_before_the_command(tmp_path):
+    marker = tmp_path / "ran"
+    cmd = _command("-c", f"open({str(marker)!r}, 'w')")
+    code, _, err = _dump_cli("--exec", cmd, "-o", str(tmp_path / "new" / "d"),
+                             "--min-free-gb", "1e9")
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("srdd-dump: error: -o ")
+    assert "1e+09 GB required" in lines[0] and "--min-free-gb 0" in lines[0]
+    assert not marker.exists() and not (tmp_path / "new").exists()
+
+
+# -- the capture hook raises -------------------------------------------------------------------
+
+
+def test_capture_error_mid_run_keeps_the_rounds_before(tmp_path):
+    broken_hook = (
+        "import torch\n"  # first: importing the hooks before torch defeats --exec's injection
+        "import srdd_dump.capture.hooks as h\n"
+        "_real, _calls = h.to_host, [0]\n"
+        "def to_host(*a, **k):\n"
+        "    _calls[0] += 1\n"
+        "    if _calls[0] > 10:  # 5 tensors a round: rounds 0 and 1 go through\n"
+        "        raise RuntimeError('simulated capture bug')\n"
+        "    return _real(*a, **k)\n"
+        "h.to_host = to_host\n"
+    )
+    cmd = _command(_script(tmp_path, prefix=broken_hook), "6", "0", "8", "toy")
+    code, out, err = _dump_cli("--exec", cmd, "-o", str(tmp_path / "d"), "--probes", "none",
+                               "--min-free-gb", "0")
+    assert code == 3 and "finished" in out and out.count("forward") == 6
+    assert "simulated capture bug" in err and "Traceback" not in err
+    path = _only(tmp_path / "d")
+    assert path.endswith(".h5") and _all_records_readable(path) == 2
+    with DumpReader(path) as r:
+        assert not r.complete and "simulated capture bug" in r.status["error"]
+    result = compare_path(path, progress=False)
+    assert result.files["status"].tolist() == ["incomplete"]
+
+
+def test_program_raising_after_capture_keeps_its_exit_code_and_a_finished_dump(tmp_path):
+    raises = LOOP + "raise ValueError('user bug')\n"
+    script = tmp_path / "raises.py"
+    script.write_text(raises)
+    code, out, err = _dump_cli("--exec", _command(str(script), "2", "0", "8", "toy"),
+                               "-o", str(tmp_path / "d"), "--min-free-gb", "0")
+    assert code == 1 and "finished" in out
+    assert "ValueError: user bug" in err  # the program's own traceback, untouched
+    assert "srdd-dump: the command exited with code 1" in err
+    path = _only(tmp_path / "d")
+    assert path.endswith(".h5") and _all_records_readable(path) == 2
+    with DumpReader(path) as r:
+        assert r.complete
+
+
+# -- umask, odd paths --------------------------------------------------------------------------
+
+
+def test_dump_files_honour_the_umask(tmp_path):
+    code = textwrap.dedent(f"""
+        import os, numpy as np
+        from srdd_dump.format.writer import DumpWriter, Round, Tensor
+        for mask in (0o077, 0o022, 0o027):
+            os.umask(mask)
+            w = DumpWriter(os.path.join({str(tmp_path)!r}, f"u{{mask:o}}.h5"), {{}}, ["b.0"])
+            x = np.zeros((1, 4, 8), np.float32)
+            w.submit(Round(sample=0, step=0, batch=1, seq=4, positions=np.arange(4),
+                           tensors=[Tensor(layer=0, array=x, dtype="float32")]))
+            w.close()
+    """)
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+    modes = {p: stat.S_IMODE(os.stat(tmp_path / p).st_mode) for p in os.listdir(tmp_path)}
+    assert modes == {"u77.h5": 0o600, "u22.h5": 0o644, "u27.h5": 0o640}
+
+
+def test_paths_with_spaces_and_non_ascii(tmp_path):
+    """srdd-dump -o, the script's own path and srdd-compare's input and output, all with
+    spaces, quotes and non-ASCII characters; the dump made under umask 077 is private."""
+    odd = tmp_path / "dir with space" / "ünï cödé 数据 'q'"
+    odd.mkdir(parents=True)
+    script = _script(odd, "my loop é.py")
+    dumps = odd / "dumps ü"
+    cmd = _command(script, "3", "0", "8", "llama")
+    code, out, err = _dump_cli("--exec", cmd, "-o", str(dumps), "--probes", "none",
+                               "--min-free-gb", "0", umask=0o077)
+    assert code == 0, err
+    path = _only(dumps)
+    assert os.path.dirname(path) == str(dumps) and stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    with DumpReader(path) as r:
+        assert r.meta["command"] == cmd
+    for report in ("rapport été.xlsx", "報告 1.csv"):
+        out_file = odd / "out ü" / report
+        proc = run_cli("srdd-compare", str(dumps), "-o", str(out_file), "--quiet", timeout=60)
+        assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+        assert out_file.exists()
+    sources = [row[0].value for row in openpyxl.load_workbook(odd / "out ü" / "rapport été.xlsx")
+               ["files"].iter_rows(min_row=2)]
+    assert sources == [os.path.basename(path)]
+
+
+# -- the child's environment, no shell ---------------------------------------------------------
+
+
+def test_every_variable_passed_to_the_child_is_documented(tmp_path):
+    env = child_env(DumpConfig(dump_path=str(tmp_path)), str(tmp_path))
+    changed = {k for k, v in env.items() if os.environ.get(k) != v}
+    assert changed == set(CHILD_ENV)
+    with open(os.path.join(ROOT, "docs", "cli.md"), encoding="utf-8") as fh:
+        doc = fh.read()
+    section = doc.split("### Environment passed to the command")[1].split("\n### ")[0]
+    documented = set(re.findall(r"^\| `([A-Z_]+)` \|", section, flags=re.M))
+    assert documented == set(CHILD_ENV)
+
+
+def test_exec_arguments_are_never_expanded(tmp_path):
+    marker = tmp_path / "pwned"
+    res = run_cli("srdd-dump", "--exec",
+                  f"echo $HOME `touch {marker}` $(touch {marker}) '*' > {marker}",
+                  "-o", str(tmp_path / "d"), "--min-free-gb", "0", timeout=60)
+    assert not marker.exists()
+    assert res.stdout.strip() == f"$HOME `touch {marker}` $(touch {marker}) * > {marker}"
+    assert res.returncode == 3  # echo is no Python program: nothing was captured
+
+
+# -- reports: formula injection ----------------------------------------------------------------
+
+EVIL = ["=HYPERLINK(\"http://x\",\"y\")", "+1+1", "-1+1", "@SUM(A1)", "\t=1", "\r=1"]
+
+
+def _formula_dumps(tmp_path) -> str:
+    rng = np.random.default_rng(0)
+    folder = tmp_path / "=evil dir"
+    for i, name in enumerate(("=cmd|' /C calc'!A0.h5", "@SUM(A1).h5", "+x.h5", "-x.h5")):
+        write_dump(str(folder / name), normal_rounds(rng, layers=(-1, 0, 1, 2, 3)),
+                   names=[EVIL[(i + k) % len(EVIL)] for k in range(4)],
+                   meta={"rank": i, "pid": 100 + i})
+    return str(folder)
+
+
+def _assert_no_formulas(path) -> None:
+    for ws in openpyxl.load_workbook(path).worksheets:
+        for row in ws.iter_rows():
+            for cell in row:
+                assert cell.data_type != "f", (ws.title, cell.coordinate, cell.value)
+                if isinstance(cell.value, str):
+                    assert not cell.value.startswith(("=", "+", "@", "\t", "\r")), (
+                        ws.title, cell.coordinate, cell.value)
+                    assert not re.match(r"-[^0-9.i]", cell.value), (ws.title, cell.value)
+
+
+def test_no_cell_of_any_report_sheet_is_a_formula(tmp_path):
+    folder = _formula_dumps(tmp_path)
+    compare_path(folder, str(tmp_path / "r.xlsx"), progress=False)
+    _assert_no_formulas(tmp_path / "r.xlsx")
+    first = find_dump_files(folder)[0]
+    compare_baseline(folder, first, str(tmp_path / "b.xlsx"), progress=False)
+    _assert_no_formulas(tmp_path / "b.xlsx")
+
+
+# -- compare never unpickles -------------------------------------------------------------------
+
+COMPARE_SIDE = ["srdd_dump/compare.py", "srdd_dump/baseline.py", "srdd_dump/consistency.py",
+                "srdd_dump/streaming.py", "srdd_dump/pool.py", "srdd_dump/watchdog.py",
+                "srdd_dump/format", "srdd_dump/analysis", "srdd_dump/report", "cli/compare.py"]
+
+
+def _compare_side_sources() -> dict[str, str]:
+    out = {}
+    for entry in COMPARE_SIDE:
+        path = os.path.join(ROOT, entry)
+        files = [path] if path.endswith(".py") else [
+            os.path.join(path, n) for n in sorted(os.listdir(path)) if n.endswith(".py")]
+        for f in files:
+            with open(f, encoding="utf-8") as fh:
+                out[os.path.relpath(f, ROOT)] = fh.read()
+    return out
+
+
+def test_compare_side_code_has_no_deserialiser():
+    banned_modules = {"pickle", "cPickle", "dill", "cloudpickle", "joblib", "marshal", "shelve",
+                      "torch", "yaml"}
+    banned_calls = {"load", "loads", "eval", "exec", "Unpickler"}
+    for name, text in _compare_side_sources().items():
+        tree = ast.parse(text)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                assert not {a.name.split(".")[0] for a in node.names} & banned_modules, name
+            elif isinstance(node, ast.ImportFrom):
+                assert (node.module or "").split(".")[0] not in banned_modules, name
+            elif isinstance(node, ast.Call):
+                func = node.func
+                called = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+                owner = getattr(getattr(func, "value", None), "id", "")
+                assert not (called in banned_calls and owner not in ("json",)), (
+                    name, ast.unparse(node))
+                assert not any(k.arg == "allow_pickle" for k in node.keywords), name
+
+
+def test_compare_runs_with_unpickling_disabled(tmp_path, monkeypatch):
+    import pickle
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("compare tried to unpickle")
+
+    for name in ("load", "loads", "Unpickler"):
+        monkeypatch.setattr(pickle, name, refuse)
+    monkeypatch.setattr(np, "load", refuse)
+    monkeypatch.setitem(sys.modules, "torch", None)  # and torch cannot even be imported
+    rng = np.random.default_rng(1)
+    mine = write_dump(str(tmp_path / "m" / "a.h5"), normal_rounds(rng))
+    golden = write_dump(str(tmp_path / "g" / "a.h5"), normal_rounds(rng))
+    assert len(compare_path(mine, str(tmp_path / "r.xlsx"), progress=False).layers)
+    assert len(compare_baseline(mine, golden, str(tmp_path / "b.xlsx"), progress=False).table)
