@@ -42,6 +42,7 @@ class CompareResult:
     sites: pd.DataFrame = field(default_factory=lambda: sites_table([]))  # sub-layer signals
     headlines: list[str] = field(default_factory=list)  # one verdict sentence per source
     written: list[str] = field(default_factory=list)  # report files, empty if no output
+    consistency: object = None  # consistency.ConsistencyResult when 3+ cards ran the same inputs
 
     def count(self, status: str) -> int:
         return int((self.files["status"] == status).sum())
@@ -108,8 +109,16 @@ def compare_path(
         sites=sites_table([row for r in results for row in r.site_rows]),
         headlines=[r.headline for r in results if r.headline],
     )
+    from .consistency import check_consistency
+
+    result.consistency = check_consistency(found, root)
     if output is not None:
         result.written = write_report(result, output)
+        if result.consistency is not None:
+            from .report.consistency_report import write_consistency
+
+            extra = write_consistency(result.consistency, output)
+            result.written += [p for p in extra if p not in result.written]
     return result
 
 

@@ -125,3 +125,21 @@ def test_cli_writes_aqn_config(tmp_path):
     text = (tmp_path / "aqn.yaml").read_text()
     assert "layer_sigmas:" in text and "base_sigma: 0.05" in text
     assert text.count("    ") >= 4  # one line per layer under layer_sigmas
+
+
+def test_compare_names_the_odd_card_out(tmp_path):
+    """Three cards ran the same model on the same inputs; one has a fault at layer 2."""
+    from srdd_dump.report.terminal import summary
+
+    for i, inject in enumerate([[], [], ["noise@layer=2,m=0.05"]]):
+        model = build("llama", layers=4)
+        cfg = DumpConfig(dump_path=str(tmp_path / f"card{i}"), probes="none", inject=inject)
+        with register_hook(model, cfg), torch.no_grad():
+            model(input_ids=torch.arange(20).reshape(1, 20))
+    result = compare_path(str(tmp_path), str(tmp_path / "r.xlsx"), progress=False)
+    assert result.consistency is not None
+    text = summary(result)
+    assert "odd card out: card2/" in text and "first at layer 2" in text
+    import openpyxl
+
+    assert "consistency" in openpyxl.load_workbook(tmp_path / "r.xlsx").sheetnames

@@ -36,6 +36,10 @@ def summary(result, explain: bool = False) -> str:
             lines.append("evidence:")
         for _, r in flagged.iterrows():
             lines.append(f"  {r['source']} layer {r['layer']} {r['verdict']}: {r['evidence']}")
+    if getattr(result, "consistency", None) is not None:
+        from .consistency_report import consistency_text
+
+        lines.append(consistency_text(result.consistency))
     if written:
         lines.append("report: " + ", ".join(written))
     return "\n".join(lines)
