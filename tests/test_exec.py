@@ -133,3 +133,15 @@ def test_wheel_ships_the_sitecustomize(tmp_path):
     assert "srdd_dump/capture/inject/site/sitecustomize.py" in names
     assert "srdd_dump/cli/dump.py" in names
     assert not any(n.startswith("cli/") for n in names)  # no top-level package named cli
+
+
+def test_script_importing_srdd_dump_before_torch_is_captured(tmp_path):
+    script = _write(tmp_path / "early.py", (
+        f"import sys; sys.path.insert(0, {FIXTURES!r})\n"
+        "from srdd_dump import register_hook  # noqa: F401\n"
+        "import torch\nfrom tiny_models import build\n"
+        "m = build('llama')\n"
+        "with torch.no_grad(): m(input_ids=torch.randint(0, 128, (1, 8)))\n"))
+    res = run_cli("srdd-dump", "--exec", f"{sys.executable} {script}", "-o", str(tmp_path / "d"))
+    assert res.returncode == 0, res.stderr
+    assert len(find_dump_files(str(tmp_path / "d"))) == 1

@@ -8,7 +8,6 @@ from torch import nn
 from torch.nn.modules.module import register_module_forward_pre_hook
 
 from ..discovery import NoBlocksFound
-from ..hooks import CaptureSession
 
 
 def watch_forwards(state: dict) -> None:
@@ -18,6 +17,10 @@ def watch_forwards(state: dict) -> None:
     def on_forward(module: nn.Module, args: tuple) -> None:
         if state.get("session") is not None or id(module) in seen:
             return
+        # Imported at the first forward, not when torch is imported: a script that imports
+        # srdd_dump (hence torch) first would otherwise meet a half-initialised hooks module.
+        from ..hooks import CaptureSession
+
         try:
             state["session"] = CaptureSession(module, state["config"])
         except NoBlocksFound as exc:
