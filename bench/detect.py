@@ -107,7 +107,8 @@ def calibration_row(tmp: str) -> dict:
         z = relative_z(group)
         for name, values in z.items():
             out[f"z_{name}"] = max(out.get(f"z_{name}", 0.0), float(np.nanmax(np.abs(values))))
-    for name in ("zero_frac", "ties", "instability", "flat_value", "stuck", "lowbits"):
+    for name in ("zero_frac", "ties", "instability", "flat_value", "stuck", "lowbits",
+                 "batch_dep"):
         vals = [getattr(g, name) for g in sigs]
         vals = [v for v in vals if np.isfinite(v)]
         out[name] = max(vals) if vals else float("nan")

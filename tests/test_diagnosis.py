@@ -143,3 +143,29 @@ def test_compare_names_the_odd_card_out(tmp_path):
     import openpyxl
 
     assert "consistency" in openpyxl.load_workbook(tmp_path / "r.xlsx").sheetnames
+
+
+def test_batch_wide_clip_limit_is_found_by_batch_dependence(tmp_path):
+    """A clip limit taken over the whole batch makes one input's output depend on the other
+    inputs; the in-batch replay shows it at the clipped extremes, and only at that layer."""
+    result = _diagnose(tmp_path, inject=["saturation@layer=3,m=0.05"])
+    top = result.layers.iloc[0]
+    assert top["layer"] == 3 and top["verdict"] == FAULT, result.layers[["layer", "evidence"]]
+    assert "SAT_SOURCE" in top["diagnosis"].split(",")
+    assert "changes with the rest of its batch" in top["evidence"]
+    others = result.layers[result.layers["layer"] != 3]
+    assert not others["evidence"].str.contains("rest of its batch").any()
+
+
+def test_per_sequence_faults_leave_the_batch_replay_alone(tmp_path):
+    """A fault whose range is taken per sequence: the in-batch reference replays the clean
+    output up to kernel rounding, on every layer."""
+    from srdd_dump.analysis.diagnosis import BATCH_DEP
+    from srdd_dump.analysis.signals import file_signals
+    from srdd_dump.format.reader import DumpReader, find_dump_files
+
+    _diagnose(tmp_path, inject=["saturation@layer=3,m=0.05,scope=sample"])
+    (path,) = find_dump_files(str(tmp_path))
+    with DumpReader(path) as r:
+        deps = [g.batch_dep for g in file_signals(r)]
+    assert len(deps) > 6 and max(deps) < 0.1 * BATCH_DEP["float32"]

@@ -113,3 +113,18 @@ def test_fault_site_errors_are_user_errors():
         register_hook(model, DumpConfig(inject=["bias@layer=9"]))
     with pytest.raises(UserError, match="no site"):
         register_hook(model, DumpConfig(inject=["bias@layer=1,site=nowhere"]))
+
+
+def test_fault_statistics_scope():
+    """Two sequences in one batch: each is clipped at its own limit with scope=sample, at the
+    limit of the whole tensor with scope=batch (the default)."""
+    from srdd_dump.capture.faults import _Fault
+
+    x = torch.stack([torch.linspace(-1, 1, 64).reshape(4, 16),
+                     torch.linspace(-10, 10, 64).reshape(4, 16)])
+    y = _Fault(parse_fault("saturation@layer=0,m=0.5,scope=sample")).corrupt(x)
+    assert y[0].max() == pytest.approx(0.5) and y[1].max() == pytest.approx(5.0)
+    y = _Fault(parse_fault("saturation@layer=0,m=0.5")).corrupt(x)
+    assert y[0].max() == pytest.approx(1.0) and y[1].max() == pytest.approx(5.0)
+    with pytest.raises(UserError, match="scope"):
+        _Fault(parse_fault("bias@layer=0,scope=rank")).corrupt(x)

@@ -49,6 +49,11 @@ TIES = {"float32": 4, "float64": 4, "float16": 12, "bfloat16": 12}
 INSTABILITY = {"float32": 1e-6, "float64": 1e-12, "float16": 1e-4, "bfloat16": 1e-3}
 INSTABILITY_OVER_MEDIAN = 10.0  # a device-wide jitter floor is not a source
 LOWBITS = 0.5  # fp32 values whose 16 low mantissa bits are 0; healthy ~1e-4
+# max |in-batch replay - clean output| / max |clean|: batched kernels round differently from
+# batch 1 (healthy SmolLM2 fp32 max 1.2e-7, about 1 ulp of the largest value; bf16 0 on CPU).
+# FAULT at about 80 fp32 ulps and 4 bf16 ulps of the largest value.
+BATCH_DEP = {"float32": 1e-5, "float64": 1e-12, "float16": 4e-3, "bfloat16": 3e-2}
+BATCH_DEP_EXTREME = 0.5  # the difference sits at |clean| >= this x max |clean|: clipping
 
 # Relative evidence, robust z among layers of the same kind. Mean offset of the update: the
 # largest |z| on 10 healthy SmolLM2 runs (fp32 + bf16, 4 site kinds) was 5.6; FAULT at 12.
@@ -63,6 +68,7 @@ class Evidence:
     strength: float  # value / FAULT threshold
     text: str
     exact: bool = True
+    secondary: bool = False  # listed after the other labels of its layer
 
 
 @dataclass
@@ -139,6 +145,18 @@ def _exact_evidence(sig: Signals, dtype: str, instab_median: float) -> list[Evid
         ev.append(Evidence(family, sig.instability / limit,
                            f"repeat runs of {where} differ: rms {sig.instability:.2g} of the "
                            f"output, {sig.instab_changed:.1%} of elements changed"))
+    noisy = sig.instability > SUSPECT_RATIO * limit
+    batch_limit = BATCH_DEP.get(dtype, 1e-5)
+    if not noisy and sig.batch_dep > SUSPECT_RATIO * batch_limit:
+        # a module that is deterministic on its own but whose output for one input moves with
+        # the other inputs of the batch: a range (max, scale) taken over the whole batch
+        at_edge = sig.batch_dep_level >= BATCH_DEP_EXTREME
+        ev.append(Evidence(
+            "SAT_SOURCE" if at_edge else "BATCH_DEP", sig.batch_dep / batch_limit,
+            f"the output of {where} for one input changes with the rest of its batch by "
+            f"{sig.batch_dep:.2g} of max|x|"
+            + (f", at its extremes ({sig.batch_dep_level:.2f} max|x|): a clip limit taken "
+               "from the whole batch" if at_edge else ""), secondary=True))
     if dtype == "float32" and sig.lowbits > SUSPECT_RATIO * LOWBITS:
         ev.append(Evidence("PRECISION", sig.lowbits / LOWBITS,
                            f"{sig.lowbits:.0%} of fp32 values in {where} carry only "
@@ -196,7 +214,7 @@ def diagnose(signals: list[Signals], dtype: str, n_layers: int) -> list[LayerVer
         verdict = FAULT if score >= 1 else SUSPECT if score >= SUSPECT_RATIO else NORMAL
         strong = sorted(items, key=lambda t: -t[0].strength)
         labels = []
-        for e, _ in strong:
+        for e, _ in sorted(strong, key=lambda t: t[0].secondary):
             if e.strength >= SUSPECT_RATIO and e.family not in labels:
                 labels.append(e.family)
         site = strong[0][1] if strong else ""
@@ -229,8 +247,11 @@ def headline(v: LayerVerdict, median_gain: float | None = None) -> str:
     """One sentence, e.g. 'Layer 10 (model.layers.10.mlp): FAULT - dead zone; ...'."""
     if v.verdict == NORMAL:
         return f"Layer {v.layer}: NORMAL"
-    what = (v.diagnosis.split(",")[0] or "unusual").replace("_", " ").lower()
-    top = v.evidence[0].text if v.evidence else ""
+    first = v.diagnosis.split(",")[0]
+    what = (first or "unusual").replace("_", " ").lower()
+    families = {first, first.replace("_PROP", "_SOURCE"), first.replace("_PROP", "")}
+    named = [e for e in v.evidence if e.family in families]
+    top = (named or v.evidence or [Evidence("", 0, "")])[0].text
     return f"Layer {v.layer} ({v.site or v.module}): {v.verdict} - {what}; {top}"
 
 

@@ -58,6 +58,9 @@ class Signals:
     instability: float = float("nan")  # max rms(repeat - clean) / rms(clean)
     instab_changed: float = float("nan")  # fraction of elements a repeat changed (max)
     instab_kurtosis: float = float("nan")  # excess kurtosis of (repeat - clean) differences
+    # batched replays: the in-batch reference vs the clean output of the same input
+    batch_dep: float = float("nan")  # max |replay - clean| / max |clean|, worst sample
+    batch_dep_level: float = float("nan")  # |clean| / max |clean| where that difference is
     extra: dict = field(default_factory=dict)
 
     def as_dict(self) -> dict:
@@ -151,6 +154,22 @@ def _ties(rows: np.ndarray) -> float:
     return float(max(at_hi.max(), at_lo.max()))
 
 
+def _batch_dependence(ref: np.ndarray, clean: np.ndarray) -> tuple[float, float]:
+    """(max |ref - clean| / max |clean|, |clean| / max |clean| at that element) over the finite
+    elements. ``ref`` is the module replayed on its recorded input inside a batch of perturbed
+    copies; a batch-invariant module gives ``clean`` back up to kernel rounding."""
+    ok = np.isfinite(ref) & np.isfinite(clean)
+    if not ok.any():
+        return float("nan"), float("nan")
+    a = np.abs(clean[ok].astype(np.float64))
+    d = np.abs(ref[ok].astype(np.float64) - clean[ok])
+    top = a.max()
+    if top == 0:
+        return float("nan"), float("nan")
+    i = int(np.argmax(d))
+    return float(d[i] / top), float(a[i] / top)
+
+
 def _channel_signals(
     u: np.ndarray, out: np.ndarray, acc: dict[str, list[float]]
 ) -> None:
@@ -227,6 +246,7 @@ class _Layer:
         self.flat_value: list[float] = []
         self.instab: list[float] = []
         self.changed: list[float] = []
+        self.batch_dep: list[tuple[float, float]] = []
         self.diffs = _Kurtosis()
 
     def add(
@@ -269,6 +289,8 @@ class _Layer:
     def _probes(self, clean_rows: np.ndarray, probes: list[tuple[np.void, np.ndarray]]) -> None:
         refs = [a for p, a in probes if p["kind"] == s.KIND_REPLAY]
         ref = _rows(refs[0]) if refs else clean_rows
+        if refs and ref.shape == clean_rows.shape:
+            self.batch_dep.append(_batch_dependence(ref, clean_rows))
         top_sigma = max((float(p["param"]) for p, _ in probes if p["kind"] == s.KIND_GAIN),
                         default=0.0)
         top_sigma = max(top_sigma, 0.0)
@@ -349,6 +371,9 @@ class _Layer:
         if self.dc_dead:
             sig.dc_dead, sig.dc_low = med(self.dc_dead), med(self.dc_low)
             sig.flat_zero, sig.flat_value = med(self.flat_zero), med(self.flat_value)
+        if self.batch_dep:
+            sig.batch_dep, sig.batch_dep_level = max(
+                self.batch_dep, key=lambda v: v[0] if np.isfinite(v[0]) else -1.0)
         if self.instab:
             sig.instability = _nanmax(self.instab)
             sig.instab_changed = _nanmax(self.changed)

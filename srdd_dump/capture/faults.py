@@ -7,7 +7,11 @@ Spec syntax (``srdd-dump --inject``, repeatable)::
 ``m`` is the magnitude (default 0.3). ``sparsity`` < 1 restricts the fault to a fixed, seeded
 subset of that fraction of hidden channels; the other channels pass through untouched, and
 max|h|, std(h) and mean|h| below are taken over the affected channels only. ``h`` below
-is the module's output hidden state.
+is the module's output hidden state. Those statistics are taken over the whole output tensor
+(``scope=batch``, the default: a per-tensor dynamic range, as a device computes it and as the
+first SRDD's formula reads), so one sequence's result depends on the rest of its batch,
+including the perturbed copies a batched probe replay adds; ``scope=sample`` takes them per
+sequence, so a sequence's output never depends on its batch.
 
 ========================  =====================================================================
 dead_zone                 h = 0 where |h| < m * max|h|
@@ -95,8 +99,7 @@ class _Fault:
         mask = self._mask(x.shape[-1], x.device)
         # Scales come from the affected channels: a sparse fault acts on its own units' range.
         ref = x if mask is None else x[..., mask]
-        amax = ref.abs().max()
-        std = ref.std()
+        amax, std, mean_abs = self._statistics(ref, o.get("scope", "batch"))
         m = s.m
         if s.type == "dead_zone":
             y = torch.where(x.abs() < m * amax, torch.zeros_like(x), x)
@@ -113,7 +116,7 @@ class _Fault:
         elif s.type == "bias":
             y = x + m * std
         elif s.type == "noise":
-            y = x + m * ref.abs().mean() * self._noise(x.shape, x)
+            y = x + m * mean_abs * self._noise(x.shape, x)
         elif s.type == "spike":
             u = torch.rand(x.shape, generator=self.gen).to(x.device)
             y = torch.where(u < m / 100, 10 * amax * self._noise(x.shape, x), x)
@@ -121,7 +124,7 @@ class _Fault:
             y = self._nondeterminism(x, std, o.get("mode", "amplified"))
         elif s.type == "stuck_at":
             if self.stuck_value is None:
-                self.stuck_value = float(o.get("value", m * float(amax)))
+                self.stuck_value = float(o.get("value", m * float(amax.max())))
             y = torch.full_like(x, self.stuck_value)
         elif s.type == "bitflip":
             y = self._bitflip(x, float(o.get("rate", 1e-4)), o.get("bits", "mantissa"))
@@ -133,6 +136,18 @@ class _Fault:
             y = torch.where(mask, y, x)
         self.calls += 1
         return y.to(h.dtype)
+
+    @staticmethod
+    def _statistics(ref: torch.Tensor, scope: str):
+        """max|h|, std(h), mean|h| of each sequence (shaped to broadcast) or of the tensor."""
+        if scope == "batch" or ref.dim() < 3:
+            return ref.abs().max(), ref.std(), ref.abs().mean()
+        if scope != "sample":
+            raise UserError(f"fault scope {scope!r}: sample|batch")
+        flat = ref.reshape(ref.shape[0], -1)
+        shape = (ref.shape[0],) + (1,) * (ref.dim() - 1)
+        return (flat.abs().amax(dim=1).reshape(shape), flat.std(dim=1).reshape(shape),
+                flat.abs().mean(dim=1).reshape(shape))
 
     def _nondeterminism(self, x: torch.Tensor, std: torch.Tensor, mode: str) -> torch.Tensor:
         scale = self.spec.m / 100

@@ -190,7 +190,7 @@ class CaptureSession:
         ids = None
         if token_ids is not None and token_ids.shape[-1] == seq:
             ids = token_ids.detach().to("cpu").reshape(batch, seq).numpy()
-        probe_rows = self._choose_probe_rows(batch * len(positions), hidden.shape[-1])
+        probe_rows = self._choose_probe_rows(batch, len(positions), hidden.shape[-1])
         self._round = Round(
             sample=self.sample, step=self.step, batch=batch, seq=seq,
             positions=np.asarray(positions), token_ids=ids, time=time.time(),
@@ -199,15 +199,21 @@ class CaptureSession:
         self._rows = None if probe_rows is None else torch.from_numpy(probe_rows.astype(np.int64))
         self._add(schema.STACK_INPUT, schema.BLOCK_SITE, hidden)
 
-    def _choose_probe_rows(self, n_rows: int, width: int) -> np.ndarray | None:
-        """Rows kept for the probe records of a prefill round (None: no probes this round)."""
+    def _choose_probe_rows(self, batch: int, ntok: int, width: int) -> np.ndarray | None:
+        """Rows kept for the probe records of a prefill round (None: no probes this round):
+        the first kept token of every sequence, where attention-sink tokens carry the
+        largest activations (and range faults act first), and seeded-random others."""
         if not self._probing or self.step != 0:
             return None
+        n_rows = batch * ntok
         if self._store is None:
             return np.arange(n_rows)
         k = min(n_rows, -(-self._store // max(1, width)))
+        first = np.arange(batch) * ntok
+        rest = np.setdiff1d(np.arange(n_rows), first)
         rng = np.random.default_rng(probe_seed(self.config.seed, self.sample, 0x5EED))
-        return np.sort(rng.choice(n_rows, size=k, replace=False))
+        extra = rng.choice(rest, size=max(0, k - first.size), replace=False)
+        return np.sort(np.concatenate([first[:k], extra]))
 
     def _output_hook(self, layer: int, site: int, last: bool):
         def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
