@@ -49,7 +49,7 @@ SPARSITY = (1.0, 0.1)
 SEEDS = (0, 1, 2)
 PROMPTS_PER_SET = 2
 FIELDS = [
-    "kind", "type", "sparsity", "site", "layer", "seed", "dtype", "top1", "top3", "rank",
+    "kind", "scope", "type", "sparsity", "site", "layer", "seed", "dtype", "top1", "top3", "rank",
     "predicted", "verdict_at_fault", "diagnosis_at_fault", "n_fault", "n_suspect",
     "seconds", "headline",
 ]
@@ -137,6 +137,10 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--summarize", nargs="*", help="only print the summary of these CSVs")
     ap.add_argument("--done-from", nargs="*", default=[], help="also skip cases in these CSVs")
+    ap.add_argument("--scope", choices=("batch", "sample"), default="batch",
+                    help="fault statistics over the whole output tensor (default) or per "
+                    "sequence (--scope sample: nothing depends on the batch)")
+    ap.add_argument("--types", default=",".join(TYPES), help="fault types to run")
     args = ap.parse_args()
     if args.summarize:
         summarize(*args.summarize)
@@ -148,8 +152,9 @@ def main() -> None:
     for path in ([args.out] if args.resume else []) + args.done_from:
         if os.path.exists(path):
             with open(path) as fh:
-                done |= {(r["kind"], r["type"], r["sparsity"], r["site"], r["layer"], r["seed"],
-                          r["dtype"]) for r in csv.DictReader(fh)}
+                done |= {(r["kind"], r.get("scope") or "batch", r["type"], r["sparsity"],
+                          r["site"], r["layer"], r["seed"], r["dtype"])
+                         for r in csv.DictReader(fh)}
     new_file = not (args.resume and os.path.exists(args.out))
     out = open(args.out, "w" if new_file else "a", newline="")
     writer = csv.DictWriter(out, fieldnames=FIELDS, extrasaction="ignore")
@@ -165,7 +170,7 @@ def main() -> None:
     calib = []
     for i, (dtype, prompt_set) in enumerate(product(("float32", "bfloat16"),
                                                     range(args.healthy_sets))):
-        key = ("healthy", "", "", "", "", str(prompt_set), dtype)
+        key = ("healthy", "", "", "", "", "", str(prompt_set), dtype)
         if key in done or i % shards != shard:
             continue
         model, tok = model_for(dtype)
@@ -186,18 +191,21 @@ def main() -> None:
     if args.healthy_only:
         return
     model, tok = model_for("float32")
-    for i, (kind, sparsity, site, layer, seed) in enumerate(cases(args.quick)):
-        key = ("fault", kind, str(sparsity), site, str(layer), str(seed), "float32")
+    types = args.types.split(",")
+    todo = [c for c in cases(args.quick) if c[0] in types]
+    for i, (kind, sparsity, site, layer, seed) in enumerate(todo):
+        key = ("fault", args.scope, kind, str(sparsity), site, str(layer), str(seed), "float32")
         if key in done or i % shards != shard:
             continue
-        spec = f"{kind}@layer={layer},site={site},sparsity={sparsity},seed={seed}"
+        spec = (f"{kind}@layer={layer},site={site},sparsity={sparsity},seed={seed},"
+                f"scope={args.scope}")
         # block faults are looked for with the default block granularity; faults inside a
         # block with --granularity sublayer, as a user hunting an operator would run it
         granularity = "block" if site == "block" else "sublayer"
         result, tmp, secs = run_case(model, prompt_ids(tok, seed), [spec], seed, granularity)
         shutil.rmtree(tmp, ignore_errors=True)
-        row = dict(kind="fault", type=kind, sparsity=sparsity, site=site, layer=layer,
-                   seed=seed, dtype="float32", seconds=round(secs, 2),
+        row = dict(kind="fault", scope=args.scope, type=kind, sparsity=sparsity, site=site,
+                   layer=layer, seed=seed, dtype="float32", seconds=round(secs, 2),
                    **score_case(result, layer))
         writer.writerow(row)
         out.flush()
@@ -211,32 +219,34 @@ def summarize(*paths: str) -> None:
     import pandas as pd
 
     df = pd.concat([pd.read_csv(p) for p in paths], ignore_index=True)
-    faults = df[df["kind"] == "fault"]
+    df["scope"] = df["scope"].fillna("batch") if "scope" in df else "batch"
     healthy = df[df["kind"] == "healthy"]
-    lines = ["| group | cases | top-1 | top-3 |", "|---|---|---|---|"]
-
-    def add(name, sub):
-        if len(sub):
-            lines.append(f"| {name} | {len(sub)} | {sub['top1'].mean():.1%} | "
-                         f"{sub['top3'].mean():.1%} |")
-
-    add("all faults", faults)
-    add("dense (block output)", faults[(faults["sparsity"] == 1.0) & (faults["site"] == "block")])
-    add("dense (all sites)", faults[faults["sparsity"] == 1.0])
-    add("sparse 10% (all sites)", faults[faults["sparsity"] != 1.0])
-    add("sub-layer (mlp + attn)", faults[faults["site"] != "block"])
-    for col in ("type", "site", "sparsity", "layer"):
-        for value, sub in faults.groupby(col):
-            add(f"{col} = {value}", sub)
-    print("\n".join(lines))
+    for scope, faults in df[df["kind"] == "fault"].groupby("scope"):
+        lines = [f"fault statistics scope = {scope}", "",
+                 "| group | cases | top-1 | top-3 |", "|---|---|---|---|"]
+        groups = [
+            ("all faults", faults),
+            ("dense (block output)",
+             faults[(faults["sparsity"] == 1.0) & (faults["site"] == "block")]),
+            ("dense (all sites)", faults[faults["sparsity"] == 1.0]),
+            ("sparse 10% (all sites)", faults[faults["sparsity"] != 1.0]),
+            ("sub-layer (mlp + attn)", faults[faults["site"] != "block"]),
+        ]
+        for col in ("type", "site", "sparsity", "layer"):
+            groups += [(f"{col} = {value}", sub) for value, sub in faults.groupby(col)]
+        groups += [(f"{kind}, sparsity {sparsity}", sub)
+                   for (kind, sparsity), sub in faults.groupby(["type", "sparsity"])]
+        lines += [f"| {name} | {len(sub)} | {sub['top1'].mean():.1%} | {sub['top3'].mean():.1%} |"
+                  for name, sub in groups if len(sub)]
+        print("\n".join(lines) + "\n")
+        misses = faults[faults["top1"] == 0]
+        if len(misses):
+            print("misses by type/sparsity/site:")
+            print(misses.groupby(["type", "sparsity", "site"]).size().to_string() + "\n")
     print(f"\nhealthy runs: {len(healthy)}, FAULT verdicts on them: "
           f"{int(healthy['n_fault'].sum())}, SUSPECT: {int(healthy['n_suspect'].sum())}")
     print(f"seconds per diagnosis (dump 2 prompts with sublayer probes + compare): median "
           f"{statistics.median(df['seconds']):.2f}, max {df['seconds'].max():.2f}")
-    misses = faults[faults["top1"] == 0]
-    if len(misses):
-        print("\nmisses by type/sparsity/site:")
-        print(misses.groupby(["type", "sparsity", "site"]).size().to_string())
 
 
 if __name__ == "__main__":

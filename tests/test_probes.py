@@ -94,6 +94,8 @@ def test_store_sample_keeps_whole_seeded_rows(tmp_path):
             assert rnd["prow_len"] == 10  # 640 elements = 10 rows of width 64
             assert r.read(r.select(0, s.KIND_GAIN)[0]).shape == (1, 10, 64)
     assert rows[0] == rows[1] and rows[0] != rows[2]
+    # the first token of each of the 2 sequences (rows 0 and 20) is always kept
+    assert all({0, 20} <= set(r) and len(set(r)) == 10 for r in rows)
 
 
 def test_seeds_make_the_dump_reproducible(tmp_path):
