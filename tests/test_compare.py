@@ -370,3 +370,16 @@ def test_really_crashed_writer_leaves_usable_partial(tmp_path):
     assert result.files.loc[0, "rank"] == 3 and result.files.loc[0, "rounds"] == 3
     assert list(result.layers["diagnosis"]) == ["DEAD_ZONE", ""]
     assert set(result.layers["samples"]) == {3}
+
+
+def test_fit_columns_handles_all_missing_columns():
+    import pandas as pd
+    from openpyxl import Workbook
+
+    from srdd_dump.report.sheet_format import MAX_WIDTH, fit_columns
+
+    df = pd.DataFrame({"name": pd.array([pd.NA, pd.NA], dtype="string"), "x": ["a" * 99, "b"]})
+    sheet = Workbook().active
+    fit_columns(sheet, df)
+    assert sheet.column_dimensions["A"].width == len("name") + 2
+    assert sheet.column_dimensions["B"].width == MAX_WIDTH

@@ -15,12 +15,12 @@ from typing import TYPE_CHECKING, Callable
 import pandas as pd
 from openpyxl.chart import LineChart, Reference
 from openpyxl.styles import Font, PatternFill
-from openpyxl.utils import get_column_letter
 
 from ..analysis.divergence import RED, YELLOW
 from ..analysis.tolerance import VERDICTS
 from ..errors import UserError
 from .csvfile import files_csv_path
+from .sheet_format import fit_columns
 from .table import escape_formula, escape_formulas
 
 if TYPE_CHECKING:
@@ -56,7 +56,6 @@ FILLS = {
     RED: PatternFill(fill_type="solid", start_color="FFFFC7CE", end_color="FFFFC7CE"),
     YELLOW: PatternFill(fill_type="solid", start_color="FFFFEB9C", end_color="FFFFEB9C"),
 }
-MAX_WIDTH = 60
 MAX_TEXT = 40
 
 Writer = Callable[["BaselineResult", str], "list[str]"]
@@ -103,7 +102,7 @@ def write_xlsx(result: BaselineResult, path: str) -> list[str]:
             sheet.freeze_panes = "A2"
             if len(df.columns):
                 sheet.auto_filter.ref = sheet.dimensions
-            _fit_columns(sheet, df)
+            fit_columns(sheet, df)
         _summary_sheet(xw.book[SUMMARY_SHEET], result)
     return [path]
 
@@ -181,14 +180,6 @@ def _chart(ws, per_layer: pd.DataFrame, header: int, last: int) -> None:
     chart += errors
     chart.height, chart.width = 9, 18
     ws.add_chart(chart, "J2")
-
-
-def _fit_columns(sheet, df: pd.DataFrame) -> None:
-    for j, col in enumerate(df.columns, start=1):
-        longest = df[col].astype(str).str.len().max() if len(df) else 0
-        longest = 0 if pd.isna(longest) else int(longest)  # an all-empty column
-        width = min(MAX_WIDTH, max(len(str(col)), longest) + 2)
-        sheet.column_dimensions[get_column_letter(j)].width = width
 
 
 def _missing(value) -> bool:

@@ -13,9 +13,9 @@ from typing import TYPE_CHECKING
 
 import pandas as pd
 from openpyxl.styles import Font, PatternFill
-from openpyxl.utils import get_column_letter
 
 from ..errors import UserError
+from .sheet_format import fit_columns
 from .table import escape_formulas
 
 if TYPE_CHECKING:
@@ -24,7 +24,6 @@ if TYPE_CHECKING:
 TABLE_SHEET = "consistency"
 SUMMARY_SHEET = "consistency_summary"
 RED = PatternFill(fill_type="solid", start_color="FFFFC7CE", end_color="FFFFC7CE")
-MAX_WIDTH = 60
 
 
 def consistency_paths(report_path: str) -> list[str]:
@@ -65,10 +64,7 @@ def write_consistency(result: ConsistencyResult, report_path: str) -> list[str]:
             sheet.freeze_panes = "A2"
             if len(df.columns):
                 sheet.auto_filter.ref = sheet.dimensions
-            for j, col in enumerate(df.columns, start=1):
-                longest = df[col].astype(str).str.len().max() if len(df) else 0
-                width = min(MAX_WIDTH, max(len(str(col)), int(longest or 0)) + 2)
-                sheet.column_dimensions[get_column_letter(j)].width = width
+            fit_columns(sheet, df)
     return paths
 
 

@@ -10,6 +10,7 @@ from openpyxl.styles import Alignment, Font, PatternFill
 from openpyxl.utils import get_column_letter
 
 from ..analysis.diagnosis import FAULT, NORMAL, SUSPECT, VERDICT_ORDER
+from .sheet_format import fit_columns
 from .table import escape_formula, escape_formulas
 
 SUMMARY_SHEET = "summary"
@@ -21,7 +22,6 @@ FILLS = {
     FAULT: PatternFill(fill_type="solid", start_color="FFFFC7CE", end_color="FFFFC7CE"),  # red
     SUSPECT: PatternFill(fill_type="solid", start_color="FFFFEB9C", end_color="FFFFEB9C"),
 }
-MAX_WIDTH = 60
 # Per-layer signals charted against the layer index (one chart each, one line per source).
 CHARTED = ("score", "gain", "kurtosis", "instability", "zero_frac", "offset", "ties")
 MAX_CHART_SOURCES = 8
@@ -46,7 +46,7 @@ def write_xlsx(result, path: str) -> list[str]:
             sheet.freeze_panes = "A2"
             if len(df.columns):
                 sheet.auto_filter.ref = sheet.dimensions
-            _fit_columns(sheet, df)
+            fit_columns(sheet, df)
     return [path]
 
 
@@ -144,9 +144,3 @@ def _signals(xw: pd.ExcelWriter, layers: pd.DataFrame) -> None:
         ws.add_chart(chart, f"{anchor_col}{1 + k * 15}")
 
 
-def _fit_columns(sheet, df: pd.DataFrame) -> None:
-    for j, col in enumerate(df.columns, start=1):
-        longest = df[col].astype(str).str.len().max() if len(df) else 0
-        longest = 0 if pd.isna(longest) else int(longest)
-        width = min(MAX_WIDTH, max(len(str(col)), longest) + 2)
-        sheet.column_dimensions[get_column_letter(j)].width = width

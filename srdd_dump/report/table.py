@@ -15,7 +15,8 @@ BASE_COLUMNS = [
 ]
 SIGNAL_COLUMNS = [
     "kurt_change", "gain", "gain_spread", "linearity", "dc_dead", "dc_low", "instability",
-    "instab_changed", "ties", "pileup", "offset", "dc_energy", "stuck", "lowbits", "update_rms",
+    "instab_changed", "batch_dep", "ties", "pileup", "offset", "dc_energy", "stuck", "lowbits",
+    "update_rms",
 ]
 LAYER_COLUMNS = BASE_COLUMNS + SIGNAL_COLUMNS + ["site", "evidence", "rank", "pid"]
 SITE_COLUMNS = ["source", "layer", "module"] + BASE_COLUMNS[6:] + SIGNAL_COLUMNS + ["rank", "pid"]
