@@ -18,6 +18,7 @@ from .analysis.signals import file_signals, make_pool
 from .errors import UserError, first_line
 from .format import schema as s
 from .format.reader import DumpError, DumpReader, find_dump_files
+from .pool import check_can_spawn
 from .report.table import (
     INCOMPLETE,
     OK,
@@ -77,6 +78,7 @@ def compare_path(
     """
     if jobs < 1:
         raise UserError(f"--jobs {jobs}: must be at least 1")
+    check_can_spawn(jobs)
     if output is not None:
         _check_format(output)
     if not os.path.exists(path):
@@ -179,9 +181,14 @@ def _compare_file(file: str, source: str, show: bool, pool: _Pool | None = None)
         try:
             result = _diagnose_file(reader, source, rank, pid, show, pool)
         except _READ_ERRORS as exc:
-            if isinstance(exc, BrokenExecutor) and pool is not None:
-                pool.broken()
             reason = f"{file}: damaged dump file ({first_line(exc)})"
+            if isinstance(exc, BrokenExecutor):
+                if pool is not None:
+                    pool.broken()
+                # a crash inside HDF5 on a damaged file, or the worker could not start
+                reason = (f"{file}: a compare worker process died while reading it (damaged "
+                          "file? out of memory? or, from Python code, compare_path(jobs>1) "
+                          "called outside `if __name__ == '__main__':`)")
             return _FileResult(_file_row(source, SKIPPED, reason, rank=rank, pid=pid))
         counts = dict(
             rounds=len(reader.rounds), samples=reader.n_samples, layers=len(result.layer_rows),

@@ -9,10 +9,19 @@ from typing import Callable, TypeVar
 
 from tqdm import tqdm
 
+from .errors import UserError
 from .streaming import close_readers
 
 T = TypeVar("T")
 R = TypeVar("R")
+
+
+def check_can_spawn(jobs: int) -> None:
+    """A spawned worker re-imports the caller's script; unguarded, that script calls the compare
+    again from inside the worker while it is still starting, which multiprocessing refuses."""
+    if jobs > 1 and getattr(multiprocessing.current_process(), "_inheriting", False):
+        raise UserError("jobs > 1 from a Python script: put the compare call under "
+                        "`if __name__ == '__main__':` (worker processes re-import the script)")
 
 
 def run_tasks(

@@ -383,3 +383,18 @@ def test_fit_columns_handles_all_missing_columns():
     fit_columns(sheet, df)
     assert sheet.column_dimensions["A"].width == len("name") + 2
     assert sheet.column_dimensions["B"].width == MAX_WIDTH
+
+
+def test_a_dead_worker_is_not_called_a_damaged_file(tmp_path):
+    """compare_path(jobs=2) from a script without a __main__ guard: the spawned worker re-runs
+    the script, and the message says what to do instead of blaming the dump file."""
+    faulty_dump(tmp_path / "d")
+    script = tmp_path / "unguarded.py"
+    script.write_text(
+        "import sys\nfrom srdd_dump.compare import compare_path\nfrom srdd_dump.errors import "
+        "UserError\ntry:\n    compare_path(sys.argv[1], progress=False, jobs=2)\n"
+        "except UserError as exc:\n    print('ERROR', exc)\n"
+    )
+    res = subprocess.run([sys.executable, str(script), str(tmp_path / "d")], capture_output=True,
+                         text=True, timeout=120)
+    assert "if __name__ == '__main__':" in res.stdout and "damaged" not in res.stdout
