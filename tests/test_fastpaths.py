@@ -208,3 +208,12 @@ def test_log_sum_exp_single_term_shortcut_is_exact():
         assert fast.total == slow_total and fast.weighted == slow_weighted
     y = RNG.uniform(-706, 0, 100000)
     assert all(np.exp(y[i: i + 1])[0] == np.exp(y)[i] for i in range(0, 100000, 997))
+
+
+def test_percentile_matches_numpy():
+    for n in (1, 2, 3, 39, 575, 576, 577, 4096):
+        for scale in (1e-5, 1.0, 1e5):
+            x = np.abs(RNG.standard_normal(n)) * scale
+            for values in (x, np.round(x, 1)):
+                for q in (0.0, 0.5, 0.9, 0.99, 1.0):
+                    assert signals._percentile(values, q) == float(np.quantile(values, q))

@@ -10,6 +10,7 @@ The file is read round by round: one HDF5 read per data set covers the records o
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
@@ -119,6 +120,22 @@ def _median(x: np.ndarray) -> float:
     return float(np.mean(ordered[half - 1: half + 1] if n % 2 == 0 else ordered[half: half + 1]))
 
 
+def _percentile(x: np.ndarray, q: float) -> float:
+    """``np.quantile(x, q)`` (method "linear") of a 1-D float64 array without NaN, by the same
+    arithmetic; numpy's own call costs about 100 us of overhead for a few hundred values."""
+    n = x.size
+    if not n:
+        return float("nan")
+    v = np.sort(x)
+    virtual = (n - 1) * q  # numpy's virtual index for "linear"
+    below = min(math.floor(virtual), n - 1)
+    above = min(below + 1, n - 1)
+    gamma = virtual - below
+    a, b = float(v[below]), float(v[above])
+    diff = b - a
+    return b - diff * (1 - gamma) if gamma >= 0.5 else a + diff * gamma  # numpy's _lerp
+
+
 def _distinct_rows(rows: np.ndarray) -> bool:
     """True when no two rows are equal (as ``np.unique(rows, axis=0)`` compares them): some
     column holds ``len(rows)`` distinct values. False means "maybe": use np.unique."""
@@ -181,7 +198,7 @@ def _channel_signals(
     acc["dce"].append(float(np.sum(mean_c**2)) / total if total > 0 else float("nan"))
     live = rms_c > 0
     if live.any():
-        acc["cons"].append(float(np.percentile(np.abs(mean_c[live]) / rms_c[live], 99)))
+        acc["cons"].append(_percentile(np.abs(mean_c[live]) / rms_c[live], 0.99))
     # constant non-zero channels; constant zero channels count as exact zeros (dead zone)
     out = _unique_rows(out)
     if out.shape[0] < 4:
