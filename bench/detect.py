@@ -152,7 +152,9 @@ def main() -> None:
     for path in ([args.out] if args.resume else []) + args.done_from:
         if os.path.exists(path):
             with open(path) as fh:
-                done |= {(r["kind"], r.get("scope") or "batch", r["type"], r["sparsity"],
+                done |= {(r["kind"],
+                          r.get("scope") or ("batch" if r["kind"] == "fault" else ""),
+                          r["type"], r["sparsity"],
                           r["site"], r["layer"], r["seed"], r["dtype"])
                          for r in csv.DictReader(fh)}
     new_file = not (args.resume and os.path.exists(args.out))

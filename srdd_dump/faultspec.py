@@ -55,6 +55,8 @@ def parse_fault(text: str) -> FaultSpec:
         raise UserError(f"--inject {text!r}: {exc}") from None
     if not 0 < spec.sparsity <= 1:
         raise UserError(f"--inject {text!r}: sparsity must be in (0, 1]")
+    if spec.options.get("scope", "batch") not in ("batch", "sample"):
+        raise UserError(f"--inject {text!r}: scope must be batch or sample")
     return spec
 
 

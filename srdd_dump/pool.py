@@ -18,7 +18,8 @@ R = TypeVar("R")
 
 def check_can_spawn(jobs: int) -> None:
     """A spawned worker re-imports the caller's script; unguarded, that script calls the compare
-    again from inside the worker while it is still starting, which multiprocessing refuses."""
+    again from inside the worker while it is still starting, which multiprocessing refuses.
+    ``_inheriting`` is the (private) flag multiprocessing's own check reads."""
     if jobs > 1 and getattr(multiprocessing.current_process(), "_inheriting", False):
         raise UserError("jobs > 1 from a Python script: put the compare call under "
                         "`if __name__ == '__main__':` (worker processes re-import the script)")
@@ -51,6 +52,7 @@ def run_tasks(
 
 
 def _shared(fn, tasks, workers: int, bar) -> list:
+    check_can_spawn(workers + 1)
     ctx = multiprocessing.get_context("spawn")
     results: list = [None] * len(tasks)
     pending: dict = {}

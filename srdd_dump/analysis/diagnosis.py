@@ -53,7 +53,9 @@ LOWBITS = 0.5  # fp32 values whose 16 low mantissa bits are 0; healthy ~1e-4
 # batch 1 (healthy SmolLM2 fp32 max 1.2e-7, about 1 ulp of the largest value; bf16 0 on CPU).
 # FAULT at about 80 fp32 ulps and 4 bf16 ulps of the largest value.
 BATCH_DEP = {"float32": 1e-5, "float64": 1e-12, "float16": 4e-3, "bfloat16": 3e-2}
-BATCH_DEP_EXTREME = 0.5  # the difference sits at |clean| >= this x max |clean|: clipping
+# the elements that moved sit at |clean| >= this x max |clean|, and are few: a clip limit
+BATCH_DEP_EXTREME = 0.5
+BATCH_DEP_FEW = 0.01
 
 # Relative evidence, robust z among layers of the same kind. Mean offset of the update: the
 # largest |z| on 10 healthy SmolLM2 runs (fp32 + bf16, 4 site kinds) was 5.6; FAULT at 12.
@@ -150,13 +152,15 @@ def _exact_evidence(sig: Signals, dtype: str, instab_median: float) -> list[Evid
     if not noisy and sig.batch_dep > SUSPECT_RATIO * batch_limit:
         # a module that is deterministic on its own but whose output for one input moves with
         # the other inputs of the batch: a range (max, scale) taken over the whole batch
-        at_edge = sig.batch_dep_level >= BATCH_DEP_EXTREME
+        at_edge = (sig.batch_dep_level >= BATCH_DEP_EXTREME
+                   and sig.batch_dep_moved < BATCH_DEP_FEW)
         ev.append(Evidence(
             "SAT_SOURCE" if at_edge else "BATCH_DEP", sig.batch_dep / batch_limit,
             f"the output of {where} for one input changes with the rest of its batch by "
             f"{sig.batch_dep:.2g} of max|x|"
-            + (f", at its extremes ({sig.batch_dep_level:.2f} max|x|): a clip limit taken "
-               "from the whole batch" if at_edge else ""), secondary=True))
+            + (f", at its extremes ({sig.batch_dep_moved:.2%} of the elements, at "
+               f"{sig.batch_dep_level:.2f} max|x|): a clip limit taken from the whole batch"
+               if at_edge else ""), secondary=True))
     if dtype == "float32" and sig.lowbits > SUSPECT_RATIO * LOWBITS:
         ev.append(Evidence("PRECISION", sig.lowbits / LOWBITS,
                            f"{sig.lowbits:.0%} of fp32 values in {where} carry only "
@@ -217,7 +221,8 @@ def diagnose(signals: list[Signals], dtype: str, n_layers: int) -> list[LayerVer
         for e, _ in sorted(strong, key=lambda t: t[0].secondary):
             if e.strength >= SUSPECT_RATIO and e.family not in labels:
                 labels.append(e.family)
-        site = strong[0][1] if strong else ""
+        first = sorted(strong, key=lambda t: t[0].secondary)  # the first label's evidence
+        site = first[0][1] if first else ""
         verdicts.append(LayerVerdict(
             layer=layer, module="", score=float(score), verdict=verdict,
             diagnosis=",".join(labels), evidence=[e for e, _ in strong], site=site,

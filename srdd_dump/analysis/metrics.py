@@ -218,19 +218,17 @@ class PairStats:
         d = m - g
         ad = np.abs(d)
         ag = np.abs(g)
-        gg, mm, dd = _dot(g, g), _dot(m, m), _dot(d, d)
-        self.gg += gg
-        self.mm += mm
-        # g.m from the three sums of squares (one pass less): rounding stays relative to
-        # gg + mm, as in a direct dot product, and 1 - cosine keeps the exact dd
-        self.gm += 0.5 * (gg + mm - dd)
-        self.dd += dd
+        self.gg += _dot(g, g)
+        self.mm += _dot(m, m)
+        self.gm += _dot(g, m)
+        self.dd += _dot(d, d)
         self.abs_max = max(self.abs_max, float(ad.max()))
         self.abs_sum += float(ad.sum())
         # |g| > eps everywhere (so g != 0 too), the common case: q is the relative error
         all_big = float(ag.min()) > FP32_EPS
         with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-            # |m/g - 1| = |m - g| / |g|; a masked divide (where=) is 20x slower
+            # |m/g - 1| = |m - g| / |g|; a masked divide (where=) is 20x slower. When |g| is
+            # not needed any more (all_big), the quotient overwrites it.
             q = np.divide(ad, ag, out=ag) if all_big else ad / ag
         rel = q if all_big else np.where(ag > FP32_EPS, q, 0.0)
         self.rel_max = max(self.rel_max, float(rel.max()))

@@ -61,7 +61,8 @@ class Signals:
     instab_kurtosis: float = float("nan")  # excess kurtosis of (repeat - clean) differences
     # batched replays: the in-batch reference vs the clean output of the same input
     batch_dep: float = float("nan")  # max |replay - clean| / max |clean|, worst sample
-    batch_dep_level: float = float("nan")  # |clean| / max |clean| where that difference is
+    batch_dep_level: float = float("nan")  # median |clean| / max |clean| where it moved most
+    batch_dep_moved: float = float("nan")  # fraction of elements moved by >= half that max
     extra: dict = field(default_factory=dict)
 
     def as_dict(self) -> dict:
@@ -166,22 +167,28 @@ def _ties(rows: np.ndarray) -> float:
     return float(max(at_hi.max(), at_lo.max()))
 
 
-def _batch_dependence(ref: np.ndarray, clean: np.ndarray) -> tuple[float, float]:
-    """(max |ref - clean| / max |clean|, |clean| / max |clean| at that element) over the finite
-    elements. ``ref`` is the module replayed on its recorded input inside a batch of perturbed
-    copies; a batch-invariant module gives ``clean`` back up to kernel rounding."""
+def _batch_dependence(ref: np.ndarray, clean: np.ndarray) -> tuple[float, float, float]:
+    """(max |ref - clean| / max |clean|, median |clean| / max |clean| over the elements that
+    moved by at least half that max, their fraction) over the finite elements. ``ref`` is the
+    module replayed on its recorded input inside a batch of perturbed copies; a batch-invariant
+    module gives ``clean`` back up to kernel rounding."""
+    nan = float("nan")
     d = np.abs(ref - clean)
     if not np.isfinite(d).all():  # rare: drop the non-finite pairs
         ok = np.isfinite(ref) & np.isfinite(clean)
         ref, clean = ref[ok], clean[ok]
         d = np.abs(ref - clean)
     if not d.size:
-        return float("nan"), float("nan")
+        return nan, nan, nan
     top = float(np.abs(clean).max())
     if top == 0:
-        return float("nan"), float("nan")
-    i = int(np.argmax(d))
-    return float(d.flat[i]) / top, abs(float(clean.flat[i])) / top
+        return nan, nan, nan
+    worst = float(d.max())
+    if worst == 0:
+        return 0.0, nan, 0.0
+    moved = d >= 0.5 * worst
+    level = float(np.median(np.abs(clean[moved]))) / top
+    return worst / top, level, np.count_nonzero(moved) / d.size
 
 
 def _channel_signals(
@@ -260,7 +267,7 @@ class _Layer:
         self.flat_value: list[float] = []
         self.instab: list[float] = []
         self.changed: list[float] = []
-        self.batch_dep: list[tuple[float, float]] = []
+        self.batch_dep: list[tuple[float, float, float]] = []
         self.diffs = _Kurtosis()
 
     def add(
@@ -386,7 +393,7 @@ class _Layer:
             sig.dc_dead, sig.dc_low = med(self.dc_dead), med(self.dc_low)
             sig.flat_zero, sig.flat_value = med(self.flat_zero), med(self.flat_value)
         if self.batch_dep:
-            sig.batch_dep, sig.batch_dep_level = max(
+            sig.batch_dep, sig.batch_dep_level, sig.batch_dep_moved = max(
                 self.batch_dep, key=lambda v: v[0] if np.isfinite(v[0]) else -1.0)
         if self.instab:
             sig.instability = _nanmax(self.instab)
@@ -612,6 +619,9 @@ def make_pool(workers: int):
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
+    from ..pool import check_can_spawn
+
+    check_can_spawn(workers + 1)
     return ProcessPoolExecutor(max_workers=max(1, workers),
                                mp_context=multiprocessing.get_context("spawn"))
 
