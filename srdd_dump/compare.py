@@ -18,7 +18,6 @@ from .analysis.signals import file_signals, make_pool
 from .errors import UserError, first_line
 from .format import schema as s
 from .format.reader import DumpError, DumpReader, find_dump_files
-from .pool import check_can_spawn
 from .report.table import (
     INCOMPLETE,
     OK,
@@ -78,7 +77,6 @@ def compare_path(
     """
     if jobs < 1:
         raise UserError(f"--jobs {jobs}: must be at least 1")
-    check_can_spawn(jobs)
     if output is not None:
         _check_format(output)
     if not os.path.exists(path):
