@@ -217,12 +217,12 @@ def diagnose(signals: list[Signals], dtype: str, n_layers: int) -> list[LayerVer
         score = max((e.strength for e, _ in items), default=0.0)
         verdict = FAULT if score >= 1 else SUSPECT if score >= SUSPECT_RATIO else NORMAL
         strong = sorted(items, key=lambda t: -t[0].strength)
+        labelled = sorted(strong, key=lambda t: t[0].secondary)  # secondary families last
         labels = []
-        for e, _ in sorted(strong, key=lambda t: t[0].secondary):
+        for e, _ in labelled:
             if e.strength >= SUSPECT_RATIO and e.family not in labels:
                 labels.append(e.family)
-        first = sorted(strong, key=lambda t: t[0].secondary)  # the first label's evidence
-        site = first[0][1] if first else ""
+        site = labelled[0][1] if labelled else ""  # where the first label's evidence is
         verdicts.append(LayerVerdict(
             layer=layer, module="", score=float(score), verdict=verdict,
             diagnosis=",".join(labels), evidence=[e for e, _ in strong], site=site,

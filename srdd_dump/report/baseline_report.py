@@ -20,7 +20,7 @@ from ..analysis.divergence import RED, YELLOW
 from ..analysis.tolerance import VERDICTS
 from ..errors import UserError
 from .csvfile import files_csv_path
-from .sheet_format import fit_columns
+from .sheet_format import format_table
 from .table import escape_formula, escape_formulas
 
 if TYPE_CHECKING:
@@ -99,10 +99,7 @@ def write_xlsx(result: BaselineResult, path: str) -> list[str]:
                 ws.cell(row=i, column=first_col).font = bold
         for name, df in ((COMPARE_SHEET, table), (FILES_SHEET, result.files)):
             sheet = xw.sheets[name]
-            sheet.freeze_panes = "A2"
-            if len(df.columns):
-                sheet.auto_filter.ref = sheet.dimensions
-            fit_columns(sheet, df)
+            format_table(sheet, df)
         _summary_sheet(xw.book[SUMMARY_SHEET], result)
     return [path]
 

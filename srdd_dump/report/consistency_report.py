@@ -15,7 +15,7 @@ import pandas as pd
 from openpyxl.styles import Font, PatternFill
 
 from ..errors import UserError
-from .sheet_format import fit_columns
+from .sheet_format import format_table
 from .table import escape_formulas
 
 if TYPE_CHECKING:
@@ -61,10 +61,7 @@ def write_consistency(result: ConsistencyResult, report_path: str) -> list[str]:
                 ws.cell(row=i, column=first_col).font = Font(bold=True)
         for name, df in ((TABLE_SHEET, result.table), (SUMMARY_SHEET, result.summary)):
             sheet = xw.sheets[name]
-            sheet.freeze_panes = "A2"
-            if len(df.columns):
-                sheet.auto_filter.ref = sheet.dimensions
-            fit_columns(sheet, df)
+            format_table(sheet, df)
     return paths
 
 

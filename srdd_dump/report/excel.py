@@ -10,7 +10,7 @@ from openpyxl.styles import Alignment, Font, PatternFill
 from openpyxl.utils import get_column_letter
 
 from ..analysis.diagnosis import FAULT, NORMAL, SUSPECT, VERDICT_ORDER
-from .sheet_format import fit_columns
+from .sheet_format import format_table
 from .table import escape_formula, escape_formulas
 
 SUMMARY_SHEET = "summary"
@@ -43,10 +43,7 @@ def write_xlsx(result, path: str) -> list[str]:
             if name not in xw.sheets:
                 continue
             sheet = xw.sheets[name]
-            sheet.freeze_panes = "A2"
-            if len(df.columns):
-                sheet.auto_filter.ref = sheet.dimensions
-            fit_columns(sheet, df)
+            format_table(sheet, df)
     return [path]
 
 

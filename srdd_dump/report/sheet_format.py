@@ -15,3 +15,11 @@ def fit_columns(sheet, df: pd.DataFrame) -> None:
         longest = 0 if pd.isna(longest) else int(longest)  # an all-missing column
         width = min(MAX_WIDTH, max(len(str(col)), longest) + 2)
         sheet.column_dimensions[get_column_letter(j)].width = width
+
+
+def format_table(sheet, df: pd.DataFrame) -> None:
+    """A data sheet written from ``df``: header row frozen, filters on, columns fitted."""
+    sheet.freeze_panes = "A2"
+    if len(df.columns):
+        sheet.auto_filter.ref = sheet.dimensions
+    fit_columns(sheet, df)
