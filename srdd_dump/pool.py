@@ -9,6 +9,7 @@ from typing import Callable, TypeVar
 
 from tqdm import tqdm
 
+from .blas import one_blas_thread, pin_for_process
 from .errors import UserError
 from .streaming import close_readers
 
@@ -39,13 +40,14 @@ def run_tasks(
     """
     bar = tqdm(total=len(tasks), desc=desc, unit="task", disable=not show, leave=False)
     try:
-        if jobs <= 1 or len(tasks) <= 1:
-            out = []
-            for task in tasks:
-                out.append(fn(task))
-                bar.update()
-            return out
-        return _shared(fn, tasks, jobs - 1, bar)
+        with one_blas_thread():
+            if jobs <= 1 or len(tasks) <= 1:
+                out = []
+                for task in tasks:
+                    out.append(fn(task))
+                    bar.update()
+                return out
+            return _shared(fn, tasks, jobs - 1, bar)
     finally:
         close_readers()
         bar.close()
@@ -63,7 +65,8 @@ def _shared(fn, tasks, workers: int, bar) -> list:
             results[pending.pop(future)] = future.result()
             bar.update()
 
-    with ProcessPoolExecutor(max_workers=min(workers, len(tasks)), mp_context=ctx) as pool:
+    with ProcessPoolExecutor(max_workers=min(workers, len(tasks)), mp_context=ctx,
+                             initializer=pin_for_process) as pool:
         for n, task in enumerate(tasks):
             collect(wait=False)
             if len(pending) < 2 * workers:

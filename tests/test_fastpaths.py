@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 
@@ -86,21 +88,28 @@ def test_streamed_kurtosis_matches_concatenation():
     assert k.value == Moments().add(np.concatenate(parts)).kurtosis
 
 
-def test_exp_below_matches_numpy_above_the_flush_limit():
+def test_exp_terms_match_the_full_sums_above_the_flush_limit():
+    """Whichever path _exp_terms takes (all terms, the few near the peak, or the rest clamped),
+    its sum and weighted sum equal numpy's over every term, flushed ones contributing < 1e-300."""
     for peak in (0.0, 50.0, 720.0, 800.0, 30000.0):
         for spread in (1.0, 300.0, 1e4):
             x = np.concatenate([RNG.standard_normal(5000) * spread,
                                 [peak, peak - 700, peak - 707, peak - 708.5, peak - 745.1]])
             x = x[x <= peak]
-            got = metrics._exp_below(x, peak, float(x.min()))
-            y = x - peak
-            want = np.where(y >= metrics.EXP_FLUSH, np.exp(y), 0.0)
-            assert got.tobytes() == want.tobytes()
-            assert np.all(np.exp(y)[y < metrics.EXP_FLUSH] < 1.1e-307)
+            w = RNG.standard_normal(x.size)
+            e, w_kept = metrics._exp_terms(x, peak, float(x.min()), w)
+            with np.errstate(under="ignore"):
+                full = np.exp(x - peak)
+            assert abs(e.sum() - full.sum()) <= 1e-12 * full.sum() + 1e-300 * x.size
+            assert abs(np.dot(e, w_kept) - np.dot(full, w)) <= (
+                1e-12 * np.abs(full * w).sum() + 1e-300 * np.abs(w).sum())
+            assert np.all(e > 0) and np.all(np.isfinite(e))
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])
 def test_pair_stats_fast_path_matches_general_path(dtype):
+    """A finite block takes the fast path; the same block with NaN/Inf added at the same
+    positions on both sides takes the general one, which must give the same metrics."""
     for trial in range(6):
         g = RNG.standard_normal(3000).astype(dtype)
         m = (g.astype(np.float32) + RNG.standard_normal(3000).astype(np.float32) * 1e-2)
@@ -110,11 +119,13 @@ def test_pair_stats_fast_path_matches_general_path(dtype):
         if trial % 3 == 0:
             g[500:600] = 1e-8
         fast = metrics.PairStats().add(g, m)
-        slow = metrics.PairStats()
-        slow._add(g.astype(np.float64), m.astype(np.float64), None)  # no finite shortcut
-        assert fast.metrics() == slow.metrics()
-        assert fast.golden.values() == slow.golden.values()
-        assert fast.mine.values() == slow.mine.values()
+        bad = np.array([np.nan, np.inf, -np.inf], dtype=dtype)
+        slow = metrics.PairStats().add(np.concatenate([g[:7], bad, g[7:]]),
+                                       np.concatenate([m[:7], bad, m[7:]]))
+        assert slow.nan_inf.golden == 3 and slow.nan_inf.mismatched == 0
+        assert slow.metrics() == pytest.approx(fast.metrics(), rel=1e-12, abs=1e-300)
+        assert slow.golden.values() == pytest.approx(fast.golden.values(), rel=1e-12)
+        assert slow.mine.values() == pytest.approx(fast.mine.values(), rel=1e-12)
 
 
 def test_keep_freed_memory_is_idempotent():
@@ -185,29 +196,23 @@ def test_direct_chunk_reads_match_h5py(tmp_path):
         os.close(fd)
 
 
-def test_log_sum_exp_single_term_shortcut_is_exact():
-    """A block whose only element within reach of the peak is the peak itself (one large
-    outlier) gives the sums over the full arrays."""
+def test_log_sum_exp_streamed_matches_one_pass():
+    """Blocks folded in one by one (a large outlier, then a block whose peak is lower) give the
+    log-sum-exp and weighted sum of the concatenation, computed directly."""
     for trial in range(20):
         x = RNG.standard_normal(4000)
         x[int(RNG.integers(0, 4000))] = 1000.0 + trial
         w = RNG.standard_normal(4000)
-        w[:10] = -0.0
-        fast = metrics._LogSumExp()
-        fast.add(x, w)
-        fast.add(x * 0.5, w)
-        e1 = np.where(x - x.max() >= metrics.EXP_FLUSH, np.exp(x - x.max()), 0.0)
-        slow_total = float(e1.sum())
-        slow_weighted = metrics._dot(e1, w)
-        peak = x.max()
-        x2 = x * 0.5
-        scale = np.exp(peak - max(peak, x2.max())) if slow_total else 0.0
-        e2 = metrics._exp_below(x2, max(peak, x2.max()), float(x2.min()))
-        slow_total = slow_total * scale + float(e2.sum())
-        slow_weighted = slow_weighted * scale + metrics._dot(e2, w)
-        assert fast.total == slow_total and fast.weighted == slow_weighted
-    y = RNG.uniform(-706, 0, 100000)
-    assert all(np.exp(y[i: i + 1])[0] == np.exp(y)[i] for i in range(0, 100000, 997))
+        streamed = metrics._LogSumExp()
+        streamed.add(x, w)
+        streamed.add(x * 0.5, w)
+        both, ws = np.concatenate([x, x * 0.5]), np.concatenate([w, w])
+        with np.errstate(under="ignore"):
+            e = np.exp(both - both.max())
+        assert streamed.peak == both.max()
+        assert streamed.total == pytest.approx(e.sum(), rel=1e-13)
+        assert streamed.weighted == pytest.approx(np.dot(e, ws), rel=1e-12, abs=1e-300)
+        assert streamed.value == pytest.approx(both.max() + np.log(e.sum()), rel=1e-15)
 
 
 def test_percentile_matches_numpy():
@@ -217,3 +222,20 @@ def test_percentile_matches_numpy():
             for values in (x, np.round(x, 1)):
                 for q in (0.0, 0.5, 0.9, 0.99, 1.0):
                     assert signals._percentile(values, q) == float(np.quantile(values, q))
+
+
+def test_one_blas_thread_restores_the_callers_settings():
+    from srdd_dump import blas
+    from srdd_dump.analysis import sums
+
+    apis = blas._apis()
+    before = [get() for get, _ in apis]
+    x, y = RNG.standard_normal(50_000), RNG.standard_normal(50_000)
+    plain = sums.dot(x, y)
+    with blas.one_blas_thread():
+        assert [get() for get, _ in apis] == [1] * len(apis)
+        assert sums._blas == bool(apis)
+        assert sums.dot(x, y) == pytest.approx(plain, rel=1e-12)
+    assert [get() for get, _ in apis] == before
+    assert sums._blas is False
+    assert sums.total(x) == pytest.approx(math.fsum(x), rel=1e-12)

@@ -26,6 +26,8 @@ import warnings
 
 import numpy as np
 
+from .sums import dot
+
 DEPART_FACTOR = 10.0
 
 
@@ -67,23 +69,23 @@ class LayerConsistency:
                 ref = med[valid]
                 if j == i:
                     xi = x[i, valid]
-                    self.xx[i] += _dot(xi, xi)
-                    self.mm[i] += _dot(ref, ref)
-                    self.xm[i] += _dot(xi, ref)
-                    self.dd[i] += _dot(d, d)
+                    self.xx[i] += dot(xi, xi)
+                    self.mm[i] += dot(ref, ref)
+                    self.xm[i] += dot(xi, ref)
+                    self.dd[i] += dot(d, d)
                     if d.size:
                         self.max_abs[i] = max(self.max_abs[i], float(np.abs(d).max()))
                 else:
-                    self.others_dd[i, j] += _dot(d, d)
-                    self.others_mm[i, j] += _dot(ref, ref)
+                    self.others_dd[i, j] += dot(d, d)
+                    self.others_mm[i, j] += dot(ref, ref)
 
     def _add_finite(self, i: int, x: np.ndarray, med: np.ndarray) -> None:
         diff = x - med
         dd = np.einsum("jk,jk->j", diff, diff)
-        mm = _dot(med, med)
-        self.xx[i] += _dot(x[i], x[i])
+        mm = dot(med, med)
+        self.xx[i] += dot(x[i], x[i])
         self.mm[i] += mm
-        self.xm[i] += _dot(x[i], med)
+        self.xm[i] += dot(x[i], med)
         self.dd[i] += float(dd[i])
         if diff.shape[1]:
             self.max_abs[i] = max(self.max_abs[i], float(np.abs(diff[i]).max()))
@@ -127,8 +129,3 @@ def _rel(dd: float, mm: float) -> float:
     if mm > 0:
         return math.sqrt(dd / mm)
     return 0.0 if dd == 0 else math.inf
-
-
-def _dot(a: np.ndarray, b: np.ndarray) -> float:
-    """Sum of a * b without BLAS: a threaded BLAS dot crawls on a busy machine."""
-    return float(np.einsum("i,i->", a, b))

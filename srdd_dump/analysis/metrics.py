@@ -25,13 +25,15 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .sums import dot, total
+
 FP32_EPS = float(np.finfo(np.float32).eps)
 BLOCK = 1 << 20  # elements per float64 block (8 MiB)
 # numpy's vectorised float64 exp is 25x slower for inputs below about -708 and 300x slower where
-# the result is subnormal. The log-sum-exp takes exp(x - peak) as 0 below EXP_FLUSH: such terms
-# are under 1.1e-307 of the peak's term (1.0), so they change the KL divergence by less than
-# 1e-260 (at most 2^20 terms per block, |m - g| < 7e38), while a layer with one large outlier
-# puts nearly every element there.
+# the result is subnormal. The log-sum-exp takes exp(x - peak) below EXP_FLUSH as 0 or as
+# exp(EXP_FLUSH): such terms are under 1.1e-307 of the peak's term (1.0), so they change the KL
+# divergence by less than 1e-260 (at most 2^20 terms per block, |m - g| < 7e38), while a layer
+# with one large outlier puts nearly every element there.
 EXP_FLUSH = -707.0
 
 
@@ -104,32 +106,38 @@ class _LogSumExp:
         self, x: np.ndarray, w: np.ndarray | None = None, hi: float | None = None,
         lo: float | None = None,
     ) -> None:
-        """Fold in ``x`` (finite); ``hi``/``lo``: its max and min when already known."""
+        """Fold in ``x`` (finite, float64); ``hi``/``lo``: its max and min when known."""
         if not x.size:
             return
         peak = max(self.peak, float(x.max()) if hi is None else hi)
         scale = math.exp(self.peak - peak) if self.total else 0.0
         lo = float(x.min()) if lo is None else lo
-        y = x - peak
-        keep = None if lo - peak >= EXP_FLUSH else np.flatnonzero(y >= EXP_FLUSH)
-        if keep is not None and keep.size == 1:
-            # One element within reach of the peak (a layer with one large outlier): the sum
-            # and the dot product over an array that is 0 elsewhere are exactly its term.
-            i = int(keep[0])
-            v = float(np.exp(y[i: i + 1])[0])
-            self.total = self.total * scale + v
-            if w is not None:
-                self.weighted = self.weighted * scale + (0.0 + v * float(w[i]))
-        else:
-            e = _exp_shifted(y, keep)
-            self.total = self.total * scale + float(e.sum())
-            if w is not None:
-                self.weighted = self.weighted * scale + _dot(e, w)
+        e, w = _exp_terms(x, peak, lo, w)
+        self.total = self.total * scale + total(e)
+        if w is not None:
+            self.weighted = self.weighted * scale + dot(e, w)
         self.peak = peak
 
     @property
     def value(self) -> float:
         return self.peak + math.log(self.total) if self.total else -math.inf
+
+
+def _exp_terms(
+    x: np.ndarray, peak: float, lo: float, w: np.ndarray | None
+) -> tuple[np.ndarray, np.ndarray | None]:
+    """The terms exp(x - peak) that can matter, with their weights ``w``: every term when
+    ``x.min() == lo`` is within EXP_FLUSH of the peak; else only those at or above it when they
+    are few (a layer with one large outlier keeps one), or every term with the rest clamped at
+    exp(EXP_FLUSH) (see EXP_FLUSH for why either changes nothing that shows)."""
+    if lo - peak >= EXP_FLUSH:  # x - peak >= EXP_FLUSH everywhere (rounding is monotonic)
+        y = x - peak
+        return np.exp(y, out=y), w
+    keep = np.flatnonzero(x >= peak + EXP_FLUSH)
+    if keep.size <= x.size // 4:
+        return np.exp(x[keep] - peak), None if w is None else w[keep]
+    y = np.maximum(x - peak, EXP_FLUSH)
+    return np.exp(y, out=y), w
 
 
 @dataclass
@@ -159,71 +167,56 @@ class PairStats:
         m = np.asarray(m).reshape(-1)
         if g.size != m.size:
             raise ValueError(f"size mismatch: {g.size} vs {m.size}")
-        # Values of at most 4 bytes (float32 and narrower) cannot overflow a float64 sum of a
-        # block (|x| < 3.5e38, BLOCK elements), so a finite sum proves every value finite.
-        narrow = g.dtype.kind == "f" and g.dtype.itemsize <= 4 \
-            and m.dtype.kind == "f" and m.dtype.itemsize <= 4
         for start in range(0, g.size, BLOCK):
             stop = start + BLOCK
-            g_part, m_part = g[start:stop], m[start:stop]
-            self._add(g_part.astype(np.float64), m_part.astype(np.float64),
-                      (g_part, m_part) if narrow else None)
+            self._add(g[start:stop], m[start:stop])
         return self
 
-    def _add(self, g: np.ndarray, m: np.ndarray, narrow: tuple | None = None) -> None:
-        """``narrow``: the block as given, when it is float32 or narrower on both sides."""
-        if narrow is not None and g.size:
-            sg, sm = float(g.sum()), float(m.sum())
-            if math.isfinite(sg) and math.isfinite(sm):
-                self._add_finite(g, m, sg, sm, *narrow)
-                return
+    def _add(self, g_in: np.ndarray, m_in: np.ndarray) -> None:
+        if not g_in.size:
+            return
+        # max and min of the block as given (the float64 copy holds the same values in twice
+        # the bytes); NaN propagates through both and Inf shows in one, so four finite values
+        # prove the block finite. They are reused as the log-sum-exp peaks.
+        ranges = [(float(x.max()), float(x.min())) for x in (g_in, m_in)]
+        g, m = g_in.astype(np.float64), m_in.astype(np.float64)
+        if all(math.isfinite(v) for r in ranges for v in r):
+            for side, x, (hi, lo) in ((self.golden, g, ranges[0]), (self.mine, m, ranges[1])):
+                side.count += x.size
+                side.total += total(x)
+                side.max, side.min = max(side.max, hi), min(side.min, lo)
+            self._errors(g, m, *ranges)
+            return
         fg, fm = np.isfinite(g), np.isfinite(m)
         both = fg & fm
-        all_finite = bool(both.all())
-        self.golden.add(g if all_finite else g[fg])
-        self.mine.add(m if all_finite else m[fm])
-        if not all_finite:
-            self.golden.nonfinite += int(g.size - fg.sum())
-            self.mine.nonfinite += int(m.size - fm.sum())
-            self.nan_inf.golden = self.golden.nonfinite
-            self.nan_inf.mine = self.mine.nonfinite
-            bad = ~both
-            gb, mb = g[bad], m[bad]
-            same = (np.isnan(gb) & np.isnan(mb)) | (np.isinf(gb) & (gb == mb))
-            self.nan_inf.mismatched += int(bad.sum() - same.sum())
-            g, m = g[both], m[both]
-        if not g.size:
-            return
-        self._errors(g, m)
-
-    def _add_finite(
-        self, g: np.ndarray, m: np.ndarray, sg: float, sm: float, g_in: np.ndarray,
-        m_in: np.ndarray,
-    ) -> None:
-        """A block finite on both sides whose sums are known: the same steps as ``_add``.
-        Max and min are taken on the narrow input (the float64 copy holds the same values,
-        half the bytes to scan) and reused as the log-sum-exp peaks."""
-        sides = []
-        for side, x, total in ((self.golden, g_in, sg), (self.mine, m_in, sm)):
-            hi, lo = float(x.max()), float(x.min())
-            side.count += x.size
-            side.total += total
-            side.max, side.min = max(side.max, hi), min(side.min, lo)
-            sides.append((hi, lo))
-        self._errors(g, m, *sides)
+        self.golden.add(g[fg])
+        self.mine.add(m[fm])
+        self.golden.nonfinite += int(g.size - fg.sum())
+        self.mine.nonfinite += int(m.size - fm.sum())
+        self.nan_inf.golden = self.golden.nonfinite
+        self.nan_inf.mine = self.mine.nonfinite
+        bad = ~both
+        gb, mb = g[bad], m[bad]
+        same = (np.isnan(gb) & np.isnan(mb)) | (np.isinf(gb) & (gb == mb))
+        self.nan_inf.mismatched += int(bad.sum() - same.sum())
+        g, m = g[both], m[both]
+        if g.size:
+            self._errors(g, m)
 
     def _errors(self, g: np.ndarray, m: np.ndarray, g_range=(None, None), m_range=(None, None)):
-        """Every pair metric of a block finite on both sides."""
+        """Every pair metric of a float64 block finite on both sides."""
         self.n += g.size
         d = m - g
-        ad = np.abs(d)
+        self.gg += dot(g, g)
+        self.mm += dot(m, m)
+        self.gm += dot(g, m)
+        self.dd += dot(d, d)
+        self._lse_g.add(g, d, *g_range)
+        self._lse_m.add(m, None, *m_range)
+        ad = np.abs(d, out=d)
         ag = np.abs(g)
-        self.gg += _dot(g, g)
-        self.mm += _dot(m, m)
-        self.gm += _dot(g, m)
-        self.dd += _dot(d, d)
         self.abs_max = max(self.abs_max, float(ad.max()))
-        self.abs_sum += float(ad.sum())
+        self.abs_sum += total(ad)
         # |g| > eps everywhere (so g != 0 too), the common case: q is the relative error
         all_big = float(ag.min()) > FP32_EPS
         with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
@@ -232,14 +225,12 @@ class PairStats:
             q = np.divide(ad, ag, out=ag) if all_big else ad / ag
         rel = q if all_big else np.where(ag > FP32_EPS, q, 0.0)
         self.rel_max = max(self.rel_max, float(rel.max()))
-        self.rel_sum += float(rel.sum())
+        self.rel_sum += total(rel)
         # msprobe: where g == 0, eps is added to both sides, so the error is |m| / eps
         zero = None if all_big else g == 0
         ratio = ad / np.where(zero, FP32_EPS, ag) if zero is not None and zero.any() else q
         self.within_1e3 += int(np.count_nonzero(ratio <= 1e-3))
         self.within_5e3 += int(np.count_nonzero(ratio <= 5e-3))
-        self._lse_g.add(g, d, *g_range)
-        self._lse_m.add(m, None, *m_range)
 
     # -- results -------------------------------------------------------------------------
     @property
@@ -369,29 +360,3 @@ def five_thousandths_err_ratio(golden: np.ndarray, mine: np.ndarray) -> float:
 
 def nan_inf(golden: np.ndarray, mine: np.ndarray) -> NanInf:
     return compare_arrays(golden, mine).nan_inf
-
-
-def _exp_shifted(y: np.ndarray, keep: np.ndarray | None) -> np.ndarray:
-    """``np.exp(y)`` for ``y <= 0``, every value below exp(EXP_FLUSH) taken as 0 (see
-    EXP_FLUSH); ``keep``: the indices with ``y >= EXP_FLUSH``, None when that is all of them.
-    When few are kept, only those are computed."""
-    if keep is None:
-        return np.exp(y, out=y)  # y is a temporary of the caller's
-    if keep.size > y.size // 4:
-        return np.where(y >= EXP_FLUSH, np.exp(np.maximum(y, EXP_FLUSH)), 0.0)
-    e = np.zeros_like(y)
-    e[keep] = np.exp(y[keep])
-    return e
-
-
-def _exp_below(x: np.ndarray, peak: float, lo: float) -> np.ndarray:
-    """``np.exp(x - peak)`` for ``x.min() == lo``, with the flush of ``_exp_shifted``."""
-    y = x - peak
-    if lo - peak >= EXP_FLUSH:  # rounding is monotonic: this is y.min()
-        return np.exp(y)
-    return _exp_shifted(y, np.flatnonzero(y >= EXP_FLUSH))
-
-
-def _dot(a: np.ndarray, b: np.ndarray) -> float:
-    """Sum of a * b without BLAS: a threaded BLAS dot crawls on a busy machine."""
-    return float(np.einsum("i,i->", a, b))

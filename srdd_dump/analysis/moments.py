@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .sums import dot, total
+
 BLOCK = 1 << 20  # elements converted to float64 at a time (8 MiB)
 
 
@@ -128,16 +130,10 @@ def _block_moments(block: np.ndarray) -> Moments:
     if lo == hi:  # constant: exact zero spread, whatever rounding sum()/n would add
         out.mean_ = lo
         return out
-    out.mean_ = float(x.mean())
+    out.mean_ = total(x) / x.size
     d = x - out.mean_
     d2 = d * d
-    out.m2 = float(d2.sum())
-    out.m3 = _dot(d2, d)
-    out.m4 = _dot(d2, d2)
+    out.m2 = total(d2)
+    out.m3 = dot(d2, d)
+    out.m4 = dot(d2, d2)
     return out
-
-
-def _dot(a: np.ndarray, b: np.ndarray) -> float:
-    """Sum of a * b without BLAS: OpenBLAS threads its dot above 10,000 elements, which is
-    slower than one core on a 2-core machine and crawls (400x) when the cores are busy."""
-    return float(np.einsum("i,i->", a, b))

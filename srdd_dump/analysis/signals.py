@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
+from ..blas import one_blas_thread, pin_for_process
 from ..format import schema as s
 from ..format.reader import DumpReader
 from ..memory import keep_freed_memory
@@ -573,27 +574,31 @@ def file_signals(
     ``jobs`` > 1 splits the layers among worker processes (``pool``: a ProcessPoolExecutor to
     reuse, else one is made for this call); this process computes a share too."""
     keep_freed_memory()
-    keys = _present(reader)
-    if jobs <= 1 or len(keys) < 2:
-        out = _signals(reader, keys, progress, desc)
-    else:
-        chunks = _chunks(reader, keys, jobs)
-        own_pool = pool is None
-        if own_pool:
-            pool = make_pool(jobs - 1)
-        try:
-            results = _run_chunks(reader, chunks, pool, jobs - 1)
-        finally:
-            if own_pool:
-                pool.shutdown()
-        by_key = {(g.layer, g.site): g for part in results for g in part}
-        out = [by_key[k] for k in keys]
+    with one_blas_thread():
+        out = _file_signals(reader, progress, desc, jobs, pool)
     blocks = {g.layer: g for g in out if g.site == s.BLOCK_SITE}
     for layer, g in blocks.items():
         before = blocks.get(layer - 1)
         if before is not None and g.kurtosis + 3 > 0 and before.kurtosis + 3 > 0:
             g.kurt_change = float(np.log((g.kurtosis + 3) / (before.kurtosis + 3)))
     return out
+
+
+def _file_signals(reader: DumpReader, progress: bool, desc: str, jobs: int, pool) -> list:
+    keys = _present(reader)
+    if jobs <= 1 or len(keys) < 2:
+        return _signals(reader, keys, progress, desc)
+    chunks = _chunks(reader, keys, jobs)
+    own_pool = pool is None
+    if own_pool:
+        pool = make_pool(jobs - 1)
+    try:
+        results = _run_chunks(reader, chunks, pool, jobs - 1)
+    finally:
+        if own_pool:
+            pool.shutdown()
+    by_key = {(g.layer, g.site): g for part in results for g in part}
+    return [by_key[k] for k in keys]
 
 
 def _run_chunks(reader: DumpReader, chunks: list[list], pool, workers: int) -> list:
@@ -623,7 +628,8 @@ def make_pool(workers: int):
 
     check_can_spawn(workers + 1)
     return ProcessPoolExecutor(max_workers=max(1, workers),
-                               mp_context=multiprocessing.get_context("spawn"))
+                               mp_context=multiprocessing.get_context("spawn"),
+                               initializer=pin_for_process)
 
 
 # -- aggregation -------------------------------------------------------------------------------
