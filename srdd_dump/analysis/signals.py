@@ -20,6 +20,7 @@ from ..format import schema as s
 from ..format.reader import DumpReader
 from ..memory import keep_freed_memory
 from .moments import BLOCK, Moments
+from .sums import dot, total
 
 SPAN_BYTES = 16 << 20  # data read at once: the records of a group of layers of one round
 
@@ -78,8 +79,19 @@ class Signals:
 def _rms(x: np.ndarray) -> float:
     if not x.size:
         return float("nan")
+    x = x.reshape(-1).astype(np.float64, copy=False)
     with np.errstate(over="ignore", invalid="ignore"):
-        return float(np.sqrt(np.mean(np.square(x, dtype=np.float64))))
+        return math.sqrt(dot(x, x) / x.size)
+
+
+def _std(x: np.ndarray) -> float:
+    """``np.std(x)`` in float64 (two passes: mean, then squared deviations)."""
+    if not x.size:
+        return float("nan")
+    c = x.reshape(-1).astype(np.float64)
+    with np.errstate(over="ignore", invalid="ignore"):
+        c -= total(c) / c.size
+        return math.sqrt(dot(c, c) / c.size)
 
 
 def _fraction(mask: np.ndarray) -> float:
@@ -188,7 +200,7 @@ def _batch_dependence(ref: np.ndarray, clean: np.ndarray) -> tuple[float, float,
     if worst == 0:
         return 0.0, nan, 0.0
     moved = d >= 0.5 * worst
-    level = float(np.median(np.abs(clean[moved]))) / top
+    level = _median(np.abs(clean[moved])) / top
     return worst / top, level, np.count_nonzero(moved) / d.size
 
 
@@ -200,10 +212,10 @@ def _channel_signals(
     if u.shape[0] < 4:
         return
     mean_c = u.mean(axis=0)
-    sq = u * u
-    rms_c = np.sqrt(np.mean(sq, axis=0))
-    total = float(np.mean(np.sum(sq, axis=1)))
-    acc["dce"].append(float(np.sum(mean_c**2)) / total if total > 0 else float("nan"))
+    sq_c = np.einsum("ij,ij->j", u, u)  # per-channel sum of squares, no u * u temporary
+    rms_c = np.sqrt(sq_c / u.shape[0])
+    per_token = float(sq_c.sum()) / u.shape[0]  # mean over tokens of the sum of squares
+    acc["dce"].append(float(np.sum(mean_c**2)) / per_token if per_token > 0 else float("nan"))
     live = rms_c > 0
     if live.any():
         acc["cons"].append(_percentile(np.abs(mean_c[live]) / rms_c[live], 0.99))
@@ -320,8 +332,7 @@ class _Layer:
         for p, a in probes:
             if p["kind"] == s.KIND_GAIN and p["pert_rms"] > 0:
                 d = _rows(a) - ref
-                self.gains.setdefault(float(p["param"]), []).append(
-                    float(np.std(d)) / p["pert_rms"])
+                self.gains.setdefault(float(p["param"]), []).append(_std(d) / p["pert_rms"])
                 if p["param"] == top_sigma:
                     flat &= d == 0
         for p, a in probes:
