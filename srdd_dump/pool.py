@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import multiprocessing
+import threading
 from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
 from typing import Callable, TypeVar
@@ -56,23 +57,57 @@ def run_tasks(
 def _shared(fn, tasks, workers: int, bar) -> list:
     check_can_spawn(workers + 1)
     ctx = multiprocessing.get_context("spawn")
-    results: list = [None] * len(tasks)
-    pending: dict = {}
-
-    def collect(wait: bool) -> None:
-        done = list(pending) if wait else [f for f in pending if f.done()]
-        for future in done:
-            results[pending.pop(future)] = future.result()
-            bar.update()
-
     with ProcessPoolExecutor(max_workers=min(workers, len(tasks)), mp_context=ctx,
                              initializer=pin_for_process) as pool:
-        for n, task in enumerate(tasks):
-            collect(wait=False)
-            if len(pending) < 2 * workers:
-                pending[pool.submit(fn, task)] = n
-            else:
-                results[n] = fn(task)
-                bar.update()
-        collect(wait=True)
+        return share(tasks, fn, fn, pool, min(workers, len(tasks)), bar.update)
+
+
+def share(
+    tasks: Sequence[T], local: Callable[[T], R], remote: Callable[[T], R], pool,
+    workers: int, done: Callable[[], object] | None = None,
+) -> list[R]:
+    """``[local(t) for t in tasks]``, with ``workers`` processes of ``pool`` running
+    ``remote(t)`` (module-level) alongside this one. Tasks are handed out in order to whoever is
+    free first: a worker gets its next task the moment it returns one (a done callback), this
+    process takes the next when it finishes its own. Nothing waits queued behind a busy
+    process, so at the end nobody idles while another still has a queued task. ``done`` is
+    called once per finished task. A worker's exception is raised here after this process has
+    run every task not yet handed out."""
+    results: list = [None] * len(tasks)
+    order = iter(range(len(tasks)))
+    lock = threading.RLock()
+    futures: list = []  # (future, index)
+    left: list[int] = []  # tasks a broken pool refused: run here
+
+    def feed(finished=None) -> None:  # never raises: it runs as a future's callback
+        if finished is not None:
+            if finished.cancelled() or finished.exception() is not None:
+                return
+            if done is not None:
+                done()
+        with lock:
+            n = next(order, None)
+            if n is None:
+                return
+            try:
+                fut = pool.submit(remote, tasks[n])
+            except Exception:  # noqa: BLE001 (a broken or closed pool)
+                left.append(n)
+                return
+            futures.append((fut, n))
+        fut.add_done_callback(feed)
+
+    for _ in range(workers):
+        feed()
+    while True:
+        with lock:
+            n = next(order, None)
+            n = n if n is not None else (left.pop() if left else None)
+        if n is None:
+            break
+        results[n] = local(tasks[n])
+        if done is not None:
+            done()
+    for fut, n in futures:
+        results[n] = fut.result()
     return results

@@ -239,3 +239,40 @@ def test_one_blas_thread_restores_the_callers_settings():
     assert [get() for get, _ in apis] == before
     assert sums._blas is False
     assert sums.total(x) == pytest.approx(math.fsum(x), rel=1e-12)
+
+
+def test_share_runs_every_task_once_in_order():
+    """pool.share hands each task to exactly one of the workers or this process, results in
+    task order; a worker's error is raised after the rest ran here."""
+    import threading
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    from srdd_dump.pool import share
+
+    ran: list[tuple[str, int]] = []
+    lock = threading.Lock()
+
+    def run(where):
+        def fn(t):
+            time.sleep(0.002 * (t % 3))
+            with lock:
+                ran.append((where, t))
+            return t * t
+        return fn
+
+    with ThreadPoolExecutor(2) as pool:
+        finished = []
+        out = share(list(range(40)), run("here"), run("worker"), pool, 2,
+                    lambda: finished.append(1))
+    assert out == [t * t for t in range(40)]
+    assert sorted(t for _, t in ran) == list(range(40))
+    assert {w for w, _ in ran} == {"here", "worker"} and len(finished) == 40
+
+    def fails(t):
+        raise RuntimeError("worker died")
+
+    ran.clear()
+    with ThreadPoolExecutor(1) as pool, pytest.raises(RuntimeError, match="worker died"):
+        share(list(range(10)), run("here"), fails, pool, 1)
+    assert len(ran) == 9  # the one task the worker took failed; this process ran the rest

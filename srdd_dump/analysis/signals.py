@@ -613,21 +613,21 @@ def _file_signals(reader: DumpReader, progress: bool, desc: str, jobs: int, pool
 
 
 def _run_chunks(reader: DumpReader, chunks: list[list], pool, workers: int) -> list:
-    """Chunks go to idle workers; while all are busy (or still starting) this process takes the
-    next chunk itself."""
-    results: list = [None] * len(chunks)
-    pending: dict = {}
+    """Each chunk to whoever is free first: a worker process or this one (pool.share)."""
+    from ..pool import share
+
     path = reader.path
-    for n, chunk in enumerate(chunks):
-        for fut in [f for f in pending if f.done()]:
-            results[pending.pop(fut)] = fut.result()
-        if len(pending) < 2 * workers:  # one queued behind the running one: no idle worker
-            pending[pool.submit(_worker, (path, chunk))] = n
-        else:
-            results[n] = _signals(reader, chunk)
-    for fut, n in pending.items():
-        results[n] = fut.result()
-    return results
+    return share(chunks, lambda chunk: _signals(reader, chunk), _Chunk(path), pool, workers)
+
+
+class _Chunk:
+    """``_worker`` on a chunk of one file, as a picklable callable."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def __call__(self, chunk: list) -> list:
+        return _worker((self.path, chunk))
 
 
 def make_pool(workers: int):
