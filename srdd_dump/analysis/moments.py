@@ -114,24 +114,29 @@ class Moments:
 
 
 def _block_moments(block: np.ndarray) -> Moments:
-    finite = np.isfinite(block)
     out = Moments()
-    if not finite.all():
+    if block.size == 0:
+        return out
+    # NaN propagates through max and an Inf is the max or the min: two finite values prove
+    # the block finite without a mask
+    lo, hi = float(block.min()), float(block.max())
+    if not (math.isfinite(lo) and math.isfinite(hi)):
+        finite = np.isfinite(block)
         out.nan_count = int(np.count_nonzero(np.isnan(block)))
         out.inf_count = int(block.size - np.count_nonzero(finite)) - out.nan_count
         block = block[finite]
-    if block.size == 0:
-        return out
-    x = block.astype(np.float64, copy=False)
-    lo, hi = float(x.min()), float(x.max())
-    out.count = int(x.size)
+        if block.size == 0:
+            return out
+        lo, hi = float(block.min()), float(block.max())
+    out.count = int(block.size)
     out.absmax = max(abs(lo), abs(hi))
-    out.zeros = int(np.count_nonzero(x == 0))
+    out.zeros = int(np.count_nonzero(block == 0))
     if lo == hi:  # constant: exact zero spread, whatever rounding sum()/n would add
         out.mean_ = lo
         return out
-    out.mean_ = total(x) / x.size
-    d = x - out.mean_
+    d = block.astype(np.float64)  # a copy, so the deviations can overwrite it
+    out.mean_ = total(d) / d.size
+    d -= out.mean_
     d2 = d * d
     out.m2 = total(d2)
     out.m3 = dot(d2, d)
