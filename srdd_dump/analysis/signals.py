@@ -10,6 +10,7 @@ The file is read round by round: one HDF5 read per data set covers the records o
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import asdict, dataclass, field
 
@@ -546,8 +547,8 @@ def _round_batch(reader, recs, batch, per_key, clean_prev, layers, sample, prefi
 # -- process pool ------------------------------------------------------------------------------
 
 
-def _worker(args: tuple[str, list[tuple[int, int]]]) -> list[Signals]:
-    path, keys = args
+def _worker(path: str, keys: list[tuple[int, int]]) -> list[Signals]:
+    """A worker process's share: the signals of ``keys`` of the file at ``path``."""
     keep_freed_memory()
     with DumpReader(path) as reader:
         return _signals(reader, keys)
@@ -621,18 +622,8 @@ def _run_chunks(reader: DumpReader, chunks: list[list], pool, workers: int) -> l
     """Each chunk to whoever is free first: a worker process or this one (pool.share)."""
     from ..pool import share
 
-    path = reader.path
-    return share(chunks, lambda chunk: _signals(reader, chunk), _Chunk(path), pool, workers)
-
-
-class _Chunk:
-    """``_worker`` on a chunk of one file, as a picklable callable."""
-
-    def __init__(self, path: str):
-        self.path = path
-
-    def __call__(self, chunk: list) -> list:
-        return _worker((self.path, chunk))
+    return share(chunks, lambda keys: _signals(reader, keys),
+                 functools.partial(_worker, reader.path), pool, workers)
 
 
 def make_pool(workers: int):
