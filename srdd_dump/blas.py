@@ -1,12 +1,13 @@
 """One BLAS thread per compare process.
 
-The compare kernels take their dot products and sums from BLAS (``np.dot`` runs 2x faster than
+The compare kernels take their dot products from BLAS (``np.dot`` runs 2x faster than
 ``np.einsum`` here). OpenBLAS splits a dot product of more than 10,000 elements over every
 core, so with ``-j N`` each of the N processes would start N threads that spin against each
 other. The processes already divide the work, so each keeps one BLAS thread. OpenBLAS reads its
 thread count only from the environment at load time; afterwards only its C API changes it, which
 is called here through ctypes on the copies of OpenBLAS this process has loaded (numpy's wheels
-bundle one as ``libscipy_openblas64_``). Another BLAS, or no way to find it, is left alone.
+bundle one as ``libscipy_openblas64_``). Another BLAS, or no way to find it, is left alone and
+the kernels keep ``np.einsum``.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from .analysis import sums
 
@@ -22,12 +23,21 @@ _PREFIXES = ("scipy_openblas", "openblas")
 _SUFFIXES = ("64_", "_64", "")
 
 
+def _numpy_uses_openblas() -> bool:
+    """numpy's own BLAS is OpenBLAS (another library may load one beside an MKL numpy)."""
+    import numpy as np
+
+    try:
+        info = np.show_config(mode="dicts")
+        return "openblas" in str(info["Build Dependencies"]["blas"]["name"]).lower()
+    except Exception:  # noqa: BLE001 (numpy < 1.26 has no mode=, or another layout)
+        return False
+
+
 def _openblas_paths() -> list[str]:
     """Files of the OpenBLAS libraries mapped into this process (Linux)."""
-    if not sys.platform.startswith("linux"):
+    if not sys.platform.startswith("linux") or not _numpy_uses_openblas():
         return []
-    import numpy  # noqa: F401  (loads numpy's BLAS)
-
     try:
         with open("/proc/self/maps", encoding="utf-8", errors="replace") as maps:
             paths = {line.split()[-1] for line in maps if "openblas" in line.lower()}
@@ -36,7 +46,10 @@ def _openblas_paths() -> list[str]:
     return sorted(p for p in paths if p.startswith("/"))
 
 
-def _api(path: str) -> tuple | None:
+_ThreadCountApi = tuple[Callable[[], int], Callable[[int], None]]
+
+
+def _api(path: str) -> _ThreadCountApi | None:
     """(get, set) thread-count functions of one OpenBLAS, or None."""
     try:
         lib = ctypes.CDLL(path, mode=ctypes.RTLD_LOCAL)
@@ -53,10 +66,10 @@ def _api(path: str) -> tuple | None:
     return None
 
 
-_APIS: list | None = None
+_APIS: list[_ThreadCountApi] | None = None  # found once: the BLAS numpy loaded at import
 
 
-def _apis() -> list:
+def _apis() -> list[_ThreadCountApi]:
     global _APIS
     if _APIS is None:
         _APIS = [api for api in map(_api, _openblas_paths()) if api is not None]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import multiprocessing
 import threading
 from collections.abc import Sequence
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import CancelledError, Executor, Future, ProcessPoolExecutor
 from typing import Callable, TypeVar
 
 from tqdm import tqdm
@@ -63,51 +63,63 @@ def _shared(fn, tasks, workers: int, bar) -> list:
 
 
 def share(
-    tasks: Sequence[T], local: Callable[[T], R], remote: Callable[[T], R], pool,
-    workers: int, done: Callable[[], object] | None = None,
+    tasks: Sequence[T], local: Callable[[T], R], remote: Callable[[T], R],
+    pool: Executor, workers: int, done: Callable[[], object] | None = None,
 ) -> list[R]:
     """``[local(t) for t in tasks]``, with ``workers`` processes of ``pool`` running
     ``remote(t)`` (module-level) alongside this one. Tasks are handed out in order to whoever is
     free first: a worker gets its next task the moment it returns one (a done callback), this
     process takes the next when it finishes its own. Nothing waits queued behind a busy
     process, so at the end nobody idles while another still has a queued task. ``done`` is
-    called once per finished task. A worker's exception is raised here after this process has
-    run every task not yet handed out."""
+    called once per finished task.
+
+    The first error stops the hand-out: a worker's (or a pool that broke) is raised here as
+    soon as this process finishes the task in hand; one raised here stops the workers getting
+    more. Tasks already running in workers are not waited for then."""
     results: list = [None] * len(tasks)
     order = iter(range(len(tasks)))
-    lock = threading.RLock()
-    futures: list = []  # (future, index)
-    left: list[int] = []  # tasks a broken pool refused: run here
+    lock = threading.Lock()
+    futures: list[tuple[Future, int]] = []
+    failed: list[BaseException] = []
+    stop = threading.Event()
 
-    def feed(finished=None) -> None:  # never raises: it runs as a future's callback
+    def feed(finished: Future | None = None) -> None:  # never raises: a future's callback
         if finished is not None:
-            if finished.cancelled() or finished.exception() is not None:
+            error = CancelledError() if finished.cancelled() else finished.exception()
+            if error is not None:
+                failed.append(error)
                 return
             if done is not None:
                 done()
         with lock:
-            n = next(order, None)
+            n = None if stop.is_set() or failed else next(order, None)
             if n is None:
                 return
             try:
                 fut = pool.submit(remote, tasks[n])
-            except Exception:  # noqa: BLE001 (a broken or closed pool)
-                left.append(n)
+            except Exception as exc:  # noqa: BLE001 (a broken pool refuses new work)
+                failed.append(exc)
                 return
             futures.append((fut, n))
         fut.add_done_callback(feed)
 
-    for _ in range(workers):
-        feed()
-    while True:
-        with lock:
-            n = next(order, None)
-            n = n if n is not None else (left.pop() if left else None)
-        if n is None:
-            break
-        results[n] = local(tasks[n])
-        if done is not None:
-            done()
+    try:
+        for _ in range(workers):
+            feed()
+        while not failed:
+            with lock:
+                n = next(order, None)
+            if n is None:
+                break
+            results[n] = local(tasks[n])
+            if done is not None:
+                done()
+    finally:
+        stop.set()
     for fut, n in futures:
+        if failed:
+            raise failed[0]
         results[n] = fut.result()
+    if failed:
+        raise failed[0]
     return results

@@ -103,7 +103,14 @@ def test_exp_terms_match_the_full_sums_above_the_flush_limit():
             assert abs(e.sum() - full.sum()) <= 1e-12 * full.sum() + 1e-300 * x.size
             assert abs(np.dot(e, w_kept) - np.dot(full, w)) <= (
                 1e-12 * np.abs(full * w).sum() + 1e-300 * np.abs(w).sum())
-            assert np.all(e > 0) and np.all(np.isfinite(e))
+            assert np.all(e >= 0) and np.all(np.isfinite(e))
+
+
+def test_flushed_terms_do_not_move_the_kl_of_float64_data():
+    """Terms under exp(EXP_FLUSH) count as 0 even when their weights are huge (float64)."""
+    g = np.array([0.0] * 600 + [-1e300] * 400)
+    m = np.array([0.0] * 600 + [-1e307] * 400)
+    assert metrics.compare_arrays(g, m).kl_divergence == 0.0
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])
@@ -272,7 +279,33 @@ def test_share_runs_every_task_once_in_order():
     def fails(t):
         raise RuntimeError("worker died")
 
+    def slow_here(t):
+        time.sleep(0.02)
+        ran.append(("here", t))
+
     ran.clear()
     with ThreadPoolExecutor(1) as pool, pytest.raises(RuntimeError, match="worker died"):
-        share(list(range(10)), run("here"), fails, pool, 1)
-    assert len(ran) == 9  # the one task the worker took failed; this process ran the rest
+        share(list(range(20)), slow_here, fails, pool, 1)
+    assert len(ran) < 10  # raised soon after the worker failed, not after running everything
+
+
+def test_share_stops_feeding_workers_when_this_process_fails():
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    from srdd_dump.pool import share
+
+    remote_ran = []
+
+    def remote(t):
+        time.sleep(0.01)
+        remote_ran.append(t)
+
+    def local(t):
+        raise ValueError("damaged")
+
+    with ThreadPoolExecutor(2) as pool:
+        with pytest.raises(ValueError, match="damaged"):
+            share(list(range(40)), local, remote, pool, 2)
+        time.sleep(0.3)
+    assert len(remote_ran) <= 4  # the two handed out first, not the other 37

@@ -30,10 +30,10 @@ from .sums import dot, total
 FP32_EPS = float(np.finfo(np.float32).eps)
 BLOCK = 1 << 20  # elements per float64 block (8 MiB)
 # numpy's vectorised float64 exp is 25x slower for inputs below about -708 and 300x slower where
-# the result is subnormal. The log-sum-exp takes exp(x - peak) below EXP_FLUSH as 0 or as
-# exp(EXP_FLUSH): such terms are under 1.1e-307 of the peak's term (1.0), so they change the KL
-# divergence by less than 1e-260 (at most 2^20 terms per block, |m - g| < 7e38), while a layer
-# with one large outlier puts nearly every element there.
+# the result is subnormal. The log-sum-exp takes exp(x - peak) below EXP_FLUSH as 0: such terms
+# are under 1.1e-307 of the peak's term (1.0), so they change the KL divergence by less than
+# 1e-260 for float32 data (at most 2^20 terms per block, |m - g| < 7e38), while a layer with one
+# large outlier puts nearly every element there.
 EXP_FLUSH = -707.0
 
 
@@ -126,18 +126,21 @@ class _LogSumExp:
 def _exp_terms(
     x: np.ndarray, peak: float, lo: float, w: np.ndarray | None
 ) -> tuple[np.ndarray, np.ndarray | None]:
-    """The terms exp(x - peak) that can matter, with their weights ``w``: every term when
-    ``x.min() == lo`` is within EXP_FLUSH of the peak; else only those at or above it when they
-    are few (a layer with one large outlier keeps one), or every term with the rest clamped at
-    exp(EXP_FLUSH) (see EXP_FLUSH for why either changes nothing that shows)."""
+    """The terms exp(x - peak) that matter, with their weights ``w``; terms below
+    exp(EXP_FLUSH) are 0 (see EXP_FLUSH). ``lo`` is ``x.min()``.
+
+    Three cases: no term is that small (all computed); few terms are not (a layer with one
+    large outlier keeps one: only those computed); else all computed, the small ones zeroed."""
     if lo - peak >= EXP_FLUSH:  # x - peak >= EXP_FLUSH everywhere (rounding is monotonic)
         y = x - peak
         return np.exp(y, out=y), w
     keep = np.flatnonzero(x >= peak + EXP_FLUSH)
     if keep.size <= x.size // 4:
         return np.exp(x[keep] - peak), None if w is None else w[keep]
-    y = np.maximum(x - peak, EXP_FLUSH)
-    return np.exp(y, out=y), w
+    y = x - peak
+    e = np.exp(np.maximum(y, EXP_FLUSH))  # exp of the clamped value stays fast
+    e[y < EXP_FLUSH] = 0.0
+    return e, w
 
 
 @dataclass
