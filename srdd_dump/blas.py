@@ -87,10 +87,9 @@ def set_blas_threads(count: int) -> list[int]:
 
 @contextlib.contextmanager
 def one_blas_thread() -> Iterator[None]:
-    """One BLAS thread inside the block, and the compare kernels' sums through BLAS
+    """One BLAS thread inside the block, and the compare kernels' dot products through BLAS
     (``analysis.sums``); the caller's settings restored after it."""
-    before = set_blas_threads(1)
-    was = sums.use_blas(bool(_apis()))
+    before, was = _pin()
     try:
         yield
     finally:
@@ -101,5 +100,9 @@ def one_blas_thread() -> Iterator[None]:
 
 def pin_for_process() -> None:
     """``one_blas_thread`` for the rest of a worker process's life."""
-    set_blas_threads(1)
-    sums.use_blas(bool(_apis()))
+    _pin()
+
+
+def _pin() -> tuple[list[int], bool]:
+    """One thread, dot products through BLAS if one was found; the previous counts and state."""
+    return set_blas_threads(1), sums.use_blas(bool(_apis()))

@@ -14,10 +14,11 @@ import pandas as pd
 from tqdm import tqdm
 
 from .analysis.diagnosis import FAULT, NORMAL, SUSPECT, diagnose, headline
-from .analysis.signals import file_signals, make_pool
+from .analysis.signals import file_signals
 from .errors import UserError, first_line
 from .format import schema as s
 from .format.reader import DumpError, DumpReader, find_dump_files
+from .pool import spawn_pool
 from .report.table import (
     INCOMPLETE,
     OK,
@@ -157,7 +158,7 @@ class _Pool:
         if self.jobs <= 1:
             return None
         if self.executor is None:
-            self.executor = make_pool(self.jobs - 1)
+            self.executor = spawn_pool(self.jobs - 1)
         return self.executor
 
     def broken(self) -> None:

@@ -54,12 +54,19 @@ def run_tasks(
         bar.close()
 
 
-def _shared(fn, tasks, workers: int, bar) -> list:
+def spawn_pool(workers: int) -> ProcessPoolExecutor:
+    """``workers`` spawned worker processes, each holding BLAS at one thread. Never forked:
+    the parent may hold HDF5 or torch state that a fork would copy."""
     check_can_spawn(workers + 1)
-    ctx = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(max_workers=min(workers, len(tasks)), mp_context=ctx,
-                             initializer=pin_for_process) as pool:
-        return share(tasks, fn, fn, pool, min(workers, len(tasks)), bar.update)
+    return ProcessPoolExecutor(max_workers=max(1, workers),
+                               mp_context=multiprocessing.get_context("spawn"),
+                               initializer=pin_for_process)
+
+
+def _shared(fn, tasks, workers: int, bar) -> list:
+    workers = min(workers, len(tasks))
+    with spawn_pool(workers) as pool:
+        return share(tasks, fn, fn, pool, workers, bar.update)
 
 
 def share(

@@ -16,10 +16,11 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from ..blas import one_blas_thread, pin_for_process
+from ..blas import one_blas_thread
 from ..format import schema as s
 from ..format.reader import DumpReader
 from ..memory import keep_freed_memory
+from ..pool import share, spawn_pool
 from .moments import BLOCK, Moments
 from .sums import dot, total
 
@@ -607,7 +608,7 @@ def _file_signals(reader: DumpReader, progress: bool, desc: str, jobs: int, pool
     chunks = _chunks(reader, keys, jobs)
     own_pool = pool is None
     if own_pool:
-        pool = make_pool(jobs - 1)
+        pool = spawn_pool(jobs - 1)
     try:
         results = _run_chunks(reader, chunks, pool, jobs - 1)
     finally:
@@ -619,23 +620,8 @@ def _file_signals(reader: DumpReader, progress: bool, desc: str, jobs: int, pool
 
 def _run_chunks(reader: DumpReader, chunks: list[list], pool, workers: int) -> list:
     """Each chunk to whoever is free first: a worker process or this one (pool.share)."""
-    from ..pool import share
-
     return share(chunks, lambda keys: _signals(reader, keys),
                  functools.partial(_worker, reader.path), pool, workers)
-
-
-def make_pool(workers: int):
-    """A spawned process pool for ``file_signals(..., jobs=workers + 1)``."""
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
-
-    from ..pool import check_can_spawn
-
-    check_can_spawn(workers + 1)
-    return ProcessPoolExecutor(max_workers=max(1, workers),
-                               mp_context=multiprocessing.get_context("spawn"),
-                               initializer=pin_for_process)
 
 
 # -- aggregation -------------------------------------------------------------------------------
