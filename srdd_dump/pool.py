@@ -87,8 +87,8 @@ def share(
     order = iter(range(len(tasks)))
     lock = threading.Lock()
     futures: list[tuple[Future, int]] = []
-    failed: list[BaseException] = []
-    stop = threading.Event()
+    failed: list[BaseException] = []  # the first error stops the hand-out
+    finished_one = done or (lambda: None)
 
     def feed(finished: Future | None = None) -> None:  # never raises: a future's callback
         if finished is not None:
@@ -96,10 +96,9 @@ def share(
             if error is not None:
                 failed.append(error)
                 return
-            if done is not None:
-                done()
+            finished_one()
         with lock:
-            n = None if stop.is_set() or failed else next(order, None)
+            n = None if failed else next(order, None)
             if n is None:
                 return
             try:
@@ -119,10 +118,10 @@ def share(
             if n is None:
                 break
             results[n] = local(tasks[n])
-            if done is not None:
-                done()
-    finally:
-        stop.set()
+            finished_one()
+    except BaseException as exc:
+        failed.append(exc)
+        raise
     for fut, n in futures:
         if failed:
             raise failed[0]
