@@ -610,18 +610,14 @@ def _file_signals(reader: DumpReader, progress: bool, desc: str, jobs: int, pool
     if own_pool:
         pool = spawn_pool(jobs - 1)
     try:
-        results = _run_chunks(reader, chunks, pool, jobs - 1)
+        # each chunk to whoever is free first: a worker process or this one
+        results = share(chunks, lambda keys: _signals(reader, keys),
+                        functools.partial(_worker, reader.path), pool, jobs - 1)
     finally:
         if own_pool:
             pool.shutdown()
     by_key = {(g.layer, g.site): g for part in results for g in part}
     return [by_key[k] for k in keys]
-
-
-def _run_chunks(reader: DumpReader, chunks: list[list], pool, workers: int) -> list:
-    """Each chunk to whoever is free first: a worker process or this one (pool.share)."""
-    return share(chunks, lambda keys: _signals(reader, keys),
-                 functools.partial(_worker, reader.path), pool, workers)
 
 
 # -- aggregation -------------------------------------------------------------------------------
