@@ -36,9 +36,8 @@ sys.path.insert(0, os.path.join(HERE, "..", "fixtures"))
 
 from srdd_dump import DumpConfig, register_hook  # noqa: E402
 from srdd_dump.analysis.diagnosis import relative_z, site_groups  # noqa: E402
-from srdd_dump.analysis.signals import file_signals  # noqa: E402
-from srdd_dump.compare import compare_path  # noqa: E402
-from srdd_dump.format.reader import DumpReader, find_dump_files  # noqa: E402
+from srdd_dump.compare import compare_path, file_signals  # noqa: E402
+from srdd_dump.format.reader import find_dump_files  # noqa: E402
 
 from smollm2 import load  # noqa: E402
 
@@ -100,8 +99,7 @@ def score_case(result, layer: int | None) -> dict:
 def calibration_row(tmp: str) -> dict:
     """Largest healthy values of the relative z-scores and exact signals (for docs/method.md)."""
     (path,) = find_dump_files(tmp)
-    with DumpReader(path) as r:
-        sigs = file_signals(r)
+    sigs = file_signals(path)
     out: dict[str, float] = {}
     for group in site_groups(sigs).values():
         z = relative_z(group)

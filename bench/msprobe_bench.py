@@ -44,7 +44,7 @@ def dump(args) -> dict:
     if args.inject:
         from srdd_dump.capture.discovery import find_blocks
         from srdd_dump.capture.faults import install_faults
-        from srdd_dump.faultspec import parse_fault
+        from srdd_dump.capture.faultspec import parse_fault
 
         install_faults(model, find_blocks(model, None), [parse_fault(args.inject)])
     n = args.samples or args.repeats

@@ -626,20 +626,29 @@ def compare_child(args) -> None:
     import resource
     import time as _t
 
+    from srdd_dump.runtime.memory import keep_freed_memory
+
+    keep_freed_memory()  # as the srdd-compare entry point does
+
     cpu0 = _t.process_time()
     if spec["mode"] == "reference-free":
         from srdd_dump.compare import compare_path
+        from srdd_dump.report import write_report
 
         t = _t.perf_counter()
-        result = compare_path(spec["dumps"], spec.get("output"), progress=False,
-                              jobs=spec["jobs"])
+        result = compare_path(spec["dumps"], progress=False, jobs=spec["jobs"])
+        if spec.get("output"):
+            write_report(result, spec["output"])
         rows = len(result.layers)
     else:
-        from srdd_dump.baseline import compare_baseline
+        from srdd_dump.compare import compare_baseline
+        from srdd_dump.report import write_report
 
         t = _t.perf_counter()
-        result = compare_baseline(spec["dumps"], spec["baseline"], spec.get("output"),
-                                  jobs=spec["jobs"], progress=False)
+        result = compare_baseline(spec["dumps"], spec["baseline"], jobs=spec["jobs"],
+                                  progress=False)
+        if spec.get("output"):
+            write_report(result, spec["output"])
         rows = len(result.table)
     elapsed = _t.perf_counter() - t
     workers = resource.getrusage(resource.RUSAGE_CHILDREN)

@@ -8,17 +8,22 @@ from typing import Optional
 
 import typer
 
-from srdd_dump.analysis.tolerance import Thresholds
+from srdd_dump import compare as modes
+from srdd_dump.analysis.tolerance import InvalidThresholds, Thresholds
+from srdd_dump.compare.results import fail_levels
 from srdd_dump.errors import UserError, first_line
-from srdd_dump.gating import fail_levels
+from srdd_dump.format.reader import set_read_monitor
+from srdd_dump.report.terminal import baseline_text, diagnosis_text
+from srdd_dump.runtime.memory import keep_freed_memory
+from srdd_dump.runtime.watchdog import arm, supervise
 from srdd_dump.version import __version__
-from srdd_dump.watchdog import arm, supervise
 
 PROG = "srdd-compare"
 DEFAULT_OUTPUT = "srdd_report.csv"
 
 app = typer.Typer(
     add_completion=False,
+    rich_markup_mode=None,
     pretty_exceptions_enable=False,
     context_settings={"help_option_names": ["-h", "--help"]},
 )
@@ -38,21 +43,27 @@ def _fail(message: str) -> None:
 @app.command(
     help=(
         "Compare the dump files under DUMPS (a folder searched recursively for *.h5 and "
-        "crashed *.h5.partial files, or one file) and write a per-layer report, most "
-        "suspicious layers first (FAULT: NaN/Inf or all zero; SUSPECT: mostly zeros).\n\n"
-        "The report format follows the extension of --output: .csv writes the layer table "
-        "there and the file table next to it as <stem>.files.csv; .xlsx writes one workbook "
-        "with the sheets 'layers' and 'files'. Unreadable files are skipped and listed.\n\n"
-        "With --baseline GOLDEN, DUMPS (e.g. from an NPU) are compared with the golden dumps "
-        "layer by layer instead: msit llm compare's columns plus SQNR, msprobe's error ratios, "
-        "error growth, a dtype-aware PASS/WARN/FAIL verdict and the first divergent layer; "
-        ".xlsx adds a summary sheet with a chart.\n\n"
-        "Exit code: 0 when a report was written, 2 on bad input or when no file is usable."
+        "crashed *.h5.partial files, or one file) and write a report, most suspicious "
+        "layers first.\n\n"
+        "Without --baseline (reference-free): each block layer gets a verdict, FAULT, "
+        "SUSPECT or NORMAL, from exact evidence (repeat runs that differ, exact zeros, "
+        "clipped or stuck values, NaN/Inf, lost fp32 precision) and from a bias relative "
+        "to the other layers; docs/method.md has the rules. With 3 or more cards that ran "
+        "the same inputs, the odd card out is named too.\n\n"
+        "With --baseline GOLDEN: DUMPS (e.g. from an NPU) are compared with the golden "
+        "dumps layer by layer: msit llm compare's columns, SQNR, msprobe's error ratios, "
+        "error growth, a dtype-aware PASS/WARN/FAIL and the first divergent layer.\n\n"
+        "The format follows the extension of --output. .csv: the main table there, the "
+        "file table as <stem>.files.csv, sub-layers as <stem>.sublayers.csv, consistency as "
+        "<stem>.consistency*.csv. .xlsx: one workbook (summary, layers, signals with charts, "
+        "sublayers, files; baseline: compare, summary with a chart, files).\n\n"
+        "Exit code: 0 report written; 1 --fail-on level reached; 2 bad input or no "
+        "usable file."
     ),
     no_args_is_help=False,
 )
 def compare(
-    dumps: str = typer.Argument(..., help="Dump folder or dump file."),
+    dumps: str = typer.Argument(..., metavar="DUMPS", help="Dump folder or dump file."),
     output: str = typer.Option(
         DEFAULT_OUTPUT,
         "--output",
@@ -79,13 +90,13 @@ def compare(
         None, "--cos-warn", help="--baseline: WARN when cosine similarity is below this."),
     cos_fail: Optional[float] = typer.Option(
         None, "--cos-fail", help="--baseline: FAIL when cosine similarity is below this "
-        "[0.99]."),
+        "(default 0.99)."),
     rel_dist_warn: Optional[float] = typer.Option(
         None, "--rel-dist-warn", help="--baseline: WARN when relative_euclidean_distance is "
-        "above this [dtype default]."),
+        "above this (default: by dtype, docs/method.md)."),
     rel_dist_fail: Optional[float] = typer.Option(
         None, "--rel-dist-fail", help="--baseline: FAIL when relative_euclidean_distance is "
-        "above this [dtype default]."),
+        "above this (default: by dtype, docs/method.md)."),
     max_abs_warn: Optional[float] = typer.Option(
         None, "--max-abs-warn", help="--baseline: WARN when max_absolute_error is above this."),
     max_abs_fail: Optional[float] = typer.Option(
@@ -100,35 +111,45 @@ def compare(
         None, "--version", callback=_version, is_eager=True, help="Show the version and exit."
     ),
 ) -> None:
-    arm(read_timeout)
+    set_read_monitor(arm(read_timeout))
     try:
-        from srdd_dump.compare import compare_path
-        from srdd_dump.report.terminal import summary
+        from srdd_dump.report import report_format, write_report
 
         gate = fail_levels(fail_on)
-        thresholds = Thresholds(tolerance, rel_dist_warn, rel_dist_fail, cos_warn, cos_fail,
-                                max_abs_warn, max_abs_fail)
+        report_format(output)
+        thresholds = Thresholds(
+            tolerance=tolerance, rel_dist_warn=rel_dist_warn, rel_dist_fail=rel_dist_fail,
+            cos_warn=cos_warn, cos_fail=cos_fail, max_abs_warn=max_abs_warn,
+            max_abs_fail=max_abs_fail,
+        )
+        progress = False if quiet else None
         if baseline is not None:
             if explain or aqn_config:
                 raise UserError("--explain and --aqn-config apply without --baseline only")
-            _compare_baseline(dumps, baseline, output, thresholds, jobs, quiet, gate)
-            return
-        if thresholds != Thresholds():
-            raise UserError("--tolerance and the threshold options apply with --baseline only")
-        result = compare_path(dumps, output, progress=False if quiet else None, jobs=jobs)
+            result = modes.compare_baseline(dumps, baseline, thresholds, jobs=jobs,
+                                             progress=progress)
+        else:
+            if thresholds != Thresholds():
+                raise UserError("--tolerance and the threshold options apply with --baseline only")
+            result = modes.compare_path(dumps, jobs=jobs, progress=progress)
+        written = write_report(result, output)
         for reason in result.skipped_reasons:
             typer.echo(f"{PROG}: warning: skipped {reason}", err=True)
         if aqn_config:
-            from srdd_dump.report.aqn_file import write_aqn
+            from srdd_dump.report.aqn import write_aqn
 
-            write_aqn(result.layers, aqn_config)
-            result.written.append(aqn_config)
+            written.append(write_aqn(result.layers, aqn_config))
         if not quiet:
-            typer.echo(summary(result, explain=explain))
+            if baseline is not None:
+                typer.echo(baseline_text(result, written))
+            else:
+                typer.echo(diagnosis_text(result, written, explain=explain))
         if result.worst_verdict() in gate:
             raise typer.Exit(code=1)
     except typer.Exit:
         raise
+    except InvalidThresholds as exc:
+        _fail(exc.render(lambda name: "--" + name.replace("_", "-")))
     except UserError as exc:
         _fail(str(exc))
     except KeyboardInterrupt:
@@ -141,22 +162,9 @@ def compare(
         _fail(f"unexpected {type(exc).__name__}: {first_line(exc)}{hint}")
 
 
-def _compare_baseline(dumps, baseline, output, thresholds, jobs, quiet, gate) -> None:
-    from srdd_dump.baseline import compare_baseline
-    from srdd_dump.report.baseline_report import summary_text
-
-    result = compare_baseline(dumps, baseline, output, thresholds, jobs,
-                              progress=False if quiet else None)
-    for reason in result.skipped_reasons:
-        typer.echo(f"{PROG}: warning: skipped {reason}", err=True)
-    if not quiet:
-        typer.echo(summary_text(result))
-    if result.worst_verdict() in gate:
-        raise typer.Exit(code=1)
-
-
-
 def main() -> None:
+    # Process-wide settings belong to the entry point, not to a library call.
+    keep_freed_memory()
     # The command runs in a child process, so a read that hangs inside HDF5 ends in one line.
     sys.exit(supervise(lambda: app(prog_name=PROG), PROG))
 

@@ -7,13 +7,15 @@ from typing import Optional
 
 import typer
 
-from srdd_dump.config import DumpConfig
+from srdd_dump.capture.config import DumpConfig
+from srdd_dump.capture.launch import run_exec
 from srdd_dump.errors import UserError
-from srdd_dump.faultspec import parse_fault
-from srdd_dump.launch import run_exec
 from srdd_dump.version import __version__
 
-app = typer.Typer(add_completion=False, context_settings={"help_option_names": ["-h", "--help"]})
+D = DumpConfig()  # the defaults, defined once
+
+app = typer.Typer(add_completion=False, rich_markup_mode=None,
+                  context_settings={"help_option_names": ["-h", "--help"]})
 
 
 def _version(value: bool) -> None:
@@ -26,43 +28,46 @@ def _version(value: bool) -> None:
 def dump(
     exec_: str = typer.Option(..., "--exec", help='Command to run, e.g. "python infer.py". '
                               "Split like a shell would, but never run through a shell."),
-    output: str = typer.Option("srdd_dumps", "-o", "--output", help="Folder for the dump files."),
-    samples: int = typer.Option(8, "--samples", help="Prefill forwards (samples) to capture."),
-    steps: str = typer.Option("0", "--steps", help="Forward rounds per sample, msit -er style: "
+    output: str = typer.Option(D.dump_path, "-o", "--output", help="Folder for the dump files."),
+    samples: int = typer.Option(D.samples, "--samples",
+                                help="Prefill forwards (samples) to capture."),
+    steps: str = typer.Option(D.steps, "--steps", help="Forward rounds per sample, msit -er style: "
                               "0 = prefill, 0,1-4 = prefill + decode steps 1..4, all."),
-    tokens: str = typer.Option("all", "--tokens", help="Token positions kept: all, 0:16, -8:, "
+    tokens: str = typer.Option(D.tokens, "--tokens", help="Token positions kept: all, 0:16, -8:, "
                                "0,5,-1."),
     layers: Optional[str] = typer.Option(
         None, "--layers",
         help="Glob over module names naming the blocks, overriding discovery "
         "(e.g. 'model.layers.*').",
     ),
-    seed: int = typer.Option(0, "--seed", help="Seed of srdd-dump's own random choices."),
-    probes: str = typer.Option("gain,dc,repeat", "--probes", help="Layer-local replay probes "
+    seed: int = typer.Option(D.seed, "--seed", help="Seed of srdd-dump's own random choices."),
+    probes: str = typer.Option(D.probes, "--probes", help="Layer-local replay probes "
                                "on each captured prefill: gain,dc,repeat or none."),
-    sigma: list[float] = typer.Option([0.1, 0.01], "--sigma", help="Gain probe noise size "
+    sigma: list[float] = typer.Option(D.sigmas, "--sigma", help="Gain probe noise size "
                                       "relative to each token's std (repeatable)."),
-    draws: int = typer.Option(2, "--draws", help="Gain noise draws per sigma."),
-    dc: list[float] = typer.Option([1.0], "--dc", help="DC probe shift in token stds "
+    draws: int = typer.Option(D.draws, "--draws", help="Gain noise draws per sigma."),
+    dc: list[float] = typer.Option(D.dc, "--dc", help="DC probe shift in token stds "
                                    "(repeatable)."),
-    repeats: int = typer.Option(3, "--repeats", help="Unperturbed re-runs per layer."),
-    granularity: str = typer.Option("block", "--granularity", help="block, or sublayer to probe "
+    repeats: int = typer.Option(D.repeats, "--repeats", help="Unperturbed re-runs per layer."),
+    granularity: str = typer.Option(D.granularity, "--granularity",
+                                    help="block, or sublayer to probe "
                                     "the attention and MLP sub-blocks too."),
     sublayers: Optional[str] = typer.Option(None, "--sublayers", help="Globs relative to a "
                                             "block naming the sub-layers, e.g. 'self_attn,mlp'."),
-    store: str = typer.Option("sample:32768", "--store", help="Probe outputs kept: full, or "
+    store: str = typer.Option(D.store, "--store", help="Probe outputs kept: full, or "
                               "sample:N (about N elements as whole seeded-random token rows)."),
     inject: list[str] = typer.Option([], "--inject", help="Simulated fault, e.g. "
                                      "'dead_zone@layer=10,m=0.3,sparsity=0.1,site=mlp' "
                                      "(repeatable)."),
-    batch_probes: bool = typer.Option(True, "--batch-probes/--no-batch-probes",
+    batch_probes: bool = typer.Option(D.batch_probes, "--batch-probes/--no-batch-probes",
                                       help="Replay perturbed inputs in one batched call."),
     min_free_gb: float = typer.Option(2.0, "--min-free-gb", help="Refuse to start when the "
                                       "output folder's file system has less free space (GB); "
                                       "0 = no check."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
-    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True),
+    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                 help="Show the version and exit."),
 ) -> None:
     """Run a command with capture injected into every Python process it starts.
 
@@ -75,8 +80,6 @@ def dump(
             repeats=repeats, granularity=granularity, sublayers=sublayers, store=store,
             inject=list(inject), batch_probes=batch_probes, progress=not quiet,
         )
-        for spec in config.inject:
-            parse_fault(spec)
         result = run_exec(exec_, config, min_free_gb=min_free_gb)
     except UserError as exc:
         typer.echo(f"srdd-dump: error: {exc}", err=True)

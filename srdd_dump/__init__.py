@@ -1,10 +1,11 @@
 """srdd-dump: find the layer that breaks an LLM on an NPU.
 
 Capture (needs torch): ``register_hook(model, DumpConfig(...))``.
-Compare (numpy + h5py only): ``srdd_dump.compare.compare_path``.
+Compare (numpy + h5py + pandas only): ``srdd_dump.compare`` returns typed results,
+``srdd_dump.report.write_report`` renders them.
 """
 
-from .config import DumpConfig
+from .capture.config import DumpConfig
 from .version import __version__
 
 __all__ = ["DumpConfig", "register_hook", "__version__"]

@@ -7,9 +7,7 @@ import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FIXTURES = os.path.join(ROOT, "fixtures")
-if FIXTURES not in sys.path:
-    sys.path.insert(0, FIXTURES)
+FIXTURES = os.path.join(ROOT, "fixtures")  # on pytest's pythonpath (pyproject.toml)
 
 
 def run_cli(tool: str, *args: str, cwd: str | None = None, timeout: float = 600,

@@ -63,3 +63,29 @@ def normal_rounds(rng: np.random.Generator, n_rounds=2, layers=(-1, 0, 1), shape
         {layer: rng.standard_normal(shape).astype(np.float32) for layer in layers}
         for _ in range(n_rounds)
     ]
+
+
+def compare_written(path: str, output: str | None = None, **kw):
+    """``compare_path`` then, with ``output``, ``write_report``; the files in ``.written``."""
+    from srdd_dump.compare import compare_path
+    from srdd_dump.report import write_report
+
+    if output is not None:
+        from srdd_dump.report import report_format
+
+        report_format(output)  # as the CLI: a bad format fails before any work
+    result = compare_path(path, **kw)
+    result.written = write_report(result, output) if output is not None else []
+    return result
+
+
+def baseline_written(mine: str, golden: str, output: str | None = None, thresholds=None, **kw):
+    """``compare_baseline`` then, with ``output``, ``write_report``; the files in ``.written``."""
+    from srdd_dump.compare import compare_baseline
+    from srdd_dump.report import report_format, write_report
+
+    if output is not None:
+        report_format(output)
+    result = compare_baseline(mine, golden, thresholds, **kw)
+    result.written = write_report(result, output) if output is not None else []
+    return result

@@ -17,19 +17,21 @@ import pandas as pd
 import pytest
 import torch
 
-from srdd_dump import DumpConfig, register_hook, streaming
+from srdd_dump import DumpConfig, register_hook
 from srdd_dump.analysis import metrics as M
 from srdd_dump.analysis.matching import pair_layers, pair_samples
 from srdd_dump.analysis.tolerance import Thresholds, tolerance_dtype
-from srdd_dump.baseline import compare_baseline
-from srdd_dump.consistency import check_consistency
+from srdd_dump.compare import check_consistency
+from srdd_dump.compare.results import BASELINE_COLUMNS, MSIT_COLUMNS
 from srdd_dump.errors import UserError
+from srdd_dump.format import blocks as streaming
 from srdd_dump.format import schema as s
 from srdd_dump.format.reader import find_dump_files
-from srdd_dump.report.baseline_report import BASELINE_COLUMNS, MSIT_COLUMNS
-from srdd_dump.report.consistency_report import consistency_text, write_consistency
+from srdd_dump.report.consistency import write_consistency
+from srdd_dump.report.terminal import consistency_text
 
 from capture_utils import ROOT, run_cli
+from dumpfactory import baseline_written as compare_baseline
 from dumpfactory import write_dump
 from tiny_models import build
 
@@ -472,10 +474,12 @@ def test_thresholds_defaults_and_overrides():
     assert (forced.tolerance, forced.rel_dist_warn, forced.cos_fail) == ("float16", 2e-3, 0.999)
     low = Thresholds(rel_dist_fail=1e-5).limits("float32", "float32")
     assert low.rel_dist_warn == low.rel_dist_fail == 1e-5  # the pair stays ordered
-    with pytest.raises(UserError, match="--max-abs-warn -1"):
+    # the library names its fields; the CLI renders them as its options (tested with the CLI)
+    with pytest.raises(UserError, match="max_abs_warn -1"):
         Thresholds(max_abs_warn=-1).validate()
-    with pytest.raises(UserError, match="--cos-warn 0.9 is below --cos-fail 0.95"):
+    with pytest.raises(UserError, match="cos_warn 0.9 is below cos_fail 0.95") as caught:
         Thresholds(cos_warn=0.9, cos_fail=0.95).validate()
+    assert caught.value.render(lambda f: f.upper()) == "COS_WARN 0.9 is below COS_FAIL 0.95"
 
 
 def test_msprobe_style_limits_can_be_set(runs):

@@ -12,8 +12,9 @@ from srdd_dump.capture.discovery import NoBlocksFound, find_blocks
 from srdd_dump.format import schema
 from srdd_dump.format.reader import DumpReader
 
-from capture_utils import FIXTURES  # noqa: F401  (puts fixtures/ on sys.path)
 from tiny_models import ARCHS, blocks_path, build
+
+pytestmark = pytest.mark.integration
 
 
 def _reference_outputs(model, blocks, ids):

@@ -18,11 +18,11 @@ import pytest
 from srdd_dump.analysis import moments as moments_mod
 from srdd_dump.analysis.diagnosis import FAULT, NORMAL, SUSPECT, ZERO_FRAC
 from srdd_dump.analysis.moments import Moments
-from srdd_dump.compare import compare_path
+from srdd_dump.compare.results import LAYER_COLUMNS
 from srdd_dump.errors import UserError
 from srdd_dump.format import schema as s
-from srdd_dump.report.table import LAYER_COLUMNS
 
+from dumpfactory import compare_written as compare_path
 from dumpfactory import logical, make_partial, normal_rounds, write_dump
 
 COLUMNS = [
@@ -376,7 +376,7 @@ def test_fit_columns_handles_all_missing_columns():
     import pandas as pd
     from openpyxl import Workbook
 
-    from srdd_dump.report.sheet_format import MAX_WIDTH, fit_columns
+    from srdd_dump.report.sheets import MAX_WIDTH, fit_columns
 
     df = pd.DataFrame({"name": pd.array([pd.NA, pd.NA], dtype="string"), "x": ["a" * 99, "b"]})
     sheet = Workbook().active

@@ -9,10 +9,12 @@ import torch
 
 from srdd_dump import DumpConfig, register_hook
 from srdd_dump.analysis.diagnosis import FAULT, NORMAL, robust_z
-from srdd_dump.compare import compare_path
 
 from capture_utils import run_cli
+from dumpfactory import compare_written as compare_path
 from tiny_models import ARCHS, build
+
+pytestmark = pytest.mark.integration
 
 
 def _diagnose(tmp_path, arch="llama", inject=(), layers=6, dtype=torch.float32, **cfg):
@@ -100,7 +102,7 @@ def test_healthy_report_says_normal_everywhere(tmp_path):
 def test_aqn_rules():
     import pandas as pd
 
-    from srdd_dump.analysis.aqn import aqn_config, to_yaml
+    from srdd_dump.report.aqn import aqn_config, to_yaml
 
     layers = pd.DataFrame({
         "source": ["a"] * 5, "layer": range(5), "verdict": ["NORMAL"] * 4 + ["FAULT"],
@@ -129,7 +131,7 @@ def test_cli_writes_aqn_config(tmp_path):
 
 def test_compare_names_the_odd_card_out(tmp_path):
     """Three cards ran the same model on the same inputs; one has a fault at layer 2."""
-    from srdd_dump.report.terminal import summary
+    from srdd_dump.report.terminal import diagnosis_text as summary
 
     for i, inject in enumerate([[], [], ["noise@layer=2,m=0.05"]]):
         model = build("llama", layers=4)
@@ -161,11 +163,10 @@ def test_per_sequence_faults_leave_the_batch_replay_alone(tmp_path):
     """A fault whose range is taken per sequence: the in-batch reference replays the clean
     output up to kernel rounding, on every layer."""
     from srdd_dump.analysis.diagnosis import BATCH_DEP
-    from srdd_dump.analysis.signals import file_signals
-    from srdd_dump.format.reader import DumpReader, find_dump_files
+    from srdd_dump.compare import file_signals
+    from srdd_dump.format.reader import find_dump_files
 
     _diagnose(tmp_path, inject=["saturation@layer=3,m=0.05,scope=sample"])
     (path,) = find_dump_files(str(tmp_path))
-    with DumpReader(path) as r:
-        deps = [g.batch_dep for g in file_signals(r)]
+    deps = [g.batch_dep for g in file_signals(path)]
     assert len(deps) > 6 and max(deps) < 0.1 * BATCH_DEP["float32"]

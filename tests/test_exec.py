@@ -13,6 +13,8 @@ from srdd_dump.format.reader import DumpReader, find_dump_files
 
 from capture_utils import FIXTURES, py, run_cli
 
+pytestmark = pytest.mark.integration
+
 
 def _write(path, text):
     path.write_text(text)

@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
+import threading
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 
 import numpy as np
 import pytest
 
-from srdd_dump.analysis import metrics, signals
+from srdd_dump.analysis import array_stats, metrics
 from srdd_dump.analysis.moments import BLOCK, Moments
+
+from dumpfactory import normal_rounds, write_dump
 
 RNG = np.random.default_rng(0)
 
@@ -42,7 +48,7 @@ def _adversarial(dtype, n=5000) -> list[np.ndarray]:
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_pileup_matches_full_histogram(dtype):
     for x in _adversarial(dtype):
-        got, want = signals._pileup(x), _pileup_reference(x)
+        got, want = array_stats.pileup(x), _pileup_reference(x)
         assert (np.isnan(got) and np.isnan(want)) or got == want
 
 
@@ -50,7 +56,7 @@ def test_median_matches_numpy():
     for n in (1, 2, 3, 10, 33001, 33002):
         x = np.abs(RNG.standard_normal(n)).astype(np.float32)
         x[: n // 3] = 0
-        assert signals._median(x) == float(np.median(x))
+        assert array_stats.median(x) == float(np.median(x))
 
 
 def _ties_reference(rows: np.ndarray) -> float:
@@ -75,14 +81,14 @@ def test_ties_and_unique_rows_match_np_unique():
         x[:1],
     ]
     for rows in cases:
-        got, want = signals._ties(rows), _ties_reference(rows)
+        got, want = array_stats.ties(rows), _ties_reference(rows)
         assert (np.isnan(got) and np.isnan(want)) or got == want
-        assert len(signals._unique_rows(rows)) == len(np.unique(rows, axis=0))
+        assert len(array_stats.unique_rows(rows)) == len(np.unique(rows, axis=0))
 
 
 def test_streamed_kurtosis_matches_concatenation():
     parts = [RNG.standard_normal(n).astype(np.float32) for n in (10, BLOCK - 3, 7, BLOCK + 5, 1)]
-    k = signals._Kurtosis()
+    k = array_stats.Kurtosis()
     for p in parts:
         k.add(p)
     assert k.value == Moments().add(np.concatenate(parts)).kurtosis
@@ -135,11 +141,21 @@ def test_pair_stats_fast_path_matches_general_path(dtype):
         assert slow.mine.values() == pytest.approx(fast.mine.values(), rel=1e-12)
 
 
-def test_keep_freed_memory_is_idempotent():
-    from srdd_dump.memory import keep_freed_memory
-
-    first = keep_freed_memory()
-    assert keep_freed_memory() == first
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
+def test_freed_memory_kept_only_when_the_entry_point_asks(tmp_path):
+    """A compare called as a library leaves the process's malloc settings alone; the
+    entry point's call takes effect (and a second call changes nothing)."""
+    write_dump(str(tmp_path / "d.h5"), normal_rounds(RNG))
+    code = (
+        "import sys; from srdd_dump.compare import compare_path\n"
+        "from srdd_dump.runtime.memory import keep_freed_memory, keeps_freed_memory\n"
+        "compare_path(sys.argv[1], progress=False)\n"
+        "print(keeps_freed_memory(), keep_freed_memory(), keep_freed_memory(), "
+        "keeps_freed_memory())\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True,
+                         text=True, timeout=120, check=True).stdout.split()
+    assert out == ["False", "True", "True", "True"]
 
 
 def test_worker_processes_give_the_same_report(tmp_path):
@@ -148,9 +164,8 @@ def test_worker_processes_give_the_same_report(tmp_path):
     import torch
 
     from srdd_dump import DumpConfig, register_hook
-    from srdd_dump.compare import compare_path
 
-    import capture_utils  # noqa: F401  (puts fixtures/ on sys.path)
+    from dumpfactory import compare_written as compare_path
     from tiny_models import build
 
     model = build("llama", layers=6)
@@ -228,77 +243,94 @@ def test_percentile_matches_numpy():
             x = np.abs(RNG.standard_normal(n)) * scale
             for values in (x, np.round(x, 1)):
                 for q in (0.0, 0.5, 0.9, 0.99, 1.0):
-                    assert signals._percentile(values, q) == float(np.quantile(values, q))
+                    assert array_stats.percentile(values, q) == float(np.quantile(values, q))
 
 
 def test_one_blas_thread_restores_the_callers_settings():
-    from srdd_dump import blas
-    from srdd_dump.analysis import sums
+    from threadpoolctl import threadpool_info, threadpool_limits
 
-    apis = blas._apis()
-    before = [get() for get, _ in apis]
+    from srdd_dump.analysis import sums
+    from srdd_dump.compare.pipeline import single_threaded_kernels
+
+    def blas_threads() -> list[int]:
+        return [i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"]
+
+    assert blas_threads(), "numpy's BLAS was not found: compares would run it on every core"
     x, y = RNG.standard_normal(50_000), RNG.standard_normal(50_000)
     plain = sums.dot(x, y)
-    with blas.one_blas_thread():
-        assert [get() for get, _ in apis] == [1] * len(apis)
-        assert sums._blas == bool(apis)
-        assert sums.dot(x, y) == pytest.approx(plain, rel=1e-12)
-    assert [get() for get, _ in apis] == before
+    with threadpool_limits(2, user_api="blas"):
+        before = blas_threads()
+        with single_threaded_kernels():
+            assert blas_threads() == [1] * len(before)
+            assert sums._blas is True
+            assert sums.dot(x, y) == pytest.approx(plain, rel=1e-12)
+        assert blas_threads() == before
     assert sums._blas is False
     assert sums.total(x) == pytest.approx(math.fsum(x), rel=1e-12)
 
 
+class _SynchronousExecutor(Executor):
+    """Runs each task at submit, in the caller's thread: no timing, so counts are exact."""
+
+    def submit(self, fn, *args, **kwargs):
+        fut = Future()
+        try:
+            fut.set_result(fn(*args, **kwargs))
+        except Exception as exc:  # noqa: BLE001
+            fut.set_exception(exc)
+        return fut
+
+
 def test_share_runs_every_task_once_in_order():
     """pool.share hands each task to exactly one of the workers or this process, results in
-    task order; a worker's error is raised after the rest ran here."""
-    import threading
-    import time
-    from concurrent.futures import ThreadPoolExecutor
-
-    from srdd_dump.pool import share
+    task order, and both take part."""
+    from srdd_dump.runtime.pool import share
 
     ran: list[tuple[str, int]] = []
     lock = threading.Lock()
+    here_ran = threading.Event()
 
-    def run(where):
-        def fn(t):
-            time.sleep(0.002 * (t % 3))
-            with lock:
-                ran.append((where, t))
-            return t * t
-        return fn
+    def here(t):
+        with lock:
+            ran.append(("here", t))
+        here_ran.set()
+        return t * t
+
+    def worker(t):
+        assert here_ran.wait(10)  # the first worker task ends after this process ran one
+        with lock:
+            ran.append(("worker", t))
+        return t * t
 
     with ThreadPoolExecutor(2) as pool:
         finished = []
-        out = share(list(range(40)), run("here"), run("worker"), pool, 2,
-                    lambda: finished.append(1))
+        out = share(list(range(40)), here, worker, pool, 2, lambda: finished.append(1))
     assert out == [t * t for t in range(40)]
     assert sorted(t for _, t in ran) == list(range(40))
     assert {w for w, _ in ran} == {"here", "worker"} and len(finished) == 40
 
+
+def test_share_raises_a_workers_error_and_hands_out_nothing_more():
+    from srdd_dump.runtime.pool import share
+
+    ran = []
+
     def fails(t):
         raise RuntimeError("worker died")
 
-    def slow_here(t):
-        time.sleep(0.02)
-        ran.append(("here", t))
-
-    ran.clear()
-    with ThreadPoolExecutor(1) as pool, pytest.raises(RuntimeError, match="worker died"):
-        share(list(range(20)), slow_here, fails, pool, 1)
-    assert len(ran) < 10  # raised soon after the worker failed, not after running everything
+    with pytest.raises(RuntimeError, match="worker died"):
+        share(list(range(20)), ran.append, fails, _SynchronousExecutor(), 1)
+    assert ran == []  # the worker failed on task 0 before this process took one
 
 
 def test_share_stops_feeding_workers_when_this_process_fails():
-    import time
-    from concurrent.futures import ThreadPoolExecutor
-
-    from srdd_dump.pool import share
+    from srdd_dump.runtime.pool import share
 
     remote_ran = []
+    release = threading.Event()
 
     def remote(t):
-        time.sleep(0.01)
+        assert release.wait(10)  # busy until this process has failed
         remote_ran.append(t)
 
     def local(t):
@@ -307,5 +339,5 @@ def test_share_stops_feeding_workers_when_this_process_fails():
     with ThreadPoolExecutor(2) as pool:
         with pytest.raises(ValueError, match="damaged"):
             share(list(range(40)), local, remote, pool, 2)
-        time.sleep(0.3)
-    assert len(remote_ran) <= 4  # the two handed out first, not the other 37
+        release.set()
+    assert sorted(remote_ran) == [0, 1]  # the two handed out first, not the other 37

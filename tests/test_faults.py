@@ -7,13 +7,14 @@ import pytest
 import torch
 
 from srdd_dump import DumpConfig, register_hook
+from srdd_dump.capture.faultspec import FAULT_TYPES, parse_fault
 from srdd_dump.errors import UserError
-from srdd_dump.faultspec import FAULT_TYPES, parse_fault
 from srdd_dump.format import schema as s
 from srdd_dump.format.reader import DumpReader
 
-from capture_utils import FIXTURES  # noqa: F401
 from tiny_models import build
+
+pytestmark = pytest.mark.integration
 
 IDS = torch.randint(0, 128, (1, 16), generator=torch.Generator().manual_seed(0))
 OPTIONS = {"saturation": ",m=0.5", "bitflip": ",rate=0.05,bits=exponent", "spike": ",m=20",

@@ -32,15 +32,17 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from srdd_dump import DumpConfig, register_hook
-from srdd_dump.baseline import compare_baseline
-from srdd_dump.compare import compare_path
 from srdd_dump.errors import UserError
 from srdd_dump.format import schema as s
 from srdd_dump.format.reader import DumpReader
 
 from capture_utils import ROOT, run_cli
+from dumpfactory import baseline_written as compare_baseline
+from dumpfactory import compare_written as compare_path
 from dumpfactory import normal_rounds, write_dump
 from tiny_models import build
+
+pytestmark = pytest.mark.integration
 
 FUZZ = settings(
     max_examples=40, deadline=None, database=None, print_blob=True,
@@ -421,10 +423,11 @@ import io, json, resource, sys, traceback
 resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))
 from srdd_dump.compare import compare_path
 from srdd_dump.errors import UserError
-from srdd_dump.watchdog import arm, supervise
+from srdd_dump.format.reader import set_read_monitor
+from srdd_dump.runtime.watchdog import arm, supervise
 
 def one(req):
-    arm(req["read_timeout"])
+    set_read_monitor(arm(req["read_timeout"]))  # as the srdd-compare command does
     try:
         result = compare_path(req["path"], progress=False)
         out = {"kind": "report", "status": list(result.files["status"])}
@@ -659,7 +662,7 @@ def test_sandbox_reports_a_stall(dumps, tmp_path):
 
 CRASH = """
 import os, signal, sys
-from srdd_dump.watchdog import arm, supervise, _publish
+from srdd_dump.runtime.watchdog import arm, supervise, _publish
 def run():
     arm(5)
     _publish({path!r})  # as the reader does when an HDF5 call starts

@@ -12,6 +12,8 @@ import pytest
 
 from capture_utils import run_cli
 
+pytestmark = pytest.mark.integration
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 GOLDEN = os.path.join(HERE, "golden")
 CARDS = os.path.join(GOLDEN, "dumps", "cards")

@@ -10,8 +10,9 @@ from srdd_dump import DumpConfig, register_hook
 from srdd_dump.format import schema as s
 from srdd_dump.format.reader import DumpReader
 
-from capture_utils import FIXTURES  # noqa: F401
 from tiny_models import ARCHS, build
+
+pytestmark = pytest.mark.integration
 
 
 def _dump(model, tmp_path, ids, **cfg):

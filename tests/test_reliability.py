@@ -25,15 +25,17 @@ import numpy as np
 import openpyxl
 import pytest
 
-from srdd_dump.baseline import compare_baseline
-from srdd_dump.compare import compare_path
-from srdd_dump.config import DumpConfig
+from srdd_dump.capture.config import DumpConfig
+from srdd_dump.capture.launch import CHILD_ENV, child_env
 from srdd_dump.format import schema as s
 from srdd_dump.format.reader import DumpReader, find_dump_files
-from srdd_dump.launch import CHILD_ENV, child_env
 
 from capture_utils import FIXTURES, ROOT, run_cli
+from dumpfactory import baseline_written as compare_baseline
+from dumpfactory import compare_written as compare_path
 from dumpfactory import normal_rounds, write_dump
+
+pytestmark = pytest.mark.integration
 
 LOOP = textwrap.dedent(f"""
     import os, sys, time
@@ -160,8 +162,8 @@ def test_killed_mid_dump_keeps_every_finished_sample(how, tmp_path):
     arch = "llama" if how.startswith("SIGKILL") else "toy"
     proc = _start("--exec", _command(_script(tmp_path), "100000", "0.3", "12", arch),
                   "-o", str(tmp_path / "d"), "--samples", "100000", "--min-free-gb", "0")
-    pid = _wait_for_forward(proc, 3)
-    time.sleep(0.15)  # the writer thread flushes round 3 while the program sleeps
+    # round 3 was handed to the writer two forwards (0.6 s of sleeps) before forward 5
+    pid = _wait_for_forward(proc, 5)
     if how.startswith("SIGKILL"):
         os.kill(pid, signal.SIGKILL)
         want = 128 + signal.SIGKILL
@@ -446,8 +448,7 @@ def test_no_cell_of_any_report_sheet_is_a_formula(tmp_path):
 
 # -- compare never unpickles -------------------------------------------------------------------
 
-COMPARE_SIDE = ["srdd_dump/compare.py", "srdd_dump/baseline.py", "srdd_dump/consistency.py",
-                "srdd_dump/streaming.py", "srdd_dump/pool.py", "srdd_dump/watchdog.py",
+COMPARE_SIDE = ["srdd_dump/errors.py", "srdd_dump/compare", "srdd_dump/runtime",
                 "srdd_dump/format", "srdd_dump/analysis", "srdd_dump/report", "cli/compare.py"]
 
 

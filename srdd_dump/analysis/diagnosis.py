@@ -20,21 +20,18 @@ SUSPECT. A layer's score is the maximum over the block and its sub-layers.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..format import schema as s
-from .signals import Signals
+from .signals import BLOCK_SITE, Signals
+from .verdicts import FAULT, NORMAL, SUSPECT, VERDICT_ORDER
 
-FAULT = "FAULT"
-SUSPECT = "SUSPECT"
-NORMAL = "NORMAL"
-VERDICT_ORDER = {FAULT: 0, SUSPECT: 1, NORMAL: 2}  # most suspicious first
+__all__ = ["FAULT", "NORMAL", "SUSPECT", "VERDICT_ORDER", "diagnose", "headline"]
+
 SUSPECT_RATIO = 0.5
 
-# Exact-evidence FAULT thresholds (calibration: bench/calibrate.py, docs/method.md).
+# Exact-evidence FAULT thresholds (calibration runs and margins: docs/method.md).
 # fraction of exact zeros: bf16/fp16 sums cancel to exactly 0 now and then (healthy SmolLM2
 # bf16 block outputs: up to 0.0011); fp32 ones essentially never.
 ZERO_FRAC = {"float32": 1e-3, "float64": 1e-3, "float16": 5e-3, "bfloat16": 1e-2}
@@ -109,7 +106,7 @@ def _log(values: list[float]) -> np.ndarray:
 
 
 def _site_kind(sig: Signals) -> str:
-    if sig.site == s.BLOCK_SITE:
+    if sig.site == BLOCK_SITE:
         return "block"
     name = sig.module.rsplit(".", 1)[-1]
     return name
@@ -248,7 +245,7 @@ def _mark_propagation(verdicts: list[LayerVerdict]) -> None:
             v.diagnosis = ",".join(f"{f.replace('_SOURCE', '')}_PROP" for f in families)
 
 
-def headline(v: LayerVerdict, median_gain: float | None = None) -> str:
+def headline(v: LayerVerdict) -> str:
     """One sentence, e.g. 'Layer 10 (model.layers.10.mlp): FAULT - dead zone; ...'."""
     if v.verdict == NORMAL:
         return f"Layer {v.layer}: NORMAL"
@@ -258,7 +255,3 @@ def headline(v: LayerVerdict, median_gain: float | None = None) -> str:
     named = [e for e in v.evidence if e.family in families]
     top = (named or v.evidence or [Evidence("", 0, "")])[0].text
     return f"Layer {v.layer} ({v.site or v.module}): {v.verdict} - {what}; {top}"
-
-
-def finite_or_nan(x: float) -> float:
-    return x if isinstance(x, float) and math.isfinite(x) else float("nan")

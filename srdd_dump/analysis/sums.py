@@ -2,9 +2,9 @@
 
 ``np.dot`` runs about 2x faster than ``np.einsum`` on a block of float64. But OpenBLAS splits a
 dot product of more than 10,000 elements over every core, which crawls (up to 400x slower) when
-the cores are busy. So BLAS is used only while ``srdd_dump.blas.one_blas_thread`` holds this
-process's OpenBLAS at one thread; otherwise ``dot`` falls back to ``np.einsum``. Either order of
-summation is accurate to a few float64 ulps per element summed.
+the cores are busy. So BLAS is used only after ``use_blas(True)``, which the compare calls while
+it holds this process's BLAS at one thread (``srdd_dump.runtime.blas``); otherwise ``dot`` uses
+``np.einsum``. Either order of summation is accurate to a few float64 ulps per element summed.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ except ImportError:  # numpy 1.x
     except ImportError:
         _einsum = np.einsum
 
-_blas = False  # True while this process's BLAS runs one thread (set by srdd_dump.blas)
+_blas = False  # True while this process's BLAS runs one thread (set by the compare)
 
 
 def use_blas(on: bool) -> bool:

@@ -27,16 +27,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, replace
+from typing import Callable
 
 from ..errors import UserError
 from .metrics import PairStats
+from .verdicts import FAIL, NOT_COMPARED, PASS, VERDICT_RANK, VERDICTS, WARN
 
-PASS = "PASS"
-WARN = "WARN"
-FAIL = "FAIL"
-NOT_COMPARED = "N/A"
-VERDICTS = (PASS, WARN, FAIL, NOT_COMPARED)
-VERDICT_RANK = {PASS: 0, WARN: 1, FAIL: 2, NOT_COMPARED: -1}
+__all__ = ["FAIL", "NOT_COMPARED", "PASS", "VERDICT_RANK", "VERDICTS", "WARN", "Thresholds"]
 
 AUTO = "auto"
 UNIT_ROUNDOFF = {"float64": 2.0**-53, "float32": 2.0**-24, "float16": 2.0**-11, "bfloat16": 2.0**-8}
@@ -70,6 +67,18 @@ DEFAULT_LIMITS = {
 }
 
 
+class InvalidThresholds(UserError):
+    """Limits that cannot be used. ``str()`` names the Thresholds fields; ``render`` lets a
+    front end name its own options instead (e.g. ``--rel-dist-warn``)."""
+
+    def __init__(self, template: str, *fields: str):
+        self.template, self.fields = template, fields
+        super().__init__(self.render(lambda name: name))
+
+    def render(self, option: Callable[[str], str]) -> str:
+        return self.template.format(*(option(f) for f in self.fields))
+
+
 @dataclass(frozen=True)
 class Thresholds:
     """User overrides of the defaults; None keeps the tolerance dtype's default.
@@ -87,25 +96,28 @@ class Thresholds:
     max_abs_fail: float | None = None
 
     def validate(self) -> Thresholds:
+        """Self, or InvalidThresholds naming the fields that cannot be used together."""
         if self.tolerance != AUTO and self.tolerance not in TOLERANCES:
-            raise UserError(
-                f"--tolerance {self.tolerance!r}: use auto or one of {', '.join(TOLERANCES)}"
-            )
+            raise InvalidThresholds(
+                f"{{0}} {self.tolerance!r}: use auto or one of {', '.join(TOLERANCES)}",
+                "tolerance")
         for name in ("cos_warn", "cos_fail"):
             value = getattr(self, name)
             if value is not None and not -1.0 <= value <= 1.0:
-                raise UserError(f"--{_opt(name)} {value}: a cosine limit is between -1 and 1")
+                raise InvalidThresholds(f"{{0}} {value}: a cosine limit is between -1 and 1", name)
         for name in ("rel_dist_warn", "rel_dist_fail", "max_abs_warn", "max_abs_fail"):
             value = getattr(self, name)
             if value is not None and not (value >= 0 and math.isfinite(value)):
-                raise UserError(f"--{_opt(name)} {value}: must be a finite number >= 0")
+                raise InvalidThresholds(f"{{0}} {value}: must be a finite number >= 0", name)
         for kind in ("rel_dist", "max_abs"):
             warn, fail = getattr(self, f"{kind}_warn"), getattr(self, f"{kind}_fail")
             if warn is not None and fail is not None and warn > fail:
-                raise UserError(f"--{_opt(kind)}-warn {warn} is above --{_opt(kind)}-fail {fail}")
+                raise InvalidThresholds(f"{{0}} {warn} is above {{1}} {fail}",
+                                        f"{kind}_warn", f"{kind}_fail")
         cos_warn, cos_fail = self.cos_warn, self.cos_fail
         if cos_warn is not None and cos_fail is not None and cos_warn < cos_fail:
-            raise UserError(f"--cos-warn {self.cos_warn} is below --cos-fail {self.cos_fail}")
+            raise InvalidThresholds(f"{{0}} {cos_warn} is below {{1}} {cos_fail}",
+                                    "cos_warn", "cos_fail")
         return self
 
     def limits(self, golden_dtype: str, my_dtype: str) -> Limits:
@@ -163,7 +175,3 @@ def judge(stats: PairStats, limits: Limits) -> tuple[str, list[str]]:
     elif limits.max_abs_warn is not None and max_abs > limits.max_abs_warn:
         warn = True
     return (FAIL if fail else WARN if warn else PASS), reasons
-
-
-def _opt(name: str) -> str:
-    return name.replace("_", "-")

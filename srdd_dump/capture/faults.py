@@ -43,7 +43,7 @@ import torch
 from torch import nn
 
 from ..errors import UserError
-from ..faultspec import FaultSpec
+from .faultspec import FaultSpec
 
 SITE_NAMES = {
     "attn": ("self_attn", "attn", "attention", "self_attention"),

@@ -19,12 +19,11 @@ import numpy as np
 import torch
 from torch import nn
 
-from .. import config as cfg
-from ..config import DumpConfig
-from ..faultspec import parse_fault
 from ..format import schema
 from ..format.writer import DumpWriter, Round, Tensor, describe_error
 from ..version import __version__
+from . import config as cfg
+from .config import DumpConfig
 from .discovery import find_blocks, find_sites
 from .faults import install_faults
 from .probes import ProbeSpec, first_tensor, probe_seed, run_probes
@@ -106,7 +105,7 @@ class CaptureSession:
         self._rows: torch.Tensor | None = None
         self._bar = None
         self._fault_handles, self.faults = install_faults(
-            model, self.blocks, [parse_fault(f) for f in config.inject]
+            model, self.blocks, config.faults()
         )
         self._steps = cfg.parse_steps(config.steps)
         self._last_step = cfg.last_step(self._steps)

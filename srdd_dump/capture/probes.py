@@ -28,15 +28,13 @@ from ..format import schema
 
 @dataclass
 class ProbeSpec:
-    sigmas: tuple[float, ...] = (0.1, 0.01)
-    draws: int = 2
-    dc: tuple[float, ...] = (1.0,)
-    repeats: int = 3
-    batched: bool = True
+    """The probes of one capture session (built from DumpConfig, which holds the defaults)."""
 
-    @property
-    def n_perturbed(self) -> int:
-        return len(self.sigmas) * self.draws + len(self.dc)
+    sigmas: tuple[float, ...]  # gain noise sizes, relative to each token's std
+    draws: int  # noise draws per sigma
+    dc: tuple[float, ...]  # dc shifts in token stds
+    repeats: int  # unperturbed re-runs
+    batched: bool  # perturbed copies replayed in one batched call
 
 
 @dataclass

@@ -28,8 +28,8 @@ _STORAGE_SLACK = 1 << 20
 _MAX_COMPRESSION = 1100
 _NUMBER_KINDS = "biuf"
 
-# Called with a file's path before each HDF5 access and with None after it; set by
-# srdd_dump.watchdog so that another process can see an access that never returns.
+# Called with a file's path before each HDF5 access and with None after it; set by the CLI to
+# srdd_dump.runtime.watchdog's monitor, so that another process can see an access that hangs.
 _monitor: Callable[[str | None], None] | None = None
 
 
@@ -343,11 +343,10 @@ class DumpReader:
     def dtype_of(self, record: np.void) -> str:
         return self._data[int(record["data"])][1]
 
-    def iter_layer(
-        self, layer: int, kind: int = s.KIND_CLEAN
-    ) -> Iterator[tuple[np.void, np.ndarray]]:
-        for rec in self.select(layer, kind):
-            yield rec, self.read(rec)
+    @property
+    def data_dtypes(self) -> list[str]:
+        """Logical dtype of each data set, by the records' ``data`` index."""
+        return [dtype for _, dtype in self._data]
 
     def token_ids(self, round_row: np.void) -> np.ndarray:
         return self._slice(s.TOKEN_IDS, round_row["tok_off"], round_row["tok_len"])

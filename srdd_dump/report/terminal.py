@@ -1,19 +1,27 @@
-"""One-screen summary of a comparison for the terminal."""
+"""One-screen summaries of compare results for the terminal."""
 
 from __future__ import annotations
 
-from ..analysis.diagnosis import VERDICT_ORDER
-from .table import INCOMPLETE, OK, SKIPPED
+from ..analysis.verdicts import NORMAL, VERDICT_ORDER, VERDICTS
+from ..compare.results import (
+    INCOMPLETE,
+    OK,
+    SKIPPED,
+    BaselineResult,
+    CompareResult,
+    ConsistencyResult,
+)
 
 TOP = 10
 SHOWN = ["verdict", "diagnosis", "score", "source", "layer", "module", "gain", "instability"]
 MAX_TEXT = 40
 
 
-def summary(result, explain: bool = False) -> str:
+def diagnosis_text(result: CompareResult, written: list[str] | None = None,
+                   explain: bool = False) -> str:
     """Verdict sentences, files read/skipped/incomplete, layers per verdict, the top rows, the
     evidence behind every FAULT/SUSPECT row (``explain``) and the report path."""
-    layers, files, written = result.layers, result.files, result.written
+    layers, files = result.layers, result.files
     lines = list(result.headlines)
     status = files["status"].value_counts()
     n_ok, n_inc, n_skip = (int(status.get(k, 0)) for k in (OK, INCOMPLETE, SKIPPED))
@@ -31,14 +39,12 @@ def summary(result, explain: bool = False) -> str:
         text = top.to_string(index=False, float_format=lambda x: f"{x:.4g}")
         lines.extend("  " + line for line in text.splitlines())
     if explain:
-        flagged = layers[layers["verdict"] != "NORMAL"]
+        flagged = layers[layers["verdict"] != NORMAL]
         if len(flagged):
             lines.append("evidence:")
         for _, r in flagged.iterrows():
             lines.append(f"  {r['source']} layer {r['layer']} {r['verdict']}: {r['evidence']}")
-    if getattr(result, "consistency", None) is not None:
-        from .consistency_report import consistency_text
-
+    if result.consistency is not None:
         lines.append(consistency_text(result.consistency))
     if written:
         lines.append("report: " + ", ".join(written))
@@ -48,3 +54,57 @@ def summary(result, explain: bool = False) -> str:
 def _shorten(text) -> str:
     text = str(text)
     return text if len(text) <= MAX_TEXT else "..." + text[-(MAX_TEXT - 3) :]
+
+
+def consistency_text(result: ConsistencyResult) -> str:
+    """Terminal lines: the groups compared and, per group, the odd card out (or none)."""
+    lines = [
+        f"consistency: {len(result.groups)} group(s) of sources with the same model and inputs "
+        f"({', '.join(str(len(g)) for g in result.groups)} sources)"
+    ]
+    lines += [f"  {m}" for m in result.messages]
+    if result.skipped_rounds:
+        lines.append(f"  {result.skipped_rounds} (round, layer) pairs left out: a source lacked "
+                     f"the record or its shape differed")
+    return "\n".join(lines)
+
+
+WORST_SHOWN = [
+    "layer", "module", "verdict", "min_cosine_similarity", "max_relative_euclidean_distance",
+    "max_error_amplification",
+]
+
+
+def baseline_text(result: BaselineResult, written: list[str] | None = None) -> str:
+    """One screen: files, verdict counts, the finding, the first divergence, the worst layers."""
+    s = result.summary
+    files = result.files
+    lines = []
+    for role, label in (("my", "my dumps"), ("golden", "golden dumps")):
+        side = files[files["role"] == role]
+        skipped = int((side["status"] == SKIPPED).sum())
+        where = result.path if role == "my" else result.baseline
+        lines.append(f"{label}: {where}: {len(side)} files, {skipped} skipped")
+    counts = ", ".join(f"{s.verdicts[v]} {v}" for v in VERDICTS)
+    lines.append(f"rows: {len(result.table)} ({s.rounds} compared rounds): {counts}")
+    for reason, n in s.not_compared.items():
+        lines.append(f"not compared: {n} rows: {reason}")
+    lines.append(f"finding: {s.message}")
+    if s.first_layer is not None:
+        lines.append(f"first divergence: layer {s.first_layer} ({s.first_module})")
+    if len(s.worst):
+        lines.append("worst layers:")
+        top = s.worst[WORST_SHOWN].rename(columns={
+            "min_cosine_similarity": "cosine(min)",
+            "max_relative_euclidean_distance": "rel_err(max)",
+            "max_error_amplification": "growth(max)",
+        })
+        top["module"] = top["module"].map(_shorten)
+        text = top.to_string(index=False, formatters={
+            "cosine(min)": "{:.6f}".format, "rel_err(max)": "{:.3g}".format,
+            "growth(max)": "{:.3g}".format,
+        })
+        lines.extend("  " + line for line in text.splitlines())
+    if written:
+        lines.append("report: " + ", ".join(written))
+    return "\n".join(lines)

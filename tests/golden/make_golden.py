@@ -27,6 +27,7 @@ def make_dumps() -> None:
     import torch
 
     from srdd_dump import DumpConfig, register_hook
+
     from tiny_models import build
 
     shutil.rmtree(CARDS, ignore_errors=True)
@@ -47,13 +48,14 @@ def make_dumps() -> None:
 
 
 def make_reports(out: str) -> None:
-    from srdd_dump.baseline import compare_baseline
-    from srdd_dump.compare import compare_path
+    from srdd_dump.compare import compare_baseline, compare_path
+    from srdd_dump.report import write_report
 
     os.makedirs(out, exist_ok=True)
-    compare_path(CARDS, os.path.join(out, "free.csv"), progress=False)
-    compare_baseline(os.path.join(CARDS, "card2.h5"), os.path.join(CARDS, "card0.h5"),
-                     os.path.join(out, "baseline.csv"), progress=False)
+    write_report(compare_path(CARDS, progress=False), os.path.join(out, "free.csv"))
+    write_report(compare_baseline(os.path.join(CARDS, "card2.h5"),
+                                  os.path.join(CARDS, "card0.h5"), progress=False),
+                 os.path.join(out, "baseline.csv"))
 
 
 if __name__ == "__main__":

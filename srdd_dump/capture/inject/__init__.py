@@ -16,7 +16,7 @@ import json
 import os
 import sys
 
-from ...config import ENV_STATUS_DIR, DumpConfig
+from ..config import ENV_STATUS_DIR, DumpConfig
 
 SITE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "site")
 

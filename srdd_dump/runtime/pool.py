@@ -1,4 +1,5 @@
-"""Run independent tasks in this process (jobs=1) or on a process pool, results in task order."""
+"""Run independent tasks in this process (jobs=1) or shared with a pool of spawned worker
+processes (concurrent.futures), results in task order."""
 
 from __future__ import annotations
 
@@ -10,9 +11,7 @@ from typing import Callable, TypeVar
 
 from tqdm import tqdm
 
-from .blas import one_blas_thread, pin_for_process
-from .errors import UserError
-from .streaming import close_readers
+from ..errors import UserError
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -29,44 +28,37 @@ def check_can_spawn(jobs: int) -> None:
 
 def run_tasks(
     fn: Callable[[T], R], tasks: Sequence[T], jobs: int = 1, *, show: bool = False,
-    desc: str = "compare",
+    desc: str = "compare", worker_init: Callable[[], object] | None = None,
 ) -> list[R]:
     """``[fn(t) for t in tasks]``, shared by ``jobs`` processes when jobs > 1: this one and
-    ``jobs - 1`` spawned workers. Each idle worker gets the next task (with one more queued),
-    and while they are all busy, or still starting, this process runs the next task itself.
+    ``jobs - 1`` spawned workers (``worker_init`` runs once in each). Each task goes to whoever
+    is free first (see ``share``).
 
-    ``fn`` must be a module-level function. Workers are spawned, never forked: the parent may
-    hold HDF5 or torch state that a fork would copy. Readers opened by tasks run here are closed
-    at the end; workers keep theirs until they exit.
+    ``fn`` and ``worker_init`` must be module-level functions (or partials of them). Workers
+    are spawned, never forked: the parent may hold HDF5 or torch state that a fork would copy.
     """
     bar = tqdm(total=len(tasks), desc=desc, unit="task", disable=not show, leave=False)
     try:
-        with one_blas_thread():
-            if jobs <= 1 or len(tasks) <= 1:
-                out = []
-                for task in tasks:
-                    out.append(fn(task))
-                    bar.update()
-                return out
-            return _shared(fn, tasks, jobs - 1, bar)
+        if jobs <= 1 or len(tasks) <= 1:
+            out = []
+            for task in tasks:
+                out.append(fn(task))
+                bar.update()
+            return out
+        workers = min(jobs - 1, len(tasks))
+        with spawn_pool(workers, worker_init) as pool:
+            return share(tasks, fn, fn, pool, workers, bar.update)
     finally:
-        close_readers()
         bar.close()
 
 
-def spawn_pool(workers: int) -> ProcessPoolExecutor:
-    """``workers`` spawned worker processes, each holding BLAS at one thread. Never forked:
-    the parent may hold HDF5 or torch state that a fork would copy."""
+def spawn_pool(workers: int, initializer: Callable[[], object] | None = None
+               ) -> ProcessPoolExecutor:
+    """``workers`` spawned worker processes, each running ``initializer`` first."""
     check_can_spawn(workers + 1)
     return ProcessPoolExecutor(max_workers=max(1, workers),
                                mp_context=multiprocessing.get_context("spawn"),
-                               initializer=pin_for_process)
-
-
-def _shared(fn, tasks, workers: int, bar) -> list:
-    workers = min(workers, len(tasks))
-    with spawn_pool(workers) as pool:
-        return share(tasks, fn, fn, pool, workers, bar.update)
+                               initializer=initializer)
 
 
 def share(

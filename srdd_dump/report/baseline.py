@@ -9,45 +9,16 @@ layer) and ``files``. Every text cell is escaped against formula injection.
 from __future__ import annotations
 
 import math
-import os
-from typing import TYPE_CHECKING, Callable
 
 import pandas as pd
 from openpyxl.chart import LineChart, Reference
 from openpyxl.styles import Font, PatternFill
 
-from ..analysis.divergence import RED, YELLOW
-from ..analysis.tolerance import VERDICTS
-from ..errors import UserError
-from .csvfile import files_csv_path
-from .sheet_format import format_table
-from .table import escape_formula, escape_formulas
-
-if TYPE_CHECKING:
-    from ..analysis.divergence import BaselineSummary
-    from ..baseline import BaselineResult
-
-ID_COLUMNS = [
-    "source", "golden_source", "sample", "golden_sample", "step", "layer", "module",
-    "golden_layer", "golden_module", "input_match",
-]
-# msit llm compare's columns, in its order (its data path and op type columns do not apply).
-MSIT_COLUMNS = [
-    "golden_dtype", "golden_shape", "golden_max_value", "golden_min_value", "golden_mean_value",
-    "my_dtype", "my_shape", "my_max_value", "my_min_value", "my_mean_value",
-    "cosine_similarity", "max_relative_error", "mean_relative_error", "max_absolute_error",
-    "mean_absolute_error", "kl_divergence", "relative_euclidean_distance", "cmp_fail_reason",
-]
-EXTRA_COLUMNS = [
-    "sqnr", "one_thousandth_err_ratio", "five_thousandths_err_ratio", "golden_nan_inf",
-    "my_nan_inf", "error_amplification", "tolerance", "verdict", "highlight", "first_divergence",
-]
-BASELINE_COLUMNS = ID_COLUMNS + MSIT_COLUMNS + EXTRA_COLUMNS
-DERIVED_COLUMNS = ["error_amplification", "highlight", "first_divergence"]
-FILE_COLUMNS = [
-    "role", "source", "status", "reason", "paired_with", "rounds", "samples", "layers", "rank",
-    "pid",
-]
+from ..analysis.verdicts import VERDICTS
+from ..compare.divergence import RED, YELLOW
+from ..compare.results import BaselineResult
+from .diagnosis_csv import files_csv_path
+from .sheets import escape_formula, escape_formulas, format_table
 
 COMPARE_SHEET = "compare"
 SUMMARY_SHEET = "summary"
@@ -56,21 +27,6 @@ FILLS = {
     RED: PatternFill(fill_type="solid", start_color="FFFFC7CE", end_color="FFFFC7CE"),
     YELLOW: PatternFill(fill_type="solid", start_color="FFFFEB9C", end_color="FFFFEB9C"),
 }
-MAX_TEXT = 40
-
-Writer = Callable[["BaselineResult", str], "list[str]"]
-
-
-def writer_for(output: str) -> Writer:
-    ext = os.path.splitext(output)[1].lower()
-    if ext == ".csv":
-        return write_csv
-    if ext == ".xlsx":
-        return write_xlsx
-    raise UserError(
-        f"{output}: unknown report format {ext or '(no extension)'!r}; use .csv or .xlsx"
-    )
-
 
 def write_csv(result: BaselineResult, path: str) -> list[str]:
     """The compare table at ``path`` and the file table next to it; returns both paths."""
@@ -189,51 +145,3 @@ def _missing(value) -> bool:
 def _plain(value):
     """numpy scalars -> Python scalars for openpyxl."""
     return value.item() if hasattr(value, "item") else value
-
-
-# -- terminal ----------------------------------------------------------------------------------
-
-WORST_SHOWN = [
-    "layer", "module", "verdict", "min_cosine_similarity", "max_relative_euclidean_distance",
-    "max_error_amplification",
-]
-
-
-def summary_text(result: BaselineResult) -> str:
-    """One screen: files, verdict counts, the finding, the first divergence, the worst layers."""
-    s: BaselineSummary = result.summary
-    files = result.files
-    lines = []
-    for role, label in (("my", "my dumps"), ("golden", "golden dumps")):
-        side = files[files["role"] == role]
-        skipped = int((side["status"] == "skipped").sum())
-        where = result.path if role == "my" else result.baseline
-        lines.append(f"{label}: {where}: {len(side)} files, {skipped} skipped")
-    counts = ", ".join(f"{s.verdicts[v]} {v}" for v in VERDICTS)
-    lines.append(f"rows: {len(result.table)} ({s.rounds} compared rounds): {counts}")
-    for reason, n in s.not_compared.items():
-        lines.append(f"not compared: {n} rows: {reason}")
-    lines.append(f"finding: {s.message}")
-    if s.first_layer is not None:
-        lines.append(f"first divergence: layer {s.first_layer} ({s.first_module})")
-    if len(s.worst):
-        lines.append("worst layers:")
-        top = s.worst[WORST_SHOWN].rename(columns={
-            "min_cosine_similarity": "cosine(min)",
-            "max_relative_euclidean_distance": "rel_err(max)",
-            "max_error_amplification": "growth(max)",
-        })
-        top["module"] = top["module"].map(_shorten)
-        text = top.to_string(index=False, formatters={
-            "cosine(min)": "{:.6f}".format, "rel_err(max)": "{:.3g}".format,
-            "growth(max)": "{:.3g}".format,
-        })
-        lines.extend("  " + line for line in text.splitlines())
-    if result.written:
-        lines.append("report: " + ", ".join(result.written))
-    return "\n".join(lines)
-
-
-def _shorten(text) -> str:
-    text = str(text)
-    return text if len(text) <= MAX_TEXT else "..." + text[-(MAX_TEXT - 3) :]

@@ -1,11 +1,12 @@
-"""CSV output: the layer table at the given path; ``<stem>.files.csv`` lists the input files and
-``<stem>.sublayers.csv`` the sub-layer signals (when the dump has sub-layers)."""
+"""Reference-free report as CSV: the layer table at the given path; ``<stem>.files.csv`` lists
+the input files and ``<stem>.sublayers.csv`` the sub-layer signals (when the dump has them)."""
 
 from __future__ import annotations
 
 import os
 
-from .table import escape_formulas
+from ..compare.results import CompareResult
+from .sheets import escape_formulas
 
 
 def sibling_path(csv_path: str, part: str) -> str:
@@ -18,7 +19,7 @@ def files_csv_path(csv_path: str) -> str:
     return sibling_path(csv_path, "files")
 
 
-def write_csv(result, path: str) -> list[str]:
+def write_csv(result: CompareResult, path: str) -> list[str]:
     """Write the tables of a CompareResult; returns the paths written (layers first)."""
     written = [path, files_csv_path(path)]
     # Escaped too: CSV files are opened in spreadsheet programs as often as XLSX.

@@ -9,17 +9,12 @@
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING
 
 import pandas as pd
 from openpyxl.styles import Font, PatternFill
 
-from ..errors import UserError
-from .sheet_format import format_table
-from .table import escape_formulas
-
-if TYPE_CHECKING:
-    from ..consistency import ConsistencyResult
+from ..compare.results import ConsistencyResult
+from .sheets import escape_formulas, format_table
 
 TABLE_SHEET = "consistency"
 SUMMARY_SHEET = "consistency_summary"
@@ -37,8 +32,6 @@ def consistency_paths(report_path: str) -> list[str]:
 def write_consistency(result: ConsistencyResult, report_path: str) -> list[str]:
     """Write the consistency tables for a report at ``report_path`` (.csv or .xlsx)."""
     ext = os.path.splitext(report_path)[1].lower()
-    if ext not in (".csv", ".xlsx"):
-        raise UserError(f"{report_path}: unknown report format {ext!r}; use .csv or .xlsx")
     paths = consistency_paths(report_path)
     if ext == ".csv":
         escape_formulas(result.table).to_csv(paths[0], index=False)
@@ -63,16 +56,3 @@ def write_consistency(result: ConsistencyResult, report_path: str) -> list[str]:
             sheet = xw.sheets[name]
             format_table(sheet, df)
     return paths
-
-
-def consistency_text(result: ConsistencyResult) -> str:
-    """Terminal lines: the groups compared and, per group, the odd card out (or none)."""
-    lines = [
-        f"consistency: {len(result.groups)} group(s) of sources with the same model and inputs "
-        f"({', '.join(str(len(g)) for g in result.groups)} sources)"
-    ]
-    lines += [f"  {m}" for m in result.messages]
-    if result.skipped_rounds:
-        lines.append(f"  {result.skipped_rounds} (round, layer) pairs left out: a source lacked "
-                     f"the record or its shape differed")
-    return "\n".join(lines)

@@ -8,14 +8,14 @@ import shlex
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 from dataclasses import dataclass, field
 
+from ..errors import UserError
+from ..format import schema
+from ..runtime.terminal import terminal_delivers_to_child
 from .config import ENV_CONFIG, ENV_STATUS_DIR, DumpConfig
 from .diskspace import check_free_space
-from .errors import UserError
-from .format import schema
 
 EXIT_CAPTURE_FAILED = 3
 
@@ -63,7 +63,7 @@ def split_command(command: str) -> list[str]:
 
 
 def child_env(config: DumpConfig, status_dir: str) -> dict[str, str]:
-    from .capture.inject import SITE_DIR  # torch-free
+    from .inject import SITE_DIR  # torch-free
 
     env = dict(os.environ)
     env[ENV_CONFIG] = config.to_json()
@@ -122,13 +122,6 @@ def _run_forwarding_signals(argv: list[str], env: dict[str, str]) -> int:
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
-
-
-def terminal_delivers_to_child() -> bool:
-    try:
-        return os.tcgetpgrp(sys.stdin.fileno()) == os.getpgrp()
-    except (OSError, ValueError, AttributeError):
-        return False
 
 
 def _partial_files(dump_path: str) -> set[str]:

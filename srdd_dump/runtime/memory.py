@@ -7,6 +7,9 @@ free temporaries of a few hundred KB to a few MB per layer and round, so every n
 page-faulted in zeroed pages: ``Moments.add`` of one 121 x 576 record took 1.6 ms instead of
 0.29 ms. Raising both thresholds once per process removes that; the heap then keeps up to
 ``TRIM_BYTES`` of freed memory, which counts in the resident set.
+
+A process-wide setting: called by the srdd-compare entry point (and, when the parent has it,
+by the worker processes it starts), never as a side effect of a library call.
 """
 
 from __future__ import annotations
@@ -39,3 +42,8 @@ def keep_freed_memory() -> bool:
     ok = bool(mallopt(M_MMAP_THRESHOLD, MMAP_BYTES)) and bool(mallopt(M_TRIM_THRESHOLD, TRIM_BYTES))
     _done = ok
     return ok
+
+
+def keeps_freed_memory() -> bool:
+    """Whether ``keep_freed_memory`` took effect in this process."""
+    return _done

@@ -1,4 +1,4 @@
-"""Read a dump record in blocks of whole rows, so that any tensor is processed in constant memory.
+"""A dump record in blocks of whole rows, so that any tensor is processed in constant memory.
 
 Only the public ``DumpReader.read`` is used: a block is a copy of the record narrowed to some of
 its rows (``row0``, ``nrows``) and presented as batch 1.
@@ -10,8 +10,8 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from .format import schema as s
-from .format.reader import DumpReader
+from . import schema as s
+from .reader import DumpReader
 
 BLOCK_ELEMENTS = 1 << 20  # about 4 MiB of float32 per block
 
@@ -58,20 +58,3 @@ def clean_block_records(reader: DumpReader) -> dict[tuple[int, int], int]:
         if key[0] in known:
             out.setdefault(key, int(i))
     return out
-
-
-# -- readers shared by the tasks of one process ------------------------------------------------
-
-_READERS: dict[str, DumpReader] = {}
-
-
-def open_reader(path: str) -> DumpReader:
-    """A reader of ``path`` kept open for the later tasks of this process."""
-    if path not in _READERS:
-        _READERS[path] = DumpReader(path)
-    return _READERS[path]
-
-
-def close_readers() -> None:
-    while _READERS:
-        _READERS.popitem()[1].close()

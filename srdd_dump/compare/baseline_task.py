@@ -1,6 +1,6 @@
-"""One row of the GPU-baseline table: the code that runs in the worker processes of
+"""Rows of the GPU-baseline table: the code that runs in the worker processes of
 ``srdd-compare --baseline -j N``. It imports no pandas and no report code, so a spawned worker
-starts in 0.14 s of CPU instead of 0.5 s (srdd_dump.baseline with pandas and openpyxl)."""
+starts in 0.14 s of CPU instead of 0.5 s (with pandas and openpyxl)."""
 
 from __future__ import annotations
 
@@ -8,19 +8,20 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .analysis.metrics import PairStats, SideStats
-from .analysis.tolerance import NOT_COMPARED, Thresholds, judge
-from .errors import first_line
-from .format.reader import DumpError, DumpReader
-from .memory import keep_freed_memory
-from .streaming import block_rows, open_reader, record_blocks, shape_of
+from ..analysis.metrics import PairStats, SideStats
+from ..analysis.tolerance import Thresholds, judge
+from ..analysis.verdicts import NOT_COMPARED
+from ..errors import first_line
+from ..format.blocks import block_rows, record_blocks, shape_of
+from ..format.reader import DumpError, DumpReader
+from .readers import open_reader
 
 TASK_ROWS = 256  # rows a task at most: the processes of -j N finish together
 _READ_ERRORS = (OSError, KeyError, ValueError, RuntimeError)
 
 
 @dataclass
-class _Spec:
+class RowSpec:
     """One row to produce: keys, the two records (indices into reader.records) and why not."""
 
     order: tuple
@@ -32,15 +33,14 @@ class _Spec:
 
 
 @dataclass
-class _Task:
+class RowTask:
     my_path: str
     golden_path: str
     thresholds: Thresholds
-    specs: list[_Spec]
+    specs: list[RowSpec]
 
 
-def _run_task(task: _Task) -> list[dict]:
-    keep_freed_memory()  # in a worker process too
+def run_task(task: RowTask) -> list[dict]:
     out = []
     limits: dict = {}  # (golden dtype, my dtype) -> Limits, the same for every row
     for spec in task.specs:
@@ -49,14 +49,14 @@ def _run_task(task: _Task) -> list[dict]:
             golden = open_reader(task.golden_path) if spec.golden is not None else None
             out.append(_compare_row(spec, mine, golden, task.thresholds, limits))
         except (DumpError, *_READ_ERRORS) as exc:
-            failed = _Spec(spec.order, spec.keys, None, None, False,
+            failed = RowSpec(spec.order, spec.keys, None, None, False,
                            f"read error: {first_line(exc)}")
             out.append(_compare_row(failed, None, None, task.thresholds))
     return out
 
 
 def _compare_row(
-    spec: _Spec, mine: DumpReader | None, golden: DumpReader | None, thresholds: Thresholds,
+    spec: RowSpec, mine: DumpReader | None, golden: DumpReader | None, thresholds: Thresholds,
     limits_cache: dict | None = None,
 ) -> dict:
     row = dict(spec.keys, _order=spec.order, verdict=NOT_COMPARED, tolerance="")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 
-from .errors import UserError
+from ..errors import UserError
 
 GB = 1 << 30
 

@@ -6,7 +6,8 @@ import json
 import os
 from dataclasses import asdict, dataclass, field
 
-from .errors import UserError
+from ..errors import UserError
+from .faultspec import FaultSpec, parse_fault
 
 ENV_CONFIG = "SRDD_DUMP_CONFIG"  # JSON DumpConfig handed to every child Python process
 ENV_STATUS_DIR = "SRDD_DUMP_STATUS_DIR"  # where child processes report how capture went
@@ -44,7 +45,6 @@ class DumpConfig:
     batch_probes: bool = True
     progress: bool = True
     command: str | None = None
-    extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.samples < 1:
@@ -57,6 +57,11 @@ class DumpConfig:
             raise UserError(f"granularity must be block or sublayer, got {self.granularity!r}")
         if self.draws < 0 or self.repeats < 0:
             raise UserError("draws and repeats must be >= 0")
+        self.faults()
+
+    def faults(self) -> list[FaultSpec]:
+        """The ``inject`` specs parsed (the simulator's faults); UserError names a bad one."""
+        return [parse_fault(text) for text in self.inject]
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))

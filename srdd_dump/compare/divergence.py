@@ -15,13 +15,14 @@ the embedding output) the input ids, which agree unless ``input_match`` says the
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 
 import numpy as np
 import pandas as pd
 
-from .matching import DIFFER
-from .tolerance import FAIL, NOT_COMPARED, PASS, UNIT_ROUNDOFF, VERDICT_RANK, VERDICTS, WARN
+from ..analysis.matching import DIFFER
+from ..analysis.tolerance import UNIT_ROUNDOFF
+from ..analysis.verdicts import FAIL, NOT_COMPARED, PASS, VERDICT_RANK, VERDICTS, WARN
+from .results import PER_LAYER_COLUMNS, BaselineSummary
 
 GROUP = ["source", "golden_source", "sample", "golden_sample", "step"]
 RED_COLUMN = "relative_euclidean_distance"
@@ -80,29 +81,6 @@ def _ratio(num: float, den: float) -> float:
     if den == 0:
         return 0.0 if num == 0 else math.inf
     return num / den
-
-
-@dataclass
-class BaselineSummary:
-    """What the terminal and the XLSX summary sheet say about a baseline comparison."""
-
-    verdicts: dict[str, int]
-    rounds: int  # compared rounds (source, sample, step)
-    first_divergence: pd.DataFrame  # the rows with first_divergence
-    first_layer: int | None  # earliest layer that introduced the error (-1 = stack input)
-    first_module: str
-    first_rounds: int  # rounds in which first_layer introduced it
-    per_layer: pd.DataFrame  # one row per layer, over every round: the chart's data
-    worst: pd.DataFrame  # the WORST layers with the largest relative error
-    not_compared: dict[str, int] = field(default_factory=dict)  # reason -> rows
-    pattern: str = ""  # introduced | gradual | clean | nothing
-    message: str = ""
-
-
-PER_LAYER_COLUMNS = [
-    "layer", "module", "rows", "verdict", "min_cosine_similarity",
-    "max_relative_euclidean_distance", "max_error_amplification", "first_divergences",
-]
 
 
 def per_layer(table: pd.DataFrame) -> pd.DataFrame:

@@ -1,4 +1,5 @@
-"""SRDD-guided AQN: per-layer training-noise scales from a diagnosis (seed 001's rules).
+"""``--aqn-config aqn.yaml``: SRDD-guided AQN training-noise scales per layer from a diagnosis
+(seed 001's rules), written as YAML.
 
 For each layer, starting from ``base`` (0.05):
 
@@ -14,8 +15,12 @@ With several dump files the per-layer signals are medians over the files.
 from __future__ import annotations
 
 import math
+import os
 
 import pandas as pd
+
+from ..analysis.verdicts import FAULT
+from ..errors import UserError
 
 BASE_SIGMA = 0.05
 LOW_GAIN = 0.8
@@ -56,7 +61,7 @@ def aqn_config(layers: pd.DataFrame, base: float = BASE_SIGMA) -> dict:
         "srdd_metadata": {
             "num_layers": len(sigmas),
             "sources": sorted(set(layers["source"])),
-            "fault_layers": sorted({int(x) for x in layers.loc[layers["verdict"] == "FAULT",
+            "fault_layers": sorted({int(x) for x in layers.loc[layers["verdict"] == FAULT,
                                                                 "layer"]}),
         },
     }
@@ -88,3 +93,14 @@ def _scalar(v) -> str:
 
 def _finite(x) -> bool:
     return isinstance(x, (int, float)) and math.isfinite(x)
+
+def write_aqn(layers: pd.DataFrame, path: str) -> str:
+    config = aqn_config(layers)
+    head = "# SRDD-guided AQN config written by srdd-compare (rules: docs/method.md)\n"
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "w") as fh:
+            fh.write(head + to_yaml(config) + "\n")
+    except OSError as exc:
+        raise UserError(f"{path}: cannot write the AQN config ({exc.strerror or exc})") from exc
+    return path

@@ -1,5 +1,5 @@
-"""XLSX output: summary, per-layer table (coloured by verdict), signals by layer with native
-line charts, sub-layer signals and the input files."""
+"""Reference-free report as XLSX: summary, per-layer table (coloured by verdict), signals by
+layer with native line charts, sub-layer signals and the input files."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from openpyxl.formatting.rule import CellIsRule, ColorScaleRule
 from openpyxl.styles import Alignment, Font, PatternFill
 from openpyxl.utils import get_column_letter
 
-from ..analysis.diagnosis import FAULT, NORMAL, SUSPECT, VERDICT_ORDER
-from .sheet_format import format_table
-from .table import escape_formula, escape_formulas
+from ..analysis.verdicts import FAULT, NORMAL, SUSPECT, VERDICT_ORDER
+from ..compare.results import CompareResult
+from .sheets import escape_formula, escape_formulas, format_table
 
 SUMMARY_SHEET = "summary"
 LAYERS_SHEET = "layers"
@@ -27,7 +27,7 @@ CHARTED = ("score", "gain", "kurtosis", "instability", "zero_frac", "offset", "t
 MAX_CHART_SOURCES = 8
 
 
-def write_xlsx(result, path: str) -> list[str]:
+def write_xlsx(result: CompareResult, path: str) -> list[str]:
     """Write a CompareResult to one workbook; returns ``[path]``."""
     layers = result.layers
     with pd.ExcelWriter(path, engine="openpyxl") as xw:
@@ -47,7 +47,7 @@ def write_xlsx(result, path: str) -> list[str]:
     return [path]
 
 
-def _summary(xw: pd.ExcelWriter, result) -> None:
+def _summary(xw: pd.ExcelWriter, result: CompareResult) -> None:
     pd.DataFrame().to_excel(xw, sheet_name=SUMMARY_SHEET, index=False)
     ws = xw.sheets[SUMMARY_SHEET]
     ws["A1"] = "srdd-compare verdict"

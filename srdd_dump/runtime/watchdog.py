@@ -21,6 +21,8 @@ import time
 import traceback
 from typing import Callable
 
+from .terminal import terminal_delivers_to_child
+
 EXIT_STALLED = 2  # a read that hangs or crashes ends like any other bad input
 _CRASHES = {signal.SIGSEGV, signal.SIGBUS, signal.SIGILL, signal.SIGFPE, signal.SIGABRT}
 _POLL = 0.05
@@ -44,14 +46,13 @@ def supervise(run: Callable[[], int], prog: str) -> int:
     return _watch(pid, shared, prog)
 
 
-def arm(timeout: float) -> None:
-    """In the supervised child: guard every HDF5 access from now on (``timeout`` <= 0: off)."""
+def arm(timeout: float) -> Callable[[str | None], None] | None:
+    """In the supervised child: guard accesses from now on (``timeout`` <= 0: off). Returns
+    the monitor the reader must call around each access (``set_read_monitor``), or None."""
     if _shared is None or timeout <= 0:
-        return
-    from .format.reader import set_read_monitor
-
+        return None
     _STATE.pack_into(_shared, 0, float(timeout), 0.0, 0)
-    set_read_monitor(_publish)
+    return _publish
 
 
 def _publish(path: str | None) -> None:
@@ -80,8 +81,6 @@ def _run_child(run: Callable[[], int]) -> int:
 
 
 def _watch(pid: int, shared: mmap.mmap, prog: str) -> int:
-    from .launch import terminal_delivers_to_child
-
     def forward(signum, frame):
         if signum == signal.SIGINT and terminal_delivers_to_child():
             return  # Ctrl-C at a terminal reached the child too

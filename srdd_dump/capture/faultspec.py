@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from .errors import UserError
+from ..errors import UserError
 
 FAULT_TYPES = (
     "dead_zone", "mxfp4_deadzone", "saturation", "bias", "noise", "spike", "nondeterminism",

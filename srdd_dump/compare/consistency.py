@@ -1,68 +1,45 @@
-"""Multi-card consistency of one dump folder, reference-free: find the odd card out.
+"""Consistency mode: among the dump files of one folder, find the odd card out, reference-free.
 
-``check_consistency`` groups the dump files that ran the same model (same layer names) on the
-same inputs (same token-ids hashes per sample), and for every group of three or more compares,
-layer by layer over every round they share, each source with the element-wise median of the
-others (analysis.consistency). It names the sources that depart and the first layer where each
-departs. Records are streamed in blocks; ``jobs`` > 1 runs one task per (group, layer) on a
-process pool. numpy + h5py + pandas only.
+The files that ran the same model (same layer names) on the same inputs (same token-ids hashes
+per sample) form a group; for every group of three or more, each source is compared layer by
+layer, over every round they share, with the element-wise median of the others
+(analysis.consistency). It names the sources that depart and the first layer where each
+departs. Records are streamed in blocks; one task per (group, layer).
 """
 
 from __future__ import annotations
 
-import os
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import pandas as pd
 
-from .analysis.consistency import LayerConsistency
-from .analysis.tolerance import Thresholds, tolerance_dtype
-from .format import schema as s
-from .format.reader import DumpError, DumpReader
-from .pool import run_tasks
-from .streaming import block_rows, clean_block_records, open_reader, record_blocks, shape_of
+from ..analysis.consistency import LayerConsistency
+from ..analysis.tolerance import Thresholds, tolerance_dtype
+from ..format import schema as s
+from ..format.blocks import block_rows, record_blocks, shape_of
+from .readers import open_reader
+from .results import CONSISTENCY_COLUMNS, CONSISTENCY_SUMMARY_COLUMNS, ConsistencyResult
+from .sources import DumpFile
 
 MIN_SOURCES = 3
-STACK_MODULE = "(stack input)"
-CONSISTENCY_COLUMNS = [
-    "group", "source", "layer", "module", "rounds", "cosine_similarity", "max_absolute_error",
-    "relative_error", "others_relative_error", "nan_inf", "tolerance", "departs",
-    "first_departure",
-]
-SUMMARY_COLUMNS = [
-    "group", "source", "sources", "rounds", "odd", "first_departing_layer",
-    "first_departing_module", "worst_layer", "max_relative_error",
-]
-
-
-@dataclass
-class ConsistencyResult:
-    """``table``: one row per (group, layer, source) in layer order; ``summary``: one row per
-    (group, source); ``messages``: one line per group naming the odd card out (or none)."""
-
-    table: pd.DataFrame
-    summary: pd.DataFrame
-    groups: list[list[str]]
-    messages: list[str]
-    skipped_rounds: int = 0  # rounds left out because a source lacked the record or its shape
-    written: list[str] = field(default_factory=list)
-
-    @property
-    def odd_sources(self) -> list[str]:
-        return list(self.summary.loc[self.summary["odd"], "source"])
-
-
 @dataclass
 class _Source:
-    path: str
-    source: str
-    layers: list[str]
-    records: dict[tuple[int, int], int]
+    file: DumpFile
     rounds: dict[tuple[int, int, int], int]  # (sample hash, step, round hash) -> round
-    samples: frozenset
-    dtype: str
+    samples: frozenset  # token-ids hashes of the samples' first rounds
+
+    @property
+    def source(self) -> str:
+        return self.file.source
+
+    @property
+    def layers(self) -> list[str]:
+        return self.file.layers
+
+    @property
+    def records(self) -> dict[tuple[int, int], int]:
+        return self.file.clean_blocks
 
 
 @dataclass
@@ -75,22 +52,12 @@ class _Task:
     floor: float
 
 
-def check_consistency(
-    files: Sequence[str],
-    root: str | None = None,
-    *,
-    thresholds: Thresholds | None = None,
-    jobs: int = 1,
-    progress: bool = False,
-) -> ConsistencyResult | None:
-    """Consistency of the dump ``files`` (paths, e.g. every file compare_path found).
-
-    Sources are named by their path relative to ``root`` (default: as given). Files that cannot
-    be read, or that did not record their input ids, are left out. Returns None when no group
-    of at least three sources shares a model and inputs.
-    """
+def plan(files: list[DumpFile], thresholds: Thresholds | None = None
+         ) -> tuple[list[_Task], list[list[_Source]], list[str]]:
+    """Tasks of every group of 3+ sources with the same model and inputs; the groups and their
+    tolerance dtypes. No tasks: no such group. Files without recorded input ids are left out."""
     thresholds = (thresholds or Thresholds()).validate()
-    sources = [x for x in (_inspect(f, root) for f in files) if x is not None]
+    sources = [x for x in map(_source, files) if x is not None]
     grouped: dict[tuple, list[_Source]] = {}
     for src in sources:
         grouped.setdefault((tuple(src.layers), src.samples), []).append(src)
@@ -109,69 +76,55 @@ def check_consistency(
             layers = [s.STACK_INPUT] + layers
         for layer in layers:
             recs = [[m.records.get((m.rounds[k], layer), -1) for m in members] for k in keys]
-            tasks.append(_Task(len(kept), layer, [m.path for m in members], recs,
+            tasks.append(_Task(len(kept), layer, [m.file.path for m in members], recs,
                                limits.rel_dist_warn, limits.floor))
         kept.append(members)
         tolerance.append(limits.tolerance)
-    if not kept:
-        return None
-    parts = run_tasks(_run_task, tasks, jobs, show=progress, desc="consistency")
+    return tasks, kept, tolerance
+
+
+def finish(tasks: list[_Task], groups: list[list[_Source]], tolerance: list[str],
+           parts: list[tuple[list[dict], int, int]]) -> ConsistencyResult:
     rows, skipped = [], 0
     for task, (results, n_rounds, n_skipped) in zip(tasks, parts):
         skipped += n_skipped
-        members = kept[task.group]
+        members = groups[task.group]
         for src, res in zip(members, results):
             rows.append(dict(
                 res, group=task.group, source=src.source, layer=task.layer,
-                module=_module(src, task.layer), rounds=n_rounds, tolerance=tolerance[task.group],
+                module=src.file.module(task.layer), rounds=n_rounds,
+                tolerance=tolerance[task.group],
             ))
     table = _table(rows)
-    summary = _summary(table, kept)
+    summary = _summary(table, groups)
     return ConsistencyResult(
-        table=table, summary=summary, groups=[[m.source for m in g] for g in kept],
+        table=table, summary=summary, groups=[[m.source for m in g] for g in groups],
         messages=_messages(table, summary), skipped_rounds=skipped,
     )
 
 
-def _inspect(path: str, root: str | None) -> _Source | None:
-    try:
-        reader = DumpReader(path)
-    except DumpError:
+def _source(f: DumpFile) -> _Source | None:
+    if not f.usable or not f.clean_blocks:
         return None
-    with reader:
-        records = clean_block_records(reader)
-        if not records:
-            return None
-        rows = sorted(reader.rounds, key=lambda r: (int(r["sample"]), int(r["step"])))
-        first: dict[int, int] = {}
-        rounds: dict[tuple[int, int, int], int] = {}
-        for r in rows:
-            sample_hash = first.setdefault(int(r["sample"]), int(r["tokens_hash"]))
-            if not sample_hash or not int(r["tokens_hash"]):
-                return None  # input ids not recorded: the inputs cannot be checked
-            rounds[(sample_hash, int(r["step"]), int(r["tokens_hash"]))] = int(r["round"])
-        rec = reader.records[next(iter(records.values()))]
-        return _Source(
-            path=path, source=os.path.relpath(path, root) if root else path,
-            layers=list(reader.layers), records=records, rounds=rounds,
-            samples=frozenset(first.values()), dtype=reader.dtype_of(rec),
-        )
+    rows = sorted(f.rounds, key=lambda r: (int(r["sample"]), int(r["step"])))
+    first: dict[int, int] = {}
+    rounds: dict[tuple[int, int, int], int] = {}
+    for r in rows:
+        sample_hash = first.setdefault(int(r["sample"]), int(r["tokens_hash"]))
+        if not sample_hash or not int(r["tokens_hash"]):
+            return None  # input ids not recorded: the inputs cannot be checked
+        rounds[(sample_hash, int(r["step"]), int(r["tokens_hash"]))] = int(r["round"])
+    return _Source(file=f, rounds=rounds, samples=frozenset(first.values()))
 
 
 def _least_precise(members: list[_Source]) -> tuple[str, str]:
-    dtype = members[0].dtype
+    dtype = members[0].file.block_dtype()
     for m in members[1:]:
-        dtype = tolerance_dtype(dtype, m.dtype)
+        dtype = tolerance_dtype(dtype, m.file.block_dtype())
     return dtype, dtype
 
 
-def _module(src: _Source, layer: int) -> str:
-    if layer == s.STACK_INPUT:
-        return STACK_MODULE
-    return src.layers[layer] if 0 <= layer < len(src.layers) else ""
-
-
-def _run_task(task: _Task) -> tuple[list[dict], int, int]:
+def run_task(task: _Task) -> tuple[list[dict], int, int]:
     """Accumulate one layer of one group over its common rounds: (per-source results,
     rounds used, rounds skipped)."""
     readers = [open_reader(p) for p in task.paths]
@@ -221,7 +174,7 @@ def _summary(table: pd.DataFrame, groups: list[list[_Source]]) -> pd.DataFrame:
                 "worst_layer": None if worst is None else int(worst["layer"]),
                 "max_relative_error": np.nan if worst is None else float(worst["relative_error"]),
             })
-    df = pd.DataFrame(rows, columns=SUMMARY_COLUMNS)
+    df = pd.DataFrame(rows, columns=CONSISTENCY_SUMMARY_COLUMNS)
     for col in ("first_departing_layer", "worst_layer"):
         df[col] = df[col].astype("Int64")
     return df

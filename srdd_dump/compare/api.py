@@ -1,0 +1,106 @@
+"""The three compare modes, each: find the files once, plan, ``pipeline.scan``, finish."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+
+from ..analysis.signals import Signals, set_kurtosis_change
+from ..analysis.tolerance import Thresholds
+from ..errors import UserError
+from . import baseline as baseline_mode
+from . import consistency as consistency_mode
+from . import reference_free
+from .baseline_task import run_task as run_row_task
+from .pipeline import check_jobs, scan
+from .results import BaselineResult, CompareResult, ConsistencyResult
+from .signal_reader import run_task as run_signal_task
+from .sources import DumpFile, find_sources, inspect, no_usable_file
+
+
+def compare_path(path: str, *, jobs: int = 1, progress: bool | None = None) -> CompareResult:
+    """Reference-free diagnosis of every dump file (``*.h5``, ``*.h5.partial``) under ``path``
+    (a folder or a file), and the multi-card consistency check when 3+ of them ran the same
+    inputs.
+
+    Unreadable files are skipped with their reason in the file table; files cut short by a
+    crash are used and marked incomplete. ``progress`` (default: stderr is a terminal) shows a
+    bar. ``jobs`` > 1 shares the work with ``jobs - 1`` spawned worker processes. Raises
+    UserError when there is nothing usable to report.
+    """
+    check_jobs(jobs)
+    show = _show(progress)
+    files = find_sources(path)
+    tasks = reference_free.plan(files, jobs)
+    results = scan(run_signal_task, tasks, jobs, progress=show, desc="layers")
+    result = reference_free.finish(path, files, tasks, results)
+    if result.layers.empty:
+        raise no_usable_file(list(result.files["reason"]), path)
+    result.consistency = _consistency(files, None, jobs, show)
+    return result
+
+
+def file_signals(path: str, *, jobs: int = 1) -> list[Signals]:
+    """The reference-free signals of every block and sub-layer of one dump file, in (layer,
+    site) order, as the diagnosis sees them."""
+    check_jobs(jobs)
+    (f,) = [inspect(path, path)]
+    if not f.usable:
+        raise UserError(f.reason)
+    tasks = reference_free.plan([f], jobs)
+    parts = scan(run_signal_task, tasks, jobs)
+    failed = [p for p in parts if isinstance(p, str)]
+    if failed:
+        raise UserError(failed[0])
+    signals = sorted((g for p in parts for g in p), key=lambda g: (g.layer, g.site))
+    set_kurtosis_change(signals)
+    return signals
+
+
+def compare_baseline(
+    target_path: str, baseline_path: str, thresholds: Thresholds | None = None, *,
+    jobs: int = 1, progress: bool | None = None,
+) -> BaselineResult:
+    """Compare every dump under ``target_path`` (mine) with those under ``baseline_path``
+    (golden), layer by layer. ``thresholds`` overrides the dtype-aware verdict limits. Raises
+    UserError on bad arguments or when either side has no usable file."""
+    thresholds = (thresholds or Thresholds()).validate()
+    check_jobs(jobs)
+    sides = []
+    for path, option in ((target_path, ""), (baseline_path, "--baseline ")):
+        files = find_sources(path, option)
+        sides.append(files)
+    mine, golden = baseline_mode.prepare(*sides)
+    for side, path, option in ((mine, target_path, ""), (golden, baseline_path, "--baseline ")):
+        if not any(f.usable for f in side):
+            raise no_usable_file([f.reason for f in side], path, option)
+    pairs = baseline_mode.pair_files(mine, golden)
+    tasks = baseline_mode.plan(pairs, thresholds)
+    parts = scan(run_row_task, tasks, jobs, progress=_show(progress))
+    return baseline_mode.finish(target_path, baseline_path, mine, golden, thresholds, parts)
+
+
+def check_consistency(
+    files: Sequence[str], root: str | None = None, *, thresholds: Thresholds | None = None,
+    jobs: int = 1, progress: bool = False,
+) -> ConsistencyResult | None:
+    """Consistency of the dump ``files`` (paths), named relative to ``root``; None when no group
+    of at least three sources shares a model and inputs."""
+    import os
+
+    check_jobs(jobs)
+    found = [inspect(f, os.path.relpath(f, root) if root else f) for f in files]
+    return _consistency(found, thresholds, jobs, progress)
+
+
+def _consistency(files: list[DumpFile], thresholds: Thresholds | None, jobs: int,
+                 show: bool) -> ConsistencyResult | None:
+    tasks, groups, tolerance = consistency_mode.plan(files, thresholds)
+    if not groups:
+        return None
+    parts = scan(consistency_mode.run_task, tasks, jobs, progress=show, desc="consistency")
+    return consistency_mode.finish(tasks, groups, tolerance, parts)
+
+
+def _show(progress: bool | None) -> bool:
+    return sys.stderr.isatty() if progress is None else progress

@@ -1,0 +1,154 @@
+"""Reference-free mode: the signals of every block and sub-layer of each dump file, then one
+verdict row per block layer (``analysis.diagnosis``).
+
+Tasks (``signal_reader.SignalTask``) are runs of consecutive layers of one file (the whole
+file with one process), so the processes of ``-j N`` share the files and the layers in them.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pandas as pd
+
+from ..analysis.diagnosis import LayerVerdict, diagnose, headline
+from ..analysis.signals import Signals, set_kurtosis_change
+from ..analysis.verdicts import NORMAL, VERDICT_ORDER
+from ..format import schema as s
+from .results import (
+    FILE_COLUMNS,
+    LAYER_COLUMNS,
+    OK,
+    SITE_COLUMNS,
+    SKIPPED,
+    CompareResult,
+)
+from .signal_reader import SignalTask, chunks, present_keys
+from .sources import DumpFile
+
+
+def plan(files: list[DumpFile], jobs: int) -> list[SignalTask]:
+    tasks = []
+    for n, f in enumerate(files):
+        if not f.usable:
+            continue
+        keys = present_keys(f.records)
+        parts = chunks(f.records, keys, jobs) if jobs > 1 and len(keys) > 1 else [keys]
+        tasks += [SignalTask(n, f.path, part, f.layers, f.sites) for part in parts]
+    return tasks
+
+
+def finish(path: str, files: list[DumpFile], tasks: list[SignalTask],
+           results: list[list[Signals] | str]) -> CompareResult:
+    """Diagnose each file from its tasks' signals; files without layer data become SKIPPED."""
+    per_file: dict[int, list[Signals]] = {}
+    failed: dict[int, str] = {}
+    for task, result in zip(tasks, results):
+        if isinstance(result, str):
+            failed.setdefault(task.file, result)
+        else:
+            per_file.setdefault(task.file, []).extend(result)
+    layer_rows, site_rows, file_rows, headlines = [], [], [], []
+    for n, f in enumerate(files):
+        counts = dict(rounds=len(f.rounds), samples=f.samples, rank=f.rank, pid=f.pid)
+        if not f.usable:
+            file_rows.append(_file_row(f.source, SKIPPED, f.reason, rank=f.rank, pid=f.pid))
+            continue
+        if n in failed:
+            file_rows.append(_file_row(f.source, SKIPPED, failed[n], rank=f.rank, pid=f.pid))
+            continue
+        signals = sorted(per_file.get(n, []), key=lambda g: (g.layer, g.site))
+        set_kurtosis_change(signals)
+        rows, sites, line = _diagnose_file(f, signals)
+        layer_rows += rows
+        site_rows += sites
+        if line:
+            headlines.append(line)
+        if not rows:
+            why = "no captured layer data" + ("" if f.status == OK else " (incomplete file)")
+            file_rows.append(_file_row(f.source, SKIPPED, f"{f.path}: {why}", layers=0, **counts))
+        else:
+            file_rows.append(_file_row(f.source, f.status, f.reason, layers=len(rows), **counts))
+    return CompareResult(
+        path=path, layers=layers_table(layer_rows), files=files_table(file_rows),
+        sites=sites_table(site_rows), headlines=headlines,
+    )
+
+
+def _diagnose_file(f: DumpFile, signals: list[Signals]) -> tuple[list[dict], list[dict], str]:
+    """Layer rows, sub-layer rows and the headline of one file."""
+    blocks = {g.layer: g for g in signals if g.site == s.BLOCK_SITE and g.samples}
+    if not blocks:
+        return [], [], ""
+    verdicts = diagnose(signals, f.hidden_dtype, n_layers=max(len(f.layers), max(blocks) + 1))
+    rows = []
+    for v in verdicts:
+        if v.layer in blocks:
+            v.module = blocks[v.layer].module
+            rows.append(layer_row(f.source, blocks[v.layer], v, f.rank, f.pid))
+    sites = [site_row(f.source, g, f.rank, f.pid)
+             for g in signals if g.site != s.BLOCK_SITE and g.samples]
+    worst = max(verdicts, key=lambda v: v.score)
+    if worst.verdict == NORMAL:
+        line = f"{f.source}: no faulty layer found (highest score {worst.score:.2f}, " \
+               f"layer {worst.layer})"
+    else:
+        line = f"{f.source}: {headline(worst)}"
+    return rows, sites, line
+
+
+# -- tables ------------------------------------------------------------------------------------
+
+
+def layer_row(source: str, sig: Signals, verdict: LayerVerdict, rank: int | None = None,
+              pid: int | None = None) -> dict:
+    """A block layer's row: its verdict and its block-level signals."""
+    row = {k: v for k, v in sig.as_dict().items() if k in LAYER_COLUMNS}
+    row.update(
+        source=source, layer=verdict.layer, module=sig.module, score=round(verdict.score, 4),
+        verdict=verdict.verdict, diagnosis=verdict.diagnosis, site=verdict.site,
+        evidence=verdict.explain(), rank=rank, pid=pid,
+    )
+    if not sig.samples:
+        row["absmax"] = math.nan
+    return row
+
+
+def site_row(source: str, sig: Signals, rank: int | None = None, pid: int | None = None) -> dict:
+    row = {k: v for k, v in sig.as_dict().items() if k in SITE_COLUMNS}
+    row.update(source=source, rank=rank, pid=pid)
+    return row
+
+
+def sites_table(rows: list[dict]) -> pd.DataFrame:
+    df = pd.DataFrame(rows, columns=SITE_COLUMNS)
+    for col in ("rank", "pid"):
+        df[col] = df[col].astype("Int64")
+    return df.sort_values(["source", "layer", "module"], kind="mergesort").reset_index(drop=True)
+
+
+def layers_table(rows: list[dict]) -> pd.DataFrame:
+    """Rows sorted most suspicious first: verdict, then score descending, source, layer."""
+    df = pd.DataFrame(rows, columns=LAYER_COLUMNS)
+    for col in ("rank", "pid"):
+        df[col] = df[col].astype("Int64")
+    if df.empty:
+        return df
+    order = df["verdict"].map(VERDICT_ORDER).fillna(len(VERDICT_ORDER))
+    df = df.assign(_order=order).sort_values(
+        ["_order", "score", "source", "layer"],
+        ascending=[True, False, True, True],
+        kind="mergesort",
+    )
+    return df.drop(columns="_order").reset_index(drop=True)
+
+
+def files_table(rows: list[dict]) -> pd.DataFrame:
+    df = pd.DataFrame(rows, columns=FILE_COLUMNS)
+    for col in ("rounds", "samples", "layers", "rank", "pid"):
+        df[col] = df[col].astype("Int64")
+    return df
+
+
+def _file_row(source: str, status: str, reason: str, **counts) -> dict:
+    return {"source": source, "status": status, "reason": reason, **counts}

@@ -1,0 +1,172 @@
+"""What a compare returns: one result type per mode, with the columns of each of its tables.
+
+The report package renders these; nothing here writes a file. Table cells are numbers, text
+and booleans; verdict words come from ``analysis.verdicts``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pandas as pd
+
+from ..analysis.verdicts import (
+    AS_DIAGNOSIS,
+    FAULT,
+    NORMAL,
+    SUSPECT,
+    VERDICT_ORDER,
+)
+from ..errors import UserError
+from .sources import INCOMPLETE, OK, SKIPPED
+
+__all__ = ["INCOMPLETE", "OK", "SKIPPED"]  # file statuses, defined with the files
+
+# -- reference-free ----------------------------------------------------------------------------
+
+# Layer and sub-layer tables: the Signals fields of docs/method.md, by their names.
+BASE_COLUMNS = [
+    "source", "layer", "module", "score", "verdict", "diagnosis", "mean", "std", "absmax",
+    "kurtosis", "zero_frac", "nan_count", "inf_count", "samples",
+]
+SIGNAL_COLUMNS = [
+    "kurt_change", "gain", "gain_spread", "linearity", "dc_dead", "dc_low", "instability",
+    "instab_changed", "batch_dep", "ties", "pileup", "offset", "dc_energy", "stuck", "lowbits",
+    "update_rms",
+]
+# site: the module holding the strongest evidence; evidence: every finding with its strength
+LAYER_COLUMNS = BASE_COLUMNS + SIGNAL_COLUMNS + ["site", "evidence", "rank", "pid"]
+SITE_COLUMNS = ["source", "layer", "module"] + BASE_COLUMNS[6:] + SIGNAL_COLUMNS + ["rank", "pid"]
+FILE_COLUMNS = ["source", "status", "reason", "rounds", "samples", "layers", "rank", "pid"]
+
+
+@dataclass
+class CompareResult:
+    """Reference-free diagnosis of every dump file under ``path``."""
+
+    path: str  # what was compared, as given
+    layers: pd.DataFrame  # LAYER_COLUMNS: one row per (file, block layer), most suspicious first
+    files: pd.DataFrame  # FILE_COLUMNS: one row per dump file found
+    sites: pd.DataFrame = field(default_factory=lambda: pd.DataFrame(columns=SITE_COLUMNS))
+    # SITE_COLUMNS: one row per (file, sub-layer module) when the dump has sub-layers
+    headlines: list[str] = field(default_factory=list)  # one verdict sentence per file
+    consistency: ConsistencyResult | None = None  # when 3+ cards ran the same inputs
+
+    @property
+    def skipped_reasons(self) -> list[str]:
+        return list(self.files.loc[self.files["status"] == SKIPPED, "reason"])
+
+    def worst_verdict(self) -> str:
+        """FAULT, SUSPECT or NORMAL: the worst layer verdict of every file."""
+        verdicts = set(self.layers["verdict"])
+        return next((v for v in (FAULT, SUSPECT) if v in verdicts), NORMAL)
+
+
+# -- GPU baseline ------------------------------------------------------------------------------
+
+ID_COLUMNS = [
+    "source", "golden_source", "sample", "golden_sample", "step", "layer", "module",
+    "golden_layer", "golden_module", "input_match",
+]
+# msit llm compare's columns, in its order (its data path and op type columns do not apply).
+MSIT_COLUMNS = [
+    "golden_dtype", "golden_shape", "golden_max_value", "golden_min_value", "golden_mean_value",
+    "my_dtype", "my_shape", "my_max_value", "my_min_value", "my_mean_value",
+    "cosine_similarity", "max_relative_error", "mean_relative_error", "max_absolute_error",
+    "mean_absolute_error", "kl_divergence", "relative_euclidean_distance", "cmp_fail_reason",
+]
+EXTRA_COLUMNS = [
+    "sqnr", "one_thousandth_err_ratio", "five_thousandths_err_ratio", "golden_nan_inf",
+    "my_nan_inf", "error_amplification", "tolerance", "verdict", "highlight", "first_divergence",
+]
+BASELINE_COLUMNS = ID_COLUMNS + MSIT_COLUMNS + EXTRA_COLUMNS
+DERIVED_COLUMNS = ["error_amplification", "highlight", "first_divergence"]  # from the whole run
+BASELINE_FILE_COLUMNS = [
+    "role", "source", "status", "reason", "paired_with", "rounds", "samples", "layers", "rank",
+    "pid",
+]
+PER_LAYER_COLUMNS = [
+    "layer", "module", "rows", "verdict", "min_cosine_similarity",
+    "max_relative_euclidean_distance", "max_error_amplification", "first_divergences",
+]
+
+
+@dataclass
+class BaselineSummary:
+    """What the terminal and the XLSX summary sheet say about a baseline comparison."""
+
+    verdicts: dict[str, int]  # rows per verdict (PASS, WARN, FAIL, N/A)
+    rounds: int  # compared rounds (source, sample, step)
+    first_divergence: pd.DataFrame  # the rows with first_divergence
+    first_layer: int | None  # earliest layer that introduced the error (-1 = stack input)
+    first_module: str
+    first_rounds: int  # rounds in which first_layer introduced it
+    per_layer: pd.DataFrame  # PER_LAYER_COLUMNS, one row per layer over every round: the chart
+    worst: pd.DataFrame  # the layers with the largest relative error, PER_LAYER_COLUMNS
+    not_compared: dict[str, int] = field(default_factory=dict)  # reason -> rows
+    pattern: str = ""  # introduced | gradual | clean | nothing
+    message: str = ""  # the finding, one sentence
+
+
+@dataclass
+class BaselineResult:
+    """My dumps compared layer by layer with golden dumps (msit's metrics and more)."""
+
+    path: str  # my dumps, as given
+    baseline: str  # golden dumps, as given
+    table: pd.DataFrame  # BASELINE_COLUMNS, in (source, sample, step, layer) order
+    files: pd.DataFrame  # BASELINE_FILE_COLUMNS, one row per dump file of either side
+    summary: BaselineSummary
+    thresholds: object  # analysis.tolerance.Thresholds used
+
+    @property
+    def skipped_reasons(self) -> list[str]:
+        return list(self.files.loc[self.files["status"] == SKIPPED, "reason"])
+
+    def worst_verdict(self) -> str:
+        """In the reference-free vocabulary, for ``--fail-on``: FAIL -> FAULT, WARN -> SUSPECT."""
+        verdicts = {AS_DIAGNOSIS[v] for v in set(self.table["verdict"])}
+        return min(verdicts | {NORMAL}, key=VERDICT_ORDER.__getitem__)
+
+
+# -- multi-card consistency --------------------------------------------------------------------
+
+CONSISTENCY_COLUMNS = [
+    "group", "source", "layer", "module", "rounds", "cosine_similarity", "max_absolute_error",
+    "relative_error", "others_relative_error", "nan_inf", "tolerance", "departs",
+    "first_departure",
+]
+CONSISTENCY_SUMMARY_COLUMNS = [
+    "group", "source", "sources", "rounds", "odd", "first_departing_layer",
+    "first_departing_module", "worst_layer", "max_relative_error",
+]
+
+
+@dataclass
+class ConsistencyResult:
+    """Each card against the median of the others, for groups of 3+ cards on the same inputs."""
+
+    table: pd.DataFrame  # CONSISTENCY_COLUMNS: one row per (group, layer, source), layer order
+    summary: pd.DataFrame  # CONSISTENCY_SUMMARY_COLUMNS: one row per (group, source)
+    groups: list[list[str]]  # the sources of each group
+    messages: list[str]  # one line per group naming the odd card out (or none)
+    skipped_rounds: int = 0  # (round, layer) pairs left out: a source lacked the record or shape
+
+    @property
+    def odd_sources(self) -> list[str]:
+        return list(self.summary.loc[self.summary["odd"], "source"])
+
+
+# -- --fail-on ---------------------------------------------------------------------------------
+
+FAIL_ON = {"fault": (FAULT,), "suspect": (FAULT, SUSPECT)}
+
+
+def fail_levels(option: str | None) -> tuple[str, ...]:
+    """The worst verdicts that make ``--fail-on OPTION`` exit 1 (None: never)."""
+    if option is None:
+        return ()
+    key = option.strip().lower()
+    if key not in FAIL_ON:
+        raise UserError(f"--fail-on {option!r}: use fault or suspect")
+    return FAIL_ON[key]

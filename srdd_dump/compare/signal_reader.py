@@ -1,0 +1,190 @@
+"""Read the records of a dump file round by round into per-layer signals.
+
+One HDF5 read per data set covers the records of many layers of a round (in groups of at most
+``SPAN_BYTES``), so memory stays bounded whatever the dump's size. The arrays go to
+``analysis.signals.LayerSignals``; ``chunks`` splits a file's layers into tasks of similar size.
+A worker process runs ``run_task`` only: no pandas, no report code.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from ..analysis.signals import LayerSignals, Probe, Signals
+from ..errors import first_line
+from ..format import schema as s
+from ..format.reader import DumpError, DumpReader
+from .readers import open_reader
+
+SPAN_BYTES = 16 << 20  # data read at once: the records of a group of layers of one round
+
+# What a damaged HDF5 file can raise while its data is read (after it opened and validated).
+READ_ERRORS = (DumpError, OSError, KeyError, ValueError, RuntimeError)
+
+
+@dataclass
+class SignalTask:
+    """Signals of some (layer, site) keys of one file."""
+
+    file: int  # index into the files of the compare
+    path: str
+    keys: list[tuple[int, int]]
+    layers: list[str]
+    sites: list[str]
+
+
+def run_task(task: SignalTask) -> list[Signals] | str:
+    """The task's signals, or the one-line reason its file could not be read."""
+    def module(layer: int, site: int) -> str:
+        names = task.layers if site == s.BLOCK_SITE else task.sites
+        index = layer if site == s.BLOCK_SITE else site
+        return names[index] if 0 <= index < len(names) else ""
+
+    try:
+        return read_signals(open_reader(task.path), task.keys, module)
+    except READ_ERRORS as exc:
+        return f"{task.path}: damaged dump file ({first_line(exc)})"
+
+
+def _key_code(layer, site):
+    return np.asarray(layer, dtype=np.int64) * 65536 + (np.asarray(site, dtype=np.int64) + 1)
+
+
+def _read_group(reader: DumpReader, records: np.ndarray, index: list[int]) -> dict[int, np.ndarray]:
+    """Decoded data of ``records[index]``: one read per data set when they lie close together."""
+    out: dict[int, np.ndarray] = {}
+    sub = records[index]
+    idx = np.asarray(index)
+    for data_id in np.unique(sub["data"]).tolist():
+        mine = sub["data"] == data_id
+        r0 = sub["row0"][mine]
+        n = sub["nrows"][mine]
+        lo, hi = int(r0.min()), int((r0 + n).max())
+        if hi - lo <= 2 * int(n.sum()) + 64:
+            rows = reader.read_rows(data_id, lo, hi)
+            for i, a, b in zip(idx[mine].tolist(), (r0 - lo).tolist(), (r0 - lo + n).tolist()):
+                r = records[i]
+                out[i] = rows[a:b].reshape(int(r["batch"]), int(r["ntok"]), int(r["width"]))
+        else:
+            for i in idx[mine].tolist():
+                out[i] = reader.read(records[i])
+    return out
+
+
+def read_signals(
+    reader: DumpReader, keys: list[tuple[int, int]], module: Callable[[int, int], str]
+) -> list[Signals]:
+    """Signals of the (layer, site) ``keys`` of one file, reading it round by round;
+    ``module(layer, site)`` names each."""
+    recs = reader.records
+    by_round = {int(r["round"]): r for r in reader.rounds}
+    layers = {k: LayerSignals(k[0], k[1], module(*k)) for k in keys}
+    if not len(recs) or not keys:
+        return [layers[k].result() for k in keys]
+    code = _key_code(recs["layer"], recs["site"])
+    want = np.isin(code, _key_code([k[0] for k in keys], [k[1] for k in keys]))
+    block_layers = np.array([k[0] for k in keys if k[1] == s.BLOCK_SITE], dtype=np.int64)
+    prev = ((recs["site"] == s.BLOCK_SITE) & (recs["kind"] == s.KIND_CLEAN)
+            & np.isin(recs["layer"].astype(np.int64) + 1, block_layers))
+    # records of a round cut off by a crash (no row in /rounds) are not trusted
+    need = np.flatnonzero((want | prev) & np.isin(recs["round"], list(by_round)))
+    if not need.size:
+        return [layers[k].result() for k in keys]
+    all_rows = reader.all_probe_rows()
+    rounds_of = recs["round"][need]
+    order = np.argsort(rounds_of, kind="stable")
+    first = {}
+    for i in need.tolist():
+        first.setdefault(int(recs["round"][i]), i)
+    groups: dict[int, list[int]] = {}
+    for i in need[order].tolist():
+        groups.setdefault(int(recs["round"][i]), []).append(i)
+    width_bytes = recs["nrows"].astype(np.int64) * recs["width"] * 4
+
+    for rnd in sorted(groups, key=first.__getitem__):
+        row = by_round[rnd]
+        sample, prefill = int(row["sample"]), int(row["step"]) == 0
+        prow = None
+        if row["prow_len"] > 0:
+            off = int(row["prow_off"])
+            prow = all_rows[off: off + int(row["prow_len"])]
+        index = groups[rnd]
+        per_key: dict[tuple[int, int], list[int]] = {}
+        clean_prev: dict[int, int] = {}  # layer -> last clean block record of the round
+        for i in index:
+            r = recs[i]
+            key = (int(r["layer"]), int(r["site"]))
+            if r["site"] == s.BLOCK_SITE and r["kind"] == s.KIND_CLEAN:
+                clean_prev[key[0]] = i
+            if key in layers:
+                per_key.setdefault(key, []).append(i)
+        batch: list[tuple[int, int]] = []
+        size = 0
+        for key in sorted(per_key):
+            batch.append(key)
+            size += int(width_bytes[per_key[key]].sum())
+            if size >= SPAN_BYTES:
+                _round_batch(reader, recs, batch, per_key, clean_prev, layers, sample,
+                             prefill, prow)
+                batch, size = [], 0
+        if batch:
+            _round_batch(reader, recs, batch, per_key, clean_prev, layers, sample, prefill,
+                         prow)
+    return [layers[k].result() for k in keys]
+
+
+def _round_batch(reader, recs, batch, per_key, clean_prev, layers, sample, prefill, prow):
+    index: list[int] = []
+    for key in batch:
+        index += per_key[key]
+        if key[1] == s.BLOCK_SITE and key[0] - 1 in clean_prev:
+            index.append(clean_prev[key[0] - 1])
+    data = _read_group(reader, recs, sorted(set(index)))
+    with np.errstate(all="ignore"):  # faulty layers hold NaN/Inf/1e38: expected, not noise
+        for key in batch:
+            mine = per_key[key]
+            clean = [i for i in mine if recs["kind"][i] == s.KIND_CLEAN]
+            probes = [_probe(recs[i], data[i]) for i in mine if recs["kind"][i] != s.KIND_CLEAN]
+            before = None
+            if key[1] == s.BLOCK_SITE and key[0] - 1 in clean_prev:
+                before = data[clean_prev[key[0] - 1]]
+            for i in clean:
+                layers[key].add(data[i], reader.dtype_of(recs[i]), sample, prefill, before,
+                                prow, probes)
+
+
+def _probe(record: np.void, data: np.ndarray) -> Probe:
+    return Probe(s.KIND_NAMES[int(record["kind"])], float(record["param"]),
+                 float(record["pert_rms"]), data)
+
+
+def present_keys(records: np.ndarray) -> list[tuple[int, int]]:
+    """Every (layer, site) with records, in order (the stack input, layer -1, left out)."""
+    ok = records["layer"] >= 0
+    return sorted(set(zip(records["layer"][ok].tolist(), records["site"][ok].tolist())))
+
+
+def chunks(records: np.ndarray, keys: list[tuple[int, int]], jobs: int) -> list[list]:
+    """``keys`` in runs of consecutive layers, each about 1 / (2 * jobs) of the bytes left: large
+    runs first, single layers at the end, so no process waits long for the last one. (Every
+    run reads its first block's previous layer once more.)"""
+    code = _key_code(records["layer"], records["site"])
+    nbytes = records["nrows"].astype(np.int64) * records["width"]
+    uniq, inv = np.unique(code, return_inverse=True)
+    per = {int(c): int(b) for c, b in zip(uniq, np.bincount(inv, weights=nbytes))}
+    weights = [per.get(int(_key_code(*k)), 0) + 1 for k in keys]
+    left = sum(weights)
+    out, cur, acc = [], [], 0
+    for key, w in zip(keys, weights):
+        cur.append(key)
+        acc += w
+        if acc >= left / (2 * jobs):
+            out.append(cur)
+            left -= acc
+            cur, acc = [], 0
+    if cur:
+        out.append(cur)
+    return out

@@ -1,0 +1,122 @@
+"""Dump files found under a path and inspected once, for every compare mode.
+
+``find_sources`` lists the dump files of a folder (or one file), opens each once and keeps what
+the modes plan with: names, rounds, records, rank and pid, dtype, whether it finished. The
+readers stay open in this process (``readers.open_reader``) for the tasks that run here; worker
+processes open their own.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..errors import UserError, first_line
+from ..format import schema as s
+from ..format.blocks import clean_block_records
+from ..format.reader import DumpError, DumpReader, find_dump_files
+from .readers import open_reader
+
+# Status of an input file (the "status" column of every file table).
+OK = "ok"
+INCOMPLETE = "incomplete"  # capture cut short: the rounds written were used
+SKIPPED = "skipped"  # unreadable or empty: listed with the reason, not used
+
+STACK_MODULE = "(stack input)"
+
+
+@dataclass(eq=False)
+class DumpFile:
+    """One dump file as found: its identity, what it holds, and whether it can be used."""
+
+    path: str
+    source: str  # the path relative to the folder compared (the report's "source")
+    status: str = OK  # OK, INCOMPLETE (capture cut short; the rounds written are used), SKIPPED
+    reason: str = ""  # why not OK, one line
+    rank: int | None = None
+    pid: int | None = None
+    layers: list[str] = field(default_factory=list)  # block module names, by layer number
+    sites: list[str] = field(default_factory=list)  # sub-layer module names, by site number
+    rounds: np.ndarray = field(default_factory=lambda: np.zeros(0, s.ROUND_DTYPE))
+    records: np.ndarray = field(default_factory=lambda: np.zeros(0, s.RECORD_DTYPE))
+    clean_blocks: dict[tuple[int, int], int] = field(default_factory=dict)  # (round, layer) ->
+    # index into records of the clean block output (rounds without a /rounds row left out)
+    hidden_dtype: str = "float32"  # logical dtype of the hidden states
+    data_dtypes: list[str] = field(default_factory=list)  # logical dtype of each /data set
+    samples: int = 0
+
+    @property
+    def usable(self) -> bool:
+        return self.status != SKIPPED
+
+    def module(self, layer: int | None, site: int = s.BLOCK_SITE) -> str:
+        """Module name of a block (``site`` BLOCK_SITE) or sub-layer; "" when unknown."""
+        if layer is None:
+            return ""
+        if site != s.BLOCK_SITE:
+            return self.sites[site] if 0 <= site < len(self.sites) else ""
+        if layer == s.STACK_INPUT:
+            return STACK_MODULE
+        return self.layers[layer] if 0 <= layer < len(self.layers) else ""
+
+    def block_dtype(self) -> str:
+        """Logical dtype of the first clean block-output record."""
+        if not self.clean_blocks:
+            return self.hidden_dtype
+        rec = self.records[next(iter(self.clean_blocks.values()))]
+        return self.data_dtypes[int(rec["data"])]
+
+
+def find_sources(path: str, option: str = "") -> list[DumpFile]:
+    """Every dump file (``*.h5``, ``*.h5.partial``) under ``path``, inspected; ``option`` names
+    the command-line option that gave the path, for messages (e.g. "--baseline ")."""
+    if not os.path.exists(path):
+        raise UserError(f"{option}{path}: no such file or directory")
+    found = find_dump_files(path)
+    if not found:
+        raise UserError(f"{option}{path}: no dump files (*.h5 or *.h5.partial) found")
+    root = path if os.path.isdir(path) else os.path.dirname(path)
+    return [inspect(f, os.path.relpath(f, root) if root else f) for f in found]
+
+
+def inspect(path: str, source: str) -> DumpFile:
+    """What a dump file holds; a file that cannot be opened becomes SKIPPED with the reason."""
+    f = DumpFile(path=path, source=source)
+    try:
+        reader = open_reader(path)
+    except DumpError as exc:
+        f.status, f.reason = SKIPPED, str(exc)
+        return f
+    f.rank, f.pid = reader.meta_int("rank"), reader.meta_int("pid")
+    f.layers, f.sites = list(reader.layers), list(reader.sites)
+    f.rounds, f.records = reader.rounds, reader.records
+    f.samples = reader.n_samples
+    f.clean_blocks = clean_block_records(reader)
+    f.data_dtypes = reader.data_dtypes
+    clean = reader.select(kind=s.KIND_CLEAN)
+    first = reader.dtype_of(clean[0]) if len(clean) else "float32"
+    f.hidden_dtype = str(reader.meta.get("hidden_dtype") or first)
+    if not reader.complete:
+        f.status, f.reason = INCOMPLETE, incomplete_reason(reader)
+    return f
+
+
+def incomplete_reason(reader: DumpReader) -> str:
+    if reader.path.endswith(s.PARTIAL_SUFFIX):
+        why = "capture did not finish (.partial file)"
+    else:
+        why = "capture did not finish cleanly"
+    error = reader.status.get("error") or reader.status.get("write_error")
+    if error:
+        why += f": {first_line(error)}"
+    return f"{why}; the {len(reader.rounds)} rounds written were used"
+
+
+def no_usable_file(reasons: list[str], path: str, option: str = "") -> UserError:
+    """The error for a path none of whose dump files can be used (``reasons``: one per file)."""
+    if len(reasons) == 1:
+        return UserError(reasons[0])
+    return UserError(f"{option}{path}: none of the {len(reasons)} dump files is usable; "
+                     f"{reasons[0]}")

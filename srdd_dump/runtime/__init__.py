@@ -1,0 +1,1 @@
+"""Process plumbing shared by both commands: worker pools, BLAS threads, memory, watchdog."""

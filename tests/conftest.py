@@ -1,0 +1,17 @@
+"""Test markers: ``unit`` (in-process, no model, no command; seconds in all) and
+``integration`` (runs the commands, a model, worker processes or the fuzzer). ``make test`` runs
+both; ``pytest -m unit`` is the quick loop while editing.
+
+Modules of integration tests say so with ``pytestmark = pytest.mark.integration``; every other
+test is marked ``unit`` here. (tests/ and fixtures/ are on the path through pyproject.toml.)
+"""
+
+from __future__ import annotations
+
+import pytest
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.get_closest_marker("integration") is None:
+            item.add_marker(pytest.mark.unit)
