@@ -8,12 +8,8 @@ from typing import Optional
 
 import typer
 
-from srdd_dump import compare as modes
-from srdd_dump.analysis.tolerance import InvalidThresholds, Thresholds
-from srdd_dump.compare.results import fail_levels
+from srdd_dump.analysis.tolerance import AUTO, MSPROBE_COSINE, InvalidThresholds, Thresholds
 from srdd_dump.errors import UserError, first_line
-from srdd_dump.format.reader import set_read_monitor
-from srdd_dump.report.terminal import baseline_text, diagnosis_text
 from srdd_dump.runtime.memory import keep_freed_memory
 from srdd_dump.runtime.watchdog import arm, supervise
 from srdd_dump.version import __version__
@@ -56,7 +52,8 @@ def _fail(message: str) -> None:
         "The format follows the extension of --output. .csv: the main table there, the "
         "file table as <stem>.files.csv, sub-layers as <stem>.sublayers.csv, consistency as "
         "<stem>.consistency*.csv. .xlsx: one workbook (summary, layers, signals with charts, "
-        "sublayers, files; baseline: compare, summary with a chart, files).\n\n"
+        "sublayers, files, consistency, consistency_summary; baseline: compare, summary "
+        "with a chart, files).\n\n"
         "Exit code: 0 report written; 1 --fail-on level reached; 2 bad input or no "
         "usable file."
     ),
@@ -81,16 +78,23 @@ def compare(
     baseline: Optional[str] = typer.Option(
         None, "--baseline", help="Golden dumps (e.g. from a GPU): compare DUMPS with them layer "
         "by layer (msit metrics, PASS/WARN/FAIL, first divergent layer)."),
-    jobs: int = typer.Option(1, "--jobs", "-j", help="Processes that share the work (e.g. 2 "
-                             "on a 2-core machine); with and without --baseline."),
+    jobs: Optional[int] = typer.Option(
+        None, "--jobs", "-j", help="Processes that share the work [default: the cores this "
+        "process may use, at most one per 64 MB of dump]; -j 1: this process only."),
+    run: Optional[str] = typer.Option(
+        None, "--run", help="DUMPS holds several runs (srdd-dump writes each into its own "
+        "srdd_dump_<time> folder): compare this one (its folder name) instead of the newest; "
+        "'all' compares every run together."),
+    baseline_run: Optional[str] = typer.Option(
+        None, "--baseline-run", help="The same for the --baseline folder."),
     tolerance: str = typer.Option(
-        "auto", "--tolerance", help="--baseline: dtype whose default limits judge the rows: "
+        AUTO, "--tolerance", help="--baseline: dtype whose default limits judge the rows: "
         "auto (the less precise side), float32, float16 or bfloat16."),
     cos_warn: Optional[float] = typer.Option(
         None, "--cos-warn", help="--baseline: WARN when cosine similarity is below this."),
     cos_fail: Optional[float] = typer.Option(
         None, "--cos-fail", help="--baseline: FAIL when cosine similarity is below this "
-        "(default 0.99)."),
+        f"(default {MSPROBE_COSINE})."),
     rel_dist_warn: Optional[float] = typer.Option(
         None, "--rel-dist-warn", help="--baseline: WARN when relative_euclidean_distance is "
         "above this (default: by dtype, docs/method.md)."),
@@ -111,12 +115,19 @@ def compare(
         None, "--version", callback=_version, is_eager=True, help="Show the version and exit."
     ),
 ) -> None:
-    set_read_monitor(arm(read_timeout))
     try:
+        # imported here, in the supervised child: --help and --version stay fast
+        from srdd_dump import compare as modes
+        from srdd_dump.compare.results import FAIL_ON
+        from srdd_dump.format.reader import set_read_monitor
         from srdd_dump.report import report_format, write_report
+        from srdd_dump.report.terminal import baseline_text, diagnosis_text
 
-        gate = fail_levels(fail_on)
+        set_read_monitor(arm(read_timeout))
+        gate = _fail_levels(fail_on, FAIL_ON)
         report_format(output)
+        if jobs is not None and jobs < 1:
+            raise UserError(f"--jobs {jobs}: must be at least 1")
         thresholds = Thresholds(
             tolerance=tolerance, rel_dist_warn=rel_dist_warn, rel_dist_fail=rel_dist_fail,
             cos_warn=cos_warn, cos_fail=cos_fail, max_abs_warn=max_abs_warn,
@@ -127,11 +138,15 @@ def compare(
             if explain or aqn_config:
                 raise UserError("--explain and --aqn-config apply without --baseline only")
             result = modes.compare_baseline(dumps, baseline, thresholds, jobs=jobs,
-                                             progress=progress)
+                                             progress=progress, run=run,
+                                             baseline_run=baseline_run)
         else:
-            if thresholds != Thresholds():
-                raise UserError("--tolerance and the threshold options apply with --baseline only")
-            result = modes.compare_path(dumps, jobs=jobs, progress=progress)
+            if thresholds != Thresholds() or baseline_run is not None:
+                raise UserError("--tolerance, the threshold options and --baseline-run apply "
+                                "with --baseline only")
+            result = modes.compare_path(dumps, jobs=jobs, progress=progress, run=run)
+        for note in result.notes:
+            typer.echo(f"{PROG}: note: {note}", err=True)
         written = write_report(result, output)
         for reason in result.skipped_reasons:
             typer.echo(f"{PROG}: warning: skipped {reason}", err=True)
@@ -160,6 +175,14 @@ def compare(
             traceback.print_exc(file=sys.stderr)
         hint = "" if debug else " (run with --debug for the traceback)"
         _fail(f"unexpected {type(exc).__name__}: {first_line(exc)}{hint}")
+
+
+def _fail_levels(option: str | None, levels: dict) -> tuple[str, ...]:
+    if option is None:
+        return ()
+    if option.strip().lower() not in levels:
+        raise UserError(f"--fail-on {option!r}: use {' or '.join(levels)}")
+    return levels[option.strip().lower()]
 
 
 def main() -> None:

@@ -8,6 +8,7 @@ from typing import Optional
 import typer
 
 from srdd_dump.capture.config import DumpConfig
+from srdd_dump.capture.diskspace import MIN_FREE_GB
 from srdd_dump.capture.launch import run_exec
 from srdd_dump.errors import UserError
 from srdd_dump.version import __version__
@@ -28,7 +29,9 @@ def _version(value: bool) -> None:
 def dump(
     exec_: str = typer.Option(..., "--exec", help='Command to run, e.g. "python infer.py". '
                               "Split like a shell would, but never run through a shell."),
-    output: str = typer.Option(D.dump_path, "-o", "--output", help="Folder for the dump files."),
+    output: str = typer.Option(D.dump_path, "-o", "--output",
+                               help="Folder for the dumps: each run writes into its own new "
+                               "folder srdd_dump_<UTC time> in it."),
     samples: int = typer.Option(D.samples, "--samples",
                                 help="Prefill forwards (samples) to capture."),
     steps: str = typer.Option(D.steps, "--steps", help="Forward rounds per sample, msit -er style: "
@@ -61,7 +64,7 @@ def dump(
                                      "(repeatable)."),
     batch_probes: bool = typer.Option(D.batch_probes, "--batch-probes/--no-batch-probes",
                                       help="Replay perturbed inputs in one batched call."),
-    min_free_gb: float = typer.Option(2.0, "--min-free-gb", help="Refuse to start when the "
+    min_free_gb: float = typer.Option(MIN_FREE_GB, "--min-free-gb", help="Refuse to start when the "
                                       "output folder's file system has less free space (GB); "
                                       "0 = no check."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
@@ -91,6 +94,10 @@ def dump(
         raise typer.Exit(2) from None
     for path in result.files:
         typer.echo(f"srdd-dump: wrote {path}", err=True)
+    if result.files:
+        typer.echo(f"srdd-dump: run folder {result.run_dir} ({len(result.files)} file"
+                   f"{'s' if len(result.files) > 1 else ''}); compare it with: "
+                   f"srdd-compare {result.run_dir}", err=True)
     for problem in result.problems:
         typer.echo(f"srdd-dump: error: {problem}", err=True)
     ended = result.describe_exit()

@@ -398,3 +398,17 @@ def test_a_dead_worker_is_not_called_a_damaged_file(tmp_path):
     res = subprocess.run([sys.executable, str(script), str(tmp_path / "d")], capture_output=True,
                          text=True, timeout=120)
     assert "if __name__ == '__main__':" in res.stdout and "damaged" not in res.stdout
+
+
+def test_a_csv_report_does_not_load_openpyxl(tmp_path):
+    """openpyxl costs 0.09 s of a CSV compare: only the XLSX writers import it."""
+    faulty_dump(str(tmp_path))
+    code = (
+        "import sys\nfrom srdd_dump.compare import compare_path\n"
+        "from srdd_dump.report import write_report\n"
+        "write_report(compare_path(sys.argv[1], progress=False), sys.argv[1] + '/r.csv')\n"
+        "print('openpyxl' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True,
+                         text=True, timeout=120, check=True).stdout.split()
+    assert out == ["False"]

@@ -130,3 +130,10 @@ def test_only_capture_and_the_dump_cli_import_torch():
             for n in ast.walk(ast.parse(text)))
         if imports_torch:
             assert _package(module) == "capture", module
+
+
+def test_the_dump_and_analysis_agree_on_the_block_site():
+    from srdd_dump.analysis.signals import BLOCK_SITE
+    from srdd_dump.format.schema import BLOCK_SITE as SCHEMA_BLOCK_SITE
+
+    assert BLOCK_SITE == SCHEMA_BLOCK_SITE  # analysis may not import the format: a copy

@@ -249,7 +249,8 @@ def test_a_write_that_fails_anyway_is_survived(tmp_path):
     code, out, err = _dump_cli("--exec", cmd, "-o", str(tmp_path / "d"), "--samples", "1000",
                                "--probes", "none", "--min-free-gb", "0")
     _check_capture_stopped(code, out, err, r"File too large \(errno 27\)")
-    (broken,) = os.listdir(tmp_path / "d")
+    (run,) = os.listdir(tmp_path / "d")
+    (broken,) = os.listdir(tmp_path / "d" / run)
     assert broken.endswith(".h5" + s.BROKEN_SUFFIX)  # set aside: its content is not trusted
     assert f"{broken}: a write failed half-way, so the file is set aside" in err
     proc = run_cli("srdd-compare", str(tmp_path / "d"), "-o", str(tmp_path / "r.csv"),
@@ -374,7 +375,8 @@ def test_paths_with_spaces_and_non_ascii(tmp_path):
                                "--min-free-gb", "0", umask=0o077)
     assert code == 0, err
     path = _only(dumps)
-    assert os.path.dirname(path) == str(dumps) and stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    run = os.path.dirname(path)  # the run's own folder in -o
+    assert os.path.dirname(run) == str(dumps) and stat.S_IMODE(os.stat(path).st_mode) == 0o600
     with DumpReader(path) as r:
         assert r.meta["command"] == cmd
     for report in ("rapport été.xlsx", "報告 1.csv"):
@@ -384,7 +386,7 @@ def test_paths_with_spaces_and_non_ascii(tmp_path):
         assert out_file.exists()
     sources = [row[0].value for row in openpyxl.load_workbook(odd / "out ü" / "rapport été.xlsx")
                ["files"].iter_rows(min_row=2)]
-    assert sources == [os.path.basename(path)]
+    assert sources == [os.path.relpath(path, dumps)]
 
 
 # -- the child's environment, no shell ---------------------------------------------------------

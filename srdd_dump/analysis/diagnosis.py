@@ -246,12 +246,33 @@ def _mark_propagation(verdicts: list[LayerVerdict]) -> None:
 
 
 def headline(v: LayerVerdict) -> str:
-    """One sentence, e.g. 'Layer 10 (model.layers.10.mlp): FAULT - dead zone; ...'."""
-    if v.verdict == NORMAL:
-        return f"Layer {v.layer}: NORMAL"
-    first = v.diagnosis.split(",")[0]
-    what = (first or "unusual").replace("_", " ").lower()
-    families = {first, first.replace("_PROP", "_SOURCE"), first.replace("_PROP", "")}
-    named = [e for e in v.evidence if e.family in families]
-    top = (named or v.evidence or [Evidence("", 0, "")])[0].text
-    return f"Layer {v.layer} ({v.site or v.module}): {v.verdict} - {what}; {top}"
+    """One sentence naming the layer, its verdict, what is wrong in plain words and the
+    evidence with its strength, e.g. 'Layer 10 (model.layers.10.mlp): FAULT - dead zone (values
+    flushed to exactly 0): 9.74% exact zeros in model.layers.10.mlp (97x the FAULT limit)'.
+    The evidence quoted is the strongest of the layer's main finding (secondary findings, such
+    as a batch dependence, follow it when they are stronger still)."""
+    if v.verdict == NORMAL or not v.evidence:
+        return f"Layer {v.layer}: {v.verdict}"
+    strongest = max(v.evidence, key=lambda e: e.strength)
+    main = [e for e in v.evidence if not e.secondary]
+    top = max(main, key=lambda e: e.strength) if main else strongest
+    what = FAMILY_WORDS.get(top.family, top.family.replace("_", " ").lower())
+    line = (f"Layer {v.layer} ({v.site or v.module}): {v.verdict} - {what}: {top.text} "
+            f"({top.strength:.3g}x the FAULT limit)")
+    if strongest is not top and strongest.strength > top.strength:
+        line += f"; also {strongest.text} ({strongest.strength:.3g}x)"
+    return line
+
+
+FAMILY_WORDS = {
+    "DEAD_ZONE": "dead zone (values flushed to exactly 0)",
+    "SAT_SOURCE": "saturation (values clipped at a limit)",
+    "PILEUP_SAT": "saturation (values piled up at the extremes)",
+    "NOISE_SOURCE": "non-deterministic output",
+    "SPIKE": "non-deterministic spikes",
+    "BIAS": "constant bias",
+    "STUCK": "stuck channels",
+    "PRECISION": "lost precision",
+    "OVERFLOW": "NaN/Inf",
+    "BATCH_DEP": "output depends on the rest of the batch",
+}

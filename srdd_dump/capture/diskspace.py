@@ -8,6 +8,7 @@ import shutil
 from ..errors import UserError
 
 GB = 1 << 30
+MIN_FREE_GB = 2.0  # srdd-dump refuses to start with less free space (msit: 2 GB)
 
 
 def free_bytes(path: str) -> int:

@@ -78,7 +78,11 @@ def dump_file_name(dump_path: str) -> str:
 
 
 class CaptureSession:
-    """Hooks on one model; a context manager that removes them and finalises the dump."""
+    """Hooks on one model; a context manager that removes them and finalises the dump.
+
+    ``path`` is the dump file (set when the first sample is captured); closing the session
+    prints it on stderr, as srdd-dump does.
+    """
 
     def __init__(self, model: nn.Module, config: DumpConfig):
         self.model = model
@@ -361,6 +365,9 @@ class CaptureSession:
             if self.writer.error and not self.error:
                 self.error = f"cannot write {self.path}: {self.writer.error}"
                 sys.stderr.write(f"srdd-dump: warning: capture stopped: {self.error}\n")
+            elif self.path and not os.environ.get(cfg.ENV_CONFIG):
+                # under `srdd-dump --exec` the command itself lists every process's file
+                sys.stderr.write(f"srdd-dump: wrote {self.path}\n")
         atexit.unregister(self.close)
         return self.path
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shlex
@@ -9,13 +10,14 @@ import shutil
 import signal
 import subprocess
 import tempfile
-from dataclasses import dataclass, field
+import time
+from dataclasses import dataclass, field, replace
 
 from ..errors import UserError
 from ..format import schema
 from ..runtime.terminal import terminal_delivers_to_child
 from .config import ENV_CONFIG, ENV_STATUS_DIR, DumpConfig
-from .diskspace import check_free_space
+from .diskspace import MIN_FREE_GB, check_free_space
 
 EXIT_CAPTURE_FAILED = 3
 
@@ -26,6 +28,7 @@ CHILD_ENV = (ENV_CONFIG, ENV_STATUS_DIR, "PYTHONPATH")
 @dataclass
 class ExecResult:
     returncode: int  # the command's own exit code
+    run_dir: str = ""  # the run's own folder under -o
     files: list[str] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)  # why capture failed, one line each
 
@@ -75,25 +78,43 @@ def child_env(config: DumpConfig, status_dir: str) -> dict[str, str]:
     return env
 
 
-def run_exec(command: str, config: DumpConfig, min_free_gb: float = 0.0) -> ExecResult:
-    """Run ``command`` (never through a shell), capturing in every Python process it starts.
+def run_exec(command: str, config: DumpConfig, min_free_gb: float = MIN_FREE_GB) -> ExecResult:
+    """Run ``command`` (never through a shell), capturing in every Python process it starts,
+    into a new run folder under ``config.dump_path`` (``new_run_folder``).
 
     ``min_free_gb`` > 0 refuses to start when the dump folder's file system has less free space.
     """
     argv = split_command(command)
-    config.command = command
     check_free_space(config.dump_path, min_free_gb)
-    try:
-        os.makedirs(config.dump_path, exist_ok=True)
-    except OSError as exc:
-        raise UserError(f"-o {config.dump_path}: cannot create it ({exc.strerror})") from None
+    run_dir = new_run_folder(config.dump_path)
+    config = replace(config, dump_path=run_dir, command=command)
     status_dir = tempfile.mkdtemp(prefix="srdd-status-")
-    before = _partial_files(config.dump_path)
     try:
         returncode = _run_forwarding_signals(argv, child_env(config, status_dir))
-        return _collect(returncode, status_dir, _partial_files(config.dump_path) - before)
+        result = _collect(returncode, status_dir, _partial_files(run_dir))
     finally:
         shutil.rmtree(status_dir, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            os.rmdir(run_dir)  # only when nothing was written into it
+    result.run_dir = run_dir
+    return result
+
+
+def new_run_folder(output: str) -> str:
+    """A new folder ``<output>/srdd_dump_<UTC time>`` (``_1``, ``_2``... when taken)."""
+    stamp = time.strftime(schema.RUN_TIME_FORMAT, time.gmtime())
+    base = os.path.join(output, schema.RUN_PREFIX + stamp)
+    path, n = base, 1
+    while True:
+        try:
+            os.makedirs(output, exist_ok=True)
+            os.mkdir(path)
+            return path
+        except FileExistsError:
+            path, n = f"{base}_{n}", n + 1
+        except OSError as exc:
+            raise UserError(f"-o {output}: cannot create a run folder in it "
+                            f"({exc.strerror})") from None
 
 
 def _run_forwarding_signals(argv: list[str], env: dict[str, str]) -> int:

@@ -10,45 +10,58 @@ from ..analysis.tolerance import Thresholds
 from ..errors import UserError
 from . import baseline as baseline_mode
 from . import consistency as consistency_mode
-from . import reference_free
+from . import consistency_task, reference_free
 from .baseline_task import run_task as run_row_task
-from .pipeline import check_jobs, scan
+from .pipeline import check_jobs, default_jobs, scan
+from .readers import close_readers
 from .results import BaselineResult, CompareResult, ConsistencyResult
 from .signal_reader import run_task as run_signal_task
 from .sources import DumpFile, find_sources, inspect, no_usable_file
 
 
-def compare_path(path: str, *, jobs: int = 1, progress: bool | None = None) -> CompareResult:
+def compare_path(path: str, *, jobs: int | None = 1, progress: bool | None = None,
+                 run: str | None = None) -> CompareResult:
     """Reference-free diagnosis of every dump file (``*.h5``, ``*.h5.partial``) under ``path``
     (a folder or a file), and the multi-card consistency check when 3+ of them ran the same
     inputs.
 
     Unreadable files are skipped with their reason in the file table; files cut short by a
     crash are used and marked incomplete. ``progress`` (default: stderr is a terminal) shows a
-    bar. ``jobs`` > 1 shares the work with ``jobs - 1`` spawned worker processes. Raises
-    UserError when there is nothing usable to report.
+    bar. ``jobs`` > 1 shares the work with ``jobs - 1`` spawned worker processes (None: as many
+    as the cores this process may use, bounded by the work). A folder holding several runs:
+    the newest, or ``run`` (see ``sources.find_sources``). Raises UserError when there is
+    nothing usable to report.
     """
-    check_jobs(jobs)
     show = _show(progress)
-    files = find_sources(path)
-    tasks = reference_free.plan(files, jobs)
-    results = scan(run_signal_task, tasks, jobs, progress=show, desc="layers")
-    result = reference_free.finish(path, files, tasks, results)
-    if result.layers.empty:
-        raise no_usable_file(list(result.files["reason"]), path)
-    result.consistency = _consistency(files, None, jobs, show)
-    return result
+    try:
+        found = find_sources(path, run=run)
+        files = found.files
+        jobs = default_jobs(files) if jobs is None else jobs
+        check_jobs(jobs)
+        tasks = reference_free.plan(files, jobs)
+        results = scan(run_signal_task, tasks, jobs, progress=show, desc="reference-free")
+        result = reference_free.finish(path, files, tasks, results)
+        result.notes = [found.note] if found.note else []
+        if result.layers.empty:
+            raise no_usable_file(list(result.files["reason"]), path, under=True)
+        result.consistency = _consistency(files, None, jobs, show)
+        return result
+    finally:
+        close_readers()
 
 
 def file_signals(path: str, *, jobs: int = 1) -> list[Signals]:
     """The reference-free signals of every block and sub-layer of one dump file, in (layer,
     site) order, as the diagnosis sees them."""
     check_jobs(jobs)
-    (f,) = [inspect(path, path)]
-    if not f.usable:
-        raise UserError(f.reason)
-    tasks = reference_free.plan([f], jobs)
-    parts = scan(run_signal_task, tasks, jobs)
+    try:
+        f = inspect(path, path)
+        if not f.usable:
+            raise UserError(f.reason)
+        tasks = reference_free.plan([f], jobs)
+        parts = scan(run_signal_task, tasks, jobs)
+    finally:
+        close_readers()
     failed = [p for p in parts if isinstance(p, str)]
     if failed:
         raise UserError(failed[0])
@@ -59,25 +72,42 @@ def file_signals(path: str, *, jobs: int = 1) -> list[Signals]:
 
 def compare_baseline(
     target_path: str, baseline_path: str, thresholds: Thresholds | None = None, *,
-    jobs: int = 1, progress: bool | None = None,
+    jobs: int | None = 1, progress: bool | None = None, run: str | None = None,
+    baseline_run: str | None = None,
 ) -> BaselineResult:
-    """Compare every dump under ``target_path`` (mine) with those under ``baseline_path``
-    (golden), layer by layer. ``thresholds`` overrides the dtype-aware verdict limits. Raises
-    UserError on bad arguments or when either side has no usable file."""
+    """Compare every dump of one run under ``target_path`` (mine) with those of one run under
+    ``baseline_path`` (golden), layer by layer. ``thresholds`` overrides the dtype-aware verdict
+    limits; ``run`` / ``baseline_run`` choose a run of a folder that holds several (default:
+    the newest); ``jobs`` None: the cores this process may use. Raises UserError on bad
+    arguments or when either side has no usable file."""
     thresholds = (thresholds or Thresholds()).validate()
+    try:
+        return _compare_baseline(target_path, baseline_path, thresholds, jobs, progress, run,
+                                 baseline_run)
+    finally:
+        close_readers()
+
+
+def _compare_baseline(target_path, baseline_path, thresholds, jobs, progress, run,
+                      baseline_run) -> BaselineResult:
+    sides, notes = [], []
+    for path, option, name in ((target_path, "", run),
+                               (baseline_path, "--baseline ", baseline_run)):
+        found = find_sources(path, option, name)
+        sides.append(found.files)
+        notes += [found.note] if found.note else []
+    jobs = default_jobs(sides[0] + sides[1]) if jobs is None else jobs
     check_jobs(jobs)
-    sides = []
-    for path, option in ((target_path, ""), (baseline_path, "--baseline ")):
-        files = find_sources(path, option)
-        sides.append(files)
     mine, golden = baseline_mode.prepare(*sides)
     for side, path, option in ((mine, target_path, ""), (golden, baseline_path, "--baseline ")):
         if not any(f.usable for f in side):
             raise no_usable_file([f.reason for f in side], path, option)
     pairs = baseline_mode.pair_files(mine, golden)
     tasks = baseline_mode.plan(pairs, thresholds)
-    parts = scan(run_row_task, tasks, jobs, progress=_show(progress))
-    return baseline_mode.finish(target_path, baseline_path, mine, golden, thresholds, parts)
+    parts = scan(run_row_task, tasks, jobs, progress=_show(progress), desc="baseline")
+    result = baseline_mode.finish(target_path, baseline_path, mine, golden, thresholds, parts)
+    result.notes = notes
+    return result
 
 
 def check_consistency(
@@ -89,8 +119,11 @@ def check_consistency(
     import os
 
     check_jobs(jobs)
-    found = [inspect(f, os.path.relpath(f, root) if root else f) for f in files]
-    return _consistency(found, thresholds, jobs, progress)
+    try:
+        found = [inspect(f, os.path.relpath(f, root) if root else f) for f in files]
+        return _consistency(found, thresholds, jobs, progress)
+    finally:
+        close_readers()
 
 
 def _consistency(files: list[DumpFile], thresholds: Thresholds | None, jobs: int,
@@ -98,7 +131,7 @@ def _consistency(files: list[DumpFile], thresholds: Thresholds | None, jobs: int
     tasks, groups, tolerance = consistency_mode.plan(files, thresholds)
     if not groups:
         return None
-    parts = scan(consistency_mode.run_task, tasks, jobs, progress=show, desc="consistency")
+    parts = scan(consistency_task.run_task, tasks, jobs, progress=show, desc="consistency")
     return consistency_mode.finish(tasks, groups, tolerance, parts)
 
 

@@ -13,11 +13,10 @@ from ..analysis.tolerance import Thresholds, judge
 from ..analysis.verdicts import NOT_COMPARED
 from ..errors import first_line
 from ..format.blocks import block_rows, record_blocks, shape_of
-from ..format.reader import DumpError, DumpReader
-from .readers import open_reader
+from ..format.reader import DumpReader
+from .readers import READ_ERRORS, open_reader
 
 TASK_ROWS = 256  # rows a task at most: the processes of -j N finish together
-_READ_ERRORS = (OSError, KeyError, ValueError, RuntimeError)
 
 
 @dataclass
@@ -48,7 +47,7 @@ def run_task(task: RowTask) -> list[dict]:
             mine = open_reader(task.my_path) if spec.mine is not None else None
             golden = open_reader(task.golden_path) if spec.golden is not None else None
             out.append(_compare_row(spec, mine, golden, task.thresholds, limits))
-        except (DumpError, *_READ_ERRORS) as exc:
+        except READ_ERRORS as exc:
             failed = RowSpec(spec.order, spec.keys, None, None, False,
                            f"read error: {first_line(exc)}")
             out.append(_compare_row(failed, None, None, task.thresholds))

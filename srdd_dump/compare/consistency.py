@@ -14,11 +14,9 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from ..analysis.consistency import LayerConsistency
 from ..analysis.tolerance import Thresholds, tolerance_dtype
 from ..format import schema as s
-from ..format.blocks import block_rows, record_blocks, shape_of
-from .readers import open_reader
+from .consistency_task import ConsistencyTask
 from .results import CONSISTENCY_COLUMNS, CONSISTENCY_SUMMARY_COLUMNS, ConsistencyResult
 from .sources import DumpFile
 
@@ -42,18 +40,8 @@ class _Source:
         return self.file.clean_blocks
 
 
-@dataclass
-class _Task:
-    group: int
-    layer: int
-    paths: list[str]
-    records: list[list[int]]  # per common round, one record index per source
-    tolerance: float
-    floor: float
-
-
 def plan(files: list[DumpFile], thresholds: Thresholds | None = None
-         ) -> tuple[list[_Task], list[list[_Source]], list[str]]:
+         ) -> tuple[list[ConsistencyTask], list[list[_Source]], list[str]]:
     """Tasks of every group of 3+ sources with the same model and inputs; the groups and their
     tolerance dtypes. No tasks: no such group. Files without recorded input ids are left out."""
     thresholds = (thresholds or Thresholds()).validate()
@@ -62,7 +50,7 @@ def plan(files: list[DumpFile], thresholds: Thresholds | None = None
     for src in sources:
         grouped.setdefault((tuple(src.layers), src.samples), []).append(src)
     groups = [g for g in grouped.values() if len(g) >= MIN_SOURCES]
-    tasks: list[_Task] = []
+    tasks: list[ConsistencyTask] = []
     kept: list[list[_Source]] = []
     tolerance: list[str] = []
     for members in groups:
@@ -76,14 +64,14 @@ def plan(files: list[DumpFile], thresholds: Thresholds | None = None
             layers = [s.STACK_INPUT] + layers
         for layer in layers:
             recs = [[m.records.get((m.rounds[k], layer), -1) for m in members] for k in keys]
-            tasks.append(_Task(len(kept), layer, [m.file.path for m in members], recs,
+            tasks.append(ConsistencyTask(len(kept), layer, [m.file.path for m in members], recs,
                                limits.rel_dist_warn, limits.floor))
         kept.append(members)
         tolerance.append(limits.tolerance)
     return tasks, kept, tolerance
 
 
-def finish(tasks: list[_Task], groups: list[list[_Source]], tolerance: list[str],
+def finish(tasks: list[ConsistencyTask], groups: list[list[_Source]], tolerance: list[str],
            parts: list[tuple[list[dict], int, int]]) -> ConsistencyResult:
     rows, skipped = [], 0
     for task, (results, n_rounds, n_skipped) in zip(tasks, parts):
@@ -122,28 +110,6 @@ def _least_precise(members: list[_Source]) -> tuple[str, str]:
     for m in members[1:]:
         dtype = tolerance_dtype(dtype, m.file.block_dtype())
     return dtype, dtype
-
-
-def run_task(task: _Task) -> tuple[list[dict], int, int]:
-    """Accumulate one layer of one group over its common rounds: (per-source results,
-    rounds used, rounds skipped)."""
-    readers = [open_reader(p) for p in task.paths]
-    acc = LayerConsistency(len(readers))
-    skipped = 0
-    for recs in task.records:
-        if min(recs) < 0:
-            skipped += 1
-            continue
-        records = [r.records[i] for r, i in zip(readers, recs)]
-        if len({shape_of(x) for x in records}) != 1:
-            skipped += 1
-            continue
-        rows = block_rows(int(records[0]["width"]) * len(records))
-        streams = [record_blocks(r, x, rows) for r, x in zip(readers, records)]
-        for blocks in zip(*streams):
-            acc.add(list(blocks))
-        acc.rounds += 1
-    return acc.results(task.tolerance, task.floor), acc.rounds, skipped
 
 
 def _table(rows: list[dict]) -> pd.DataFrame:

@@ -1,14 +1,18 @@
 """The one scan loop of every compare mode: tasks shared by this process and ``jobs - 1``
-workers, BLAS at one thread in each, readers closed at the end.
+workers, BLAS at one thread in each.
 
 A mode plans picklable tasks and gives a module-level function that runs one (it opens its
-readers with ``sources.open_reader``); ``scan`` returns the results in task order.
+readers with ``readers.open_reader`` and turns a damaged file's read errors into a result);
+``scan`` returns the results in task order. The caller closes this process's readers
+(``readers.close_readers``) when its compare ends.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import os
+import sys
 from collections.abc import Iterator, Sequence
 from concurrent.futures import BrokenExecutor
 from typing import Callable, TypeVar
@@ -18,15 +22,39 @@ from ..errors import UserError
 from ..runtime.blas import one_blas_thread, pin_blas_for_process
 from ..runtime.memory import keep_freed_memory, keeps_freed_memory
 from ..runtime.pool import run_tasks
-from .readers import close_readers
 
 T = TypeVar("T")
 R = TypeVar("R")
 
 
+# A worker costs about 0.3 s of start-up on 2 cores; below this much dump per process the
+# start-up takes longer than the work it saves.
+BYTES_PER_JOB = 64 << 20
+
+
 def check_jobs(jobs: int) -> None:
     if jobs < 1:
-        raise UserError(f"--jobs {jobs}: must be at least 1")
+        raise UserError(f"jobs {jobs}: must be at least 1")
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity mask, e.g. under taskset or cgroups)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def default_jobs(files) -> int:
+    """Processes for a compare of ``files`` (DumpFile): the usable cores, at most one per
+    BYTES_PER_JOB of dump."""
+    size = 0
+    for f in files:
+        try:
+            size += os.path.getsize(f.path)
+        except OSError:
+            pass
+    return max(1, min(usable_cores(), size // BYTES_PER_JOB + 1))
 
 
 def scan(
@@ -35,16 +63,17 @@ def scan(
 ) -> list[R]:
     """``[run_task(t) for t in tasks]`` on ``jobs`` processes, in task order."""
     init = functools.partial(_init_worker, keeps_freed_memory())
-    try:
-        with single_threaded_kernels():
+    with single_threaded_kernels():
+        try:
             return run_tasks(run_task, tasks, jobs, show=progress, desc=desc, worker_init=init)
-    except BrokenExecutor:
-        raise UserError(
-            "a compare worker process died (out of memory? a crash inside HDF5 on a corrupt "
-            "file? or, from Python code, a compare with jobs > 1 called outside "
-            "`if __name__ == '__main__':`); run with -j 1 to see which file") from None
-    finally:
-        close_readers()
+        except BrokenExecutor:
+            if jobs <= 1:
+                raise
+        # A worker died (out of memory, or a crash inside HDF5 on a corrupt file): the same
+        # work in this process alone, where the command's watchdog names a file that crashes.
+        sys.stderr.write("srdd-compare: warning: a worker process died; running the compare "
+                         "again in one process\n")
+        return run_tasks(run_task, tasks, 1, show=progress, desc=desc)
 
 
 @contextlib.contextmanager

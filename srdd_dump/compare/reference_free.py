@@ -55,6 +55,7 @@ def finish(path: str, files: list[DumpFile], tasks: list[SignalTask],
             file_rows.append(_file_row(f.source, SKIPPED, f.reason, rank=f.rank, pid=f.pid))
             continue
         if n in failed:
+            f.status, f.reason = SKIPPED, failed[n]  # the later steps (consistency) skip it too
             file_rows.append(_file_row(f.source, SKIPPED, failed[n], rank=f.rank, pid=f.pid))
             continue
         signals = sorted(per_file.get(n, []), key=lambda g: (g.layer, g.site))
@@ -90,8 +91,8 @@ def _diagnose_file(f: DumpFile, signals: list[Signals]) -> tuple[list[dict], lis
              for g in signals if g.site != s.BLOCK_SITE and g.samples]
     worst = max(verdicts, key=lambda v: v.score)
     if worst.verdict == NORMAL:
-        line = f"{f.source}: no faulty layer found (highest score {worst.score:.2f}, " \
-               f"layer {worst.layer})"
+        line = (f"{f.source}: no faulty layer found in {len(rows)} layers x "
+                f"{max(g.samples for g in blocks.values())} samples")
     else:
         line = f"{f.source}: {headline(worst)}"
     return rows, sites, line

@@ -17,7 +17,6 @@ from ..analysis.verdicts import (
     SUSPECT,
     VERDICT_ORDER,
 )
-from ..errors import UserError
 from .sources import INCOMPLETE, OK, SKIPPED
 
 __all__ = ["INCOMPLETE", "OK", "SKIPPED"]  # file statuses, defined with the files
@@ -51,6 +50,7 @@ class CompareResult:
     # SITE_COLUMNS: one row per (file, sub-layer module) when the dump has sub-layers
     headlines: list[str] = field(default_factory=list)  # one verdict sentence per file
     consistency: ConsistencyResult | None = None  # when 3+ cards ran the same inputs
+    notes: list[str] = field(default_factory=list)  # e.g. which run of a folder was compared
 
     @property
     def skipped_reasons(self) -> list[str]:
@@ -118,6 +118,7 @@ class BaselineResult:
     files: pd.DataFrame  # BASELINE_FILE_COLUMNS, one row per dump file of either side
     summary: BaselineSummary
     thresholds: object  # analysis.tolerance.Thresholds used
+    notes: list[str] = field(default_factory=list)  # e.g. which run of a folder was compared
 
     @property
     def skipped_reasons(self) -> list[str]:
@@ -157,16 +158,6 @@ class ConsistencyResult:
         return list(self.summary.loc[self.summary["odd"], "source"])
 
 
-# -- --fail-on ---------------------------------------------------------------------------------
+# -- --fail-on: the worst verdicts that make the command exit 1, by level --------------------
 
 FAIL_ON = {"fault": (FAULT,), "suspect": (FAULT, SUSPECT)}
-
-
-def fail_levels(option: str | None) -> tuple[str, ...]:
-    """The worst verdicts that make ``--fail-on OPTION`` exit 1 (None: never)."""
-    if option is None:
-        return ()
-    key = option.strip().lower()
-    if key not in FAIL_ON:
-        raise UserError(f"--fail-on {option!r}: use fault or suspect")
-    return FAIL_ON[key]

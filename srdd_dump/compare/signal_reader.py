@@ -16,14 +16,10 @@ import numpy as np
 from ..analysis.signals import LayerSignals, Probe, Signals
 from ..errors import first_line
 from ..format import schema as s
-from ..format.reader import DumpError, DumpReader
-from .readers import open_reader
+from ..format.reader import DumpReader
+from .readers import READ_ERRORS, open_reader
 
 SPAN_BYTES = 16 << 20  # data read at once: the records of a group of layers of one round
-
-# What a damaged HDF5 file can raise while its data is read (after it opened and validated).
-READ_ERRORS = (DumpError, OSError, KeyError, ValueError, RuntimeError)
-
 
 @dataclass
 class SignalTask:

@@ -69,16 +69,92 @@ class DumpFile:
         return self.data_dtypes[int(rec["data"])]
 
 
-def find_sources(path: str, option: str = "") -> list[DumpFile]:
-    """Every dump file (``*.h5``, ``*.h5.partial``) under ``path``, inspected; ``option`` names
-    the command-line option that gave the path, for messages (e.g. "--baseline ")."""
+ALL_RUNS = "all"
+
+
+@dataclass
+class Sources:
+    """The dump files of the run compared, inspected, and what the choice of run was."""
+
+    files: list[DumpFile]
+    note: str = ""  # one line when the folder held several runs and one was chosen
+
+
+def find_sources(path: str, option: str = "", run: str | None = None) -> Sources:
+    """The dump files (``*.h5``, ``*.h5.partial``) under ``path``, inspected; one run of each
+    folder that holds several.
+
+    ``srdd-dump`` writes each run into its own ``srdd_dump_<UTC time>`` folder. Where one folder
+    holds several such runs (``srdd-dump -o dumps/`` run again), only the newest (by its files'
+    modification times) is used, and ``note`` says so; dump files lying in that folder itself
+    (an older flat dump) count as one more run there. Runs in different folders (one per host
+    or card, arranged by hand) are all used: they are the sources of one comparison. ``run``
+    names the run(s) to use instead (folder name, or path relative to ``path``), or is "all".
+    ``option`` names the command-line option that gave the path, for messages."""
     if not os.path.exists(path):
         raise UserError(f"{option}{path}: no such file or directory")
     found = find_dump_files(path)
     if not found:
         raise UserError(f"{option}{path}: no dump files (*.h5 or *.h5.partial) found")
     root = path if os.path.isdir(path) else os.path.dirname(path)
-    return [inspect(f, os.path.relpath(f, root) if root else f) for f in found]
+    found, note = _choose_runs(path, root, found, option, run)
+    return Sources([inspect(f, os.path.relpath(f, root) if root else f) for f in found], note)
+
+
+def _run_of(root: str, file: str) -> tuple[str, str]:
+    """(the run folder of a dump file, the folder in which it competes with other runs)."""
+    folder = os.path.relpath(os.path.dirname(file), root or ".")
+    parts = [] if folder == "." else folder.split(os.sep)
+    for i in range(len(parts) - 1, -1, -1):
+        if parts[i].startswith(s.RUN_PREFIX):
+            run = os.path.join(*parts[: i + 1])
+            return run, os.path.dirname(run) or "."
+    return folder, folder  # not in a run folder: the files of its own folder are one run
+
+
+def _choose_runs(path: str, root: str, found: list[str], option: str, run: str | None
+                 ) -> tuple[list[str], str]:
+    runs: dict[str, list[str]] = {}
+    place: dict[str, str] = {}
+    for f in found:
+        key, where = _run_of(root, f)
+        runs.setdefault(key, []).append(f)
+        place[key] = where
+    if run == ALL_RUNS:
+        return found, ""
+    if run is not None:
+        picked = [k for k in runs if run.strip("/") in (k, os.path.basename(k))]
+        if not picked:
+            raise UserError(f"--run {run}: no run of that name under {option}{path}; runs: "
+                            f"{_names(runs)}")
+        return [f for k in picked for f in runs[k]], ""
+    competing: dict[str, list[str]] = {}
+    for key, where in place.items():
+        competing.setdefault(where, []).append(key)
+    keep, notes = set(), []
+    for where, keys in competing.items():
+        newest = max(keys, key=lambda k: (max(_mtime(f) for f in runs[k]), k))
+        keep.add(newest)
+        if len(keys) > 1:
+            others = [k for k in keys if k != newest]
+            shown = os.path.normpath(os.path.join(path, where)) if where != "." else path
+            n = len(runs[newest])
+            notes.append(f"{option}{shown} holds {len(keys)} runs; comparing the newest, "
+                         f"{os.path.basename(newest)} ({n} file{'s' if n > 1 else ''}); "
+                         f"--run NAME for another ({_names(others)}) or --run all")
+    return [f for f in found if _run_of(root, f)[0] in keep], "; ".join(notes)
+
+
+def _names(runs) -> str:
+    names = [os.path.basename(k) if k != "." else "(the folder itself)" for k in runs]
+    return ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+
+
+def _mtime(path: str) -> float:
+    try:
+        return os.path.getmtime(path)
+    except OSError:
+        return 0.0
 
 
 def inspect(path: str, source: str) -> DumpFile:
@@ -114,9 +190,13 @@ def incomplete_reason(reader: DumpReader) -> str:
     return f"{why}; the {len(reader.rounds)} rounds written were used"
 
 
-def no_usable_file(reasons: list[str], path: str, option: str = "") -> UserError:
+def no_usable_file(reasons: list[str], path: str, option: str = "", under: bool = False
+                   ) -> UserError:
     """The error for a path none of whose dump files can be used (``reasons``: one per file)."""
     if len(reasons) == 1:
         return UserError(reasons[0])
+    if under:
+        return UserError(f"none of the {len(reasons)} dump files under {path} is usable; "
+                         f"{reasons[0]}")
     return UserError(f"{option}{path}: none of the {len(reasons)} dump files is usable; "
                      f"{reasons[0]}")

@@ -29,6 +29,10 @@ PARTIAL_SUFFIX = ".partial"
 # HDF5 may have recorded data that never reached the disk.
 BROKEN_SUFFIX = ".broken"
 FILE_SUFFIX = ".h5"
+# Each `srdd-dump --exec` run writes into its own folder under -o: srdd_dump_<UTC time>, as
+# msit's msit_dump_<time>; the compare takes the newest run of a folder unless told otherwise.
+RUN_PREFIX = "srdd_dump_"
+RUN_TIME_FORMAT = "%Y%m%d_%H%M%S"
 
 ATTR_FORMAT = "format"
 ATTR_VERSION = "schema_version"

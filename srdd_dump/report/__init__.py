@@ -28,9 +28,11 @@ def write_report(result: CompareResult | BaselineResult, output: str) -> list[st
     try:
         os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
         if isinstance(result, BaselineResult):
-            from . import baseline
-
-            return (baseline.write_csv if ext == ".csv" else baseline.write_xlsx)(result, output)
+            if ext == ".csv":
+                from .baseline_csv import write_csv as write_baseline
+            else:
+                from .baseline_xlsx import write_xlsx as write_baseline
+            return write_baseline(result, output)
         if ext == ".csv":
             from .diagnosis_csv import write_csv as write
         else:

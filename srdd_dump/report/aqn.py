@@ -1,54 +1,24 @@
-"""``--aqn-config aqn.yaml``: SRDD-guided AQN training-noise scales per layer from a diagnosis
-(seed 001's rules), written as YAML.
-
-For each layer, starting from ``base`` (0.05):
-
-* x1.5 when its gain is below 0.8 x the median gain (signal loss risk);
-* x1.5 when its kurtosis is above 1.2 x the median kurtosis (saturation risk);
-* x0.5 when its instability (rms of repeat differences / rms of the output) is above 0.1
-  (the layer is already noisy);
-* clipped to [0.01, 0.15]. High-priority layers: sigma > 1.2 x base.
-
-With several dump files the per-layer signals are medians over the files.
-"""
+"""``--aqn-config aqn.yaml``: the SRDD-guided AQN configuration of a layer table, as YAML
+(the rules: ``analysis.aqn``)."""
 
 from __future__ import annotations
 
-import math
 import os
 
 import pandas as pd
 
+from ..analysis.aqn import BASE_SIGMA, HIGH_PRIORITY, layer_sigmas
 from ..analysis.verdicts import FAULT
 from ..errors import UserError
 
-BASE_SIGMA = 0.05
-LOW_GAIN = 0.8
-HIGH_KURTOSIS = 1.2
-NOISY = 0.1
-SIGMA_RANGE = (0.01, 0.15)
-HIGH_PRIORITY = 1.2
-
-
-def layer_sigmas(layers: pd.DataFrame, base: float = BASE_SIGMA) -> dict[int, float]:
-    per_layer = layers.groupby("layer")[["gain", "kurtosis", "instability"]].median()
-    med_gain = per_layer["gain"].median()
-    med_kurt = per_layer["kurtosis"].median()
-    sigmas = {}
-    for layer, row in per_layer.iterrows():
-        sigma = base
-        if _finite(row["gain"]) and _finite(med_gain) and row["gain"] < LOW_GAIN * med_gain:
-            sigma *= 1.5
-        if row["kurtosis"] > HIGH_KURTOSIS * med_kurt:
-            sigma *= 1.5
-        if _finite(row["instability"]) and row["instability"] > NOISY:
-            sigma *= 0.5
-        sigmas[int(layer)] = round(min(max(sigma, SIGMA_RANGE[0]), SIGMA_RANGE[1]), 6)
-    return sigmas
-
 
 def aqn_config(layers: pd.DataFrame, base: float = BASE_SIGMA) -> dict:
-    sigmas = layer_sigmas(layers, base)
+    """The AQN config of a layer table (CompareResult.layers): per layer, the medians of its
+    signals over the files go through ``analysis.aqn.layer_sigmas``."""
+    per_layer = layers.groupby("layer")[["gain", "kurtosis", "instability"]].median()
+    sigmas = layer_sigmas([int(k) for k in per_layer.index], per_layer["gain"].to_numpy(),
+                          per_layer["kurtosis"].to_numpy(), per_layer["instability"].to_numpy(),
+                          base)
     return {
         "aqn": {
             "enabled": True,
@@ -91,10 +61,8 @@ def _scalar(v) -> str:
     return f'"{text}"'
 
 
-def _finite(x) -> bool:
-    return isinstance(x, (int, float)) and math.isfinite(x)
-
 def write_aqn(layers: pd.DataFrame, path: str) -> str:
+    """Write the AQN config of ``layers`` to ``path`` (YAML); returns the path."""
     config = aqn_config(layers)
     head = "# SRDD-guided AQN config written by srdd-compare (rules: docs/method.md)\n"
     try:

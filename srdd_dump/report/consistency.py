@@ -14,7 +14,8 @@ import pandas as pd
 from openpyxl.styles import Font, PatternFill
 
 from ..compare.results import ConsistencyResult
-from .sheets import escape_formulas, format_table
+from .escape import escape_formulas
+from .sheets import format_table
 
 TABLE_SHEET = "consistency"
 SUMMARY_SHEET = "consistency_summary"

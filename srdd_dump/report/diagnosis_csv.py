@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 
 from ..compare.results import CompareResult
-from .sheets import escape_formulas
+from .escape import escape_formulas
 
 
 def sibling_path(csv_path: str, part: str) -> str:

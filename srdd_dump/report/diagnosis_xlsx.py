@@ -11,7 +11,8 @@ from openpyxl.utils import get_column_letter
 
 from ..analysis.verdicts import FAULT, NORMAL, SUSPECT, VERDICT_ORDER
 from ..compare.results import CompareResult
-from .sheets import escape_formula, escape_formulas, format_table
+from .escape import escape_formula, escape_formulas
+from .sheets import format_table
 
 SUMMARY_SHEET = "summary"
 LAYERS_SHEET = "layers"

@@ -1,4 +1,4 @@
-"""What every report table goes through: formula escaping (CSV and XLSX) and XLSX sheet layout."""
+"""The layout of every XLSX data sheet the reports write (openpyxl: imported for XLSX only)."""
 
 from __future__ import annotations
 
@@ -6,26 +6,6 @@ import pandas as pd
 from openpyxl.utils import get_column_letter
 
 MAX_WIDTH = 60  # characters; longer cells wrap or are cut in the view, never in the data
-# Spreadsheet programs run a cell that starts with one of these as a formula.
-_FORMULA_START = ("=", "+", "-", "@", "\t", "\r")
-
-
-def escape_formula(value):
-    """Prefix a quote to a text that a spreadsheet would run as a formula; others unchanged."""
-    if isinstance(value, str) and value.startswith(_FORMULA_START):
-        return "'" + value
-    return value
-
-
-def escape_formulas(df: pd.DataFrame) -> pd.DataFrame:
-    """Copy of ``df`` with every text cell passed through ``escape_formula``."""
-    out = df.copy()
-    for col in out.columns:
-        if not pd.api.types.is_numeric_dtype(out[col]):
-            out[col] = out[col].map(escape_formula)
-    return out
-
-
 def fit_columns(sheet, df: pd.DataFrame) -> None:
     """Set each column's width to its longest cell (header included), at most MAX_WIDTH."""
     for j, col in enumerate(df.columns, start=1):

@@ -19,8 +19,10 @@ MAX_TEXT = 40
 
 def diagnosis_text(result: CompareResult, written: list[str] | None = None,
                    explain: bool = False) -> str:
-    """Verdict sentences, files read/skipped/incomplete, layers per verdict, the top rows, the
-    evidence behind every FAULT/SUSPECT row (``explain``) and the report path."""
+    """The first screen: one verdict sentence per file (healthy: "no faulty layer found in N
+    layers x M samples"), files read/skipped/incomplete, layers per verdict, the FAULT and
+    SUSPECT rows (no table when there are none), the evidence behind each (``explain``) and the
+    report path."""
     layers, files = result.layers, result.files
     lines = list(result.headlines)
     status = files["status"].value_counts()
@@ -31,15 +33,16 @@ def diagnosis_text(result: CompareResult, written: list[str] | None = None,
     verdicts = layers["verdict"].value_counts()
     by_verdict = ", ".join(f"{int(verdicts.get(v, 0))} {v}" for v in VERDICT_ORDER)
     lines.append(f"layers: {len(layers)} rows: {by_verdict}")
-    if len(layers):
-        top = layers[SHOWN].head(TOP).copy()
+    flagged = layers[layers["verdict"] != NORMAL]
+    if len(flagged):
+        top = flagged[SHOWN].head(TOP).copy()
         for col in ("source", "module"):
             top[col] = top[col].map(_shorten)
-        lines.append(f"most suspicious {len(top)}:")
+        more = f" (of {len(flagged)}; all in the report)" if len(flagged) > TOP else ""
+        lines.append(f"flagged layers{more}:")
         text = top.to_string(index=False, float_format=lambda x: f"{x:.4g}")
         lines.extend("  " + line for line in text.splitlines())
     if explain:
-        flagged = layers[layers["verdict"] != NORMAL]
         if len(flagged):
             lines.append("evidence:")
         for _, r in flagged.iterrows():

@@ -1,9 +1,7 @@
-"""Report of a GPU-baseline comparison: CSV, XLSX (coloured rows, summary sheet, chart), terminal.
-
-CSV: the compare table at the given path and the file table at ``<stem>.files.csv``.
-XLSX: sheets ``compare`` (msprobe-style row colours), ``summary`` (first divergent layer, worst
-layers, per-layer table and a line chart of cosine similarity and relative error against the
-layer) and ``files``. Every text cell is escaped against formula injection.
+"""GPU-baseline report as XLSX: sheets ``compare`` (msprobe-style row colours), ``summary``
+(first divergent layer, worst layers, per-layer table and a line chart of cosine similarity and
+relative error against the layer) and ``files``. Every text cell is escaped against formula
+injection.
 """
 
 from __future__ import annotations
@@ -17,8 +15,8 @@ from openpyxl.styles import Font, PatternFill
 from ..analysis.verdicts import VERDICTS
 from ..compare.divergence import RED, YELLOW
 from ..compare.results import BaselineResult
-from .diagnosis_csv import files_csv_path
-from .sheets import escape_formula, escape_formulas, format_table
+from .escape import escape_formula, escape_formulas
+from .sheets import format_table
 
 COMPARE_SHEET = "compare"
 SUMMARY_SHEET = "summary"
@@ -27,13 +25,6 @@ FILLS = {
     RED: PatternFill(fill_type="solid", start_color="FFFFC7CE", end_color="FFFFC7CE"),
     YELLOW: PatternFill(fill_type="solid", start_color="FFFFEB9C", end_color="FFFFEB9C"),
 }
-
-def write_csv(result: BaselineResult, path: str) -> list[str]:
-    """The compare table at ``path`` and the file table next to it; returns both paths."""
-    files_path = files_csv_path(path)
-    escape_formulas(result.table).to_csv(path, index=False)
-    escape_formulas(result.files).to_csv(files_path, index=False)
-    return [path, files_path]
 
 
 def write_xlsx(result: BaselineResult, path: str) -> list[str]:
