@@ -27,9 +27,10 @@ T = TypeVar("T")
 R = TypeVar("R")
 
 
-# A worker costs about 0.3 s of start-up on 2 cores; below this much dump per process the
-# start-up takes longer than the work it saves.
-BYTES_PER_JOB = 64 << 20
+# A worker costs about 0.3 s of start-up on 2 cores, the time one process compares ~400 MB in:
+# measured end to end, -j 2 was 27% slower than -j 1 on a 240 MB dump and 6% faster on 708 MB
+# (docs/benchmarks.md). So one more process per BYTES_PER_JOB of dump.
+BYTES_PER_JOB = 512 << 20
 
 
 def check_jobs(jobs: int) -> None:
@@ -46,8 +47,8 @@ def usable_cores() -> int:
 
 
 def default_jobs(files) -> int:
-    """Processes for a compare of ``files`` (DumpFile): the usable cores, at most one per
-    BYTES_PER_JOB of dump."""
+    """Processes for a compare of ``files`` (DumpFile): one, and one more per BYTES_PER_JOB of
+    dump, up to the usable cores."""
     size = 0
     for f in files:
         try:
