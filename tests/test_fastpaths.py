@@ -13,6 +13,7 @@ import pytest
 
 from srdd_dump.analysis import array_stats, metrics
 from srdd_dump.analysis.moments import BLOCK, Moments
+from srdd_dump.format.schema import bf16_bits_to_float32, float32_to_bf16_bits
 
 from dumpfactory import normal_rounds, write_dump
 
@@ -81,9 +82,22 @@ def test_ties_and_unique_rows_match_np_unique():
         x[:1],
     ]
     for rows in cases:
-        got, want = array_stats.ties(rows), _ties_reference(rows)
+        (got, _), want = array_stats.ties(rows), _ties_reference(rows)
         assert (np.isnan(got) and np.isnan(want)) or got == want
         assert len(array_stats.unique_rows(rows)) == len(np.unique(rows, axis=0))
+
+
+def test_tie_excess_is_scale_free():
+    """A healthy quantised channel: the extreme holds no more values than its neighbours, for
+    10 tokens or 4,000; a clip at a fixed value piles every value beyond it on one."""
+    for n, q in ((10, 0.7), (4000, 0.99)):
+        x = RNG.standard_normal((n, 576)).astype(np.float32)
+        coarse = bf16_bits_to_float32(float32_to_bf16_bits(x))  # bf16: ties at every value
+        count, excess = array_stats.ties(coarse)
+        assert excess <= 3.0, (n, count, excess)  # measured: 2-3 from 10 to 16,000 tokens
+        clipped = np.minimum(coarse, np.quantile(coarse, q))  # a clamp at a fixed value
+        count, excess = array_stats.ties(clipped)
+        assert excess >= 3 * (n * (1 - q)) ** 0.5, (n, count, excess)
 
 
 def test_streamed_kurtosis_matches_concatenation():

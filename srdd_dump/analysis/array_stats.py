@@ -105,17 +105,37 @@ def unique_rows(rows: np.ndarray) -> np.ndarray:
     return rows if distinct_rows(rows) else np.unique(rows, axis=0)
 
 
-def ties(rows: np.ndarray) -> float:
-    """Most tokens sharing one channel's exact maximum (if > 0) or minimum (if < 0). Clipping
-    leaves many; a continuous healthy output attains each channel's extremes once. Identical
-    rows (a prompt prefix repeated across a batch) are counted once. ``rows`` are finite."""
+def ties(rows: np.ndarray, candidates: int = 8) -> tuple[float, float]:
+    """(count, excess) of the channel whose exact maximum (if > 0) or minimum (if < 0) is
+    shared by the most tokens, judged by excess.
+
+    count: tokens at that extreme. excess: count / the mean count of the next two distinct
+    values inward (at least 1). Null model: near its extreme a healthy channel's values come
+    from a density that falls toward the tail, quantised at the dtype's spacing, so the extreme
+    holds no more values than its neighbours (excess <= ~1-2, whatever the number of tokens);
+    a clip puts every value beyond the limit on one value. Identical rows (a prompt prefix
+    repeated across a batch, pad rows) are counted once. ``rows`` are finite."""
     rows = unique_rows(rows)
     if rows.shape[0] < 2:
-        return float("nan")
+        return float("nan"), float("nan")
     hi, lo = rows.max(axis=0), rows.min(axis=0)
     at_hi = np.where(hi > 0, np.add.reduce(rows == hi, axis=0, dtype=np.int32), 1)
     at_lo = np.where(lo < 0, np.add.reduce(rows == lo, axis=0, dtype=np.int32), 1)
-    return float(max(at_hi.max(), at_lo.max()))
+    count = int(max(at_hi.max(), at_lo.max()))
+    if count < 2:
+        return float(count), 1.0
+    best = (1.0, 1)
+    for at, ext, sign in ((at_hi, hi, 1.0), (at_lo, lo, -1.0)):
+        for c in np.argsort(at)[::-1][:candidates]:
+            n = int(at[c])
+            if n < 2:
+                break
+            col = rows[:, c] * sign
+            inner = col[col < ext[c] * sign]
+            values, counts = np.unique(inner, return_counts=True)
+            neighbours = float(np.mean(counts[-2:])) if counts.size else 1.0
+            best = max(best, (n / max(1.0, neighbours), n))
+    return float(count), float(best[0])
 
 
 def batch_dependence(ref: np.ndarray, clean: np.ndarray) -> tuple[float, float, float]:

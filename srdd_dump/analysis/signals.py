@@ -1,8 +1,9 @@
 """Per-layer reference-free signals: clean statistics and probe responses. Arrays in, a typed
 ``Signals`` out; no files, no processes.
 
-Every signal is computed per sample (prefill round) and then aggregated over samples with a
-median (typical value) or a max (evidence that appears in any sample); see docs/method.md.
+Every signal is computed per round and then aggregated over the rounds with a median (typical
+value) or a max (evidence that appears in any round); see docs/method.md. Prefill rounds and
+decode steps are accumulated apart (``phase``): a decode kernel has signals of its own.
 ``LayerSignals`` accumulates one (layer, site) over the rounds of a dump, in file order.
 """
 
@@ -17,6 +18,13 @@ from . import array_stats as st
 from .moments import Moments
 
 BLOCK_SITE = -1  # Signals.site of a block's own output (the dump schema's BLOCK_SITE)
+PREFILL = "prefill"  # rounds of more than one token per sequence
+DECODE = "decode"  # one-token rounds after a prefill (other kernels on most devices)
+# Low mantissa bits that a value of each dtype rarely has all zero (healthy rate 2^-bits): fp32
+# 16 (bf16-precision values), bf16 4 (fp8 e4m3 precision: 3 mantissa bits of bf16's 7), fp16 3
+# (bf16 precision: 7 of fp16's 10). Masks on the float32 bits the reader gives back.
+LOW_BITS = {"float32": 16, "bfloat16": 4, "float16": 3}
+LOW_BITS_MASK = {"float32": 0xFFFF, "bfloat16": 0xF << 16, "float16": 0x7 << 13}
 
 
 class Probe(NamedTuple):
@@ -34,6 +42,8 @@ class Signals:
     site: int  # schema.BLOCK_SITE or an index into the dump's sites
     module: str
     samples: int = 0
+    phase: str = PREFILL  # PREFILL or DECODE: the rounds these signals come from
+    dtype: str = ""  # logical dtype of most of the module's clean records (autocast: its own)
     # clean statistics over every captured round
     mean: float = float("nan")
     std: float = float("nan")
@@ -43,15 +53,16 @@ class Signals:
     zero_frac: float = float("nan")
     nan_count: int = 0
     inf_count: int = 0
-    # shape of the clean output (prefill rounds)
+    # shape of the clean output
     pileup: float = float("nan")  # histogram edge bin / its inner neighbours, worse side
     ties: float = float("nan")  # tokens sharing a channel's exact max or min, worst channel
+    tie_excess: float = float("nan")  # those tokens / the count at the next values inward
     update_rms: float = float("nan")  # RMS of what the module adds (block: h_k - h_{k-1})
     offset: float = float("nan")  # |mean(update)| / st.rms(update)
     dc_energy: float = float("nan")  # ||token-mean of update||^2 / mean ||update row||^2
     consistency: float = float("nan")  # 99th pct over channels of |mean_t u_c| / rms_t u_c
     stuck: float = float("nan")  # fraction of channels at one non-zero value over all tokens
-    lowbits: float = float("nan")  # fp32 dumps: fraction of values with 16 zero low bits
+    lowbits: float = float("nan")  # non-zero values whose LOW_BITS[dtype] low mantissa bits are 0
     # probe responses (NaN when the dump has no probes)
     gain: float = float("nan")  # median st.std(dO)/st.rms(dI) at the largest sigma
     gain_spread: float = float("nan")  # robust spread of that gain over samples and draws
@@ -76,12 +87,13 @@ class Signals:
 class LayerSignals:
     """Accumulates the signals of one (layer, site) over the rounds, in file order."""
 
-    def __init__(self, layer: int, site: int, module: str):
-        self.sig = Signals(layer=layer, site=site, module=module)
+    def __init__(self, layer: int, site: int, module: str, phase: str = PREFILL):
+        self.sig = Signals(layer=layer, site=site, module=module, phase=phase)
         self.moments = Moments()
         self.samples: set[int] = set()
         self.per_sample: dict[str, list[float]] = {
-            k: [] for k in ("pileup", "ties", "offset", "upd", "dce", "cons", "stuck", "lowbits")
+            k: [] for k in ("pileup", "ties", "tie_excess", "offset", "upd", "dce", "cons",
+                            "stuck", "lowbits")
         }
         self.gains: dict[float, list[float]] = {}
         self.dc_dead: list[float] = []
@@ -92,24 +104,32 @@ class LayerSignals:
         self.changed: list[float] = []
         self.batch_dep: list[tuple[float, float, float]] = []
         self.diffs = st.Kurtosis()
+        self.dtypes: dict[str, int] = {}  # logical dtype -> elements seen
 
     def add(
-        self, x: np.ndarray, dtype: str, sample: int, prefill: bool, before: np.ndarray | None,
-        rows: np.ndarray | None, probes: list[Probe],
+        self, x: np.ndarray, dtype: str, sample: int, before: np.ndarray | None,
+        rows: np.ndarray | None, probes: list[Probe], valid: np.ndarray | None = None,
     ) -> None:
         """One clean record ``x`` (batch, ntok, width); ``before``: the previous block's clean
         output in the same round; ``rows``: the round's probe rows (indices into the token rows of
-        ``x``); ``probes``: this module's probe replays of the round."""
+        ``x``); ``probes``: this module's probe replays of the round; ``valid``: per token row
+        of ``x``, False for rows the attention mask excludes (padding), which no statistic
+        sees."""
+        if valid is not None and valid.size == x.size // x.shape[-1] and not valid.all():
+            x, before, rows, probes = _valid_rows(x, before, rows, probes, valid)
+            if not x.size:
+                return
         self.moments.add(x)
         self.samples.add(sample)
-        if not prefill:
-            return
+        self.dtypes[dtype] = self.dtypes.get(dtype, 0) + x.size
         acc = self.per_sample
         fin = np.isfinite(x)
         all_finite = bool(fin.all())
         finite = x.reshape(-1) if all_finite else x[fin]
         acc["pileup"].append(st.pileup(finite))
-        acc["ties"].append(st.ties(st.rows_of(x if all_finite else np.where(fin, x, 0.0))))
+        count, excess = st.ties(st.rows_of(x if all_finite else np.where(fin, x, 0.0)))
+        acc["ties"].append(count)
+        acc["tie_excess"].append(excess)
         update = x
         if before is not None and before.shape == x.shape:
             update = x - before
@@ -121,11 +141,12 @@ class LayerSignals:
         acc["offset"].append(abs(float(upd.mean())) / upd_rms if upd_rms > 0 else float("nan"))
         u = st.rows_of(update if upd_finite else np.where(fin_u, update, 0.0)).astype(np.float64)
         st.channel_signals(u, st.rows_of(x), acc)
-        if dtype == "float32":
+        mask = LOW_BITS_MASK.get(dtype)
+        if mask is not None and finite.dtype == np.float32:
             nonzero = finite != 0
             nnz = np.count_nonzero(nonzero)
             if nnz:
-                low = (finite.view(np.uint32) & np.uint32(0xFFFF)) == 0
+                low = (finite.view(np.uint32) & np.uint32(mask)) == 0
                 acc["lowbits"].append(np.count_nonzero(low & nonzero) / nnz)
         if rows is not None and probes:
             self._probes(st.rows_of(x)[rows], probes)
@@ -199,6 +220,8 @@ class LayerSignals:
         sig.nan_count, sig.inf_count = int(moments.nan_count), int(moments.inf_count)
         sig.pileup = st.nanmax(acc["pileup"])
         sig.ties = st.nanmax(acc["ties"])
+        sig.tie_excess = st.nanmax(acc["tie_excess"])
+        sig.dtype = max(self.dtypes, key=self.dtypes.__getitem__)
         sig.update_rms = med(acc["upd"])
         sig.offset = med(acc["offset"])
         sig.dc_energy = med(acc["dce"])
@@ -224,9 +247,26 @@ class LayerSignals:
         return sig
 
 
+def _valid_rows(x, before, rows, probes, valid):
+    """The arrays of one round narrowed to the rows ``valid`` keeps, as batch 1; probe rows
+    (indices into x's rows) renumbered, probe outputs narrowed with them."""
+    width = x.shape[-1]
+    x = x.reshape(-1, width)[valid][None]
+    if before is not None and before.size // before.shape[-1] == valid.size:
+        before = before.reshape(-1, width)[valid][None]
+    else:
+        before = None
+    if rows is not None:
+        keep = valid[rows]
+        new_index = np.cumsum(valid) - 1
+        rows = new_index[rows[keep]]
+        probes = [p._replace(data=st.rows_of(p.data)[keep]) for p in probes]
+    return x, before, rows, probes
+
+
 def set_kurtosis_change(signals: list[Signals]) -> None:
-    """``kurt_change`` of every block from its kurtosis and the previous block's."""
-    blocks = {g.layer: g for g in signals if g.site == BLOCK_SITE}
+    """``kurt_change`` of every block from its kurtosis and the previous block's (prefill)."""
+    blocks = {g.layer: g for g in signals if g.site == BLOCK_SITE and g.phase == PREFILL}
     for layer, g in blocks.items():
         before = blocks.get(layer - 1)
         if before is not None and g.kurtosis + 3 > 0 and before.kurtosis + 3 > 0:

@@ -29,7 +29,7 @@ class DumpConfig:
 
     dump_path: str = "srdd_dumps"
     samples: int = 8
-    steps: str = "0"
+    steps: str = "0-2,7"
     tokens: str = "all"
     layers: str | None = None
     seed: int = 0
@@ -38,7 +38,7 @@ class DumpConfig:
     draws: int = 2
     dc: list = field(default_factory=lambda: [1.0])
     repeats: int = 3
-    granularity: str = "block"
+    granularity: str = "sublayer"
     sublayers: str | None = None
     store: str = "sample:32768"
     inject: list = field(default_factory=list)

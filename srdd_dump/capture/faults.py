@@ -31,6 +31,12 @@ bitflip                   each element flips one random bit with probability ``r
 precision                 h rounded to ``dtype=bfloat16|float16`` and back
 ========================  =====================================================================
 
+Element-wise absolute limits, as a device's number format makes them: ``limit=L`` (a value) or
+``quantile=Q`` (L = the Q-quantile of |h| on the fault's first call, then fixed) turns
+dead_zone into a flush-to-zero (h = 0 where |h| < L), saturation into a clamp at +-L and bias
+into a fixed offset h + L. ``phase=decode`` (or ``prefill``) restricts any fault to one-token
+calls (or to the others): a bug in the decode kernel only.
+
 The random streams of faults come from their own seeded generators: they never touch the user's
 global RNG.
 """
@@ -78,6 +84,7 @@ class _Fault:
         self.calls = 0
         self.channels: torch.Tensor | None = None
         self.stuck_value: float | None = None
+        self.limit: float | None = None  # the element-wise absolute limit, once known
 
     def _noise(self, shape, like: torch.Tensor) -> torch.Tensor:
         return torch.randn(shape, generator=self.gen).to(device=like.device, dtype=torch.float32)
@@ -101,7 +108,11 @@ class _Fault:
         ref = x if mask is None else x[..., mask]
         amax, std, mean_abs = self._statistics(ref, o.get("scope", "batch"))
         m = s.m
-        if s.type == "dead_zone":
+        limit = self._absolute_limit(ref)
+        if limit is not None and s.type in ("dead_zone", "saturation", "bias"):
+            y = (torch.where(x.abs() < limit, torch.zeros_like(x), x) if s.type == "dead_zone"
+                 else x.clamp(-limit, limit) if s.type == "saturation" else x + limit)
+        elif s.type == "dead_zone":
             y = torch.where(x.abs() < m * amax, torch.zeros_like(x), x)
         elif s.type == "mxfp4_deadzone":
             width = x.shape[-1]
@@ -111,8 +122,7 @@ class _Fault:
             blocks = torch.where(blocks.abs() < m * bmax, torch.zeros_like(blocks), blocks)
             y = blocks.reshape(*x.shape[:-1], width + pad)[..., :width]
         elif s.type == "saturation":
-            limit = float(o["limit"]) if o.get("mode") == "absolute" else (1 - m) * amax
-            y = x.clamp(-limit, limit)
+            y = x.clamp(-(1 - m) * amax, (1 - m) * amax)
         elif s.type == "bias":
             y = x + m * std
         elif s.type == "noise":
@@ -136,6 +146,25 @@ class _Fault:
             y = torch.where(mask, y, x)
         self.calls += 1
         return y.to(h.dtype)
+
+    def _absolute_limit(self, ref: torch.Tensor) -> float | None:
+        o = self.spec.options
+        if self.limit is None and "limit" in o:
+            self.limit = float(o["limit"])
+        elif self.limit is None and "quantile" in o:
+            flat = ref.detach().abs().flatten().float()
+            q = float(o["quantile"])
+            self.limit = float(flat.kthvalue(max(1, min(flat.numel(), round(q * flat.numel()))))
+                               .values)
+        return self.limit
+
+    def applies(self, h: torch.Tensor) -> bool:
+        """The fault's phase: every call, or only one-token (decode) or multi-token calls."""
+        phase = self.spec.options.get("phase", "all")
+        if phase == "all":
+            return True
+        one_token = h.dim() >= 2 and h.shape[-2] == 1
+        return one_token if phase == "decode" else not one_token
 
     @staticmethod
     def _statistics(ref: torch.Tensor, scope: str):
@@ -170,8 +199,10 @@ class _Fault:
 
     def __call__(self, module: nn.Module, args: tuple, output: Any) -> Any:
         if isinstance(output, torch.Tensor):
-            return self.corrupt(output)
+            return self.corrupt(output) if self.applies(output) else output
         if isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor):
+            if not self.applies(output[0]):
+                return output
             return (self.corrupt(output[0]), *output[1:])
         return output
 

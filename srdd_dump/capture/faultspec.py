@@ -57,6 +57,16 @@ def parse_fault(text: str) -> FaultSpec:
         raise UserError(f"--inject {text!r}: sparsity must be in (0, 1]")
     if spec.options.get("scope", "batch") not in ("batch", "sample"):
         raise UserError(f"--inject {text!r}: scope must be batch or sample")
+    if spec.options.get("phase", "all") not in ("all", "prefill", "decode"):
+        raise UserError(f"--inject {text!r}: phase must be all, prefill or decode")
+    for key in ("limit", "quantile"):
+        if key in spec.options:
+            try:
+                value = float(spec.options[key])
+            except ValueError:
+                raise UserError(f"--inject {text!r}: {key} must be a number") from None
+            if key == "quantile" and not 0 < value < 1:
+                raise UserError(f"--inject {text!r}: quantile must be in (0, 1)")
     return spec
 
 

@@ -26,7 +26,7 @@ from . import config as cfg
 from .config import DumpConfig
 from .discovery import find_blocks, find_sites
 from .faults import install_faults
-from .probes import ProbeSpec, first_tensor, probe_seed, run_probes
+from .probes import ProbeSpec, first_tensor, is_cache, probe_seed, run_probes, snapshot_cache
 
 _TORCH_TO_LOGICAL = {
     torch.float32: "float32",
@@ -122,6 +122,8 @@ class CaptureSession:
         self._round: Round | None = None
         self._positions: torch.Tensor | None = None
         self._token_ids: torch.Tensor | None = None
+        self._attention_mask: torch.Tensor | None = None  # (batch, past + seq) of the model call
+        self._caches: dict[int, Any] = {}  # id(module) -> its layer's KV cache before the call
         self._handles: list[Any] = []
         self._closed = False
         self._install()
@@ -129,6 +131,8 @@ class CaptureSession:
 
     # -- hooks ----------------------------------------------------------------------------
     def _install(self) -> None:
+        self._handles.append(
+            self.model.register_forward_pre_hook(self._on_model_call, with_kwargs=True))
         embed = _input_embedding(self.model)
         if embed is not None:
             self._handles.append(embed.register_forward_pre_hook(self._on_embedding))
@@ -139,9 +143,13 @@ class CaptureSession:
         for index, (_, block) in enumerate(self.blocks):
             hook = self._output_hook(index, schema.BLOCK_SITE, index == len(self.blocks) - 1)
             self._handles.append(block.register_forward_hook(hook, with_kwargs=True))
+            self._handles.append(
+                block.register_forward_pre_hook(self._on_module_call, with_kwargs=True))
         for site, (layer, _, module) in enumerate(self.sites):
             hook = self._output_hook(layer, site, False)
             self._handles.append(module.register_forward_hook(hook, with_kwargs=True))
+            self._handles.append(
+                module.register_forward_pre_hook(self._on_module_call, with_kwargs=True))
 
     def _guard(self, fn, *args) -> None:
         if self._closed or self._replaying:
@@ -156,6 +164,26 @@ class CaptureSession:
             ids = args[0] if args else None
             if isinstance(ids, torch.Tensor) and not ids.is_floating_point():
                 self._token_ids = ids
+
+        self._guard(grab)
+
+    def _on_module_call(self, module: nn.Module, args: tuple, kwargs: dict | None = None
+                        ) -> None:
+        """A decode step that will be probed: keep the layer's KV cache as it is before the
+        call updates it, so the replays see what the device saw. (``kwargs`` is None when the
+        session closed itself inside this very call: torch then calls the hook without.)"""
+        if self._round is None or self._rows is None or self.step == 0 or kwargs is None:
+            return
+        self._guard(self._snapshot, module, args, kwargs)
+
+    def _snapshot(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        self._caches[id(module)] = snapshot_cache(module, args, kwargs)
+
+    def _on_model_call(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        def grab() -> None:
+            mask = kwargs.get("attention_mask")
+            self._attention_mask = (
+                mask if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None)
 
         self._guard(grab)
 
@@ -201,12 +229,27 @@ class CaptureSession:
         )
         self._rows = None if probe_rows is None else torch.from_numpy(probe_rows.astype(np.int64))
         self._add(schema.STACK_INPUT, schema.BLOCK_SITE, hidden)
+        self._add_mask(batch, seq, positions)
+
+    def _add_mask(self, batch: int, seq: int, positions: list[int]) -> None:
+        """The rows the model call's 2-D attention mask excludes (padding), as a KIND_MASK
+        record; none when every kept row is attended."""
+        mask, self._attention_mask = self._attention_mask, None
+        if mask is None or mask.shape[0] != batch or mask.shape[-1] < seq:
+            return
+        keep = mask[:, -seq:].detach().to("cpu")[:, positions] != 0
+        if bool(keep.all()):
+            return
+        array = keep.to(torch.float32).reshape(batch, len(positions), 1).numpy()
+        self._round.tensors.append(Tensor(layer=schema.STACK_INPUT, site=schema.BLOCK_SITE,
+                                          array=array, dtype="float32", kind=schema.KIND_MASK))
 
     def _choose_probe_rows(self, batch: int, ntok: int, width: int) -> np.ndarray | None:
         """Rows kept for the probe records of a prefill round (None: no probes this round):
         the first kept token of every sequence, where attention-sink tokens carry the
-        largest activations (and range faults act first), and seeded-random others."""
-        if not self._probing or self.step != 0:
+        largest activations (and range faults act first), and seeded-random others. A decode
+        step is probed whole (one token per sequence)."""
+        if not self._probing:
             return None
         n_rows = batch * ntok
         if self._store is None:
@@ -241,9 +284,13 @@ class CaptureSession:
         def seeds(kind: int, probe: int) -> int:
             return probe_seed(self.config.seed, self.sample, layer + 1, site + 1, kind, probe)
 
+        cache = self._caches.pop(id(module), None)
+        if self.step > 0 and cache is None and any(is_cache(v) for v in (*args, *kwargs.values())):
+            return  # a decode step whose past cannot be reproduced: no replay, clean data only
         self._replaying = True
         try:
-            outputs, batched = run_probes(module, args, kwargs, hidden, self.probe_spec, seeds)
+            outputs, batched = run_probes(module, args, kwargs, hidden, self.probe_spec, seeds,
+                                          cache)
         finally:
             self._replaying = False
         if batched:

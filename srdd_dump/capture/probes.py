@@ -56,13 +56,64 @@ def is_cache(value: Any) -> bool:
     return hasattr(value, "update") and hasattr(value, "get_seq_length")
 
 
-def replay_arguments(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """The call's arguments with every KV cache removed and caching turned off."""
-    args = tuple(None if is_cache(a) else a for a in args)
+class FrozenCache:
+    """One layer's KV cache as it was before the recorded call. A decode step's replay attends
+    to the same past keys and values as the device did (plus its own new token), and the real
+    cache is left alone: ``update`` returns the concatenation without storing it."""
+
+    def __init__(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor):
+        self.layer_idx, self.keys, self.values = layer_idx, keys, values
+
+    def update(self, key_states, value_states, layer_idx=None, cache_kwargs=None):
+        keys, values = self.keys, self.values
+        if keys.shape[0] != key_states.shape[0]:  # a batched replay of stacked copies
+            reps = key_states.shape[0] // max(1, keys.shape[0])
+            keys, values = keys.repeat(reps, 1, 1, 1), values.repeat(reps, 1, 1, 1)
+        return (torch.cat([keys, key_states.to(keys.dtype)], dim=-2),
+                torch.cat([values, value_states.to(values.dtype)], dim=-2))
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return int(self.keys.shape[-2])
+
+
+def layer_index(module: nn.Module) -> int | None:
+    """The cache layer index of an attention module or of the first one inside a block."""
+    for m in module.modules():
+        idx = getattr(m, "layer_idx", None)
+        if isinstance(idx, int):
+            return idx
+    return None
+
+
+def snapshot_cache(module: nn.Module, args: tuple, kwargs: dict) -> FrozenCache | None:
+    """A FrozenCache of the module's layer from the cache in its call, before the call updates
+    it; None when the call has no cache, or one of a layout this does not know."""
+    cache = next((v for v in (*args, *kwargs.values()) if is_cache(v)), None)
+    idx = layer_index(module)
+    if cache is None or idx is None:
+        return None
+    try:
+        if hasattr(cache, "layers"):  # transformers >= 4.56
+            layer = cache.layers[idx]
+            keys, values = layer.keys, layer.values
+        else:
+            keys, values = cache.key_cache[idx], cache.value_cache[idx]
+    except (IndexError, AttributeError, KeyError):
+        return None
+    if not isinstance(keys, torch.Tensor) or keys.dim() != 4 or keys.shape[-2] == 0:
+        return None
+    return FrozenCache(idx, keys.detach().clone(), values.detach().clone())
+
+
+def replay_arguments(args: tuple, kwargs: dict, cache: FrozenCache | None = None
+                     ) -> tuple[tuple, dict]:
+    """The call's arguments with every KV cache replaced by ``cache`` (a snapshot of the layer's
+    past, for a decode step) or removed, and caching turned off."""
+    args = tuple(cache if is_cache(a) else a for a in args)
     clean = {}
     for key, value in kwargs.items():
         if is_cache(value) or "past_key_value" in key or key == "layer_past":
-            value = None
+            value = cache if is_cache(value) else None
         elif key == "use_cache":
             value = False
         elif key == "output_attentions":
@@ -146,12 +197,14 @@ def run_probes(
     recorded: torch.Tensor,
     spec: ProbeSpec,
     seeds: Callable[[int, int], int],
+    cache: FrozenCache | None = None,
 ) -> tuple[list[ProbeOutput], bool]:
     """Replay ``module`` on perturbed copies of its input; returns (outputs, batched?).
 
     The first output is the reference (KIND_REPLAY) the perturbed outputs are compared with.
+    ``cache``: the layer's KV cache before the recorded call (a decode step).
     """
-    args, kwargs = replay_arguments(args, kwargs)
+    args, kwargs = replay_arguments(args, kwargs, cache)
     x, rebuild = hidden_input(args, kwargs)
     if x is None:
         raise TypeError(f"cannot find the hidden-state input of {type(module).__name__}")

@@ -12,7 +12,7 @@ import math
 import pandas as pd
 
 from ..analysis.diagnosis import LayerVerdict, diagnose, headline
-from ..analysis.signals import Signals, set_kurtosis_change
+from ..analysis.signals import DECODE, PREFILL, Signals, set_kurtosis_change
 from ..analysis.verdicts import NORMAL, VERDICT_ORDER
 from ..format import schema as s
 from .results import (
@@ -58,7 +58,7 @@ def finish(path: str, files: list[DumpFile], tasks: list[SignalTask],
             f.status, f.reason = SKIPPED, failed[n]  # the later steps (consistency) skip it too
             file_rows.append(_file_row(f.source, SKIPPED, failed[n], rank=f.rank, pid=f.pid))
             continue
-        signals = sorted(per_file.get(n, []), key=lambda g: (g.layer, g.site))
+        signals = sorted(per_file.get(n, []), key=lambda g: (g.layer, g.site, g.phase))
         set_kurtosis_change(signals)
         rows, sites, line = _diagnose_file(f, signals)
         layer_rows += rows
@@ -78,7 +78,10 @@ def finish(path: str, files: list[DumpFile], tasks: list[SignalTask],
 
 def _diagnose_file(f: DumpFile, signals: list[Signals]) -> tuple[list[dict], list[dict], str]:
     """Layer rows, sub-layer rows and the headline of one file."""
-    blocks = {g.layer: g for g in signals if g.site == s.BLOCK_SITE and g.samples}
+    blocks: dict[int, Signals] = {}  # the layer rows: prefill signals, else decode ones
+    for g in signals:
+        if g.site == s.BLOCK_SITE and g.samples and (g.layer not in blocks or g.phase == PREFILL):
+            blocks[g.layer] = g
     if not blocks:
         return [], [], ""
     verdicts = diagnose(signals, f.hidden_dtype, n_layers=max(len(f.layers), max(blocks) + 1))
@@ -87,12 +90,14 @@ def _diagnose_file(f: DumpFile, signals: list[Signals]) -> tuple[list[dict], lis
         if v.layer in blocks:
             v.module = blocks[v.layer].module
             rows.append(layer_row(f.source, blocks[v.layer], v, f.rank, f.pid))
+    shown = {id(g) for g in blocks.values()}
     sites = [site_row(f.source, g, f.rank, f.pid)
-             for g in signals if g.site != s.BLOCK_SITE and g.samples]
+             for g in signals if g.samples and id(g) not in shown]
     worst = max(verdicts, key=lambda v: v.score)
     if worst.verdict == NORMAL:
+        phases = " (prefill and decode steps)" if any(g.phase == DECODE for g in signals) else ""
         line = (f"{f.source}: no faulty layer found in {len(rows)} layers x "
-                f"{max(g.samples for g in blocks.values())} samples")
+                f"{max(g.samples for g in blocks.values())} samples{phases}")
     else:
         line = f"{f.source}: {headline(worst)}"
     return rows, sites, line
@@ -125,7 +130,8 @@ def sites_table(rows: list[dict]) -> pd.DataFrame:
     df = pd.DataFrame(rows, columns=SITE_COLUMNS)
     for col in ("rank", "pid"):
         df[col] = df[col].astype("Int64")
-    return df.sort_values(["source", "layer", "module"], kind="mergesort").reset_index(drop=True)
+    return df.sort_values(["source", "layer", "phase", "module"],
+                          kind="mergesort").reset_index(drop=True)
 
 
 def layers_table(rows: list[dict]) -> pd.DataFrame:

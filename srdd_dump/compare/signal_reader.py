@@ -13,7 +13,7 @@ from typing import Callable
 
 import numpy as np
 
-from ..analysis.signals import LayerSignals, Probe, Signals
+from ..analysis.signals import DECODE, LayerSignals, Probe, Signals
 from ..errors import first_line
 from ..format import schema as s
 from ..format.reader import DumpReader
@@ -78,6 +78,7 @@ def read_signals(
     recs = reader.records
     by_round = {int(r["round"]): r for r in reader.rounds}
     layers = {k: LayerSignals(k[0], k[1], module(*k)) for k in keys}
+    decode = {k: LayerSignals(k[0], k[1], module(*k), phase=DECODE) for k in keys}
     if not len(recs) or not keys:
         return [layers[k].result() for k in keys]
     code = _key_code(recs["layer"], recs["site"])
@@ -99,9 +100,13 @@ def read_signals(
     for i in need[order].tolist():
         groups.setdefault(int(recs["round"][i]), []).append(i)
     width_bytes = recs["nrows"].astype(np.int64) * recs["width"] * 4
+    masks = {int(recs["round"][i]): int(i) for i in np.flatnonzero(recs["kind"] == s.KIND_MASK)}
 
     for rnd in sorted(groups, key=first.__getitem__):
         row = by_round[rnd]
+        valid = None  # rows the attention mask keeps (None: every row)
+        if rnd in masks:
+            valid = reader.read(recs[masks[rnd]]).reshape(-1) != 0
         sample, prefill = int(row["sample"]), int(row["step"]) == 0
         prow = None
         if row["prow_len"] > 0:
@@ -123,16 +128,19 @@ def read_signals(
             batch.append(key)
             size += int(width_bytes[per_key[key]].sum())
             if size >= SPAN_BYTES:
-                _round_batch(reader, recs, batch, per_key, clean_prev, layers, sample,
-                             prefill, prow)
+                _round_batch(reader, recs, batch, per_key, clean_prev,
+                             layers if prefill else decode, sample, prow, valid)
                 batch, size = [], 0
         if batch:
-            _round_batch(reader, recs, batch, per_key, clean_prev, layers, sample, prefill,
-                         prow)
-    return [layers[k].result() for k in keys]
+            _round_batch(reader, recs, batch, per_key, clean_prev, layers if prefill else decode,
+                         sample, prow, valid)
+    # decode steps run other kernels than the prefill: their own signals, kept apart so that
+    # neither phase's evidence is averaged away by the other's rounds
+    return [layers[k].result() for k in keys] + [
+        decode[k].result() for k in keys if decode[k].samples]
 
 
-def _round_batch(reader, recs, batch, per_key, clean_prev, layers, sample, prefill, prow):
+def _round_batch(reader, recs, batch, per_key, clean_prev, layers, sample, prow, valid=None):
     index: list[int] = []
     for key in batch:
         index += per_key[key]
@@ -148,8 +156,8 @@ def _round_batch(reader, recs, batch, per_key, clean_prev, layers, sample, prefi
             if key[1] == s.BLOCK_SITE and key[0] - 1 in clean_prev:
                 before = data[clean_prev[key[0] - 1]]
             for i in clean:
-                layers[key].add(data[i], reader.dtype_of(recs[i]), sample, prefill, before,
-                                prow, probes)
+                layers[key].add(data[i], reader.dtype_of(recs[i]), sample, before, prow,
+                                probes, valid)
 
 
 def _probe(record: np.void, data: np.ndarray) -> Probe:

@@ -59,12 +59,17 @@ KIND_GAIN = 1
 KIND_DC = 2
 KIND_REPEAT = 3
 KIND_REPLAY = 4
+# The rows of a round that the attention mask excludes (padding): one record per round at
+# (STACK_INPUT, BLOCK_SITE), width 1, 1.0 = a row every statistic uses, 0.0 = excluded.
+# Written only when a row is excluded. Readers that predate it never select it (layer -1).
+KIND_MASK = 5
 KIND_NAMES = {
     KIND_CLEAN: "clean",
     KIND_GAIN: "gain",
     KIND_DC: "dc",
     KIND_REPEAT: "repeat",
     KIND_REPLAY: "replay",
+    KIND_MASK: "mask",
 }
 
 ROUND_DTYPE = np.dtype(
