@@ -1,19 +1,26 @@
-"""Detection benchmark: plant faults in the real SmolLM2-135M and check the reference-free
-diagnosis names the faulty layer. Uses only the public API (register_hook with
-``DumpConfig(inject=...)``, then ``compare_path``); the diagnosis never sees the fault.
+"""Detection benchmark: plant device-like faults in the real SmolLM2-135M during generation and
+check that the reference-free diagnosis names the faulty layer, with default capture options.
+Uses only the public API (register_hook with ``DumpConfig(inject=...)``, then ``compare_path``);
+the diagnosis never sees the fault.
 
     python bench/detect.py [--quick] [--out bench/results/detect.csv] [--resume]
-    python bench/detect.py --healthy-only          # calibration: healthy runs only
     python bench/detect.py --shard 0/2 --threads 1 --out a.csv &   # two cores: two shards
     python bench/detect.py --shard 1/2 --threads 1 --out b.csv; wait
-    python bench/detect.py --summarize a.csv b.csv
+    python bench/detect.py --summarize a.csv b.csv [--plot docs/detection.png]
 
-Each case: one fault spec, one seed r (fault channel subset and srdd-dump seed) and one prompt
-set r (2 prompts). Block-output faults are dumped with the default ``--granularity block``,
-MLP/attention faults with ``--granularity sublayer``; healthy runs with ``sublayer`` (the
-stricter test: more modules that could raise a false alarm). Healthy runs: prompt sets 0..4
-in fp32 and bf16. Rows are appended to the output CSV as they finish, so ``--resume``
-continues an interrupted run.
+Honest scoring:
+* a hit is the planted layer as the top row **with verdict FAULT** (a shared-kernel case: the top
+  row's diagnosis ``SYSTEMIC_<FAMILY>``); SUSPECT at the planted layer is counted apart; FAULT
+  rows on other layers are counted per case;
+* faults are what devices make: element-wise absolute limits (a flush-to-zero below the
+  Q-quantile of the site's |h|, a clamp above it, a fixed offset), per-sequence ranges, noise,
+  on the block, attention or MLP output, inside operators (up_proj, v_proj, the activation),
+  decode steps only, one kernel shared by every layer, and two faults at once; whole-tensor
+  ranges are one more group; magnitudes swept from small to large;
+* healthy runs are NOT the calibration runs: other prompts, lengths from 10 to 2,000 tokens,
+  left-padded batches, bf16, fp16, fp32 under bf16 autocast, and tiny Qwen2 / GPT-2 / BERT.
+
+Each case: 2 prompts (a prompt set chosen by the seed), greedy generation of 8 new tokens.
 """
 
 from __future__ import annotations
@@ -26,227 +33,318 @@ import statistics
 import sys
 import tempfile
 import time
-from itertools import product
 
-import numpy as np
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "fixtures"))
 
 from srdd_dump import DumpConfig, register_hook  # noqa: E402
-from srdd_dump.analysis.diagnosis import relative_z, site_groups  # noqa: E402
-from srdd_dump.compare import compare_path, file_signals  # noqa: E402
-from srdd_dump.format.reader import find_dump_files  # noqa: E402
+from srdd_dump.compare import compare_path  # noqa: E402
 
 from smollm2 import load  # noqa: E402
 
-TYPES = ("dead_zone", "saturation", "bias", "noise", "spike", "nondeterminism")
-LAYERS = (0, 1, 2, 10, 20, 28, 29)
-SITES = ("block", "mlp", "attn")
-SPARSITY = (1.0, 0.1)
-SEEDS = (0, 1, 2)
-PROMPTS_PER_SET = 2
+N_LAYERS = 30
+LAYERS = (1, 10, 20, 28)
+NEW_TOKENS = 8
 FIELDS = [
-    "kind", "scope", "type", "sparsity", "site", "layer", "seed", "dtype", "top1", "top3", "rank",
-    "predicted", "verdict_at_fault", "diagnosis_at_fault", "n_fault", "n_suspect",
-    "seconds", "headline",
+    "kind", "group", "spec", "layer", "site", "type", "magnitude", "seed", "dtype", "hit",
+    "suspect_at_fault", "top_layer", "top_verdict", "top_diagnosis", "verdict_at_fault",
+    "n_fault", "n_fault_other", "n_suspect", "seconds", "headline",
 ]
 
 
-def prompt_ids(tokenizer, prompt_set: int) -> list[torch.Tensor]:
+def prompt_ids(tokenizer, prompt_set: int, n: int = 2, tokens: int | None = None):
     with open(os.path.join(HERE, "..", "fixtures", "prompts.txt")) as fh:
         prompts = [line.strip() for line in fh if line.strip()]
-    chosen = [prompts[(prompt_set * PROMPTS_PER_SET + i) % len(prompts)]
-              for i in range(PROMPTS_PER_SET)]
     out = []
-    for p in chosen:
+    for i in range(n):
+        p = prompts[(prompt_set * n + i) % len(prompts)]
+        if tokens:  # a long prompt: the text repeated to about that many tokens
+            p = " ".join([p] * max(1, tokens // max(1, len(tokenizer(p).input_ids))))
         text = tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
                                              add_generation_prompt=True)
         out.append(tokenizer(text, return_tensors="pt").input_ids)
     return out
 
 
-def run_case(model, ids, inject: list[str], seed: int, granularity: str = "sublayer"
-             ) -> tuple[object, str, float]:
+def run(model, ids, inject=(), seed=0, pad=False, autocast=False, decoder=True):
+    """Capture with default options while the model generates; the compare result."""
     tmp = tempfile.mkdtemp(prefix="srdd-detect-")
     t = time.perf_counter()
-    config = DumpConfig(dump_path=tmp, samples=len(ids), granularity=granularity,
-                        inject=inject, seed=seed, progress=False)
-    with register_hook(model, config), torch.no_grad():
-        for x in ids:
-            model(input_ids=x)
-    result = compare_path(tmp, progress=False)
-    return result, tmp, time.perf_counter() - t
+    config = DumpConfig(dump_path=tmp, samples=len(ids), inject=list(inject), seed=seed,
+                        progress=False)
+    try:
+        with register_hook(model, config), torch.no_grad(), \
+                torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            if pad:  # one left-padded batch of all the prompts
+                width = max(x.shape[1] for x in ids)
+                batch = torch.zeros(len(ids), width, dtype=torch.long)
+                mask = torch.zeros_like(batch)
+                for i, x in enumerate(ids):
+                    batch[i, width - x.shape[1]:] = x[0]
+                    mask[i, width - x.shape[1]:] = 1
+                model.generate(batch, attention_mask=mask, max_new_tokens=NEW_TOKENS,
+                               do_sample=False, pad_token_id=0)
+            else:
+                for x in ids:
+                    if decoder:
+                        model.generate(x, max_new_tokens=NEW_TOKENS, do_sample=False,
+                                       pad_token_id=0)
+                    else:
+                        model(input_ids=x)
+        result = compare_path(tmp, progress=False)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return result, time.perf_counter() - t
 
 
-def score_case(result, layer: int | None) -> dict:
+def score(result, layer: int | None, systemic: bool = False) -> dict:
     t = result.layers
-    order = list(t["layer"])
+    top = t.iloc[0]
     row = {
-        "predicted": order[0], "n_fault": int((t["verdict"] == "FAULT").sum()),
+        "top_layer": int(top["layer"]), "top_verdict": top["verdict"],
+        "top_diagnosis": top["diagnosis"], "n_fault": int((t["verdict"] == "FAULT").sum()),
         "n_suspect": int((t["verdict"] == "SUSPECT").sum()),
         "headline": result.headlines[0] if result.headlines else "",
     }
-    if layer is not None:
-        rank = order.index(layer) + 1
+    if systemic:
+        row["hit"] = int(top["verdict"] == "FAULT"
+                         and str(top["diagnosis"]).startswith("SYSTEMIC_"))
+        row["n_fault_other"] = 0
+    elif layer is not None:
         at = t[t["layer"] == layer].iloc[0]
-        row.update(top1=int(rank == 1), top3=int(rank <= 3), rank=rank,
-                   verdict_at_fault=at["verdict"], diagnosis_at_fault=at["diagnosis"])
+        row.update(
+            hit=int(int(top["layer"]) == layer and top["verdict"] == "FAULT"),
+            suspect_at_fault=int(at["verdict"] == "SUSPECT"), verdict_at_fault=at["verdict"],
+            n_fault_other=int(((t["verdict"] == "FAULT") & (t["layer"] != layer)).sum()),
+        )
     return row
 
 
-def calibration_row(tmp: str) -> dict:
-    """Largest healthy values of the relative z-scores and exact signals (for docs/method.md)."""
-    (path,) = find_dump_files(tmp)
-    sigs = file_signals(path)
-    out: dict[str, float] = {}
-    for group in site_groups(sigs).values():
-        z = relative_z(group)
-        for name, values in z.items():
-            out[f"z_{name}"] = max(out.get(f"z_{name}", 0.0), float(np.nanmax(np.abs(values))))
-    for name in ("zero_frac", "ties", "instability", "flat_value", "stuck", "lowbits",
-                 "batch_dep"):
-        vals = [getattr(g, name) for g in sigs]
-        vals = [v for v in vals if np.isfinite(v)]
-        out[name] = max(vals) if vals else float("nan")
+# -- the cases ---------------------------------------------------------------------------------
+
+
+def fault_cases(quick: bool):
+    """(group, type, magnitude, specs, planted layer, site) for every fault case."""
+    layers = (10, 28) if quick else LAYERS
+    out = []
+    # element-wise absolute limits (the default group): fraction of the site's values touched
+    for site in ("mlp", "attn", "block"):
+        for layer in layers:
+            for q in (0.01, 0.1, 0.5):
+                out.append(("absolute", "flush_to_zero", q,
+                            [f"dead_zone@layer={layer},site={site},quantile={q}"], layer, site))
+            for q in (0.999, 0.99, 0.9):
+                out.append(("absolute", "clamp", round(1 - q, 4),
+                            [f"saturation@layer={layer},site={site},quantile={q}"], layer, site))
+            for q in (0.5,):
+                out.append(("absolute", "offset", q,
+                            [f"bias@layer={layer},site={site},quantile={q}"], layer, site))
+    # inside operators
+    for layer in layers:
+        for site, kind, opt in (("mlp.up_proj", "flush_to_zero", "dead_zone@{},quantile=0.1"),
+                                ("mlp.act_fn", "clamp", "saturation@{},quantile=0.99"),
+                                ("self_attn.v_proj", "offset", "bias@{},quantile=0.5"),
+                                ("mlp.up_proj", "precision", "precision@{},dtype=bfloat16")):
+            spec = opt.format(f"layer={layer},site={site}")
+            out.append(("operator", kind, float("nan"), [spec], layer, site))
+    # per-sequence ranges and noise, magnitudes swept
+    for site in ("mlp", "attn"):
+        for layer in layers:
+            for m in (0.01, 0.1, 0.3):
+                out.append(("per-sequence", "dead_zone", m,
+                            [f"dead_zone@layer={layer},site={site},m={m},scope=sample"], layer,
+                            site))
+                out.append(("per-sequence", "saturation", m,
+                            [f"saturation@layer={layer},site={site},m={m},scope=sample"],
+                            layer, site))
+            for m in (0.001, 0.01, 0.1):
+                out.append(("per-sequence", "noise", m,
+                            [f"noise@layer={layer},site={site},m={m}"], layer, site))
+    # decode steps only
+    for layer in layers:
+        for kind, spec in (("flush_to_zero", "dead_zone@{},quantile=0.1"),
+                           ("clamp", "saturation@{},quantile=0.99"),
+                           ("noise", "noise@{},m=0.01"), ("offset", "bias@{},quantile=0.5")):
+            out.append(("decode-only", kind, float("nan"),
+                        [spec.format(f"layer={layer},site=attn,phase=decode")], layer, "attn"))
+    # one kernel shared by every layer
+    for kind, spec in (("flush_to_zero", "dead_zone@{},quantile=0.1"),
+                       ("clamp", "saturation@{},quantile=0.99"), ("noise", "noise@{},m=0.01")):
+        specs = [spec.format(f"layer={k},site=mlp") for k in range(N_LAYERS)]
+        out.append(("shared-kernel", kind, float("nan"), specs, None, "mlp"))
+    # two faults at once: the earlier one is the planted layer to find first
+    for a, b in ((3, 20), (10, 25)):
+        out.append(("two-faults", "flush+clamp", float("nan"),
+                    [f"dead_zone@layer={a},site=mlp,quantile=0.1",
+                     f"saturation@layer={b},site=attn,quantile=0.99"], a, "mlp"))
+    # whole-tensor ranges (the former default simulator)
+    for layer in layers:
+        for kind in ("dead_zone", "saturation", "bias"):
+            out.append(("whole-tensor", kind, 0.3,
+                        [f"{kind}@layer={layer},site=mlp,m=0.3,scope=batch"], layer, "mlp"))
     return out
 
 
-def cases(quick: bool):
-    if quick:
-        yield from product(("dead_zone", "bias", "noise"), (1.0, 0.1), ("block", "mlp"),
-                           (1, 10, 28), (0,))
-        return
-    # seeds outermost: a run stopped early still covers every case for its first seeds
-    for seed, kind, sparsity, site, layer in product(SEEDS, TYPES, SPARSITY, SITES, LAYERS):
-        yield kind, sparsity, site, layer, seed
+def healthy_cases(quick: bool):
+    """(name, dtype, runner kwargs) for the held-out healthy runs."""
+    out = [("other prompts", "float32", dict(prompt_set=20 + k)) for k in range(2 if quick else 4)]
+    out += [("bf16", "bfloat16", dict(prompt_set=30 + k)) for k in range(1 if quick else 2)]
+    out += [("fp16", "float16", dict(prompt_set=40))]
+    out += [("autocast bf16", "float32", dict(prompt_set=50, autocast=True))]
+    out += [("left-padded batch", "float32", dict(prompt_set=60, pad=True))]
+    out += [("left-padded batch bf16", "bfloat16", dict(prompt_set=61, pad=True))]
+    out += [(f"{n} tokens", "float32", dict(prompt_set=70, tokens=n, n=1))
+            for n in ((10, 2000) if quick else (10, 500, 2000))]
+    out += [(f"tiny {arch}", arch, dict(prompt_set=80)) for arch in ("qwen2", "gpt2", "bert")]
+    return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.path.join(HERE, "results", "detect.csv"))
-    ap.add_argument("--quick", action="store_true", help="a small subset (about 40 runs)")
+    ap.add_argument("--quick", action="store_true", help="a subset")
     ap.add_argument("--resume", action="store_true", help="skip cases already in --out")
-    ap.add_argument("--healthy-only", action="store_true")
-    ap.add_argument("--healthy-sets", type=int, default=5)
-    ap.add_argument("--shard", default="0/1", help="i/n: run every n-th case from the i-th "
-                    "(run n processes with --threads 1 to use n cores)")
+    ap.add_argument("--shard", default="0/1", help="i/n: run every n-th case from the i-th")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--healthy-only", action="store_true")
+    ap.add_argument("--faults-only", action="store_true")
     ap.add_argument("--summarize", nargs="*", help="only print the summary of these CSVs")
-    ap.add_argument("--done-from", nargs="*", default=[], help="also skip cases in these CSVs")
-    ap.add_argument("--scope", choices=("batch", "sample"), default="batch",
-                    help="fault statistics over the whole output tensor (default) or per "
-                    "sequence (--scope sample: nothing depends on the batch)")
-    ap.add_argument("--types", default=",".join(TYPES), help="fault types to run")
+    ap.add_argument("--plot", help="with --summarize: a PNG of detection against magnitude")
     args = ap.parse_args()
     if args.summarize:
-        summarize(*args.summarize)
+        summarize(args.summarize, args.plot)
         return
     shard, shards = (int(v) for v in args.shard.split("/"))
     torch.set_num_threads(args.threads)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     done = set()
-    for path in ([args.out] if args.resume else []) + args.done_from:
-        if os.path.exists(path):
-            with open(path) as fh:
-                done |= {(r["kind"],
-                          r.get("scope") or ("batch" if r["kind"] == "fault" else ""),
-                          r["type"], r["sparsity"],
-                          r["site"], r["layer"], r["seed"], r["dtype"])
-                         for r in csv.DictReader(fh)}
+    if args.resume and os.path.exists(args.out):
+        with open(args.out) as fh:
+            done = {(r["kind"], r["spec"], r["dtype"]) for r in csv.DictReader(fh)}
     new_file = not (args.resume and os.path.exists(args.out))
     out = open(args.out, "w" if new_file else "a", newline="")
     writer = csv.DictWriter(out, fieldnames=FIELDS, extrasaction="ignore")
     if new_file:
         writer.writeheader()
-    models = {}
+    models: dict = {}
 
-    def model_for(dtype):
-        if dtype not in models:
-            models[dtype] = load(dtype)
-        return models[dtype]
+    def model_for(name: str):
+        if name not in models:
+            if name in ("qwen2", "gpt2", "bert"):
+                from tiny_models import build
 
-    calib = []
-    for i, (dtype, prompt_set) in enumerate(product(("float32", "bfloat16"),
-                                                    range(args.healthy_sets))):
-        key = ("healthy", "", "", "", "", "", str(prompt_set), dtype)
-        if key in done or i % shards != shard:
+                models[name] = (build(name), None)
+            else:
+                models[name] = load(name)
+        return models[name]
+
+    todo = []
+    if not args.faults_only:
+        todo += [("healthy", c) for c in healthy_cases(args.quick)]
+    if not args.healthy_only:
+        todo += [("fault", c) for c in fault_cases(args.quick)]
+    for i, (kind, case) in enumerate(todo):
+        if i % shards != shard:
             continue
-        model, tok = model_for(dtype)
-        result, tmp, secs = run_case(model, prompt_ids(tok, 100 + prompt_set), [], prompt_set)
-        calib.append((dtype, calibration_row(tmp)))
-        shutil.rmtree(tmp, ignore_errors=True)
-        row = dict(kind="healthy", seed=prompt_set, dtype=dtype, seconds=round(secs, 2),
-                   **score_case(result, None))
+        if kind == "healthy":
+            name, dtype, opts = case
+            if ("healthy", name, dtype) in done:
+                continue
+            model, tok = model_for(dtype)
+            opts = dict(opts)
+            prompt_set, n, tokens = opts.pop("prompt_set"), opts.pop("n", 2), opts.pop("tokens",
+                                                                                      None)
+            if tok is None:  # a tiny random model: random token ids
+                gen = torch.Generator().manual_seed(prompt_set)
+                ids = [torch.randint(1, 128, (1, 20 + 7 * k), generator=gen) for k in range(2)]
+            else:
+                ids = prompt_ids(tok, prompt_set, n, tokens)
+            result, secs = run(model, ids, seed=prompt_set, decoder=dtype != "bert", **opts)
+            row = dict(kind="healthy", group="healthy", spec=name, dtype=dtype,
+                       seconds=round(secs, 1), **score(result, None))
+            print(f"healthy {name} ({dtype}): {row['n_fault']} FAULT, {row['n_suspect']} "
+                  f"SUSPECT; {row['headline'][:160]}", flush=True)
+        else:
+            group, ftype, magnitude, specs, layer, site = case
+            spec = " + ".join(specs) if len(specs) <= 2 else f"{specs[0]} (x{len(specs)})"
+            if ("fault", spec, "float32") in done:
+                continue
+            model, tok = model_for("float32")
+            seed = i % 5
+            result, secs = run(model, prompt_ids(tok, seed), specs, seed=seed)
+            row = dict(kind="fault", group=group, spec=spec, layer=layer, site=site,
+                       type=ftype, magnitude=magnitude, seed=seed, dtype="float32",
+                       seconds=round(secs, 1),
+                       **score(result, layer, systemic=group == "shared-kernel"))
+            print(f"{spec}: hit {row['hit']}, top {row['top_layer']} {row['top_verdict']} "
+                  f"{row['top_diagnosis']}, other FAULT {row['n_fault_other']} ({secs:.0f}s)",
+                  flush=True)
         writer.writerow(row)
         out.flush()
-        print(f"healthy {dtype} set {prompt_set}: {row['n_fault']} FAULT, "
-              f"{row['n_suspect']} SUSPECT; {row['headline']}", flush=True)
-    for dtype in ("float32", "bfloat16"):
-        rows = [c for d, c in calib if d == dtype]
-        if rows:
-            print(f"healthy maxima {dtype}:", {k: round(max(c[k] for c in rows), 4)
-                                               for k in rows[0]})
-    if args.healthy_only:
-        return
-    model, tok = model_for("float32")
-    types = args.types.split(",")
-    todo = [c for c in cases(args.quick) if c[0] in types]
-    for i, (kind, sparsity, site, layer, seed) in enumerate(todo):
-        key = ("fault", args.scope, kind, str(sparsity), site, str(layer), str(seed), "float32")
-        if key in done or i % shards != shard:
-            continue
-        spec = (f"{kind}@layer={layer},site={site},sparsity={sparsity},seed={seed},"
-                f"scope={args.scope}")
-        # block faults are looked for with the default block granularity; faults inside a
-        # block with --granularity sublayer, as a user hunting an operator would run it
-        granularity = "block" if site == "block" else "sublayer"
-        result, tmp, secs = run_case(model, prompt_ids(tok, seed), [spec], seed, granularity)
-        shutil.rmtree(tmp, ignore_errors=True)
-        row = dict(kind="fault", scope=args.scope, type=kind, sparsity=sparsity, site=site,
-                   layer=layer, seed=seed, dtype="float32", seconds=round(secs, 2),
-                   **score_case(result, layer))
-        writer.writerow(row)
-        out.flush()
-        print(f"{spec}: rank {row['rank']} ({row['verdict_at_fault']} "
-              f"{row['diagnosis_at_fault']}) {secs:.1f}s", flush=True)
     out.close()
-    summarize(args.out)
+    summarize([args.out], None)
 
 
-def summarize(*paths: str) -> None:
+def summarize(paths: list[str], plot: str | None) -> None:
     import pandas as pd
 
     df = pd.concat([pd.read_csv(p) for p in paths], ignore_index=True)
-    df["scope"] = df["scope"].fillna("batch") if "scope" in df else "batch"
+    faults = df[df["kind"] == "fault"]
     healthy = df[df["kind"] == "healthy"]
-    for scope, faults in df[df["kind"] == "fault"].groupby("scope"):
-        lines = [f"fault statistics scope = {scope}", "",
-                 "| group | cases | top-1 | top-3 |", "|---|---|---|---|"]
-        groups = [
-            ("all faults", faults),
-            ("dense (block output)",
-             faults[(faults["sparsity"] == 1.0) & (faults["site"] == "block")]),
-            ("dense (all sites)", faults[faults["sparsity"] == 1.0]),
-            ("sparse 10% (all sites)", faults[faults["sparsity"] != 1.0]),
-            ("sub-layer (mlp + attn)", faults[faults["site"] != "block"]),
-        ]
-        for col in ("type", "site", "sparsity", "layer"):
-            groups += [(f"{col} = {value}", sub) for value, sub in faults.groupby(col)]
-        groups += [(f"{kind}, sparsity {sparsity}", sub)
-                   for (kind, sparsity), sub in faults.groupby(["type", "sparsity"])]
-        lines += [f"| {name} | {len(sub)} | {sub['top1'].mean():.1%} | {sub['top3'].mean():.1%} |"
-                  for name, sub in groups if len(sub)]
-        print("\n".join(lines) + "\n")
-        misses = faults[faults["top1"] == 0]
-        if len(misses):
-            print("misses by type/sparsity/site:")
-            print(misses.groupby(["type", "sparsity", "site"]).size().to_string() + "\n")
-    print(f"\nhealthy runs: {len(healthy)}, FAULT verdicts on them: "
-          f"{int(healthy['n_fault'].sum())}, SUSPECT: {int(healthy['n_suspect'].sum())}")
-    print(f"seconds per diagnosis (dump 2 prompts with sublayer probes + compare): median "
-          f"{statistics.median(df['seconds']):.2f}, max {df['seconds'].max():.2f}")
+    lines = ["| group | type | cases | hit (top-1 FAULT) | SUSPECT at the fault | "
+             "cases with FAULT rows elsewhere |", "|---|---|---|---|---|---|"]
+    for (group, ftype), sub in faults.groupby(["group", "type"], sort=False):
+        lines.append(f"| {group} | {ftype} | {len(sub)} | {sub['hit'].mean():.0%} | "
+                     f"{sub['suspect_at_fault'].fillna(0).mean():.0%} | "
+                     f"{(sub['n_fault_other'].fillna(0) > 0).mean():.0%} |")
+    for group, sub in faults.groupby("group", sort=False):
+        lines.append(f"| **{group}** | all | {len(sub)} | **{sub['hit'].mean():.0%}** | "
+                     f"{sub['suspect_at_fault'].fillna(0).mean():.0%} | "
+                     f"{(sub['n_fault_other'].fillna(0) > 0).mean():.0%} |")
+    lines.append(f"| **all faults** | | {len(faults)} | **{faults['hit'].mean():.0%}** | | |")
+    print("\n".join(lines) + "\n")
+    if len(healthy):
+        rows = len(healthy) * N_LAYERS
+        print("| healthy run | dtype | FAULT rows | SUSPECT rows | headline |")
+        print("|---|---|---|---|---|")
+        for _, r in healthy.iterrows():
+            print(f"| {r['spec']} | {r['dtype']} | {r['n_fault']} | {r['n_suspect']} | "
+                  f"{str(r['headline'])[:90]} |")
+        print(f"\nheld-out healthy runs: {len(healthy)}, FAULT rows {int(healthy['n_fault'].sum())}"
+              f", SUSPECT rows {int(healthy['n_suspect'].sum())} (of about {rows})")
+    misses = faults[faults["hit"] == 0]
+    if len(misses):
+        print("\nmisses:")
+        for _, r in misses.iterrows():
+            print(f"  {r['spec']}: top {r['top_layer']} {r['top_verdict']} {r['top_diagnosis']}")
+    print(f"\nseconds per case (capture while generating + compare): median "
+          f"{statistics.median(df['seconds']):.1f}, max {df['seconds'].max():.1f}")
+    if plot:
+        _plot(faults, plot)
+
+
+def _plot(faults, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    swept = faults[faults["magnitude"].notna() & faults["group"].isin(
+        ["absolute", "per-sequence"])]
+    for (group, ftype), sub in swept.groupby(["group", "type"]):
+        curve = sub.groupby("magnitude")["hit"].mean()
+        ax.plot(curve.index, curve.values, marker="o", label=f"{group}: {ftype}")
+    ax.set_xscale("log")
+    ax.set_xlabel("magnitude (absolute: share of the site's values touched; per-sequence: m)")
+    ax.set_ylabel("hit rate (top-1 FAULT)")
+    ax.set_ylim(-0.05, 1.05)
+    ax.legend(fontsize=7, loc="lower right")
+    ax.set_title("SmolLM2-135M, default capture, generation")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 if __name__ == "__main__":

@@ -46,6 +46,11 @@ def dump(
     seed: int = typer.Option(D.seed, "--seed", help="Seed of srdd-dump's own random choices."),
     probes: str = typer.Option(D.probes, "--probes", help="Layer-local replay probes "
                                "on each captured prefill: gain,dc,repeat or none."),
+    probe_steps: str = typer.Option(D.probe_steps, "--probe-steps", help="Which captured "
+                                    "steps are probed too (--steps syntax, or all; 0: the "
+                                    "prefill only)."),
+    probe_samples: int = typer.Option(D.probe_samples, "--probe-samples", help="Probe the first "
+                                      "N samples; later ones are captured without probes."),
     sigma: list[float] = typer.Option(D.sigmas, "--sigma", help="Gain probe noise size "
                                       "relative to each token's std (repeatable)."),
     draws: int = typer.Option(D.draws, "--draws", help="Gain noise draws per sigma."),
@@ -79,7 +84,8 @@ def dump(
     try:
         config = DumpConfig(
             dump_path=output, samples=samples, steps=steps, tokens=tokens, layers=layers,
-            seed=seed, probes=probes, sigmas=list(sigma), draws=draws, dc=list(dc),
+            seed=seed, probes=probes, probe_steps=probe_steps,
+            probe_samples=probe_samples, sigmas=list(sigma), draws=draws, dc=list(dc),
             repeats=repeats, granularity=granularity, sublayers=sublayers, store=store,
             inject=list(inject), batch_probes=batch_probes, progress=not quiet,
         )

@@ -20,6 +20,7 @@ SUSPECT. A layer's score is the maximum over the block and its sub-layers.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -52,6 +53,7 @@ LOWBITS = 0.5  # values whose LOW_BITS[dtype] low mantissa bits are 0; healthy 2
 # A family at FAULT level on at least this share (and SYSTEMIC_MIN) of the layers of one site
 # kind is one shared kernel, reported as SYSTEMIC_<FAMILY> rather than as many sources.
 SYSTEMIC_SHARE = 0.5
+NULL_Z = 3.0  # standard errors of a rate's lower bound (lower_bound)
 # exact zeros of which fewer than this share stay 0 under the module's own replay are inherited
 INHERITED = 0.1
 SYSTEMIC_MIN = 3
@@ -122,6 +124,20 @@ def _site_kind(sig: Signals) -> str:
     return name if sig.phase == PREFILL else f"{name}@{sig.phase}"
 
 
+def lower_bound(rate: float, n: int, z: float = NULL_Z) -> float:
+    """Wilson lower confidence bound of a rate seen on ``n`` values: the rate that a count of
+    this size, on this many values, shows at least (z standard errors). Null model: each value
+    is independently an exception (a zero, an unmoved value, a low-precision value) with the
+    healthy probability; a fraction seen on few values (one decode token of a narrow model) is
+    only evidence when it exceeds the limit by more than chance allows. n <= 0: the rate."""
+    if not n or n <= 0 or not np.isfinite(rate):
+        return rate
+    z2 = z * z
+    centre = rate + z2 / (2 * n)
+    spread = z * math.sqrt(max(rate * (1 - rate), 0.0) / n + z2 / (4 * n * n))
+    return max(0.0, (centre - spread) / (1 + z2 / n))
+
+
 def _exact_evidence(sig: Signals, dtype: str, instab_median: float) -> list[Evidence]:
     ev: list[Evidence] = []
     where = sig.module if sig.phase == PREFILL else f"{sig.module} ({sig.phase} steps)"
@@ -129,17 +145,19 @@ def _exact_evidence(sig: Signals, dtype: str, instab_median: float) -> list[Evid
     if sig.nan_count or sig.inf_count:
         ev.append(Evidence("OVERFLOW", 1e3, f"{sig.nan_count} NaN, {sig.inf_count} Inf in {where}"))
     zero_limit = ZERO_FRAC.get(dtype, 1e-3)
-    if sig.zero_frac > SUSPECT_RATIO * zero_limit:
+    zeros = lower_bound(sig.zero_frac, sig.n_values)
+    if zeros > SUSPECT_RATIO * zero_limit:
         extra = f", dc response exactly 0 on {sig.dc_dead:.1%}" if sig.dc_dead > 0 else ""
         # the module's own replay moves its zeros (few stay 0 under every perturbation): they
         # came in with its input, from an earlier layer
         moved = np.isfinite(sig.flat_zero) and sig.flat_zero < INHERITED * sig.zero_frac
-        ev.append(Evidence("DEAD_ZONE", sig.zero_frac / zero_limit,
+        ev.append(Evidence("DEAD_ZONE", zeros / zero_limit,
                            f"{sig.zero_frac:.2%} exact zeros in {where}{extra}",
                            inheritable=bool(moved)))
     flat_limit = FLAT_VALUE.get(dtype, 1e-3)
-    if sig.flat_value > SUSPECT_RATIO * flat_limit:
-        ev.append(Evidence("SAT_SOURCE", sig.flat_value / flat_limit,
+    flat = lower_bound(sig.flat_value, sig.n_probed)
+    if flat > SUSPECT_RATIO * flat_limit:
+        ev.append(Evidence("SAT_SOURCE", flat / flat_limit,
                            f"{sig.flat_value:.2%} of non-zero elements in {where} do not move "
                            "under a dc shift of the input (clipped)"))
     if sig.stuck > STUCK_FRAC:
@@ -177,8 +195,9 @@ def _exact_evidence(sig: Signals, dtype: str, instab_median: float) -> list[Evid
             + (f", at its extremes ({sig.batch_dep_moved:.2%} of the elements, at "
                f"{sig.batch_dep_level:.2f} max|x|): a clip limit taken from the whole batch"
                if at_edge else ""), secondary=True))
-    if dtype in LOW_BITS and sig.lowbits > SUSPECT_RATIO * LOWBITS:
-        ev.append(Evidence("PRECISION", sig.lowbits / LOWBITS,
+    low = lower_bound(sig.lowbits, sig.n_values)
+    if dtype in LOW_BITS and low > SUSPECT_RATIO * LOWBITS:
+        ev.append(Evidence("PRECISION", low / LOWBITS,
                            f"{sig.lowbits:.0%} of the {dtype} values in {where} have their "
                            f"{LOW_BITS[dtype]} low mantissa bits 0 (a lower precision)"))
     return ev
@@ -248,9 +267,13 @@ def diagnose(signals: list[Signals], dtype: str, n_layers: int) -> list[LayerVer
                 items.append(ev)
         for family, (count, of) in _shared_families(per_layer).items():
             # the same count at a block and inside it: the sub-layer is the narrower name
+            # the same count at a block and inside it: the sub-layer is the narrower name;
+            # in both phases: the prefill's
+            def rank(kind_: str, count_: int) -> tuple:
+                return count_, not kind_.startswith("block"), "@" not in kind_
+
             known = systemic.get(family, ("block", 0, 0))
-            if (count, not kind.startswith("block")) > (known[1],
-                                                        not known[0].startswith("block")):
+            if rank(kind, count) > rank(known[0], known[1]):
                 systemic[family] = (kind, count, of)
         for sig, items in zip(group, per_layer):
             for ev in items:
@@ -343,6 +366,7 @@ def headline(v: LayerVerdict) -> str:
         named = [e for e in v.evidence if e.family == family] or [top]
         top = max(named, key=lambda e: e.strength)
         what = FAMILY_WORDS.get(family, family.replace("_", " ").lower())
+        kind = kind.replace("@", " (") + " steps)" if "@" in kind else kind
         return (f"every {kind} ({count}/{of} layers): {v.verdict} - SYSTEMIC {what}, one "
                 f"shared kernel; strongest at layer {v.layer}: {top.text} "
                 f"({top.strength:.3g}x the FAULT limit)")

@@ -51,6 +51,7 @@ class Signals:
     kurtosis: float = float("nan")
     kurt_change: float = float("nan")  # blocks: log((kurtosis_k + 3) / (kurtosis_{k-1} + 3))
     zero_frac: float = float("nan")
+    n_values: int = 0  # clean values behind the fractions above (their sample size)
     nan_count: int = 0
     inf_count: int = 0
     # shape of the clean output
@@ -72,6 +73,7 @@ class Signals:
     flat_zero: float = float("nan")  # fraction unmoved by dc and every top-sigma gain draw, =0
     flat_value: float = float("nan")  # ... the same with a non-zero value (clipped)
     dc_low: float = float("nan")  # fraction with |dc response| < 0.15 x its median
+    n_probed: int = 0  # values judged by the probes in a round (median): their sample size
     instability: float = float("nan")  # max st.rms(repeat - clean) / st.rms(clean)
     instab_changed: float = float("nan")  # fraction of elements a repeat changed (max)
     instab_kurtosis: float = float("nan")  # excess kurtosis of (repeat - clean) differences
@@ -100,6 +102,7 @@ class LayerSignals:
         self.dc_low: list[float] = []
         self.flat_zero: list[float] = []
         self.flat_value: list[float] = []
+        self.probed: list[int] = []
         self.instab: list[float] = []
         self.changed: list[float] = []
         self.batch_dep: list[tuple[float, float, float]] = []
@@ -188,6 +191,7 @@ class LayerSignals:
                 self.flat_zero.append(st.fraction((flat & ref_zero)[ok]))
                 self.flat_value.append(st.fraction((flat & ~ref_zero)[ok]))
                 d_ok = d[ok]
+            self.probed.append(d_ok.size)
             med = st.median(d_ok)
             self.dc_low.append(st.fraction(d_ok < 0.15 * med) if med > 0 else 1.0)
         scale = None
@@ -217,6 +221,7 @@ class LayerSignals:
         sig.samples = len(self.samples)
         sig.mean, sig.std, sig.absmax = moments.mean, moments.std, float(moments.absmax)
         sig.kurtosis, sig.zero_frac = moments.kurtosis, moments.zero_frac
+        sig.n_values = int(moments.count)
         sig.nan_count, sig.inf_count = int(moments.nan_count), int(moments.inf_count)
         sig.pileup = st.nanmax(acc["pileup"])
         sig.ties = st.nanmax(acc["ties"])
@@ -237,6 +242,7 @@ class LayerSignals:
         if self.dc_dead:
             sig.dc_dead, sig.dc_low = med(self.dc_dead), med(self.dc_low)
             sig.flat_zero, sig.flat_value = med(self.flat_zero), med(self.flat_value)
+            sig.n_probed = int(np.median(self.probed))
         if self.batch_dep:
             sig.batch_dep, sig.batch_dep_level, sig.batch_dep_moved = max(
                 self.batch_dep, key=lambda v: v[0] if np.isfinite(v[0]) else -1.0)

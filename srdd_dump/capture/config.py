@@ -25,6 +25,10 @@ class DumpConfig:
     layers: glob over module names that overrides automatic block discovery,
         e.g. "model.layers.*".
     seed: seed of every random choice srdd-dump makes (recorded in the dump).
+    probe_steps: which of the captured steps are also probed, in the syntax of ``steps``
+        ("all": every captured step; "0": the prefill only).
+    probe_samples: the first N samples are probed; later ones are captured without probes
+        (the probes cost most of a scan: docs/benchmarks.md).
     """
 
     dump_path: str = "srdd_dumps"
@@ -34,6 +38,8 @@ class DumpConfig:
     layers: str | None = None
     seed: int = 0
     probes: str = "gain,dc,repeat"
+    probe_steps: str = "0,1,7"
+    probe_samples: int = 4
     sigmas: list = field(default_factory=lambda: [0.1, 0.01])
     draws: int = 2
     dc: list = field(default_factory=lambda: [1.0])
@@ -50,11 +56,14 @@ class DumpConfig:
         if self.samples < 1:
             raise UserError(f"samples must be at least 1, got {self.samples}")
         parse_steps(self.steps)
+        parse_steps(self.probe_steps)
         parse_tokens(self.tokens)
         parse_probes(self.probes)
         parse_store(self.store)
         if self.granularity not in ("block", "sublayer"):
             raise UserError(f"granularity must be block or sublayer, got {self.granularity!r}")
+        if self.probe_samples < 0:
+            raise UserError(f"probe_samples must be >= 0, got {self.probe_samples}")
         if self.draws < 0 or self.repeats < 0:
             raise UserError("draws and repeats must be >= 0")
         self.faults()

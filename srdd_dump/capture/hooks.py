@@ -112,6 +112,7 @@ class CaptureSession:
             model, self.blocks, config.faults()
         )
         self._steps = cfg.parse_steps(config.steps)
+        self._probe_steps = cfg.parse_steps(config.probe_steps)
         self._last_step = cfg.last_step(self._steps)
         self._tokens = cfg.parse_tokens(config.tokens)
         self.sample = -1
@@ -249,7 +250,8 @@ class CaptureSession:
         the first kept token of every sequence, where attention-sink tokens carry the
         largest activations (and range faults act first), and seeded-random others. A decode
         step is probed whole (one token per sequence)."""
-        if not self._probing:
+        if (not self._probing or self.sample >= self.config.probe_samples
+                or not cfg.step_selected(self._probe_steps, self.step)):
             return None
         n_rows = batch * ntok
         if self._store is None:

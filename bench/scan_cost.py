@@ -1,0 +1,96 @@
+"""Cost of the default scan on a user's generation script, by part: SmolLM2-135M (fp32), greedy
+generation of NEW tokens for PROMPTS chat prompts (fixtures/infer_smollm2.py's work), plain and
+under capture with several configurations, in one process, interleaved, medians.
+
+    python bench/scan_cost.py [--prompts 8] [--new-tokens 8] [--repeats 3]
+
+The model load (a few seconds from the safetensors cache) is measured once and added to every
+configuration, so "whole script" ratios are what `srdd-dump --exec` costs a user's run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "fixtures"))
+
+CONFIGS = {
+    "default": {},
+    "block, prefill only (the former default)": {"granularity": "block", "steps": "0"},
+    "sub-layers, prefill only": {"steps": "0"},
+    "default, no decode probes": {"probe_steps": "0"},
+    "default, every sample probed": {"probe_samples": 1000},
+    "capture only (no probes)": {"probes": "none"},
+}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--new-tokens", type=int, default=8)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--out", default=os.path.join(HERE, "results", "scan_cost.json"))
+    args = ap.parse_args()
+    import torch
+
+    from srdd_dump import DumpConfig, register_hook
+
+    from smollm2 import load
+
+    t = time.perf_counter()
+    model, tok = load("float32")
+    load_s = time.perf_counter() - t
+    with open(os.path.join(HERE, "..", "fixtures", "prompts.txt")) as fh:
+        prompts = [line.strip() for line in fh if line.strip()][: args.prompts]
+    ids = [tok(tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
+                                       add_generation_prompt=True), return_tensors="pt").input_ids
+           for p in prompts]
+
+    def generate() -> None:
+        with torch.no_grad():
+            for x in ids:
+                model.generate(x, max_new_tokens=args.new_tokens, do_sample=False)
+
+    def captured(config: dict) -> float:
+        tmp = tempfile.mkdtemp()
+        try:
+            start = time.perf_counter()
+            with register_hook(model, DumpConfig(dump_path=tmp, progress=False, **config)):
+                generate()
+            return time.perf_counter() - start
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    generate()  # warm-up
+    times: dict[str, list[float]] = {"plain": [], **{k: [] for k in CONFIGS}}
+    for _ in range(args.repeats):
+        start = time.perf_counter()
+        generate()
+        times["plain"].append(time.perf_counter() - start)
+        for name, config in CONFIGS.items():
+            times[name].append(captured(config))
+    plain = statistics.median(times["plain"])
+    rows = []
+    for name, values in times.items():
+        med = statistics.median(values)
+        rows.append({"config": name, "generate_s": med, "vs_plain": med / plain,
+                     "whole_script_vs_plain": (med + load_s) / (plain + load_s)})
+        print(f"{name:45s} {med:7.2f} s  x{med / plain:5.2f} of the generation, "
+              f"x{(med + load_s) / (plain + load_s):5.2f} of the whole script", flush=True)
+    print(f"model load {load_s:.1f} s")
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as fh:
+        json.dump({"load_s": load_s, "prompts": args.prompts, "new_tokens": args.new_tokens,
+                   "rows": rows, "times": times}, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()

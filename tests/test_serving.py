@@ -1,0 +1,175 @@
+"""The diagnosis under the conditions NPU users run models in: generation with decode steps,
+padded batches, autocast, a kernel shared by every layer, faults with absolute limits, and
+evidence inherited by later layers. Tiny random Llama models, default capture options."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from srdd_dump import DumpConfig, register_hook
+from srdd_dump.analysis.diagnosis import FAULT, SUSPECT, diagnose
+from srdd_dump.analysis.signals import DECODE, PREFILL, Signals
+from srdd_dump.compare import compare_path
+from srdd_dump.format.reader import DumpReader, find_dump_files
+from srdd_dump.format.schema import KIND_MASK
+
+from tiny_models import build
+
+pytestmark = pytest.mark.integration
+LAYERS = 6
+
+
+def _generate(tmp_path, inject=(), pad=False, autocast=False, dtype=torch.float32, **cfg):
+    """Two prompts (a padded batch of two with ``pad``), greedy generation of 10 tokens."""
+    model = build("llama", layers=LAYERS, dtype=dtype)
+    gen = torch.Generator().manual_seed(0)
+    config = DumpConfig(dump_path=str(tmp_path), inject=list(inject), progress=False, **cfg)
+    with register_hook(model, config), torch.no_grad():
+        for n in (24, 31):
+            ids = torch.randint(1, 128, (2 if pad else 1, n), generator=gen)
+            kwargs = {}
+            if pad:  # left padding, as generate needs for a batch of unequal prompts
+                mask = torch.ones_like(ids)
+                mask[1, : n // 3] = 0
+                ids[1, : n // 3] = 0
+                kwargs["attention_mask"] = mask
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                model.generate(ids, max_new_tokens=10, do_sample=False, pad_token_id=0,
+                               **kwargs)
+    return compare_path(str(tmp_path), progress=False)
+
+
+def _top(result):
+    return result.layers.iloc[0]
+
+
+@pytest.mark.parametrize("case", ["plain", "left-padded batch", "autocast bf16", "bf16"])
+def test_healthy_generation_has_no_fault(tmp_path, case):
+    result = _generate(tmp_path, pad=case == "left-padded batch", autocast=case == "autocast bf16",
+                       dtype=torch.bfloat16 if case == "bf16" else torch.float32)
+    assert FAULT not in set(result.layers["verdict"]), result.layers[["layer", "evidence"]]
+    assert (result.layers["verdict"] == SUSPECT).sum() <= 1
+    assert set(result.sites["phase"]) == {PREFILL, DECODE}  # decode steps are probed too
+
+
+def test_padded_rows_are_recorded_and_left_out(tmp_path):
+    result = _generate(tmp_path, pad=True)
+    (path,) = find_dump_files(str(tmp_path))
+    with DumpReader(path) as r:
+        masks = r.records[r.records["kind"] == KIND_MASK]
+        prefill = [x for x in r.rounds if x["step"] == 0]
+        assert len(masks) == len(prefill)  # decode steps of left-padded rows attend all
+        keep = r.read(masks[0]).reshape(-1)
+        assert keep.sum() == keep.size - 24 // 3  # the padded positions of the second row
+    assert result.layers["zero_frac"].max() == 0
+
+
+@pytest.mark.parametrize("spec, family", [
+    ("dead_zone@layer=3,quantile=0.3,site=attn,phase=decode", "DEAD_ZONE"),
+    ("noise@layer=2,m=0.05,site=attn,phase=decode", "NOISE_SOURCE"),
+    ("saturation@layer=4,quantile=0.9,site=mlp,phase=decode", "SAT_SOURCE"),
+    ("dead_zone@layer=1,limit=0.02,site=mlp", "DEAD_ZONE"),  # flush-to-zero at a fixed value
+    ("saturation@layer=2,quantile=0.99,site=mlp", "SAT_SOURCE|PILEUP_SAT"),  # fp8-like clamp
+])
+def test_device_like_faults_are_named_with_default_options(tmp_path, spec, family):
+    result = _generate(tmp_path, inject=[spec])
+    layer = int(spec.split("layer=")[1].split(",")[0])
+    top = _top(result)
+    assert (top["layer"], top["verdict"]) == (layer, FAULT), result.layers.head()
+    assert set(family.split("|")) & set(top["diagnosis"].split(",")), top["evidence"]
+    assert (result.layers["verdict"] == FAULT).sum() == 1
+
+
+def test_decode_only_fault_says_decode_in_the_headline(tmp_path):
+    result = _generate(tmp_path, inject=["noise@layer=2,m=0.05,site=attn,phase=decode"])
+    assert "(decode steps)" in result.headlines[0]
+
+
+@pytest.mark.parametrize("spec, family", [
+    ("dead_zone@layer={k},quantile=0.3,site=mlp", "DEAD_ZONE"),
+    ("noise@layer={k},m=0.05,site=mlp", "NOISE_SOURCE"),
+])
+def test_a_kernel_shared_by_every_layer_is_named_systemic(tmp_path, spec, family):
+    result = _generate(tmp_path, inject=[spec.format(k=k) for k in range(LAYERS)])
+    top = _top(result)
+    assert top["verdict"] == FAULT
+    assert top["diagnosis"].split(",")[0] == f"SYSTEMIC_{family}", result.layers.head()
+    assert f"every mlp ({LAYERS}/{LAYERS} layers)" in result.headlines[0]
+    assert "SAT" not in " ".join(result.layers["diagnosis"])  # never relabelled as saturation
+
+
+# -- the rules on signals, without a model -------------------------------------------------------
+
+
+def _sig(layer, module, site=0, **values) -> Signals:
+    base = dict(samples=2, zero_frac=0.0, flat_zero=0.0, flat_value=0.0, ties=1.0,
+                tie_excess=1.0, instability=0.0, instab_changed=0.0, offset=0.01, gain=1.0,
+                kurtosis=0.5, batch_dep=0.0, dtype="float32")
+    base.update(values)
+    return Signals(layer=layer, site=site, module=module, **base)
+
+
+def _block(layer, **values) -> Signals:
+    return _sig(layer, f"model.layers.{layer}", site=-1, **values)
+
+
+def test_inherited_zeros_are_propagation_not_another_fault():
+    """Block 2 makes exact zeros its own replay keeps (flat_zero); blocks 3-5 show zeros their
+    replay moves (they came in with the input): one FAULT, the rest DEAD_ZONE_PROP."""
+    signals = [_block(k) for k in range(6)]
+    signals[2] = _block(2, zero_frac=0.3, flat_zero=0.29)
+    for k in (3, 4, 5):
+        signals[k] = _block(k, zero_frac=0.1, flat_zero=0.0)
+    verdicts = diagnose(signals, "float32", 6)
+    assert [v.verdict for v in verdicts].count(FAULT) == 1 and verdicts[2].verdict == FAULT
+    assert all(verdicts[k].diagnosis == "DEAD_ZONE_PROP" and verdicts[k].verdict != FAULT
+               for k in (3, 4, 5))
+
+
+def test_zeros_a_layer_makes_itself_stay_a_fault_after_another_source():
+    signals = [_block(k) for k in range(6)]
+    signals[2] = _block(2, zero_frac=0.3, flat_zero=0.29)
+    signals[4] = _block(4, zero_frac=0.2, flat_zero=0.2)  # its own replay keeps them at 0
+    verdicts = diagnose(signals, "float32", 6)
+    assert verdicts[4].verdict == FAULT and verdicts[4].diagnosis == "DEAD_ZONE"
+
+
+def test_limits_follow_each_modules_own_dtype():
+    """0.3% exact zeros: a FAULT for an fp32 module, normal rounding for a bf16 one (autocast
+    runs bf16 sub-layers inside an fp32 model)."""
+    fp32 = [_sig(k, f"model.layers.{k}.mlp", zero_frac=0.003 if k == 1 else 0.0)
+            for k in range(4)]
+    bf16 = [_sig(k, f"model.layers.{k}.mlp", dtype="bfloat16",
+                 zero_frac=0.003 if k == 1 else 0.0) for k in range(4)]
+    assert diagnose(fp32, "float32", 4)[1].verdict == FAULT
+    assert diagnose(bf16, "float32", 4)[1].verdict != FAULT
+
+
+def test_lost_precision_is_seen_in_bf16_too():
+    signals = [_sig(k, f"model.layers.{k}.mlp", dtype="bfloat16",
+                    lowbits=0.9 if k == 2 else 1 / 16) for k in range(4)]
+    verdicts = diagnose(signals, "bfloat16", 4)
+    assert verdicts[2].verdict == FAULT and "PRECISION" in verdicts[2].diagnosis
+    assert [v.verdict for v in verdicts].count(FAULT) == 1
+
+
+def test_ties_need_an_excess_over_their_neighbours():
+    """Many tokens at a bf16 channel's extreme are normal in a long prompt when the next values
+    hold as many; a clip piles them up."""
+    crowded = [_sig(k, f"model.layers.{k}.mlp", dtype="bfloat16", ties=40.0, tie_excess=1.5)
+               for k in range(4)]
+    assert all(v.verdict != FAULT for v in diagnose(crowded, "bfloat16", 4))
+    crowded[1] = _sig(1, "model.layers.1.mlp", dtype="bfloat16", ties=40.0, tie_excess=30.0)
+    assert diagnose(crowded, "bfloat16", 4)[1].verdict == FAULT
+
+
+def test_noise_everywhere_is_systemic_even_when_the_median_is_noisy():
+    signals = [_sig(k, f"model.layers.{k}.mlp", instability=0.01, instab_changed=1.0,
+                    batch_dep=0.01, batch_dep_level=0.9, batch_dep_moved=0.001)
+               for k in range(8)]
+    verdicts = diagnose(signals, "float32", 8)
+    assert all(v.diagnosis.split(",")[0] == "SYSTEMIC_NOISE_SOURCE" for v in verdicts)
+    assert not any("SAT" in v.diagnosis for v in verdicts)
+    assert np.isfinite(verdicts[0].score)
