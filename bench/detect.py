@@ -99,7 +99,9 @@ def run(model, ids, inject=(), seed=0, pad=False, autocast=False, decoder=True):
     return result, time.perf_counter() - t
 
 
-def score(result, layer: int | None, systemic: bool = False) -> dict:
+def score(result, layer, systemic: bool = False) -> dict:
+    """``layer``: the planted layer, or a tuple of planted layers (two faults: a hit when the
+    FAULT rows are exactly those layers)."""
     t = result.layers
     top = t.iloc[0]
     row = {
@@ -108,7 +110,12 @@ def score(result, layer: int | None, systemic: bool = False) -> dict:
         "n_suspect": int((t["verdict"] == "SUSPECT").sum()),
         "headline": result.headlines[0] if result.headlines else "",
     }
-    if systemic:
+    if isinstance(layer, tuple):
+        faulty = set(t.loc[t["verdict"] == "FAULT", "layer"].astype(int))
+        row.update(hit=int(faulty == set(layer)), n_fault_other=len(faulty - set(layer)),
+                   verdict_at_fault=",".join(
+                       t.loc[t["layer"] == k, "verdict"].iloc[0] for k in layer))
+    elif systemic:
         row["hit"] = int(top["verdict"] == "FAULT"
                          and str(top["diagnosis"]).startswith("SYSTEMIC_"))
         row["n_fault_other"] = 0
@@ -141,6 +148,14 @@ def fault_cases(quick: bool):
             for q in (0.5,):
                 out.append(("absolute", "offset", q,
                             [f"bias@layer={layer},site={site},quantile={q}"], layer, site))
+    # below 0.1% of the values: where detection of absolute limits starts (MLP only)
+    for layer in layers:
+        for q in (0.0001, 0.001):
+            out.append(("absolute", "flush_to_zero", q,
+                        [f"dead_zone@layer={layer},site=mlp,quantile={q}"], layer, "mlp"))
+        for q in (0.99999, 0.9999):
+            out.append(("absolute", "clamp", round(1 - q, 6),
+                        [f"saturation@layer={layer},site=mlp,quantile={q}"], layer, "mlp"))
     # inside operators
     for layer in layers:
         for site, kind, opt in (("mlp.up_proj", "flush_to_zero", "dead_zone@{},quantile=0.1"),
@@ -174,11 +189,11 @@ def fault_cases(quick: bool):
                        ("clamp", "saturation@{},quantile=0.99"), ("noise", "noise@{},m=0.01")):
         specs = [spec.format(f"layer={k},site=mlp") for k in range(N_LAYERS)]
         out.append(("shared-kernel", kind, float("nan"), specs, None, "mlp"))
-    # two faults at once: the earlier one is the planted layer to find first
+    # two faults at once: a hit when the FAULT rows are exactly the two planted layers
     for a, b in ((3, 20), (10, 25)):
         out.append(("two-faults", "flush+clamp", float("nan"),
                     [f"dead_zone@layer={a},site=mlp,quantile=0.1",
-                     f"saturation@layer={b},site=attn,quantile=0.99"], a, "mlp"))
+                     f"saturation@layer={b},site=attn,quantile=0.99"], (a, b), "mlp+attn"))
     # whole-tensor ranges (the former default simulator)
     for layer in layers:
         for kind in ("dead_zone", "saturation", "bias"):
@@ -210,6 +225,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--healthy-only", action="store_true")
     ap.add_argument("--faults-only", action="store_true")
+    ap.add_argument("--only", help="run only the cases whose spec or name contains this")
     ap.add_argument("--summarize", nargs="*", help="only print the summary of these CSVs")
     ap.add_argument("--plot", help="with --summarize: a PNG of detection against magnitude")
     args = ap.parse_args()
@@ -248,6 +264,8 @@ def main() -> None:
     for i, (kind, case) in enumerate(todo):
         if i % shards != shard:
             continue
+        if args.only and args.only not in str(case):
+            continue
         if kind == "healthy":
             name, dtype, opts = case
             if ("healthy", name, dtype) in done:
@@ -274,7 +292,9 @@ def main() -> None:
             model, tok = model_for("float32")
             seed = i % 5
             result, secs = run(model, prompt_ids(tok, seed), specs, seed=seed)
-            row = dict(kind="fault", group=group, spec=spec, layer=layer, site=site,
+            row = dict(kind="fault", group=group, spec=spec,
+                       layer="+".join(map(str, layer)) if isinstance(layer, tuple) else layer,
+                       site=site,
                        type=ftype, magnitude=magnitude, seed=seed, dtype="float32",
                        seconds=round(secs, 1),
                        **score(result, layer, systemic=group == "shared-kernel"))

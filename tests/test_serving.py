@@ -173,3 +173,20 @@ def test_noise_everywhere_is_systemic_even_when_the_median_is_noisy():
     assert all(v.diagnosis.split(",")[0] == "SYSTEMIC_NOISE_SOURCE" for v in verdicts)
     assert not any("SAT" in v.diagnosis for v in verdicts)
     assert np.isfinite(verdicts[0].score)
+
+
+def test_autocast_rounding_is_judged_by_the_compute_dtype():
+    """fp32 block outputs of a model run under bf16 autocast hold sums of bf16 matmul results:
+    a batched replay moves them by bf16 rounding, not a fault; without autocast it would be."""
+    signals = [_block(k, batch_dep=1e-3 if k == 2 else 1e-8, batch_dep_level=0.1,
+                      batch_dep_moved=0.2) for k in range(6)]
+    assert diagnose(signals, "float32", 6)[2].verdict == FAULT
+    verdicts = diagnose(signals, "float32", 6, compute_dtype="bfloat16")
+    assert all(v.verdict != FAULT for v in verdicts)
+
+
+def test_autocast_is_recorded_in_the_dump(tmp_path):
+    _generate(tmp_path, autocast=True)
+    (path,) = find_dump_files(str(tmp_path))
+    with DumpReader(path) as r:
+        assert r.meta["autocast_dtype"] == "bfloat16"

@@ -138,10 +138,22 @@ def lower_bound(rate: float, n: int, z: float = NULL_Z) -> float:
     return max(0.0, (centre - spread) / (1 + z2 / n))
 
 
-def _exact_evidence(sig: Signals, dtype: str, instab_median: float) -> list[Evidence]:
+# unit roundoff by dtype: the larger, the less precise
+_ROUNDOFF = {"float64": 2.0**-53, "float32": 2.0**-24, "float16": 2.0**-11, "bfloat16": 2.0**-8}
+
+
+def _less_precise(a: str, b: str) -> str:
+    return max((a, b), key=lambda d: _ROUNDOFF.get(d, 0.0))
+
+
+def _exact_evidence(sig: Signals, dtype: str, instab_median: float, compute_dtype: str = ""
+                    ) -> list[Evidence]:
     ev: list[Evidence] = []
     where = sig.module if sig.phase == PREFILL else f"{sig.module} ({sig.phase} steps)"
-    dtype = sig.dtype or dtype  # each module's own dtype (autocast, mixed precision)
+    stored = sig.dtype or dtype  # each module's own dtype (autocast, mixed precision)
+    # rounding limits follow the precision the module computed in: under autocast an fp32
+    # record holds sums of bf16 matmul results
+    dtype = _less_precise(stored, compute_dtype) if compute_dtype else stored
     if sig.nan_count or sig.inf_count:
         ev.append(Evidence("OVERFLOW", 1e3, f"{sig.nan_count} NaN, {sig.inf_count} Inf in {where}"))
     zero_limit = ZERO_FRAC.get(dtype, 1e-3)
@@ -196,21 +208,26 @@ def _exact_evidence(sig: Signals, dtype: str, instab_median: float) -> list[Evid
                f"{sig.batch_dep_level:.2f} max|x|): a clip limit taken from the whole batch"
                if at_edge else ""), secondary=True))
     low = lower_bound(sig.lowbits, sig.n_values)
-    if dtype in LOW_BITS and low > SUSPECT_RATIO * LOWBITS:
+    if stored in LOW_BITS and low > SUSPECT_RATIO * LOWBITS and stored == dtype:
         ev.append(Evidence("PRECISION", low / LOWBITS,
-                           f"{sig.lowbits:.0%} of the {dtype} values in {where} have their "
-                           f"{LOW_BITS[dtype]} low mantissa bits 0 (a lower precision)"))
+                           f"{sig.lowbits:.0%} of the {stored} values in {where} have their "
+                           f"{LOW_BITS[stored]} low mantissa bits 0 (a lower precision)"))
     return ev
 
 
-def _systemic_noise(group: list[Signals], dtype: str) -> list[Evidence] | None:
+def _systemic_noise(group: list[Signals], dtype: str, compute_dtype: str = ""
+                    ) -> list[Evidence] | None:
     """Repeat runs that differ beyond the dtype's floor at most layers of one site kind: the
     10x-median rule would hide them (the median is noisy too), so they are judged against
     the floor alone and reported as one shared kernel."""
-    noisy = [g for g in group if g.instability > INSTABILITY.get(g.dtype or dtype, 1e-6)]
+    def floor(g: Signals) -> float:
+        own = g.dtype or dtype
+        return INSTABILITY.get(_less_precise(own, compute_dtype) if compute_dtype else own, 1e-6)
+
+    noisy = [g for g in group if g.instability > floor(g)]
     if len(noisy) < max(SYSTEMIC_MIN, SYSTEMIC_SHARE * len(group)):
         return None
-    return [Evidence("NOISE_SOURCE", g.instability / INSTABILITY.get(g.dtype or dtype, 1e-6),
+    return [Evidence("NOISE_SOURCE", g.instability / floor(g),
                      f"repeat runs of {g.module} differ: rms {g.instability:.2g} of the output, "
                      f"{g.instab_changed:.1%} of elements changed") for g in group]
 
@@ -247,10 +264,12 @@ def site_groups(signals: list[Signals]) -> dict[str, list[Signals]]:
     return groups
 
 
-def diagnose(signals: list[Signals], dtype: str, n_layers: int) -> list[LayerVerdict]:
+def diagnose(signals: list[Signals], dtype: str, n_layers: int, compute_dtype: str = ""
+             ) -> list[LayerVerdict]:
     """One verdict per block layer 0..n_layers-1 from the block and sub-layer signals.
 
-    ``dtype`` is the dump's hidden dtype, used for a module whose signals carry none."""
+    ``dtype`` is the dump's hidden dtype, used for a module whose signals carry none;
+    ``compute_dtype`` the autocast dtype the model ran under (limits follow the less precise)."""
     evidence: dict[int, list[tuple[Evidence, str]]] = {k: [] for k in range(n_layers)}
     systemic: dict[str, tuple[str, int, int]] = {}  # family -> (site kind, layers, of)
     for kind, group in site_groups(signals).items():
@@ -258,9 +277,9 @@ def diagnose(signals: list[Signals], dtype: str, n_layers: int) -> list[LayerVer
         inst = inst[np.isfinite(inst)]
         inst_median = float(np.median(inst)) if inst.size else 0.0
         relative = _relative_evidence(group)
-        per_layer = [_exact_evidence(sig, dtype, inst_median) + relative[i]
+        per_layer = [_exact_evidence(sig, dtype, inst_median, compute_dtype) + relative[i]
                      for i, sig in enumerate(group)]
-        shared_noise = _systemic_noise(group, dtype)
+        shared_noise = _systemic_noise(group, dtype, compute_dtype)
         if shared_noise is not None:
             for items, ev in zip(per_layer, shared_noise):
                 items[:] = [e for e in items if e.family not in ("NOISE_SOURCE", "SPIKE")]

@@ -125,6 +125,7 @@ class CaptureSession:
         self._token_ids: torch.Tensor | None = None
         self._attention_mask: torch.Tensor | None = None  # (batch, past + seq) of the model call
         self._caches: dict[int, Any] = {}  # id(module) -> its layer's KV cache before the call
+        self._autocast: str | None = None  # "" when the first model call ran without autocast
         self._handles: list[Any] = []
         self._closed = False
         self._install()
@@ -185,6 +186,8 @@ class CaptureSession:
             mask = kwargs.get("attention_mask")
             self._attention_mask = (
                 mask if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None)
+            if self._autocast is None:
+                self._autocast = _autocast_dtype(self.model)
 
         self._guard(grab)
 
@@ -356,6 +359,9 @@ class CaptureSession:
             "block_class": type(self.blocks[0][1]).__name__,
             "param_dtype": str(param.dtype).replace("torch.", "") if param is not None else None,
             "hidden_dtype": dtypes.get(0),
+            # torch.autocast around the model: the precision the matmuls ran in, below the
+            # dtype of the recorded tensors (the compare judges rounding by it)
+            "autocast_dtype": self._autocast or None,
             "hidden_width": int(first.tensors[0].array.shape[-1]),
             "device": str(param.device) if param is not None else "cpu",
             "torch_version": torch.__version__,
@@ -426,6 +432,18 @@ class CaptureSession:
     def __exit__(self, *exc) -> None:
         self.close()
         self.remove_faults()
+
+
+def _autocast_dtype(model: nn.Module) -> str:
+    """The autocast dtype in force for the model's device type ("" when autocast is off)."""
+    param = next(model.parameters(), None)
+    device = param.device.type if param is not None else "cpu"
+    try:
+        if not torch.is_autocast_enabled(device):
+            return ""
+        return str(torch.get_autocast_dtype(device)).replace("torch.", "")
+    except (TypeError, RuntimeError, AttributeError):  # torch < 2.4 has no device argument
+        return ""
 
 
 def _input_embedding(model: nn.Module) -> nn.Module | None:

@@ -84,7 +84,8 @@ def _diagnose_file(f: DumpFile, signals: list[Signals]) -> tuple[list[dict], lis
             blocks[g.layer] = g
     if not blocks:
         return [], [], ""
-    verdicts = diagnose(signals, f.hidden_dtype, n_layers=max(len(f.layers), max(blocks) + 1))
+    verdicts = diagnose(signals, f.hidden_dtype, n_layers=max(len(f.layers), max(blocks) + 1),
+                        compute_dtype=f.compute_dtype)
     rows = []
     for v in verdicts:
         if v.layer in blocks:

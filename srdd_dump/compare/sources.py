@@ -44,6 +44,7 @@ class DumpFile:
     clean_blocks: dict[tuple[int, int], int] = field(default_factory=dict)  # (round, layer) ->
     # index into records of the clean block output (rounds without a /rounds row left out)
     hidden_dtype: str = "float32"  # logical dtype of the hidden states
+    compute_dtype: str = ""  # autocast dtype the model ran under ("" when none)
     data_dtypes: list[str] = field(default_factory=list)  # logical dtype of each /data set
     samples: int = 0
 
@@ -174,6 +175,7 @@ def inspect(path: str, source: str) -> DumpFile:
     clean = reader.select(kind=s.KIND_CLEAN)
     first = reader.dtype_of(clean[0]) if len(clean) else "float32"
     f.hidden_dtype = str(reader.meta.get("hidden_dtype") or first)
+    f.compute_dtype = str(reader.meta.get("autocast_dtype") or "")
     if not reader.complete:
         f.status, f.reason = INCOMPLETE, incomplete_reason(reader)
     return f
