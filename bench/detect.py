@@ -77,7 +77,15 @@ def run(model, ids, inject=(), seed=0, pad=False, autocast=False, decoder=True):
     try:
         with register_hook(model, config), torch.no_grad(), \
                 torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-            if pad:  # one left-padded batch of all the prompts
+            if pad == "right":  # one right-padded batch, a forward pass (no generation)
+                width = max(x.shape[1] for x in ids)
+                batch = torch.zeros(len(ids), width, dtype=torch.long)
+                mask = torch.zeros_like(batch)
+                for i, x in enumerate(ids):
+                    batch[i, : x.shape[1]] = x[0]
+                    mask[i, : x.shape[1]] = 1
+                model(input_ids=batch, attention_mask=mask)
+            elif pad:  # one left-padded batch of all the prompts
                 width = max(x.shape[1] for x in ids)
                 batch = torch.zeros(len(ids), width, dtype=torch.long)
                 mask = torch.zeros_like(batch)
@@ -210,6 +218,7 @@ def healthy_cases(quick: bool):
     out += [("autocast bf16", "float32", dict(prompt_set=50, autocast=True))]
     out += [("left-padded batch", "float32", dict(prompt_set=60, pad=True))]
     out += [("left-padded batch bf16", "bfloat16", dict(prompt_set=61, pad=True))]
+    out += [("right-padded batch, prefill", "float32", dict(prompt_set=62, pad="right", n=3))]
     out += [(f"{n} tokens", "float32", dict(prompt_set=70, tokens=n, n=1))
             for n in ((10, 2000) if quick else (10, 500, 2000))]
     out += [(f"tiny {arch}", arch, dict(prompt_set=80)) for arch in ("qwen2", "gpt2", "bert")]

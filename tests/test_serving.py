@@ -190,3 +190,21 @@ def test_autocast_is_recorded_in_the_dump(tmp_path):
     (path,) = find_dump_files(str(tmp_path))
     with DumpReader(path) as r:
         assert r.meta["autocast_dtype"] == "bfloat16"
+
+
+def test_right_padded_prefill_is_recorded_and_clean(tmp_path):
+    model = build("llama", layers=LAYERS)
+    ids = torch.randint(1, 128, (2, 30), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(ids)
+    mask[1, 20:] = 0  # the second prompt is 20 tokens long
+    ids[1, 20:] = 0
+    with register_hook(model, DumpConfig(dump_path=str(tmp_path), progress=False)), \
+            torch.no_grad():
+        model(input_ids=ids, attention_mask=mask)
+    (path,) = find_dump_files(str(tmp_path))
+    with DumpReader(path) as r:
+        (rec,) = r.records[r.records["kind"] == KIND_MASK]
+        keep = r.read(rec).reshape(2, 30)
+    assert keep[0].all() and keep[1, :20].all() and not keep[1, 20:].any()
+    result = compare_path(str(tmp_path), progress=False)
+    assert FAULT not in set(result.layers["verdict"])
