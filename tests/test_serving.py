@@ -208,3 +208,37 @@ def test_right_padded_prefill_is_recorded_and_clean(tmp_path):
     assert keep[0].all() and keep[1, :20].all() and not keep[1, 20:].any()
     result = compare_path(str(tmp_path), progress=False)
     assert FAULT not in set(result.layers["verdict"])
+
+
+def test_a_second_dead_zone_with_clean_input_stays_a_fault():
+    """Zeros a module's replay moves are inherited only when its input has zeros: a small flush
+    (few zeros, each moved by the dc shift) after a clean block is a source of its own."""
+    signals = [_block(k) for k in range(6)]
+    signals[1] = _block(1, zero_frac=0.3, flat_zero=0.29)
+    signals[4] = _block(4, zero_frac=0.02, flat_zero=0.0)  # block 3 (its input) has no zeros
+    verdicts = diagnose(signals, "float32", 6)
+    assert verdicts[1].verdict == FAULT and verdicts[4].verdict == FAULT
+    assert verdicts[4].diagnosis == "DEAD_ZONE"
+
+
+def test_one_source_with_inherited_zeros_is_not_systemic():
+    signals = [_block(k) for k in range(30)]
+    signals[10] = _block(10, zero_frac=0.3, flat_zero=0.29)
+    for k in range(11, 30):
+        signals[k] = _block(k, zero_frac=0.25, flat_zero=0.0)
+    verdicts = diagnose(signals, "float32", 30)
+    assert [v.verdict for v in verdicts].count(FAULT) == 1
+    assert not any("SYSTEMIC" in v.diagnosis for v in verdicts)
+
+
+def test_a_static_kv_cache_keeps_capture_on(tmp_path):
+    """A static cache holds a buffer longer than the past: its decode steps are captured, the
+    replays that would need the cache skipped, and capture never turns off."""
+    model = build("llama", layers=4)
+    config = DumpConfig(dump_path=str(tmp_path), progress=False)
+    with register_hook(model, config) as session, torch.no_grad():
+        model.generate(torch.randint(1, 128, (1, 20)), max_new_tokens=9, do_sample=False,
+                       pad_token_id=0, cache_implementation="static")
+    assert session.error is None
+    with DumpReader(session.path) as r:
+        assert [int(x["step"]) for x in r.rounds] == [0, 1, 2, 7]

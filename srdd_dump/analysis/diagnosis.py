@@ -80,6 +80,7 @@ class Evidence:
     exact: bool = True
     secondary: bool = False  # listed after the other labels of its layer
     inheritable: bool = False  # exact, but the module's own replay moves it: from its input
+    kind: str = ""  # the site kind of the module it comes from (block, mlp, mlp@decode...)
 
 
 @dataclass
@@ -146,8 +147,10 @@ def _less_precise(a: str, b: str) -> str:
     return max((a, b), key=lambda d: _ROUNDOFF.get(d, 0.0))
 
 
-def _exact_evidence(sig: Signals, dtype: str, instab_median: float, compute_dtype: str = ""
-                    ) -> list[Evidence]:
+def _exact_evidence(sig: Signals, dtype: str, instab_median: float, compute_dtype: str = "",
+                    input_zeros: float = 0.0) -> list[Evidence]:
+    """``input_zeros``: the exact-zero fraction of the module's input (the previous block's
+    output), which inherited zeros need."""
     ev: list[Evidence] = []
     where = sig.module if sig.phase == PREFILL else f"{sig.module} ({sig.phase} steps)"
     stored = sig.dtype or dtype  # each module's own dtype (autocast, mixed precision)
@@ -162,7 +165,8 @@ def _exact_evidence(sig: Signals, dtype: str, instab_median: float, compute_dtyp
         extra = f", dc response exactly 0 on {sig.dc_dead:.1%}" if sig.dc_dead > 0 else ""
         # the module's own replay moves its zeros (few stay 0 under every perturbation): they
         # came in with its input, from an earlier layer
-        moved = np.isfinite(sig.flat_zero) and sig.flat_zero < INHERITED * sig.zero_frac
+        moved = (np.isfinite(sig.flat_zero) and sig.flat_zero < INHERITED * sig.zero_frac
+                 and input_zeros >= 0.5 * sig.zero_frac)
         ev.append(Evidence("DEAD_ZONE", zeros / zero_limit,
                            f"{sig.zero_frac:.2%} exact zeros in {where}{extra}",
                            inheritable=bool(moved)))
@@ -272,17 +276,19 @@ def diagnose(signals: list[Signals], dtype: str, n_layers: int, compute_dtype: s
     ``compute_dtype`` the autocast dtype the model ran under (limits follow the less precise)."""
     evidence: dict[int, list[tuple[Evidence, str]]] = {k: [] for k in range(n_layers)}
     systemic: dict[str, tuple[str, int, int]] = {}  # family -> (site kind, layers, of)
+    block_zeros = {(g.layer, g.phase): g.zero_frac for g in signals if g.site == BLOCK_SITE}
     for kind, group in site_groups(signals).items():
         inst = np.array([g.instability for g in group], dtype=np.float64)
         inst = inst[np.isfinite(inst)]
         inst_median = float(np.median(inst)) if inst.size else 0.0
         relative = _relative_evidence(group)
-        per_layer = [_exact_evidence(sig, dtype, inst_median, compute_dtype) + relative[i]
-                     for i, sig in enumerate(group)]
+        per_layer = [_exact_evidence(sig, dtype, inst_median, compute_dtype,
+                                     block_zeros.get((sig.layer - 1, sig.phase), 0.0))
+                     + relative[i] for i, sig in enumerate(group)]
         shared_noise = _systemic_noise(group, dtype, compute_dtype)
         if shared_noise is not None:
             for items, ev in zip(per_layer, shared_noise):
-                items[:] = [e for e in items if e.family not in ("NOISE_SOURCE", "SPIKE")]
+                items[:] = [e for e in items if e.family != "NOISE_SOURCE"]
                 items.append(ev)
         for family, (count, of) in _shared_families(per_layer).items():
             # the same count at a block and inside it: the sub-layer is the narrower name
@@ -296,6 +302,7 @@ def diagnose(signals: list[Signals], dtype: str, n_layers: int, compute_dtype: s
                 systemic[family] = (kind, count, of)
         for sig, items in zip(group, per_layer):
             for ev in items:
+                ev.kind = kind
                 evidence.setdefault(sig.layer, []).append((ev, sig.module))
     verdicts = []
     for layer in range(n_layers):
@@ -323,7 +330,8 @@ def _shared_families(per_layer: list[list[Evidence]]) -> dict[str, tuple[int, in
     family -> (layers with it, layers of the kind)."""
     counts: dict[str, int] = {}
     for items in per_layer:
-        for family in {e.family for e in items if e.strength >= 1 and not e.secondary}:
+        for family in {e.family for e in items
+                       if e.strength >= 1 and not e.secondary and not e.inheritable}:
             counts[family] = counts.get(family, 0) + 1
     n = len(per_layer)
     return {f: (c, n) for f, c in counts.items()
@@ -336,7 +344,10 @@ def _mark_systemic(verdicts: list[LayerVerdict], systemic: dict[str, tuple[str, 
     record the site kind and counts on each, for the headline."""
     for v in verdicts:
         families = v.diagnosis.split(",") if v.diagnosis else []
-        shared = [f for f in families if f in systemic]
+        # only a layer whose evidence of the family comes from the shared kind itself
+        shared = [f for f in families if f in systemic and any(
+            e.family == f and e.kind == systemic[f][0] and e.strength >= SUSPECT_RATIO
+            for e in v.evidence)]
         if not shared:
             continue
         family = shared[0]
@@ -354,7 +365,8 @@ def _mark_propagation(verdicts: list[LayerVerdict], signals: list[Signals]) -> N
     for v in verdicts:
         families = v.diagnosis.split(",") if v.diagnosis else []
         shown = [e for e in v.evidence if e.strength >= SUSPECT_RATIO]
-        inherited = [e for e in shown if not e.exact or e.inheritable]
+        inherited = [e for e in shown if (not e.exact and e.strength < sources.get(e.family, 0))
+                     or e.inheritable]
         own = [e for e in shown if e not in inherited]
         if sources and families and inherited and not own and all(
                 e.family in sources for e in inherited):
@@ -382,7 +394,7 @@ def headline(v: LayerVerdict) -> str:
     top = max(main, key=lambda e: e.strength) if main else strongest
     if v.systemic is not None:
         family, kind, count, of = v.systemic
-        named = [e for e in v.evidence if e.family == family] or [top]
+        named = [e for e in v.evidence if e.family == family and e.kind == kind] or [top]
         top = max(named, key=lambda e: e.strength)
         what = FAMILY_WORDS.get(family, family.replace("_", " ").lower())
         kind = kind.replace("@", " (") + " steps)" if "@" in kind else kind

@@ -104,6 +104,7 @@ class CaptureSession:
         self._probing = bool(probes)
         self._store = cfg.parse_store(config.store)
         self.batched_replays = 0
+        self.decode_replays_skipped = 0
         self.sequential_replays = 0
         self._replaying = False
         self._rows: torch.Tensor | None = None
@@ -290,12 +291,19 @@ class CaptureSession:
             return probe_seed(self.config.seed, self.sample, layer + 1, site + 1, kind, probe)
 
         cache = self._caches.pop(id(module), None)
-        if self.step > 0 and cache is None and any(is_cache(v) for v in (*args, *kwargs.values())):
+        if self.step > 0 and cache is None and _has_past(args, kwargs):
             return  # a decode step whose past cannot be reproduced: no replay, clean data only
         self._replaying = True
         try:
             outputs, batched = run_probes(module, args, kwargs, hidden, self.probe_spec, seeds,
                                           cache)
+        except Exception:
+            if self.step == 0:
+                raise
+            # a decode replay this module refuses (a cache layout not reproduced): its clean
+            # data is kept, the step is not probed
+            self.decode_replays_skipped += 1
+            return
         finally:
             self._replaying = False
         if batched:
@@ -413,6 +421,7 @@ class CaptureSession:
                     "error": self.error, "samples": self.sample + 1,
                     "batched_replays": self.batched_replays,
                     "sequential_replays": self.sequential_replays,
+                    "decode_replays_skipped": self.decode_replays_skipped,
                 })
             except Exception as exc:  # runs at exit too: never a traceback in the user's program
                 self.path = self.writer.partial_path
@@ -432,6 +441,14 @@ class CaptureSession:
     def __exit__(self, *exc) -> None:
         self.close()
         self.remove_faults()
+
+
+def _has_past(args: tuple, kwargs: dict) -> bool:
+    """The call carries a KV cache: a Cache object, or a legacy tuple cache argument."""
+    if any(is_cache(v) for v in (*args, *kwargs.values())):
+        return True
+    return any(v is not None and ("past_key_value" in k or k == "layer_past")
+               for k, v in kwargs.items())
 
 
 def _autocast_dtype(model: nn.Module) -> str:

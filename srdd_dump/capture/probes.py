@@ -102,6 +102,11 @@ def snapshot_cache(module: nn.Module, args: tuple, kwargs: dict) -> FrozenCache 
         return None
     if not isinstance(keys, torch.Tensor) or keys.dim() != 4 or keys.shape[-2] == 0:
         return None
+    try:  # a static or sliding cache holds a buffer longer than the past: not reproduced
+        if keys.shape[-2] != int(cache.get_seq_length(idx)):
+            return None
+    except Exception:  # noqa: BLE001 (a cache class of another layout)
+        return None
     return FrozenCache(idx, keys.detach().clone(), values.detach().clone())
 
 
