@@ -242,3 +242,21 @@ def test_a_static_kv_cache_keeps_capture_on(tmp_path):
     assert session.error is None
     with DumpReader(session.path) as r:
         assert [int(x["step"]) for x in r.rounds] == [0, 1, 2, 7]
+
+
+def test_probe_rows_skip_padding(tmp_path):
+    """A small probe store in a left-padded batch: every probe row is an attended row, the
+    first attended token of each sequence included."""
+    model = build("llama", layers=4)
+    ids = torch.randint(1, 128, (2, 30), generator=torch.Generator().manual_seed(4))
+    mask = torch.ones_like(ids)
+    mask[1, :18] = 0
+    ids[1, :18] = 0
+    config = DumpConfig(dump_path=str(tmp_path), store="sample:640", progress=False)  # 10 rows
+    with register_hook(model, config) as session, torch.no_grad():
+        model(input_ids=ids, attention_mask=mask)
+    with DumpReader(session.path) as r:
+        rows = r.probe_rows(r.rounds[0])
+    keep = mask.reshape(-1).numpy() != 0
+    assert len(rows) == 10 and keep[rows].all()
+    assert {0, 30 + 18} <= set(rows.tolist())

@@ -226,7 +226,8 @@ class CaptureSession:
         ids = None
         if token_ids is not None and token_ids.shape[-1] == seq:
             ids = token_ids.detach().to("cpu").reshape(batch, seq).numpy()
-        probe_rows = self._choose_probe_rows(batch, len(positions), hidden.shape[-1])
+        keep = self._kept_rows(batch, seq, positions)
+        probe_rows = self._choose_probe_rows(batch, len(positions), hidden.shape[-1], keep)
         self._round = Round(
             sample=self.sample, step=self.step, batch=batch, seq=seq,
             positions=np.asarray(positions), token_ids=ids, time=time.time(),
@@ -234,26 +235,31 @@ class CaptureSession:
         )
         self._rows = None if probe_rows is None else torch.from_numpy(probe_rows.astype(np.int64))
         self._add(schema.STACK_INPUT, schema.BLOCK_SITE, hidden)
-        self._add_mask(batch, seq, positions)
+        if keep is not None:
+            self._add_mask(keep)
 
-    def _add_mask(self, batch: int, seq: int, positions: list[int]) -> None:
-        """The rows the model call's 2-D attention mask excludes (padding), as a KIND_MASK
-        record; none when every kept row is attended."""
+    def _kept_rows(self, batch: int, seq: int, positions: list[int]) -> np.ndarray | None:
+        """(batch, kept positions): False where the model call's 2-D attention mask excludes
+        the row (padding); None when every kept row is attended."""
         mask, self._attention_mask = self._attention_mask, None
         if mask is None or mask.shape[0] != batch or mask.shape[-1] < seq:
-            return
-        keep = mask[:, -seq:].detach().to("cpu")[:, positions] != 0
-        if bool(keep.all()):
-            return
-        array = keep.to(torch.float32).reshape(batch, len(positions), 1).numpy()
+            return None
+        keep = (mask[:, -seq:].detach().to("cpu")[:, positions] != 0).numpy()
+        return None if keep.all() else keep
+
+    def _add_mask(self, keep: np.ndarray) -> None:
+        """The excluded rows as a KIND_MASK record (docs/dump-format.md)."""
+        array = keep.astype(np.float32).reshape(*keep.shape, 1)
         self._round.tensors.append(Tensor(layer=schema.STACK_INPUT, site=schema.BLOCK_SITE,
                                           array=array, dtype="float32", kind=schema.KIND_MASK))
 
-    def _choose_probe_rows(self, batch: int, ntok: int, width: int) -> np.ndarray | None:
+    def _choose_probe_rows(self, batch: int, ntok: int, width: int,
+                           keep: np.ndarray | None = None) -> np.ndarray | None:
         """Rows kept for the probe records of a prefill round (None: no probes this round):
-        the first kept token of every sequence, where attention-sink tokens carry the
-        largest activations (and range faults act first), and seeded-random others. A decode
-        step is probed whole (one token per sequence)."""
+        the first attended token of every sequence, where attention-sink tokens carry the
+        largest activations (and range faults act first), and seeded-random other attended
+        rows (``keep``: the attention mask's rows; padding is never chosen while attended rows
+        are left). A decode step is probed whole (one token per sequence)."""
         if (not self._probing or self.sample >= self.config.probe_samples
                 or not cfg.step_selected(self._probe_steps, self.step)):
             return None
@@ -261,11 +267,18 @@ class CaptureSession:
         if self._store is None:
             return np.arange(n_rows)
         k = min(n_rows, -(-self._store // max(1, width)))
-        first = np.arange(batch) * ntok
+        attended = np.ones(n_rows, dtype=bool) if keep is None else keep.reshape(-1)
+        starts = np.arange(batch) * ntok
+        offset = np.argmax(attended.reshape(batch, ntok), axis=1)  # first attended row
+        first = (starts + offset)[attended.reshape(batch, ntok).any(axis=1)]
         rest = np.setdiff1d(np.arange(n_rows), first)
+        rest = np.concatenate([rest[attended[rest]], rest[~attended[rest]]])  # padding last
         rng = np.random.default_rng(probe_seed(self.config.seed, self.sample, 0x5EED))
-        extra = rng.choice(rest, size=max(0, k - first.size), replace=False)
-        return np.sort(np.concatenate([first[:k], extra]))
+        n_extra = max(0, k - min(k, first.size))
+        n_live = int(attended[rest].sum())
+        live = rng.choice(rest[:n_live], size=min(n_extra, n_live), replace=False)
+        pad = rest[n_live:][: n_extra - live.size]
+        return np.sort(np.concatenate([first[:k], live, pad]))
 
     def _output_hook(self, layer: int, site: int, last: bool):
         def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
