@@ -260,3 +260,28 @@ def test_probe_rows_skip_padding(tmp_path):
     keep = mask.reshape(-1).numpy() != 0
     assert len(rows) == 10 and keep[rows].all()
     assert {0, 30 + 18} <= set(rows.tolist())
+
+
+def test_baseline_leaves_padded_rows_out(tmp_path):
+    """Two runs that differ only on padded rows (kernels fill them differently): the baseline
+    mode compares the attended rows and finds them equal."""
+    from srdd_dump.format.writer import DumpWriter, Round, Tensor
+
+    from dumpfactory import baseline_written
+
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((2, 8, 16)).astype(np.float32)
+    keep = np.ones((2, 8, 1), np.float32)
+    keep[1, :3] = 0
+    for name, pad_value in (("golden", 0.0), ("mine", 123.0)):
+        y = x.copy()
+        y[1, :3] = pad_value
+        w = DumpWriter(str(tmp_path / f"{name}.h5"), {"rank": 0}, ["model.layers.0"])
+        w.submit(Round(sample=0, step=0, batch=2, seq=8, positions=np.arange(8),
+                       token_ids=np.arange(16).reshape(2, 8),
+                       tensors=[Tensor(0, y, "float32"),
+                                Tensor(-1, keep, "float32", kind=KIND_MASK)]))
+        w.close()
+    result = baseline_written(str(tmp_path / "mine.h5"), str(tmp_path / "golden.h5"))
+    row = result.table[result.table["layer"] == 0].iloc[0]
+    assert row["verdict"] == "PASS" and row["max_absolute_error"] == 0

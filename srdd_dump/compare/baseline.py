@@ -173,7 +173,8 @@ def _layer_spec(
             "inputs differ: the input ids of this round (or an earlier one of the sample) are "
             "not those of the golden run, so the tensors are not compared"
         )
-    return RowSpec((), keys, my_rec, golden_rec, not reason, reason)
+    return RowSpec((), keys, my_rec, golden_rec, not reason, reason,
+                   my_mask=mine.masks.get(rp.round), golden_mask=golden.masks.get(rp.golden_round))
 
 
 # -- the table ---------------------------------------------------------------------------------

@@ -29,6 +29,8 @@ class RowSpec:
     golden: int | None
     compare: bool
     reason: str = ""
+    my_mask: int | None = None  # the round's KIND_MASK record: padded rows left out
+    golden_mask: int | None = None
 
 
 @dataclass
@@ -75,7 +77,13 @@ def _compare_row(
     if compare:
         stats = PairStats()
         rows = block_rows(int(my_rec["width"]))
+        valid = _attended(spec, mine, golden, int(my_rec["nrows"]))
+        start = 0
         for g, m in zip(record_blocks(golden, golden_rec, rows), record_blocks(mine, my_rec, rows)):
+            if valid is not None:  # rows the attention mask excludes (padding) are left out
+                keep = valid[start: start + len(g)]
+                start += len(g)
+                g, m = g[keep], m[keep]
             stats.add(g, m)
         key = (row["golden_dtype"], row["my_dtype"])
         limits = None if limits_cache is None else limits_cache.get(key)
@@ -104,6 +112,19 @@ def _compare_row(
         row[f"{prefix}_nan_inf"] = side.nonfinite
     row["cmp_fail_reason"] = "; ".join(r for r in reasons if r)
     return row
+
+
+def _attended(spec: RowSpec, mine: DumpReader, golden: DumpReader, nrows: int
+              ) -> np.ndarray | None:
+    """Rows attended on both sides (None: every row), from the rounds' mask records."""
+    valid = None
+    for reader, index in ((mine, spec.my_mask), (golden, spec.golden_mask)):
+        if index is None:
+            continue
+        keep = reader.read(reader.records[index]).reshape(-1) != 0
+        if keep.size == nrows:
+            valid = keep if valid is None else valid & keep
+    return None if valid is None or valid.all() else valid
 
 
 def _side_stats(reader: DumpReader, rec: np.void) -> SideStats:

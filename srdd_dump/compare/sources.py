@@ -43,6 +43,7 @@ class DumpFile:
     records: np.ndarray = field(default_factory=lambda: np.zeros(0, s.RECORD_DTYPE))
     clean_blocks: dict[tuple[int, int], int] = field(default_factory=dict)  # (round, layer) ->
     # index into records of the clean block output (rounds without a /rounds row left out)
+    masks: dict[int, int] = field(default_factory=dict)  # round -> its KIND_MASK record
     hidden_dtype: str = "float32"  # logical dtype of the hidden states
     compute_dtype: str = ""  # autocast dtype the model ran under ("" when none)
     data_dtypes: list[str] = field(default_factory=list)  # logical dtype of each /data set
@@ -171,6 +172,8 @@ def inspect(path: str, source: str) -> DumpFile:
     f.rounds, f.records = reader.rounds, reader.records
     f.samples = reader.n_samples
     f.clean_blocks = clean_block_records(reader)
+    r = reader.records
+    f.masks = {int(r["round"][i]): int(i) for i in np.flatnonzero(r["kind"] == s.KIND_MASK)}
     f.data_dtypes = reader.data_dtypes
     clean = reader.select(kind=s.KIND_CLEAN)
     first = reader.dtype_of(clean[0]) if len(clean) else "float32"
