@@ -28,3 +28,9 @@ def py(script: str, *args: str) -> str:
     import shlex
 
     return shlex.join([sys.executable, os.path.join(FIXTURES, script), *args])
+
+
+def python_words(code: str, *args: str, timeout: float = 120) -> list[str]:
+    """What ``python -c code args...`` prints, split into words (a fresh interpreter)."""
+    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True,
+                          timeout=timeout, check=True).stdout.split()

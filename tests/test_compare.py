@@ -22,6 +22,7 @@ from srdd_dump.compare.results import LAYER_COLUMNS
 from srdd_dump.errors import UserError
 from srdd_dump.format import schema as s
 
+from capture_utils import python_words
 from dumpfactory import compare_written as compare_path
 from dumpfactory import logical, make_partial, normal_rounds, write_dump
 
@@ -416,6 +417,5 @@ def test_a_csv_report_does_not_load_openpyxl(tmp_path):
         "write_report(compare_path(sys.argv[1], progress=False), sys.argv[1] + '/r.csv')\n"
         "print('openpyxl' in sys.modules)\n"
     )
-    out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True,
-                         text=True, timeout=120, check=True).stdout.split()
+    out = python_words(code, str(tmp_path))
     assert out == ["False"]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import subprocess
 import sys
 import threading
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
@@ -15,6 +14,7 @@ from srdd_dump.analysis import array_stats, metrics
 from srdd_dump.analysis.moments import BLOCK, Moments
 from srdd_dump.format.schema import bf16_bits_to_float32, float32_to_bf16_bits
 
+from capture_utils import python_words
 from dumpfactory import normal_rounds, write_dump
 
 RNG = np.random.default_rng(0)
@@ -167,8 +167,7 @@ def test_freed_memory_kept_only_when_the_entry_point_asks(tmp_path):
         "print(keeps_freed_memory(), keep_freed_memory(), keep_freed_memory(), "
         "keeps_freed_memory())\n"
     )
-    out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True,
-                         text=True, timeout=120, check=True).stdout.split()
+    out = python_words(code, str(tmp_path))
     assert out == ["False", "True", "True", "True"]
 
 

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .signals import BLOCK_SITE, LOW_BITS, PREFILL, Signals
+from .tolerance import tolerance_dtype
 from .verdicts import FAULT, NORMAL, SUSPECT, VERDICT_ORDER
 
 __all__ = ["FAULT", "NORMAL", "SUSPECT", "VERDICT_ORDER", "diagnose", "headline"]
@@ -139,14 +140,6 @@ def lower_bound(rate: float, n: int, z: float = NULL_Z) -> float:
     return max(0.0, (centre - spread) / (1 + z2 / n))
 
 
-# unit roundoff by dtype: the larger, the less precise
-_ROUNDOFF = {"float64": 2.0**-53, "float32": 2.0**-24, "float16": 2.0**-11, "bfloat16": 2.0**-8}
-
-
-def _less_precise(a: str, b: str) -> str:
-    return max((a, b), key=lambda d: _ROUNDOFF.get(d, 0.0))
-
-
 def _exact_evidence(sig: Signals, dtype: str, instab_median: float, compute_dtype: str = "",
                     input_zeros: float = 0.0) -> list[Evidence]:
     """``input_zeros``: the exact-zero fraction of the module's input (the previous block's
@@ -156,7 +149,7 @@ def _exact_evidence(sig: Signals, dtype: str, instab_median: float, compute_dtyp
     stored = sig.dtype or dtype  # each module's own dtype (autocast, mixed precision)
     # rounding limits follow the precision the module computed in: under autocast an fp32
     # record holds sums of bf16 matmul results
-    dtype = _less_precise(stored, compute_dtype) if compute_dtype else stored
+    dtype = tolerance_dtype(stored, compute_dtype) if compute_dtype else stored
     if sig.nan_count or sig.inf_count:
         ev.append(Evidence("OVERFLOW", 1e3, f"{sig.nan_count} NaN, {sig.inf_count} Inf in {where}"))
     zero_limit = ZERO_FRAC.get(dtype, 1e-3)
@@ -226,7 +219,7 @@ def _systemic_noise(group: list[Signals], dtype: str, compute_dtype: str = ""
     the floor alone and reported as one shared kernel."""
     def floor(g: Signals) -> float:
         own = g.dtype or dtype
-        return INSTABILITY.get(_less_precise(own, compute_dtype) if compute_dtype else own, 1e-6)
+        return INSTABILITY.get(tolerance_dtype(own, compute_dtype) if compute_dtype else own, 1e-6)
 
     noisy = [g for g in group if g.instability > floor(g)]
     if len(noisy) < max(SYSTEMIC_MIN, SYSTEMIC_SHARE * len(group)):

@@ -26,7 +26,15 @@ from . import config as cfg
 from .config import DumpConfig
 from .discovery import find_blocks, find_sites
 from .faults import install_faults
-from .probes import ProbeSpec, first_tensor, is_cache, probe_seed, run_probes, snapshot_cache
+from .probes import (
+    ProbeSpec,
+    first_tensor,
+    is_cache,
+    layer_index,
+    probe_seed,
+    run_probes,
+    snapshot_cache,
+)
 
 _TORCH_TO_LOGICAL = {
     torch.float32: "float32",
@@ -125,7 +133,10 @@ class CaptureSession:
         self._positions: torch.Tensor | None = None
         self._token_ids: torch.Tensor | None = None
         self._attention_mask: torch.Tensor | None = None  # (batch, past + seq) of the model call
-        self._caches: dict[int, Any] = {}  # id(module) -> its layer's KV cache before the call
+        # cache layer -> its KV cache before this decode step (one copy for the block and its
+        # attention), and id(module) -> the cache layer it uses
+        self._caches: dict[int, Any] = {}
+        self._cache_layer: dict[int, int | None] = {}
         self._autocast: str | None = None  # "" when the first model call ran without autocast
         self._handles: list[Any] = []
         self._closed = False
@@ -180,7 +191,15 @@ class CaptureSession:
         self._guard(self._snapshot, module, args, kwargs)
 
     def _snapshot(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        self._caches[id(module)] = snapshot_cache(module, args, kwargs)
+        idx = self._layer_of(module)
+        if idx is not None and idx not in self._caches:
+            self._caches[idx] = snapshot_cache(idx, args, kwargs)
+
+    def _layer_of(self, module: nn.Module) -> int | None:
+        key = id(module)
+        if key not in self._cache_layer:
+            self._cache_layer[key] = layer_index(module)
+        return self._cache_layer[key]
 
     def _on_model_call(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         def grab() -> None:
@@ -201,6 +220,7 @@ class CaptureSession:
             hidden = kwargs.get("hidden_states")
         token_ids, self._token_ids = self._token_ids, None
         self._round = None
+        self._caches.clear()
         if not isinstance(hidden, torch.Tensor):
             return
         batch = hidden.shape[0] if hidden.dim() >= 3 else 1
@@ -303,7 +323,8 @@ class CaptureSession:
         def seeds(kind: int, probe: int) -> int:
             return probe_seed(self.config.seed, self.sample, layer + 1, site + 1, kind, probe)
 
-        cache = self._caches.pop(id(module), None)
+        idx = self._layer_of(module) if self.step > 0 else None
+        cache = self._caches.get(idx) if idx is not None else None
         if self.step > 0 and cache is None and _has_past(args, kwargs):
             return  # a decode step whose past cannot be reproduced: no replay, clean data only
         self._replaying = True

@@ -85,12 +85,11 @@ def layer_index(module: nn.Module) -> int | None:
     return None
 
 
-def snapshot_cache(module: nn.Module, args: tuple, kwargs: dict) -> FrozenCache | None:
-    """A FrozenCache of the module's layer from the cache in its call, before the call updates
+def snapshot_cache(idx: int, args: tuple, kwargs: dict) -> FrozenCache | None:
+    """A FrozenCache of cache layer ``idx`` from the cache in a call, before the call updates
     it; None when the call has no cache, or one of a layout this does not know."""
     cache = next((v for v in (*args, *kwargs.values()) if is_cache(v)), None)
-    idx = layer_index(module)
-    if cache is None or idx is None:
+    if cache is None:
         return None
     try:
         if hasattr(cache, "layers"):  # transformers >= 4.56

@@ -122,6 +122,7 @@ def _choose_runs(path: str, root: str, found: list[str], option: str, run: str |
         key, where = _run_of(root, f)
         runs.setdefault(key, []).append(f)
         place[key] = where
+    # runs keep the files in their found (sorted) order
     if run == ALL_RUNS:
         return found, ""
     if run is not None:
@@ -144,7 +145,7 @@ def _choose_runs(path: str, root: str, found: list[str], option: str, run: str |
             notes.append(f"{option}{shown} holds {len(keys)} runs; comparing the newest, "
                          f"{os.path.basename(newest)} ({n} file{'s' if n > 1 else ''}); "
                          f"--run NAME for another ({_names(others)}) or --run all")
-    return [f for f in found if _run_of(root, f)[0] in keep], "; ".join(notes)
+    return [f for key, files in runs.items() if key in keep for f in files], "; ".join(notes)
 
 
 def _names(runs) -> str:
