@@ -44,8 +44,8 @@ def dump(
         "(e.g. 'model.layers.*').",
     ),
     seed: int = typer.Option(D.seed, "--seed", help="Seed of srdd-dump's own random choices."),
-    probes: str = typer.Option(D.probes, "--probes", help="Layer-local replay probes "
-                               "on each captured prefill: gain,dc,repeat or none."),
+    probes: str = typer.Option(D.probes, "--probes", help="Layer-local probes: any of "
+                               "gain,dc,repeat,scale,causal, or none."),
     probe_steps: str = typer.Option(D.probe_steps, "--probe-steps", help="Which captured "
                                     "steps are probed too (--steps syntax, or all; 0: the "
                                     "prefill only)."),
@@ -58,10 +58,13 @@ def dump(
                                    "(repeatable)."),
     repeats: int = typer.Option(D.repeats, "--repeats", help="Unperturbed re-runs per layer."),
     granularity: str = typer.Option(D.granularity, "--granularity",
-                                    help="block, or sublayer to probe "
-                                    "the attention and MLP sub-blocks too."),
+                                    help="block; sublayer: the attention and MLP too; op: "
+                                    "every operator inside the blocks too (a hunt)."),
     sublayers: Optional[str] = typer.Option(None, "--sublayers", help="Globs relative to a "
                                             "block naming the sub-layers, e.g. 'self_attn,mlp'."),
+    reference: str = typer.Option(D.reference, "--reference", help="none, or host: re-run "
+                                  "each probed module in float64 on the host CPU and judge "
+                                  "the device against it."),
     store: str = typer.Option(D.store, "--store", help="Probe outputs kept: full, or "
                               "sample:N (about N elements as whole seeded-random token rows)."),
     inject: list[str] = typer.Option([], "--inject", help="Simulated fault, e.g. "
@@ -87,6 +90,7 @@ def dump(
             seed=seed, probes=probes, probe_steps=probe_steps,
             probe_samples=probe_samples, sigmas=list(sigma), draws=draws, dc=list(dc),
             repeats=repeats, granularity=granularity, sublayers=sublayers, store=store,
+            reference=reference,
             inject=list(inject), batch_probes=batch_probes, progress=not quiet,
         )
         result = run_exec(exec_, config, min_free_gb=min_free_gb)

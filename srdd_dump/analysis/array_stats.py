@@ -105,6 +105,28 @@ def unique_rows(rows: np.ndarray) -> np.ndarray:
     return rows if distinct_rows(rows) else np.unique(rows, axis=0)
 
 
+TIE_MIN_LEVELS = 16  # quantisation steps a channel must span before its extreme's ties count
+
+
+def _near_copies(rows: np.ndarray, tied: np.ndarray) -> bool:
+    """The tied tokens are near-copies of each other: their spread over the other channels is
+    under a tenth of all tokens' spread (a clip ties tokens that differ elsewhere)."""
+    if np.count_nonzero(tied) < 2:
+        return False
+    spread_all = float(np.median(rows.std(axis=0)))
+    return spread_all > 0 and float(np.median(rows[tied].std(axis=0))) < 0.1 * spread_all
+
+
+def _levels(col: np.ndarray, top: float, bottom: float) -> float:
+    """(top - bottom) in steps of the values' own precision at ``top``: the precision is read
+    from the low mantissa bits the float32 values use (bf16 values leave 16 of them 0)."""
+    low = int(np.bitwise_or.reduce(np.ascontiguousarray(col, np.float32).view(np.uint32)
+                                   & np.uint32(0x7FFFFF)))
+    zeros = (low & -low).bit_length() - 1 if low else 23
+    step = float(np.spacing(np.float32(abs(top)))) * 2.0 ** zeros
+    return abs(top - bottom) / step if step > 0 else float("inf")
+
+
 def ties(rows: np.ndarray, candidates: int = 8) -> tuple[float, float]:
     """(count, excess) of the channel whose exact maximum (if > 0) or minimum (if < 0) is
     shared by the most tokens, judged by excess.
@@ -113,7 +135,9 @@ def ties(rows: np.ndarray, candidates: int = 8) -> tuple[float, float]:
     values inward (at least 1). Null model: near its extreme a healthy channel's values come
     from a density that falls toward the tail, quantised at the dtype's spacing, so the extreme
     holds no more values than its neighbours (excess <= ~1-2, whatever the number of tokens);
-    a clip puts every value beyond the limit on one value. Identical rows (a prompt prefix
+    a clip puts every value beyond the limit on one value. A channel spanning fewer than
+    TIE_MIN_LEVELS quantisation steps (nearly constant over the tokens, e.g. the output of a
+    uniform attention in bf16) is not judged. Identical rows (a prompt prefix
     repeated across a batch, pad rows) are counted once. ``rows`` are finite."""
     rows = unique_rows(rows)
     if rows.shape[0] < 2:
@@ -133,6 +157,10 @@ def ties(rows: np.ndarray, candidates: int = 8) -> tuple[float, float]:
             col = rows[:, c] * sign
             inner = col[col < ext[c] * sign]
             values, counts = np.unique(inner, return_counts=True)
+            if values.size and _levels(col, ext[c] * sign, values[0]) < TIE_MIN_LEVELS:
+                continue  # a channel spanning a few quantisation steps: its extreme holds many
+            if _near_copies(rows, col == ext[c] * sign):
+                continue  # tokens alike in every channel (a uniform attention), not a clip
             neighbours = float(np.mean(counts[-2:])) if counts.size else 1.0
             best = max(best, (n / max(1.0, neighbours), n))
     return float(count), float(best[0])

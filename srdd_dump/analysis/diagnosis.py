@@ -25,8 +25,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .identities import CLIP, OFFSET, ZERO
 from .signals import BLOCK_SITE, LOW_BITS, PREFILL, Signals
-from .tolerance import tolerance_dtype
+from .tolerance import DEFAULT_LIMITS, tolerance_dtype
 from .verdicts import FAULT, NORMAL, SUSPECT, VERDICT_ORDER
 
 __all__ = ["FAULT", "NORMAL", "SUSPECT", "VERDICT_ORDER", "diagnose", "headline"]
@@ -72,6 +73,23 @@ BATCH_DEP_FEW = 0.01
 # |z| = 262 (gain, layer 0) and 1143 (kurtosis drop, layer 9) through natural structure.
 Z_OFFSET = 12.0
 
+# Exact identities (docs/method.md): healthy value exactly 0 on every architecture and dtype
+# measured; FAULT when the lower bound of the broken share reaches these.
+SCALE_BROKEN = 1e-4  # elements of a linear operator breaking y(2^k x) = 2^k y(x)
+CAUSAL_BROKEN = 1e-4  # elements before the cut moved by perturbing later tokens
+SCALE_FAMILY = {ZERO: "DEAD_ZONE", CLIP: "SAT_SOURCE", OFFSET: "BIAS"}
+SCALE_WORDS = {
+    ZERO: "values below a fixed limit flushed to 0",
+    CLIP: "values clipped at a fixed limit",
+    OFFSET: "a fixed offset added",
+}
+# Roles whose clean statistics are not evidence: a rotary embedding's cos/sin repeat by design,
+# a ReLU-like activation has exact zeros and a clip as its healthy output.
+NO_STATISTICS = ("rotary", "act_clip")
+# Roles judged against the other layers (relative evidence): blocks and sub-blocks only; an
+# operator's offset varies by design (biases), the identities and the host replay judge it.
+RELATIVE_ROLES = ("", "block", "sublayer")
+
 
 @dataclass
 class Evidence:
@@ -79,6 +97,8 @@ class Evidence:
     strength: float  # value / FAULT threshold
     text: str
     exact: bool = True
+    module: str = ""  # the module it was seen at, and the phase: the site row it belongs to
+    phase: str = PREFILL
     secondary: bool = False  # listed after the other labels of its layer
     inheritable: bool = False  # exact, but the module's own replay moves it: from its input
     kind: str = ""  # the site kind of the module it comes from (block, mlp, mlp@decode...)
@@ -152,6 +172,9 @@ def _exact_evidence(sig: Signals, dtype: str, instab_median: float, compute_dtyp
     dtype = tolerance_dtype(stored, compute_dtype) if compute_dtype else stored
     if sig.nan_count or sig.inf_count:
         ev.append(Evidence("OVERFLOW", 1e3, f"{sig.nan_count} NaN, {sig.inf_count} Inf in {where}"))
+    ev += _identity_evidence(sig, where, dtype)
+    if sig.role in NO_STATISTICS:
+        return ev
     zero_limit = ZERO_FRAC.get(dtype, 1e-3)
     zeros = lower_bound(sig.zero_frac, sig.n_values)
     if zeros > SUSPECT_RATIO * zero_limit:
@@ -212,6 +235,34 @@ def _exact_evidence(sig: Signals, dtype: str, instab_median: float, compute_dtyp
     return ev
 
 
+def _identity_evidence(sig: Signals, where: str, dtype: str) -> list[Evidence]:
+    """The exact identities and the float64 host replay of one module (``dtype``: the precision
+    it computed in)."""
+    ev: list[Evidence] = []
+    scale = lower_bound(sig.scale_broken, sig.scale_n) if sig.scale_n else 0.0
+    if scale > SUSPECT_RATIO * SCALE_BROKEN:
+        pattern = sig.scale_pattern
+        ev.append(Evidence(
+            SCALE_FAMILY.get(pattern, "NOT_LINEAR"), scale / SCALE_BROKEN,
+            f"y(2^k x) != 2^k y(x) on {sig.scale_broken:.2%} of the elements of {where} "
+            f"({SCALE_WORDS.get(pattern, 'a rounding or quantisation step with a fixed scale')})"))
+    causal = lower_bound(sig.causal_broken, sig.causal_n) if sig.causal_n else 0.0
+    if causal > SUSPECT_RATIO * CAUSAL_BROKEN:
+        ev.append(Evidence(
+            "CAUSALITY", causal / CAUSAL_BROKEN,
+            f"perturbing later tokens moved {sig.causal_broken:.2%} of the elements of earlier "
+            f"rows of {where}"))
+    if np.isfinite(sig.host_red) or sig.host_red == float("inf"):
+        limits = DEFAULT_LIMITS.get(dtype, DEFAULT_LIMITS["float32"])
+        strength = sig.host_red / limits.rel_dist_fail
+        if strength > SUSPECT_RATIO:
+            ev.append(Evidence(
+                "HOST_MISMATCH", min(strength, 1e3),
+                f"{where} differs from its float64 host replay by {sig.host_red:.3g} "
+                f"(relative distance; FAIL above {limits.rel_dist_fail:g} for {dtype})"))
+    return ev
+
+
 def _systemic_noise(group: list[Signals], dtype: str, compute_dtype: str = ""
                     ) -> list[Evidence] | None:
     """Repeat runs that differ beyond the dtype's floor at most layers of one site kind: the
@@ -242,6 +293,8 @@ def relative_z(group: list[Signals]) -> dict[str, np.ndarray]:
 
 def _relative_evidence(group: list[Signals]) -> dict[int, list[Evidence]]:
     out: dict[int, list[Evidence]] = {i: [] for i in range(len(group))}
+    if any(g.role not in RELATIVE_ROLES for g in group):
+        return out
     z = relative_z(group)
     for i, g in enumerate(group):
         if z["offset"][i] > SUSPECT_RATIO * Z_OFFSET:
@@ -295,14 +348,16 @@ def diagnose(signals: list[Signals], dtype: str, n_layers: int, compute_dtype: s
                 systemic[family] = (kind, count, of)
         for sig, items in zip(group, per_layer):
             for ev in items:
-                ev.kind = kind
+                ev.kind, ev.module, ev.phase = kind, sig.module, sig.phase
                 evidence.setdefault(sig.layer, []).append((ev, sig.module))
     verdicts = []
     for layer in range(n_layers):
         items = evidence.get(layer, [])
         score = max((e.strength for e, _ in items), default=0.0)
         verdict = FAULT if score >= 1 else SUSPECT if score >= SUSPECT_RATIO else NORMAL
-        strong = sorted(items, key=lambda t: -t[0].strength)
+        # equal evidence at a block, its sub-layer and an operator (the same tensor): the
+        # narrowest module names it
+        strong = sorted(items, key=lambda t: (-round(t[0].strength, 9), -t[1].count(".")))
         labelled = sorted(strong, key=lambda t: t[0].secondary)  # secondary families last
         labels = []
         for e, _ in labelled:
@@ -413,4 +468,27 @@ FAMILY_WORDS = {
     "PRECISION": "lost precision",
     "OVERFLOW": "NaN/Inf",
     "BATCH_DEP": "output depends on the rest of the batch",
+    "NOT_LINEAR": "a linear operator is not scale-equivariant (quantised or rounded with a "
+                  "fixed scale)",
+    "CAUSALITY": "later tokens change earlier rows (an attention mask bug)",
+    "HOST_MISMATCH": "output differs from a float64 replay of the same input",
 }
+
+
+def site_verdicts(verdicts: list[LayerVerdict]) -> dict[tuple[str, str], tuple[float, str, str]]:
+    """(module, phase) -> (score, verdict, labels) from the evidence seen at that module: the
+    drill-down from a layer row to its sub-layers and operators."""
+    found: dict[tuple[str, str], list[Evidence]] = {}
+    for v in verdicts:
+        for e in v.evidence:
+            found.setdefault((e.module, e.phase), []).append(e)
+    out = {}
+    for key, items in found.items():
+        score = max(e.strength for e in items)
+        labels = []
+        for e in sorted(items, key=lambda e: -e.strength):
+            if e.strength >= SUSPECT_RATIO and e.family not in labels:
+                labels.append(e.family)
+        verdict = FAULT if score >= 1 else SUSPECT if score >= SUSPECT_RATIO else NORMAL
+        out[key] = (float(score), verdict, ",".join(labels))
+    return out

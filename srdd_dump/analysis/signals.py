@@ -15,6 +15,7 @@ from typing import NamedTuple
 import numpy as np
 
 from . import array_stats as st
+from .identities import causal_check, relative_distance, scale_check
 from .moments import Moments
 
 BLOCK_SITE = -1  # Signals.site of a block's own output (the dump schema's BLOCK_SITE)
@@ -30,10 +31,13 @@ LOW_BITS_MASK = {"float32": 0xFFFF, "bfloat16": 0xF << 16, "float16": 0x7 << 13}
 class Probe(NamedTuple):
     """One probe replay of a module on its recorded input, as token rows."""
 
-    kind: str  # "gain" (noise of rms pert_rms added), "dc" (constant shift), "repeat", "replay"
+    kind: str  # "gain" (noise of rms pert_rms added), "dc" (constant shift), "repeat",
+    # "replay", "scale" (k), "causal" (cut position), "host" (float64 host replay)
     param: float  # gain: sigma relative to each token's std; dc: shift in token stds
     pert_rms: float  # rms of the perturbation added to the input (gain)
     data: np.ndarray  # the module's output on the perturbed input, (rows, width)
+    dtype: str = ""  # logical dtype of the record
+    subset: bool = True  # rows are the round's probe rows (False: every kept row)
 
 
 @dataclass
@@ -81,6 +85,14 @@ class Signals:
     batch_dep: float = float("nan")  # max |replay - clean| / max |clean|, worst sample
     batch_dep_level: float = float("nan")  # median |clean| / max |clean| where it moved most
     batch_dep_moved: float = float("nan")  # fraction of elements moved by >= half that max
+    # exact identities and the host reference (NaN when not probed)
+    role: str = ""  # the site's role in the dump (linear, norm, act, core, rotary, sublayer)
+    scale_broken: float = float("nan")  # linear: elements breaking y(2^k x) = 2^k y(x), worst
+    scale_n: int = 0  # elements judged in that round
+    scale_pattern: str = ""  # zero / clip / offset / other (identities.scale_pattern)
+    causal_broken: float = float("nan")  # elements before the cut moved by later tokens, worst
+    causal_n: int = 0
+    host_red: float = float("nan")  # relative distance to the float64 host replay, worst round
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -89,8 +101,12 @@ class Signals:
 class LayerSignals:
     """Accumulates the signals of one (layer, site) over the rounds, in file order."""
 
-    def __init__(self, layer: int, site: int, module: str, phase: str = PREFILL):
-        self.sig = Signals(layer=layer, site=site, module=module, phase=phase)
+    def __init__(self, layer: int, site: int, module: str, phase: str = PREFILL,
+                 role: str = ""):
+        self.sig = Signals(layer=layer, site=site, module=module, phase=phase, role=role)
+        self.scale: list[tuple[float, int, str]] = []
+        self.causal: list[tuple[float, int]] = []
+        self.host: list[float] = []
         self.moments = Moments()
         self.samples: set[int] = set()
         self.per_sample: dict[str, list[float]] = {
@@ -112,13 +128,16 @@ class LayerSignals:
     def add(
         self, x: np.ndarray, dtype: str, sample: int, before: np.ndarray | None,
         rows: np.ndarray | None, probes: list[Probe], valid: np.ndarray | None = None,
+        positions: np.ndarray | None = None,
     ) -> None:
         """One clean record ``x`` (batch, ntok, width); ``before``: the previous block's clean
         output in the same round; ``rows``: the round's probe rows (indices into the token rows of
         ``x``); ``probes``: this module's probe replays of the round; ``valid``: per token row
         of ``x``, False for rows the attention mask excludes (padding), which no statistic
-        sees."""
+        sees; ``positions``: the token position of each token row of ``x``."""
         if valid is not None and valid.size == x.size // x.shape[-1] and not valid.all():
+            if positions is not None and positions.size == valid.size:
+                positions = positions[valid]
             x, before, rows, probes = _valid_rows(x, before, rows, probes, valid)
             if not x.size:
                 return
@@ -152,7 +171,37 @@ class LayerSignals:
                 low = (finite.view(np.uint32) & np.uint32(mask)) == 0
                 acc["lowbits"].append(np.count_nonzero(low & nonzero) / nnz)
         if rows is not None and probes:
+            if rows.size and int(rows.max()) >= x.size // x.shape[-1]:
+                rows = rows[:0]  # a model-level operator (rotary) has fewer rows than the round
+            row_pos = positions[rows] if positions is not None and rows.size and \
+                positions.size > int(rows.max()) else None
+            self._identities(st.rows_of(x), rows, row_pos, probes, dtype)
             self._probes(st.rows_of(x)[rows], probes)
+
+    def _identities(self, x_rows: np.ndarray, rows: np.ndarray, row_pos: np.ndarray | None,
+                    probes: list[Probe], dtype: str) -> None:
+        """The scale and causality identities and the host replay of one round."""
+        scaled = {int(p.param): st.rows_of(p.data) for p in probes if p.kind == "scale"}
+        if 0 in scaled:
+            worst = (0.0, 0, "")
+            for k, data in scaled.items():
+                if k:
+                    check = scale_check(scaled[0], data, k, dtype)
+                    frac = check.broken / check.judged if check.judged else 0.0
+                    if check.judged and (frac > worst[0] or not worst[1]):
+                        worst = (frac, check.judged, check.pattern)
+            if worst[1]:
+                self.scale.append(worst)
+        refs = [p.data for p in probes if p.kind == "replay"]
+        for p in probes:
+            if p.kind == "causal" and row_pos is not None:
+                ref = st.rows_of(refs[0]) if refs else x_rows[rows]
+                moved, judged = causal_check(ref, st.rows_of(p.data), row_pos, int(p.param))
+                if judged:
+                    self.causal.append((moved / judged, judged))
+            elif p.kind == "host":
+                device = x_rows[rows] if p.subset else x_rows
+                self.host.append(relative_distance(device, st.rows_of(p.data)))
 
     def _probes(self, clean_rows: np.ndarray, probes: list[Probe]) -> None:
         refs = [p.data for p in probes if p.kind == "replay"]
@@ -246,6 +295,12 @@ class LayerSignals:
         if self.batch_dep:
             sig.batch_dep, sig.batch_dep_level, sig.batch_dep_moved = max(
                 self.batch_dep, key=lambda v: v[0] if np.isfinite(v[0]) else -1.0)
+        if self.scale:
+            sig.scale_broken, sig.scale_n, sig.scale_pattern = max(self.scale)
+        if self.causal:
+            sig.causal_broken, sig.causal_n = max(self.causal)
+        if self.host:
+            sig.host_red = max(self.host, key=lambda v: v if not np.isnan(v) else -1.0)
         if self.instab:
             sig.instability = st.nanmax(self.instab)
             sig.instab_changed = st.nanmax(self.changed)

@@ -29,6 +29,10 @@ class DumpConfig:
         ("all": every captured step; "0": the prefill only).
     probe_samples: the first N samples are probed; later ones are captured without probes
         (the probes cost most of a scan: docs/benchmarks.md).
+    probes: gain, dc, repeat (replays of perturbed inputs), scale (the linear-map identity,
+        at operator granularity), causal (the causality identity of attention and blocks).
+    granularity: block, sublayer (attention and MLP too) or op (every operator inside).
+    reference: none, or host: each probed site re-run in float64 on the host CPU.
     """
 
     dump_path: str = "srdd_dumps"
@@ -37,7 +41,7 @@ class DumpConfig:
     tokens: str = "all"
     layers: str | None = None
     seed: int = 0
-    probes: str = "gain,dc,repeat"
+    probes: str = "gain,dc,repeat,scale,causal"
     probe_steps: str = "0,1,7"
     probe_samples: int = 4
     sigmas: list = field(default_factory=lambda: [0.1, 0.01])
@@ -46,6 +50,7 @@ class DumpConfig:
     repeats: int = 3
     granularity: str = "sublayer"
     sublayers: str | None = None
+    reference: str = "none"
     store: str = "sample:32768"
     inject: list = field(default_factory=list)
     batch_probes: bool = True
@@ -60,8 +65,12 @@ class DumpConfig:
         parse_tokens(self.tokens)
         parse_probes(self.probes)
         parse_store(self.store)
-        if self.granularity not in ("block", "sublayer"):
-            raise UserError(f"granularity must be block or sublayer, got {self.granularity!r}")
+        if self.granularity not in GRANULARITIES:
+            raise UserError(f"granularity must be one of {', '.join(GRANULARITIES)}, "
+                            f"got {self.granularity!r}")
+        if self.reference not in REFERENCES:
+            raise UserError(f"reference must be one of {', '.join(REFERENCES)}, "
+                            f"got {self.reference!r}")
         if self.probe_samples < 0:
             raise UserError(f"probe_samples must be >= 0, got {self.probe_samples}")
         if self.draws < 0 or self.repeats < 0:
@@ -146,7 +155,9 @@ def token_positions(parts: list[slice | int] | None, seq: int) -> list[int]:
     return sorted(chosen)
 
 
-PROBE_NAMES = ("gain", "dc", "repeat")
+PROBE_NAMES = ("gain", "dc", "repeat", "scale", "causal")
+GRANULARITIES = ("block", "sublayer", "op")
+REFERENCES = ("none", "host")
 
 
 def parse_probes(spec: str) -> set[str]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from fnmatch import fnmatchcase
+from typing import NamedTuple
 
 from torch import nn
 
@@ -83,12 +84,32 @@ def _nothing_found(model: nn.Module) -> str:
 
 
 SUBLAYER_NAMES = ("self_attn", "attn", "attention", "self_attention", "mlp", "feed_forward", "ffn")
+ATTENTION_NAMES = ("self_attn", "attn", "attention", "self_attention")
+
+# Site roles (docs/method.md says which probes and identities each gets).
+SUBLAYER = "sublayer"  # an attention or MLP sub-block
+LINEAR = "linear"  # nn.Linear and GPT-2's Conv1D: y(2^k x) = 2^k y(x), row by row
+NORM = "norm"  # LayerNorm, RMSNorm, ...: row by row
+ACTIVATION = "act"  # element-wise activation modules
+CLIPPING = "act_clip"  # ReLU-like activations: exact zeros and a clip are their healthy output
+CORE = "core"  # the attention core: the input of the attention's output projection
+ROTARY = "rotary"  # the rotary position embedding (cos/sin), often one module for the model
+ROW_WISE = (LINEAR, NORM, ACTIVATION, CLIPPING)
+_CLIPPING_CLASSES = ("ReLU", "ReLU6", "Hardtanh", "Hardsigmoid", "Hardswish", "Threshold",
+                     "ReLUSquaredActivation", "ReLUActivation")
+
+
+class Site(NamedTuple):
+    layer: int  # the block it belongs to (a model-level rotary embedding: block 0)
+    name: str  # qualified module name; the attention core is "<attention>.core"
+    module: nn.Module  # the module whose output it is (the core: the output projection)
+    role: str
 
 
 def find_sites(
     blocks: list[tuple[str, nn.Module]], patterns: str | None = None
-) -> list[tuple[int, str, nn.Module]]:
-    """Sub-layer modules of every block: [(block index, qualified name, module)].
+) -> list[Site]:
+    """Sub-layer modules of every block.
 
     Default: the attention and MLP children (``self_attn``/``attn``/``attention`` and
     ``mlp``/``feed_forward``/``ffn``). ``patterns``: comma-separated globs over module names
@@ -99,7 +120,57 @@ def find_sites(
     for index, (block_name, block) in enumerate(blocks):
         for name, module in block.named_modules():
             if name and any(fnmatchcase(name, g) for g in globs):
-                sites.append((index, f"{block_name}.{name}", module))
+                sites.append(Site(index, f"{block_name}.{name}", module, _role(module)))
     if patterns and not sites:
         raise NoBlocksFound(f"--sublayers {patterns!r} matches no module inside the blocks")
     return sites
+
+
+def operator_role(module: nn.Module) -> str | None:
+    """linear, norm, act or rotary by module type (generic: class names for the model-specific
+    kinds), None for anything else (containers, dropout, embeddings)."""
+    cls = type(module).__name__
+    weight = getattr(module, "weight", None)
+    if isinstance(module, nn.Linear) or (cls == "Conv1D" and getattr(weight, "dim", int)() == 2):
+        return LINEAR
+    if "Rotary" in cls:
+        return ROTARY
+    if list(module.children()):
+        return None
+    if isinstance(module, (nn.LayerNorm, nn.GroupNorm)) or cls.endswith(("Norm", "NormFp32")):
+        return NORM
+    if cls in _CLIPPING_CLASSES:
+        return CLIPPING
+    if (type(module).__module__ == "torch.nn.modules.activation"
+            or cls.endswith("Activation") or cls in ("GELUTanh", "QuickGELU", "SwiGLU")):
+        return ACTIVATION
+    return None
+
+
+def find_operators(model: nn.Module, blocks: list[tuple[str, nn.Module]]) -> list[Site]:
+    """The operators inside every block, in registration order: every linear map,
+    normalisation, activation and rotary embedding module, and the attention core (as the input
+    of the attention's last linear map: its output projection). A rotary embedding held by
+    the model rather than by each block (Hugging Face Llama/Qwen2) is one site of block 0."""
+    sites: list[Site] = []
+    inside: set[int] = set()
+    for index, (block_name, block) in enumerate(blocks):
+        for name, module in block.named_modules():
+            inside.add(id(module))
+            role = operator_role(module) if name else None
+            if role is not None:
+                sites.append(Site(index, f"{block_name}.{name}", module, role))
+            if name.rsplit(".", 1)[-1] in ATTENTION_NAMES:
+                last = [(n, m) for n, m in module.named_modules()
+                        if n and operator_role(m) == LINEAR]
+                if last:
+                    sites.append(Site(index, f"{block_name}.{name}.core", last[-1][1], CORE))
+    shared = [(name, m) for name, m in model.named_modules()
+              if id(m) not in inside and operator_role(m) == ROTARY]
+    for name, module in shared[:1]:
+        sites.insert(0, Site(0, name, module, ROTARY))
+    return sites
+
+
+def _role(module: nn.Module) -> str:
+    return operator_role(module) or SUBLAYER

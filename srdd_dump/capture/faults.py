@@ -29,6 +29,8 @@ stuck_at                  channels stuck at ``value`` (default m * max|h| of the
 bitflip                   each element flips one random bit with probability ``rate``
                           (default 1e-4) in the ``bits=mantissa|exponent`` of its float32 value
 precision                 h rounded to ``dtype=bfloat16|float16`` and back
+causal_leak               h_t + m * mean(h_{t+1..}) over the later tokens of the same sequence
+                          (an attention mask bug: rows see the future; multi-token calls)
 ========================  =====================================================================
 
 Element-wise absolute limits, as a device's number format makes them: ``limit=L`` (a value) or
@@ -140,6 +142,8 @@ class _Fault:
             y = self._bitflip(x, float(o.get("rate", 1e-4)), o.get("bits", "mantissa"))
         elif s.type == "precision":
             y = x.to(getattr(torch, o.get("dtype", "bfloat16"))).float()
+        elif s.type == "causal_leak":
+            y = x + m * _mean_of_later(x)
         else:  # parse_fault rejects unknown types
             raise AssertionError(s.type)
         if mask is not None:
@@ -205,6 +209,15 @@ class _Fault:
                 return output
             return (self.corrupt(output[0]), *output[1:])
         return output
+
+
+def _mean_of_later(x: torch.Tensor) -> torch.Tensor:
+    """For each token row, the mean of the rows after it in its sequence (0 for the last)."""
+    if x.dim() < 2 or x.shape[-2] < 2:
+        return torch.zeros_like(x)
+    later = x.flip(-2).cumsum(-2).flip(-2) - x  # sum over t' > t
+    count = torch.arange(x.shape[-2] - 1, -1, -1, device=x.device, dtype=x.dtype)
+    return later / count.clamp(min=1).unsqueeze(-1)
 
 
 def install_faults(

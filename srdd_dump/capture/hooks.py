@@ -24,13 +24,25 @@ from ..format.writer import DumpWriter, Round, Tensor, describe_error
 from ..version import __version__
 from . import config as cfg
 from .config import DumpConfig
-from .discovery import find_blocks, find_sites
+from .discovery import (
+    CORE,
+    LINEAR,
+    ROTARY,
+    ROW_WISE,
+    Site,
+    find_blocks,
+    find_operators,
+    find_sites,
+)
 from .faults import install_faults
+from .host import host_replay
+from .identities import causal_cut, is_causal, scale_replays
 from .probes import (
     ProbeSpec,
     first_tensor,
     is_cache,
     layer_index,
+    preserved_rng,
     probe_seed,
     run_probes,
     snapshot_cache,
@@ -97,10 +109,8 @@ class CaptureSession:
         self.config = config
         self.blocks = find_blocks(model, config.layers)
         self.layer_names = [name for name, _ in self.blocks]
-        self.sites = (
-            find_sites(self.blocks, config.sublayers) if config.granularity == "sublayer" else []
-        )
-        self.site_names = [name for _, name, _ in self.sites]
+        self.sites = _sites(model, self.blocks, config)
+        self.site_names = [site.name for site in self.sites]
         probes = cfg.parse_probes(config.probes)
         self.probe_spec = ProbeSpec(
             sigmas=tuple(config.sigmas) if "gain" in probes else (),
@@ -108,8 +118,16 @@ class CaptureSession:
             dc=tuple(config.dc) if "dc" in probes else (),
             repeats=config.repeats if "repeat" in probes else 0,
             batched=config.batch_probes,
+            scale="scale" in probes,
+            causal="causal" in probes,
         )
-        self._probing = bool(probes)
+        self._host = config.reference == "host"
+        self._probing = bool(probes) or self._host
+        self._causal = {id(m): is_causal(m) for _, m in self.blocks}
+        self._causal.update({id(site.module): is_causal(site.module) for site in self.sites})
+        self._pending: list[tuple[int, Site, torch.Tensor, tuple, dict]] = []
+        self.host_replays = 0
+        self.host_replays_failed = 0
         self._store = cfg.parse_store(config.store)
         self.batched_replays = 0
         self.decode_replays_skipped = 0
@@ -159,11 +177,20 @@ class CaptureSession:
             self._handles.append(block.register_forward_hook(hook, with_kwargs=True))
             self._handles.append(
                 block.register_forward_pre_hook(self._on_module_call, with_kwargs=True))
-        for site, (layer, _, module) in enumerate(self.sites):
-            hook = self._output_hook(layer, site, False)
-            self._handles.append(module.register_forward_hook(hook, with_kwargs=True))
-            self._handles.append(
-                module.register_forward_pre_hook(self._on_module_call, with_kwargs=True))
+        for index, site in enumerate(self.sites):
+            if site.role == CORE:  # the attention core's output is its output projection's input
+                self._handles.append(site.module.register_forward_pre_hook(
+                    self._input_hook(site.layer, index), with_kwargs=True))
+                continue
+            if site.role == ROTARY:  # model-level: runs before the blocks open the round
+                self._handles.append(site.module.register_forward_hook(
+                    self._pending_hook(index), with_kwargs=True))
+                continue
+            hook = self._output_hook(site.layer, index, False)
+            self._handles.append(site.module.register_forward_hook(hook, with_kwargs=True))
+            if site.role not in ROW_WISE:
+                self._handles.append(site.module.register_forward_pre_hook(
+                    self._on_module_call, with_kwargs=True))
 
     def _guard(self, fn, *args) -> None:
         if self._closed or self._replaying:
@@ -257,6 +284,7 @@ class CaptureSession:
         self._add(schema.STACK_INPUT, schema.BLOCK_SITE, hidden)
         if keep is not None:
             self._add_mask(keep)
+        self._add_pending()
 
     def _kept_rows(self, batch: int, seq: int, positions: list[int]) -> np.ndarray | None:
         """(batch, kept positions): False where the model call's 2-D attention mask excludes
@@ -307,6 +335,39 @@ class CaptureSession:
 
         return hook
 
+    def _input_hook(self, layer: int, site: int):
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            if self._round is not None:
+                self._guard(self._on_input, layer, site, args, kwargs)
+
+        return hook
+
+    def _on_input(self, layer: int, site: int, args: tuple, kwargs: dict) -> None:
+        hidden = first_tensor(args) if args else kwargs.get("hidden_states")
+        if isinstance(hidden, torch.Tensor):
+            self._add(layer, site, hidden)
+
+    def _pending_hook(self, index: int):
+        def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+            def keep() -> None:
+                out = first_tensor(output)
+                if isinstance(out, torch.Tensor):
+                    self._pending = [(index, self.sites[index], out, args, kwargs)]
+
+            self._guard(keep)
+
+        return hook
+
+    def _add_pending(self) -> None:
+        """Model-level operators that ran before the first block (a shared rotary embedding):
+        their output, and with --reference host its float64 replay, over every kept row."""
+        pending, self._pending = self._pending, []
+        for index, site, out, args, kwargs in pending:
+            self._add(site.layer, index, out)
+            if self._host and self._rows is not None:
+                self._host_record(site.module, site.layer, index, args, kwargs, None,
+                                  rows=None)
+
     def _on_output(self, module, layer, site, args, kwargs, output, last) -> None:
         hidden = first_tensor(output)
         if hidden is None:
@@ -319,41 +380,109 @@ class CaptureSession:
         if last:
             self._submit()
 
-    def _probe(self, module, layer, site, args, kwargs, hidden) -> None:
+    def _seeds(self, layer: int, site: int):
         def seeds(kind: int, probe: int) -> int:
             return probe_seed(self.config.seed, self.sample, layer + 1, site + 1, kind, probe)
 
+        return seeds
+
+    def _probe(self, module, layer, site, args, kwargs, hidden) -> None:
+        role = self.sites[site].role if site >= 0 else "block"
+        if role in ROW_WISE:
+            self._probe_rows(module, layer, site, role, args, kwargs, hidden)
+            return
         idx = self._layer_of(module) if self.step > 0 else None
         cache = self._caches.get(idx) if idx is not None else None
         if self.step > 0 and cache is None and _has_past(args, kwargs):
             return  # a decode step whose past cannot be reproduced: no replay, clean data only
+        cut = None
+        if self.probe_spec.causal and self.step == 0 and self._causal.get(id(module)):
+            cut = causal_cut(hidden.shape[-2] if hidden.dim() >= 2 else 1,
+                             probe_seed(self.config.seed, self.sample, 0xCA05A1))
+        spec = self.probe_spec
+        if spec.sigmas or spec.dc or spec.repeats or cut is not None:
+            self._replaying = True
+            try:
+                outputs, batched = run_probes(module, args, kwargs, hidden, spec,
+                                              self._seeds(layer, site), cache, cut)
+            except Exception:
+                if self.step == 0:
+                    raise
+                # a decode replay this module refuses (a cache layout not reproduced): its
+                # clean data is kept, the step is not probed
+                self.decode_replays_skipped += 1
+                return
+            finally:
+                self._replaying = False
+            if batched:
+                self.batched_replays += 1
+            else:
+                self.sequential_replays += 1
+            self._add_probes(layer, site, outputs, self._positions, self._rows)
+        if self._host:
+            self._host_record(module, layer, site, args, kwargs, cache)
+
+    def _probe_rows(self, module, layer, site, role, args, kwargs, hidden) -> None:
+        """A row-wise operator (linear, norm, activation) is probed on the probe rows of its
+        input alone: each output row depends on its input row only."""
+        x = first_tensor(args) if args else kwargs.get("hidden_states")
+        if not isinstance(x, torch.Tensor) or x.shape[:-1] != hidden.shape[:-1]:
+            return
+        x_rows = kept(x, self._positions, self._rows)
+        recorded = kept(hidden, self._positions, self._rows)
+        spec = self.probe_spec
         self._replaying = True
         try:
-            outputs, batched = run_probes(module, args, kwargs, hidden, self.probe_spec, seeds,
-                                          cache)
-        except Exception:
-            if self.step == 0:
-                raise
-            # a decode replay this module refuses (a cache layout not reproduced): its clean
-            # data is kept, the step is not probed
-            self.decode_replays_skipped += 1
-            return
+            if spec.sigmas or spec.dc or spec.repeats:
+                outputs, batched = run_probes(module, (x_rows,), {}, recorded, spec,
+                                              self._seeds(layer, site))
+                self._add_probes(layer, site, outputs, None, None)
+            if spec.scale and role == LINEAR:
+                with torch.no_grad(), preserved_rng(x.device):
+                    for k, y in scale_replays(module, x_rows):
+                        self._append(layer, site, y, schema.KIND_SCALE, probe=k, param=k)
         finally:
             self._replaying = False
-        if batched:
-            self.batched_replays += 1
-        else:
-            self.sequential_replays += 1
+        if self._host:
+            self._host_record(module, layer, site, (x_rows,), {}, None, rows=None)
+
+    def _add_probes(self, layer, site, outputs, positions, rows) -> None:
         for p in outputs:
-            array, logical = to_host(p.output, self._positions, self._rows)
             rms = 0.0
             if p.perturbation is not None:
-                d = kept(p.perturbation, self._positions, self._rows).double()
+                d = kept(p.perturbation, positions, rows).double()
                 rms = float(d.pow(2).mean().sqrt())
-            self._round.tensors.append(Tensor(
-                layer=layer, site=site, array=array, dtype=logical, kind=p.kind, probe=p.probe,
-                param=p.param, seed=p.seed, pert_rms=rms, subset=True,
-            ))
+            self._append(layer, site, kept(p.output, positions, rows), p.kind, p.probe, p.param,
+                         p.seed, rms)
+
+    def _append(self, layer, site, rows_tensor, kind, probe=0, param=0.0, seed=0, pert_rms=0.0,
+                subset=True) -> None:
+        array, logical = to_host(rows_tensor, None)
+        self._round.tensors.append(Tensor(
+            layer=layer, site=site, array=array, dtype=logical, kind=kind, probe=probe,
+            param=float(param), seed=seed, pert_rms=pert_rms, subset=subset,
+        ))
+
+    def _host_record(self, module, layer, site, args, kwargs, cache, rows="round") -> None:
+        """The float64 host replay of ``module`` on its recorded input, as a KIND_HOST record
+        of the round's probe rows (``rows=None``: the input already holds only those rows, or
+        a model-level operator whose every kept row is stored). A module the host cannot
+        replay is counted, never fatal."""
+        try:
+            out = host_replay(module, args, kwargs, cache)
+        except Exception:  # noqa: BLE001 (a device-only module, a cache layout not known)
+            self.host_replays_failed += 1
+            return
+        self.host_replays += 1
+        site_role = self.sites[site].role if site >= 0 else "block"
+        if rows == "round":
+            out = kept(out, self._positions, self._rows)
+            subset = True
+        elif site_role == ROTARY:
+            out, subset = kept(out, self._positions), False
+        else:
+            out, subset = kept(out, None), True
+        self._append(layer, site, out, schema.KIND_HOST, subset=subset)
 
     def _progress(self) -> None:
         if self._bar is None:
@@ -419,6 +548,7 @@ class CaptureSession:
             "torch_initial_seed": int(torch.initial_seed()),
             "dump_config": vars(self.config),
             "sites": self.site_names,
+            "site_roles": [site.role for site in self.sites],
             "injected_faults": self.faults,
             "model_config": to_dict() if callable(to_dict) else None,
             "started": time.time(),
@@ -456,6 +586,8 @@ class CaptureSession:
                     "batched_replays": self.batched_replays,
                     "sequential_replays": self.sequential_replays,
                     "decode_replays_skipped": self.decode_replays_skipped,
+                    "host_replays": self.host_replays,
+                    "host_replays_failed": self.host_replays_failed,
                 })
             except Exception as exc:  # runs at exit too: never a traceback in the user's program
                 self.path = self.writer.partial_path
@@ -475,6 +607,19 @@ class CaptureSession:
     def __exit__(self, *exc) -> None:
         self.close()
         self.remove_faults()
+
+
+def _sites(model: nn.Module, blocks: list[tuple[str, nn.Module]], config: DumpConfig
+           ) -> list[Site]:
+    """The sub-layer sites of the granularity: none, the attention and MLP sub-blocks, or
+    those and every operator inside the blocks (a module named twice is kept once)."""
+    if config.granularity == "block":
+        return []
+    sites = find_sites(blocks, config.sublayers)
+    if config.granularity == "op":
+        seen = {site.name for site in sites}
+        sites += [op for op in find_operators(model, blocks) if op.name not in seen]
+    return sites
 
 
 def _has_past(args: tuple, kwargs: dict) -> bool:

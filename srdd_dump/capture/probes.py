@@ -35,6 +35,8 @@ class ProbeSpec:
     dc: tuple[float, ...]  # dc shifts in token stds
     repeats: int  # unperturbed re-runs
     batched: bool  # perturbed copies replayed in one batched call
+    scale: bool = False  # the scale identity of linear operators (identities.scale_replays)
+    causal: bool = False  # the causality copy of causal attentions and blocks
 
 
 @dataclass
@@ -159,10 +161,15 @@ def _row_std(x: torch.Tensor) -> torch.Tensor:
     return x.float().std(dim=-1, keepdim=True, unbiased=False)
 
 
+CAUSAL_SIGMA = 1.0  # noise added to the tokens after the cut, in token stds
+
+
 def perturbed_inputs(
-    x: torch.Tensor, spec: ProbeSpec, seeds: Callable[[int, int], int]
+    x: torch.Tensor, spec: ProbeSpec, seeds: Callable[[int, int], int],
+    causal_cut: int | None = None,
 ) -> list[tuple[int, int, float, int, torch.Tensor]]:
-    """[(kind, probe, param, seed, x + delta)] for every gain draw and dc constant."""
+    """[(kind, probe, param, seed, x + delta)] for every gain draw and dc constant, and with
+    ``causal_cut`` a copy whose tokens at and after that position carry noise."""
     std = _row_std(x)
     out = []
     probe = 0
@@ -176,6 +183,14 @@ def perturbed_inputs(
             probe += 1
     for k, c in enumerate(spec.dc):
         out.append((schema.KIND_DC, k, c, 0, (x.float() + c * std).to(x.dtype)))
+    if causal_cut is not None and x.dim() >= 2 and 0 < causal_cut < x.shape[-2]:
+        seed = seeds(schema.KIND_CAUSAL, 0)
+        gen = torch.Generator().manual_seed(seed)
+        eps = torch.randn(x.shape, generator=gen, dtype=torch.float32).to(x.device)
+        eps[..., :causal_cut, :] = 0
+        xp = (x.float() + CAUSAL_SIGMA * std * eps).to(x.dtype)
+        xp[..., :causal_cut, :] = x[..., :causal_cut, :]  # bit-identical before the cut
+        out.append((schema.KIND_CAUSAL, 0, float(causal_cut), seed, xp))
     return out
 
 
@@ -202,6 +217,7 @@ def run_probes(
     spec: ProbeSpec,
     seeds: Callable[[int, int], int],
     cache: FrozenCache | None = None,
+    causal_cut: int | None = None,
 ) -> tuple[list[ProbeOutput], bool]:
     """Replay ``module`` on perturbed copies of its input; returns (outputs, batched?).
 
@@ -214,7 +230,7 @@ def run_probes(
         raise TypeError(f"cannot find the hidden-state input of {type(module).__name__}")
     results: list[ProbeOutput] = []
     with torch.no_grad(), preserved_rng(x.device):
-        perturbed = perturbed_inputs(x, spec, seeds)
+        perturbed = perturbed_inputs(x, spec, seeds, causal_cut)
         batched = spec.batched and bool(perturbed) and x.dim() >= 2
         outputs = None
         if batched:

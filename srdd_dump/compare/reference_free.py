@@ -11,7 +11,7 @@ import math
 
 import pandas as pd
 
-from ..analysis.diagnosis import LayerVerdict, diagnose, headline
+from ..analysis.diagnosis import LayerVerdict, diagnose, headline, site_verdicts
 from ..analysis.signals import DECODE, PREFILL, Signals, set_kurtosis_change
 from ..analysis.verdicts import NORMAL, VERDICT_ORDER
 from ..format import schema as s
@@ -34,7 +34,8 @@ def plan(files: list[DumpFile], jobs: int) -> list[SignalTask]:
             continue
         keys = present_keys(f.records)
         parts = chunks(f.records, keys, jobs) if jobs > 1 and len(keys) > 1 else [keys]
-        tasks += [SignalTask(n, f.path, part, f.layers, f.sites) for part in parts]
+        tasks += [SignalTask(n, f.path, part, f.layers, f.sites, f.site_roles)
+                  for part in parts]
     return tasks
 
 
@@ -92,7 +93,8 @@ def _diagnose_file(f: DumpFile, signals: list[Signals]) -> tuple[list[dict], lis
             v.module = blocks[v.layer].module
             rows.append(layer_row(f.source, blocks[v.layer], v, f.rank, f.pid))
     shown = {id(g) for g in blocks.values()}
-    sites = [site_row(f.source, g, f.rank, f.pid)
+    judged = site_verdicts(verdicts)
+    sites = [site_row(f.source, g, f.rank, f.pid, judged.get((g.module, g.phase)))
              for g in signals if g.samples and id(g) not in shown]
     worst = max(verdicts, key=lambda v: v.score)
     if worst.verdict == NORMAL:
@@ -121,9 +123,14 @@ def layer_row(source: str, sig: Signals, verdict: LayerVerdict, rank: int | None
     return row
 
 
-def site_row(source: str, sig: Signals, rank: int | None = None, pid: int | None = None) -> dict:
+def site_row(source: str, sig: Signals, rank: int | None = None, pid: int | None = None,
+             judged: tuple[float, str, str] | None = None) -> dict:
+    """A sub-layer or operator row (a block's decode steps too): its signals and the verdict
+    of the evidence seen at that module."""
     row = {k: v for k, v in sig.as_dict().items() if k in SITE_COLUMNS}
-    row.update(source=source, rank=rank, pid=pid)
+    score, verdict, labels = judged or (0.0, NORMAL, "")
+    row.update(source=source, rank=rank, pid=pid, score=round(score, 4), verdict=verdict,
+               diagnosis=labels)
     return row
 
 

@@ -31,12 +31,13 @@ BASE_COLUMNS = [
 SIGNAL_COLUMNS = [
     "kurt_change", "gain", "gain_spread", "linearity", "dc_dead", "dc_low", "instability",
     "instab_changed", "batch_dep", "ties", "tie_excess", "pileup", "offset", "dc_energy", "stuck",
-    "lowbits", "update_rms", "dtype",
+    "lowbits", "update_rms", "scale_broken", "scale_pattern", "causal_broken", "host_red",
+    "dtype",
 ]
 # site: the module holding the strongest evidence; evidence: every finding with its strength
 LAYER_COLUMNS = BASE_COLUMNS + SIGNAL_COLUMNS + ["site", "evidence", "rank", "pid"]
-SITE_COLUMNS = (["source", "layer", "module", "phase"] + BASE_COLUMNS[6:] + SIGNAL_COLUMNS
-                + ["rank", "pid"])
+SITE_COLUMNS = (["source", "layer", "module", "role", "phase", "score", "verdict", "diagnosis"]
+                + BASE_COLUMNS[6:] + SIGNAL_COLUMNS + ["rank", "pid"])
 FILE_COLUMNS = ["source", "status", "reason", "rounds", "samples", "layers", "rank", "pid"]
 
 

@@ -8,7 +8,7 @@ A worker process runs ``run_task`` only: no pandas, no report code.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
@@ -30,6 +30,7 @@ class SignalTask:
     keys: list[tuple[int, int]]
     layers: list[str]
     sites: list[str]
+    roles: list[str] = field(default_factory=list)  # the sites' roles (linear, norm, ...)
 
 
 def run_task(task: SignalTask) -> list[Signals] | str:
@@ -39,8 +40,13 @@ def run_task(task: SignalTask) -> list[Signals] | str:
         index = layer if site == s.BLOCK_SITE else site
         return names[index] if 0 <= index < len(names) else ""
 
+    def role(layer: int, site: int) -> str:
+        if site == s.BLOCK_SITE:
+            return "block"
+        return task.roles[site] if 0 <= site < len(task.roles) else "sublayer"
+
     try:
-        return read_signals(open_reader(task.path), task.keys, module)
+        return read_signals(open_reader(task.path), task.keys, module, role)
     except READ_ERRORS as exc:
         return f"{task.path}: damaged dump file ({first_line(exc)})"
 
@@ -71,14 +77,17 @@ def _read_group(reader: DumpReader, records: np.ndarray, index: list[int]) -> di
 
 
 def read_signals(
-    reader: DumpReader, keys: list[tuple[int, int]], module: Callable[[int, int], str]
+    reader: DumpReader, keys: list[tuple[int, int]], module: Callable[[int, int], str],
+    role: Callable[[int, int], str] | None = None,
 ) -> list[Signals]:
     """Signals of the (layer, site) ``keys`` of one file, reading it round by round;
-    ``module(layer, site)`` names each."""
+    ``module(layer, site)`` names each, ``role(layer, site)`` says what it is."""
     recs = reader.records
     by_round = {int(r["round"]): r for r in reader.rounds}
-    layers = {k: LayerSignals(k[0], k[1], module(*k)) for k in keys}
-    decode = {k: LayerSignals(k[0], k[1], module(*k), phase=DECODE) for k in keys}
+    role = role or (lambda layer, site: "")
+    layers = {k: LayerSignals(k[0], k[1], module(*k), role=role(*k)) for k in keys}
+    decode = {k: LayerSignals(k[0], k[1], module(*k), phase=DECODE, role=role(*k))
+              for k in keys}
     if not len(recs) or not keys:
         return [layers[k].result() for k in keys]
     code = _key_code(recs["layer"], recs["site"])
@@ -91,6 +100,7 @@ def read_signals(
     if not need.size:
         return [layers[k].result() for k in keys]
     all_rows = reader.all_probe_rows()
+    all_positions = reader.all_positions()
     rounds_of = recs["round"][need]
     order = np.argsort(rounds_of, kind="stable")
     first = {}
@@ -112,6 +122,10 @@ def read_signals(
         if row["prow_len"] > 0:
             off = int(row["prow_off"])
             prow = all_rows[off: off + int(row["prow_len"])]
+        # the token position of every row of a (batch, ntok) record of this round
+        pos_off = int(row["pos_off"])
+        positions = np.tile(all_positions[pos_off: pos_off + int(row["ntok"])],
+                            max(1, int(row["batch"])))
         index = groups[rnd]
         per_key: dict[tuple[int, int], list[int]] = {}
         clean_prev: dict[int, int] = {}  # layer -> last clean block record of the round
@@ -129,18 +143,19 @@ def read_signals(
             size += int(width_bytes[per_key[key]].sum())
             if size >= SPAN_BYTES:
                 _round_batch(reader, recs, batch, per_key, clean_prev,
-                             layers if prefill else decode, sample, prow, valid)
+                             layers if prefill else decode, sample, prow, valid, positions)
                 batch, size = [], 0
         if batch:
             _round_batch(reader, recs, batch, per_key, clean_prev, layers if prefill else decode,
-                         sample, prow, valid)
+                         sample, prow, valid, positions)
     # decode steps run other kernels than the prefill: their own signals, kept apart so that
     # neither phase's evidence is averaged away by the other's rounds
     return [layers[k].result() for k in keys] + [
         decode[k].result() for k in keys if decode[k].samples]
 
 
-def _round_batch(reader, recs, batch, per_key, clean_prev, layers, sample, prow, valid=None):
+def _round_batch(reader, recs, batch, per_key, clean_prev, layers, sample, prow, valid=None,
+                 positions=None):
     index: list[int] = []
     for key in batch:
         index += per_key[key]
@@ -151,18 +166,19 @@ def _round_batch(reader, recs, batch, per_key, clean_prev, layers, sample, prow,
         for key in batch:
             mine = per_key[key]
             clean = [i for i in mine if recs["kind"][i] == s.KIND_CLEAN]
-            probes = [_probe(recs[i], data[i]) for i in mine if recs["kind"][i] != s.KIND_CLEAN]
+            probes = [_probe(recs[i], data[i], reader.dtype_of(recs[i]))
+                      for i in mine if recs["kind"][i] != s.KIND_CLEAN]
             before = None
             if key[1] == s.BLOCK_SITE and key[0] - 1 in clean_prev:
                 before = data[clean_prev[key[0] - 1]]
             for i in clean:
                 layers[key].add(data[i], reader.dtype_of(recs[i]), sample, before, prow,
-                                probes, valid)
+                                probes, valid, positions)
 
 
-def _probe(record: np.void, data: np.ndarray) -> Probe:
+def _probe(record: np.void, data: np.ndarray, dtype: str) -> Probe:
     return Probe(s.KIND_NAMES[int(record["kind"])], float(record["param"]),
-                 float(record["pert_rms"]), data)
+                 float(record["pert_rms"]), data, dtype, bool(record["subset"]))
 
 
 def present_keys(records: np.ndarray) -> list[tuple[int, int]]:

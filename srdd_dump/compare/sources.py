@@ -39,6 +39,7 @@ class DumpFile:
     pid: int | None = None
     layers: list[str] = field(default_factory=list)  # block module names, by layer number
     sites: list[str] = field(default_factory=list)  # sub-layer module names, by site number
+    site_roles: list[str] = field(default_factory=list)  # linear, norm, ... (older dumps: none)
     rounds: np.ndarray = field(default_factory=lambda: np.zeros(0, s.ROUND_DTYPE))
     records: np.ndarray = field(default_factory=lambda: np.zeros(0, s.RECORD_DTYPE))
     clean_blocks: dict[tuple[int, int], int] = field(default_factory=dict)  # (round, layer) ->
@@ -170,6 +171,8 @@ def inspect(path: str, source: str) -> DumpFile:
         return f
     f.rank, f.pid = reader.meta_int("rank"), reader.meta_int("pid")
     f.layers, f.sites = list(reader.layers), list(reader.sites)
+    roles = reader.meta.get("site_roles")
+    f.site_roles = [str(r) for r in roles] if isinstance(roles, list) else []
     f.rounds, f.records = reader.rounds, reader.records
     f.samples = reader.n_samples
     f.clean_blocks = clean_block_records(reader)

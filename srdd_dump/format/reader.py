@@ -340,6 +340,13 @@ class DumpReader:
         with _reading(self.path):
             return self.f[s.PROBE_ROWS][()]
 
+    def all_positions(self) -> np.ndarray:
+        """The whole /positions array; a round's are ``[pos_off: pos_off + ntok]``."""
+        if s.POSITIONS not in self.f:
+            return np.zeros(0, np.int32)
+        with _reading(self.path):
+            return self.f[s.POSITIONS][()]
+
     def dtype_of(self, record: np.void) -> str:
         return self._data[int(record["data"])][1]
 

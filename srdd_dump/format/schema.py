@@ -63,6 +63,14 @@ KIND_REPLAY = 4
 # (STACK_INPUT, BLOCK_SITE), width 1, 1.0 = a row every statistic uses, 0.0 = excluded.
 # Written only when a row is excluded. Readers that predate it never select it (layer -1).
 KIND_MASK = 5
+# Exact identities and the host reference (docs/method.md), all on the round's probe rows:
+# SCALE: a linear operator's y(2^k x) * 2^-k on the probe rows of its input (param = k; k = 0 is
+# the reference call of the same shape); CAUSAL: the output with the tokens at and after
+# position ``param`` perturbed (rows before it must not move); HOST: the float64 replay of the
+# module on the host CPU (``subset`` 0: every kept row, e.g. a model-level rotary embedding).
+KIND_SCALE = 6
+KIND_CAUSAL = 7
+KIND_HOST = 8
 KIND_NAMES = {
     KIND_CLEAN: "clean",
     KIND_GAIN: "gain",
@@ -70,6 +78,9 @@ KIND_NAMES = {
     KIND_REPEAT: "repeat",
     KIND_REPLAY: "replay",
     KIND_MASK: "mask",
+    KIND_SCALE: "scale",
+    KIND_CAUSAL: "causal",
+    KIND_HOST: "host",
 }
 
 ROUND_DTYPE = np.dtype(

@@ -1,0 +1,106 @@
+"""Exact identities and the host reference, judged: pure numpy (docs/method.md).
+
+* ``scale_check``: a linear operator's y(2^k x) * 2^-k against y(x) from a call of the same
+  shape. Healthy: equal bit for bit wherever neither value is near the dtype's overflow or
+  underflow. The broken elements' pattern names the cause.
+* ``causal_check``: rows before the cut of a causality probe against the reference rows.
+  Healthy: equal bit for bit.
+* ``relative_distance``: the device rows against their float64 host replay (the baseline
+  mode's relative Euclidean distance, judged with its dtype-aware limits).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+# finfo of each logical dtype: the normal range an element must stay in, with margin
+_RANGE = {
+    "float64": (np.finfo(np.float64).tiny, np.finfo(np.float64).max),
+    "float32": (np.finfo(np.float32).tiny, np.finfo(np.float32).max),
+    "bfloat16": (np.finfo(np.float32).tiny, 3.38e38),
+    "float16": (np.finfo(np.float16).tiny, np.finfo(np.float16).max),
+}
+ZERO, CLIP, OFFSET, OTHER = "zero", "clip", "offset", "other"
+
+
+class ScaleCheck(NamedTuple):
+    broken: int  # elements where the identity fails
+    judged: int  # elements inside the dtype's safe range
+    pattern: str  # ZERO, CLIP, OFFSET or OTHER ("" when nothing is broken)
+
+
+def scale_check(ref: np.ndarray, scaled: np.ndarray, k: int, dtype: str) -> ScaleCheck:
+    """``ref`` = y(x), ``scaled`` = y(2^k x) * 2^-k, both (rows, width) of one dtype."""
+    ref = ref.reshape(-1, ref.shape[-1])
+    scaled = scaled.reshape(-1, scaled.shape[-1])
+    if ref.shape != scaled.shape or not ref.size:
+        return ScaleCheck(0, 0, "")
+    tiny, big = _RANGE.get(dtype, _RANGE["float32"])
+    margin = 2.0 ** (abs(k) + 1)
+    size = np.maximum(np.abs(ref), np.abs(scaled))
+    with np.errstate(invalid="ignore", over="ignore"):
+        judged = (np.isfinite(ref) & np.isfinite(scaled) & (size >= tiny * margin)
+                  & (size <= big / margin))
+    broken = judged & (ref != scaled)
+    n_broken = int(np.count_nonzero(broken))
+    return ScaleCheck(n_broken, int(np.count_nonzero(judged)),
+                      scale_pattern(ref, scaled, broken) if n_broken else "")
+
+
+def scale_pattern(ref: np.ndarray, scaled: np.ndarray, broken: np.ndarray) -> str:
+    """What the broken elements look like:
+
+    * ZERO: one side is exactly 0 on most of them (values below a limit flushed to zero);
+    * CLIP: one side sits at one magnitude shared by many of them (a clamp at a fixed limit);
+    * OFFSET: most judged elements are broken and each channel moved by about the same amount
+      (a fixed offset c moves y(2^k x) * 2^-k by c (2^-k - 1));
+    * OTHER: a quantiser with a fixed scale, a rounding step, noise.
+    """
+    a, b = ref[broken].astype(np.float64), scaled[broken].astype(np.float64)
+    if np.count_nonzero((a == 0) | (b == 0)) >= 0.5 * a.size:
+        return ZERO
+    mags = np.concatenate([np.abs(a), np.abs(b)])
+    _, counts = np.unique(mags, return_counts=True)
+    if a.size >= 4 and counts.max() >= 0.25 * a.size:
+        return CLIP
+    if np.count_nonzero(broken) >= 0.5 * broken.size:
+        diff = (scaled.astype(np.float64) - ref.astype(np.float64))
+        mean_c = np.abs(diff.mean(axis=0))
+        spread_c = diff.std(axis=0)
+        if np.median(mean_c / np.maximum(spread_c, 1e-30)) > 3.0:
+            return OFFSET
+    return OTHER
+
+
+def causal_check(ref: np.ndarray, out: np.ndarray, positions: np.ndarray, cut: int
+                 ) -> tuple[int, int]:
+    """(elements that moved, elements judged) in the rows before ``cut``; ``positions``: the
+    token position of each row of ``ref``/``out`` (rows, width)."""
+    ref = ref.reshape(-1, ref.shape[-1])
+    out = out.reshape(-1, out.shape[-1])
+    if ref.shape != out.shape or positions.size != ref.shape[0]:
+        return 0, 0
+    before = positions < cut
+    a, b = ref[before], out[before]
+    same = (a == b) | (np.isnan(a) & np.isnan(b))
+    return int(same.size - np.count_nonzero(same)), int(same.size)
+
+
+def relative_distance(device: np.ndarray, host: np.ndarray) -> float:
+    """||device - host|| / ||host|| in float64 (RED); inf when only the host is all zero, NaN
+    when the device has NaN/Inf that the host does not."""
+    d = device.reshape(-1).astype(np.float64)
+    h = host.reshape(-1).astype(np.float64)
+    if d.shape != h.shape or not d.size:
+        return float("nan")
+    ok = np.isfinite(h)
+    if not np.isfinite(d[ok]).all():
+        return float("inf")
+    d, h = d[ok], h[ok]
+    den = float(np.sqrt(np.dot(h, h)))
+    num = float(np.sqrt(np.dot(d - h, d - h)))
+    if den == 0:
+        return 0.0 if num == 0 else float("inf")
+    return num / den

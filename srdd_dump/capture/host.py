@@ -1,0 +1,79 @@
+"""Host float64 replay (``--reference host``): one module re-run on the host CPU in float64 from
+the input it was just given and its own weights, as a reference that needs no second device.
+
+The copy holds float64 CPU copies of the module's parameters and floating buffers only (one
+module at a time, freed after the call) and none of its hooks: an injected fault, like a
+faulty device kernel, is not in the reference.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+from torch import nn
+
+from .probes import FrozenCache, is_cache, replay_arguments
+
+HOST = torch.device("cpu")
+HOOK_TABLES = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks",
+               "_backward_pre_hooks", "_forward_hooks_with_kwargs",
+               "_forward_pre_hooks_with_kwargs", "_forward_hooks_always_called",
+               "_state_dict_hooks", "_state_dict_pre_hooks", "_load_state_dict_pre_hooks",
+               "_load_state_dict_post_hooks")
+
+
+def host_copy(module: nn.Module) -> nn.Module:
+    """A float64 CPU copy of ``module`` without hooks; the original is not touched."""
+    memo: dict[int, Any] = {}
+    for m in module.modules():
+        for p in m._parameters.values():
+            if p is not None and id(p) not in memo:
+                data = p.detach().to(HOST, torch.float64 if p.is_floating_point() else p.dtype)
+                memo[id(p)] = nn.Parameter(data, requires_grad=False)
+        for b in m._buffers.values():
+            if b is not None and id(b) not in memo:
+                memo[id(b)] = b.detach().to(HOST, torch.float64 if b.is_floating_point()
+                                            else b.dtype)
+        for name in HOOK_TABLES:  # hooks are not copied (they hold the capture session)
+            table = getattr(m, name, None)
+            if table is not None:
+                memo[id(table)] = type(table)()
+    return copy.deepcopy(module, memo)
+
+
+def to_host64(value: Any) -> Any:
+    """Floating tensors -> float64 on the host; other tensors -> the host; containers alike."""
+    if isinstance(value, torch.Tensor):
+        value = value.detach()
+        return value.to(HOST, torch.float64) if value.is_floating_point() else value.to(HOST)
+    if isinstance(value, FrozenCache):
+        return FrozenCache(value.layer_idx, to_host64(value.keys), to_host64(value.values))
+    if isinstance(value, tuple) and hasattr(value, "_fields"):
+        return type(value)(*(to_host64(v) for v in value))
+    if isinstance(value, (tuple, list)):
+        return type(value)(to_host64(v) for v in value)
+    if isinstance(value, dict):
+        return {k: to_host64(v) for k, v in value.items()}
+    return value
+
+
+def host_replay(module: nn.Module, args: tuple, kwargs: dict,
+                cache: FrozenCache | None = None) -> torch.Tensor:
+    """The module's first output tensor recomputed in float64 on the host (autocast off)."""
+    args, kwargs = replay_arguments(args, kwargs, cache)
+    args = tuple(None if is_cache(a) and not isinstance(a, FrozenCache) else a for a in args)
+    clone = host_copy(module)
+    try:
+        with torch.no_grad(), torch.autocast("cpu", enabled=False):
+            out = clone(*to_host64(args), **to_host64(kwargs))
+    finally:
+        del clone
+    if isinstance(out, dict):
+        out = list(out.values())
+    if isinstance(out, (tuple, list)):
+        out = next((o for o in out if isinstance(o, torch.Tensor)), None)
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"{type(module).__name__} returned no tensor on the host replay")
+    return out

@@ -1,0 +1,220 @@
+"""Operator granularity, the exact identities and the float64 host replay (issue 15).
+
+Unit part: the identity checks on arrays with known answers. Integration part: healthy tiny
+models of the four architectures in fp32/bf16/fp16 hold every identity exactly and stay under
+the host replay's PASS limit; planted operator faults are named at the operator."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from srdd_dump import DumpConfig, register_hook
+from srdd_dump.analysis.diagnosis import FAULT
+from srdd_dump.analysis.identities import (
+    CLIP,
+    OFFSET,
+    OTHER,
+    ZERO,
+    causal_check,
+    relative_distance,
+    scale_check,
+)
+from srdd_dump.analysis.tolerance import DEFAULT_LIMITS
+from srdd_dump.capture.discovery import find_blocks, find_operators
+from srdd_dump.capture.host import host_copy, host_replay
+from srdd_dump.capture.identities import scale_replays
+from srdd_dump.compare import compare_path
+
+from tiny_models import ARCHS, build
+
+RNG = np.random.default_rng(0)
+
+
+# -- the checks on arrays ----------------------------------------------------------------------
+
+
+def _linear(x, w, limit=None, mode=None, offset=0.0):
+    y = x @ w
+    if mode == "flush":
+        y = np.where(np.abs(y) < limit, 0, y)
+    elif mode == "clamp":
+        y = np.clip(y, -limit, limit)
+    return (y + offset).astype(np.float32)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("mode, pattern", [("flush", ZERO), ("clamp", CLIP), ("offset", OFFSET),
+                                           ("round", OTHER)])
+def test_scale_identity_names_the_pattern(mode, pattern):
+    x = RNG.standard_normal((64, 32)).astype(np.float32)
+    w = RNG.standard_normal((32, 48)).astype(np.float32) / 6
+    healthy = scale_check(_linear(x, w), _linear(2 * x, w) / 2, 1, "float32")
+    assert healthy.broken == 0 and healthy.judged == x.shape[0] * 48
+    limit = float(np.quantile(np.abs(x @ w), 0.2 if mode == "flush" else 0.9))
+    if mode == "round":  # a quantiser with a fixed step
+        def f(v):
+            return (np.round((v @ w) / 0.05) * 0.05).astype(np.float32)
+    elif mode == "offset":
+        def f(v):
+            return _linear(v, w, offset=0.3)
+    else:
+        def f(v):
+            return _linear(v, w, limit, mode)
+    check = scale_check(f(x), f(2 * x) / 2, 1, "float32")
+    assert check.broken > 0.01 * check.judged
+    assert check.pattern == pattern
+
+
+@pytest.mark.unit
+def test_scale_identity_leaves_out_non_finite_and_overflowing_values():
+    ref = np.array([[1.0, np.nan, 3e38, 2.0]], dtype=np.float32)
+    scaled = np.array([[1.0, 5.0, 1e38, 2.5]], dtype=np.float32)
+    check = scale_check(ref, scaled, 3, "float32")
+    assert (check.broken, check.judged) == (1, 2)
+
+
+@pytest.mark.unit
+def test_causal_check_judges_only_rows_before_the_cut():
+    ref = RNG.standard_normal((6, 4)).astype(np.float32)
+    out = ref.copy()
+    out[4:] += 1  # rows at and after the cut may move
+    positions = np.arange(6)
+    assert causal_check(ref, out, positions, 4) == (0, 16)
+    out[1, 2] += 1e-7
+    assert causal_check(ref, out, positions, 4) == (1, 16)
+
+
+@pytest.mark.unit
+def test_relative_distance():
+    h = RNG.standard_normal(100)
+    assert relative_distance(h, h) == 0
+    assert relative_distance(h * (1 + 1e-3), h) == pytest.approx(1e-3)
+    assert relative_distance(np.where(np.arange(100) == 3, np.inf, h), h) == np.inf
+
+
+# -- capture: sites, the identity replays, the host copy ----------------------------------------
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("arch", ARCHS)
+def test_operators_are_found_by_type(arch):
+    model = build(arch, layers=2)
+    ops = find_operators(model, find_blocks(model))
+    roles = {}
+    for site in ops:
+        roles.setdefault(site.role, []).append(site.name)
+    per_block_linear = {"llama": 7, "qwen2": 7, "gpt2": 4, "bert": 6}[arch]
+    assert len(roles["linear"]) == 2 * per_block_linear
+    assert len(roles["norm"]) == 4 and len(roles["act"]) == 2 and len(roles["core"]) == 2
+    assert ("rotary" in roles) == (arch in ("llama", "qwen2"))
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_scale_replays_are_exact_on_a_healthy_linear(dtype):
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(64, 96).to(dtype)
+    x = torch.randn(1, 40, 64).to(dtype)
+    with torch.no_grad():
+        (k0, ref), *scaled = scale_replays(layer, x)
+    assert k0 == 0
+    for k, y in scaled:
+        assert k > 0 and torch.equal(y, ref), k
+    assert torch.equal(layer.bias, layer.bias)  # the module's own bias is untouched
+    assert layer.weight.dtype == dtype
+
+
+@pytest.mark.unit
+def test_host_copy_is_float64_without_hooks_and_leaves_the_module_alone():
+    model = build("llama", layers=2)
+    block = model.model.layers[0]
+    calls = []
+    handle = block.mlp.register_forward_hook(lambda *a: calls.append(1))
+    weight = block.mlp.up_proj.weight.detach().clone()
+    clone = host_copy(block)
+    assert clone.mlp.up_proj.weight.dtype == torch.float64
+    assert not clone.mlp._forward_hooks
+    x = torch.randn(1, 5, 64)
+    with torch.no_grad():
+        out = host_replay(block.mlp, (x,), {})
+    assert out.dtype == torch.float64 and not calls  # the copy runs without the hooks
+    assert torch.equal(block.mlp.up_proj.weight, weight)
+    assert block.mlp.up_proj.weight.dtype == torch.float32 and len(block.mlp._forward_hooks) == 1
+    with torch.no_grad():
+        assert torch.allclose(out.float(), block.mlp(x), rtol=1e-5, atol=1e-6)
+    handle.remove()
+
+
+# -- healthy runs and planted faults -----------------------------------------------------------
+
+
+def _run(tmp_path, arch="llama", dtype=torch.float32, inject=(), **cfg):
+    model = build(arch, layers=4, dtype=dtype)
+    gen = torch.Generator().manual_seed(3)
+    config = DumpConfig(dump_path=str(tmp_path), samples=2, granularity="op", reference="host",
+                        inject=list(inject), progress=False, **cfg)
+    with register_hook(model, config), torch.no_grad():
+        for n in (19, 30):
+            ids = torch.randint(1, 128, (2, n), generator=gen)
+            if arch == "bert":
+                model(input_ids=ids)
+            else:
+                model.generate(ids, max_new_tokens=3, do_sample=False, pad_token_id=0)
+    return compare_path(str(tmp_path), progress=False)
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_healthy_models_hold_every_identity(tmp_path, arch, dtype):
+    result = _run(tmp_path, arch, getattr(torch, dtype))
+    sites, layers = result.sites, result.layers
+    linear = sites[sites["role"] == "linear"]
+    assert len(linear) and linear["scale_broken"].notna().all()
+    assert (linear["scale_broken"] == 0).all()  # bit for bit, every linear operator
+    causal = sites["causal_broken"].dropna()
+    if arch == "bert":  # bidirectional: no causality probe
+        assert causal.empty
+    else:
+        assert len(causal) >= 4 and (causal == 0).all()
+        assert (layers["causal_broken"].dropna() == 0).all()
+    host = np.concatenate([sites["host_red"].dropna(), layers["host_red"].dropna()])
+    assert host.size and host.max() <= DEFAULT_LIMITS[dtype].rel_dist_warn
+    assert FAULT not in set(layers["verdict"]), layers[["layer", "evidence"]]
+    assert FAULT not in set(sites["verdict"])
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("spec, module, family", [
+    ("dead_zone@layer=2,site=mlp.up_proj,quantile=0.05", "mlp.up_proj", "DEAD_ZONE"),
+    ("saturation@layer=1,site=self_attn.q_proj,quantile=0.99", "self_attn.q_proj",
+     "SAT_SOURCE"),
+    ("bias@layer=2,site=self_attn.v_proj,quantile=0.3", "self_attn.v_proj", "BIAS"),
+    ("precision@layer=1,site=mlp.down_proj,dtype=bfloat16", "mlp.down_proj", "PRECISION"),
+    ("noise@layer=3,site=mlp.gate_proj,m=0.001", "mlp.gate_proj", "NOISE_SOURCE"),
+    ("causal_leak@layer=2,site=attn,m=0.001", "self_attn", "CAUSALITY"),
+    ("bias@layer=1,site=post_attention_layernorm,quantile=0.5", "post_attention_layernorm",
+     None),
+])
+def test_operator_faults_are_named_at_the_operator(tmp_path, spec, module, family):
+    result = _run(tmp_path, inject=[spec])
+    top = result.layers.iloc[0]
+    layer = int(spec.split("layer=")[1].split(",")[0])
+    assert int(top["layer"]) == layer and top["verdict"] == FAULT, result.headlines
+    assert top["site"].endswith(module), top["site"]
+    if family:
+        assert family in top["diagnosis"].split(","), top["diagnosis"]
+    at = result.sites[result.sites["module"] == top["site"]]
+    assert FAULT in set(at["verdict"])  # the drill-down row of the operator says it too
+    others = result.layers[result.layers["layer"] != layer]
+    assert FAULT not in set(others["verdict"])
+
+
+@pytest.mark.integration
+def test_a_precision_fault_in_the_rotary_table_is_found_by_the_host_replay(tmp_path):
+    result = _run(tmp_path, inject=["precision@layer=0,site=model.rotary_emb,dtype=bfloat16"])
+    top = result.layers.iloc[0]
+    assert top["verdict"] == FAULT and top["site"] == "model.rotary_emb", result.headlines
+    assert "HOST_MISMATCH" in top["diagnosis"]
