@@ -50,7 +50,7 @@ NEW_TOKENS = 8
 FIELDS = [
     "kind", "group", "spec", "layer", "site", "type", "magnitude", "seed", "dtype", "hit",
     "suspect_at_fault", "top_layer", "top_verdict", "top_diagnosis", "verdict_at_fault",
-    "n_fault", "n_fault_other", "n_suspect", "seconds", "headline",
+    "n_fault", "n_fault_other", "n_suspect", "seconds", "top_site", "site_hit", "headline",
 ]
 
 
@@ -68,12 +68,16 @@ def prompt_ids(tokenizer, prompt_set: int, n: int = 2, tokens: int | None = None
     return out
 
 
-def run(model, ids, inject=(), seed=0, pad=False, autocast=False, decoder=True):
-    """Capture with default options while the model generates; the compare result."""
+HUNT = dict(granularity="op", reference="host")  # the README's options for a hunt
+
+
+def run(model, ids, inject=(), seed=0, pad=False, autocast=False, decoder=True, hunt=False):
+    """Capture with default options (``hunt``: the hunt options) while the model generates;
+    the compare result."""
     tmp = tempfile.mkdtemp(prefix="srdd-detect-")
     t = time.perf_counter()
     config = DumpConfig(dump_path=tmp, samples=len(ids), inject=list(inject), seed=seed,
-                        progress=False)
+                        progress=False, **(HUNT if hunt else {}))
     try:
         with register_hook(model, config), torch.no_grad(), \
                 torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
@@ -107,7 +111,7 @@ def run(model, ids, inject=(), seed=0, pad=False, autocast=False, decoder=True):
     return result, time.perf_counter() - t
 
 
-def score(result, layer, systemic: bool = False) -> dict:
+def score(result, layer, systemic: bool = False, site: str | None = None) -> dict:
     """``layer``: the planted layer, or a tuple of planted layers (two faults: a hit when the
     FAULT rows are exactly those layers)."""
     t = result.layers
@@ -115,6 +119,7 @@ def score(result, layer, systemic: bool = False) -> dict:
     row = {
         "top_layer": int(top["layer"]), "top_verdict": top["verdict"],
         "top_diagnosis": top["diagnosis"], "n_fault": int((t["verdict"] == "FAULT").sum()),
+        "top_site": top["site"],
         "n_suspect": int((t["verdict"] == "SUSPECT").sum()),
         "headline": result.headlines[0] if result.headlines else "",
     }
@@ -134,6 +139,9 @@ def score(result, layer, systemic: bool = False) -> dict:
             suspect_at_fault=int(at["verdict"] == "SUSPECT"), verdict_at_fault=at["verdict"],
             n_fault_other=int(((t["verdict"] == "FAULT") & (t["layer"] != layer)).sum()),
         )
+        # the operator named: the top row's site is the planted module
+        row["site_hit"] = int(bool(row["hit"]) and bool(site) and "." in str(site)
+                              and str(top["site"]).endswith(str(site)))
     return row
 
 
@@ -210,6 +218,60 @@ def fault_cases(quick: bool):
     return out
 
 
+OPERATOR_SITES = ("mlp.act_fn", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                  "self_attn.o_proj", "mlp.up_proj", "mlp.gate_proj", "mlp.down_proj",
+                  "input_layernorm", "post_attention_layernorm")
+OPERATOR_TYPES = (  # (type, spec template, magnitude)
+    ("dead_zone", "mxfp4_deadzone@{},m=0.01", 0.01),
+    ("flush_to_zero", "dead_zone@{},quantile=0.01", 0.01),
+    ("clamp", "saturation@{},quantile=0.99", 0.01),
+    ("offset", "bias@{},quantile=0.5", 0.5),
+    ("precision", "precision@{},dtype=bfloat16", float("nan")),
+    ("noise", "noise@{},m=0.01", 0.01),
+)
+
+
+def operator_cases(quick: bool):
+    """The inner-operator matrix (run with the hunt options): every operator kind of a Llama
+    block x six device fault types, dense at two layers and on 10% of the channels at one;
+    magnitudes swept at up_proj; the model-level rotary table; an attention mask leak."""
+    out = []
+    layers = (20,) if quick else (5, 20)
+    for layer in layers:
+        for site in OPERATOR_SITES:
+            for ftype, template, magnitude in OPERATOR_TYPES:
+                for sparsity in (1.0, 0.1) if layer == 20 else (1.0,):
+                    spec = template.format(f"layer={layer},site={site}")
+                    if sparsity < 1:
+                        spec += f",sparsity={sparsity}"
+                    group = "operator" if sparsity == 1 else "operator-sparse"
+                    out.append((group, ftype, magnitude, [spec], layer, site))
+    for layer in layers[-1:]:  # magnitudes swept
+        for q in (0.001, 0.1, 0.3):
+            out.append(("operator-swept", "flush_to_zero", q,
+                        [f"dead_zone@layer={layer},site=mlp.up_proj,quantile={q}"], layer,
+                        "mlp.up_proj"))
+        for q in (0.9, 0.999, 0.9999):
+            out.append(("operator-swept", "clamp", round(1 - q, 6),
+                        [f"saturation@layer={layer},site=mlp.up_proj,quantile={q}"], layer,
+                        "mlp.up_proj"))
+        for q in (0.01, 0.1):
+            out.append(("operator-swept", "offset", q,
+                        [f"bias@layer={layer},site=mlp.up_proj,quantile={q}"], layer,
+                        "mlp.up_proj"))
+        for m in (0.001, 0.1):
+            out.append(("operator-swept", "noise", m,
+                        [f"noise@layer={layer},site=mlp.up_proj,m={m}"], layer, "mlp.up_proj"))
+    for dtype in ("bfloat16", "float16"):
+        out.append(("operator", "precision", float("nan"),
+                    [f"precision@layer=0,site=model.rotary_emb,dtype={dtype}"], 0,
+                    "model.rotary_emb"))
+    for m in (0.001, 0.01):
+        out.append(("operator", "mask_leak", m, [f"causal_leak@layer=12,site=attn,m={m}"], 12,
+                    "self_attn"))
+    return out
+
+
 def healthy_cases(quick: bool):
     """(name, dtype, runner kwargs) for the held-out healthy runs."""
     out = [("other prompts", "float32", dict(prompt_set=20 + k)) for k in range(2 if quick else 4)]
@@ -234,6 +296,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--healthy-only", action="store_true")
     ap.add_argument("--faults-only", action="store_true")
+    ap.add_argument("--operators", action="store_true",
+                    help="the inner-operator matrix, and the healthy runs, with the hunt options")
     ap.add_argument("--only", help="run only the cases whose spec or name contains this")
     ap.add_argument("--summarize", nargs="*", help="only print the summary of these CSVs")
     ap.add_argument("--plot", help="with --summarize: a PNG of detection against magnitude")
@@ -266,10 +330,12 @@ def main() -> None:
         return models[name]
 
     todo = []
+    hunt = args.operators
     if not args.faults_only:
         todo += [("healthy", c) for c in healthy_cases(args.quick)]
     if not args.healthy_only:
-        todo += [("fault", c) for c in fault_cases(args.quick)]
+        cases = operator_cases(args.quick) if hunt else fault_cases(args.quick)
+        todo += [("fault", c) for c in cases]
     for i, (kind, case) in enumerate(todo):
         if i % shards != shard:
             continue
@@ -288,7 +354,8 @@ def main() -> None:
                 ids = [torch.randint(1, 128, (1, 20 + 7 * k), generator=gen) for k in range(2)]
             else:
                 ids = prompt_ids(tok, prompt_set, n, tokens)
-            result, secs = run(model, ids, seed=prompt_set, decoder=dtype != "bert", **opts)
+            result, secs = run(model, ids, seed=prompt_set, decoder=dtype != "bert", hunt=hunt,
+                               **opts)
             row = dict(kind="healthy", group="healthy", spec=name, dtype=dtype,
                        seconds=round(secs, 1), **score(result, None))
             print(f"healthy {name} ({dtype}): {row['n_fault']} FAULT, {row['n_suspect']} "
@@ -300,13 +367,13 @@ def main() -> None:
                 continue
             model, tok = model_for("float32")
             seed = i % 5
-            result, secs = run(model, prompt_ids(tok, seed), specs, seed=seed)
+            result, secs = run(model, prompt_ids(tok, seed), specs, seed=seed, hunt=hunt)
             row = dict(kind="fault", group=group, spec=spec,
                        layer="+".join(map(str, layer)) if isinstance(layer, tuple) else layer,
                        site=site,
                        type=ftype, magnitude=magnitude, seed=seed, dtype="float32",
                        seconds=round(secs, 1),
-                       **score(result, layer, systemic=group == "shared-kernel"))
+                       **score(result, layer, systemic=group == "shared-kernel", site=site))
             print(f"{spec}: hit {row['hit']}, top {row['top_layer']} {row['top_verdict']} "
                   f"{row['top_diagnosis']}, other FAULT {row['n_fault_other']} ({secs:.0f}s)",
                   flush=True)

@@ -109,12 +109,19 @@ TIE_MIN_LEVELS = 16  # quantisation steps a channel must span before its extreme
 
 
 def _near_copies(rows: np.ndarray, tied: np.ndarray) -> bool:
-    """The tied tokens are near-copies of each other: their spread over the other channels is
-    under a tenth of all tokens' spread (a clip ties tokens that differ elsewhere)."""
+    """The tied tokens are copies of each other beyond the tied channel: exactly equal on many
+    channels (a head whose attention put all weight on one token: its value vector, copied),
+    or spread over the other channels under a tenth of all tokens' spread (a uniform
+    attention). A clip ties tokens that differ elsewhere."""
     if np.count_nonzero(tied) < 2:
         return False
+    group = rows[tied]
+    width = rows.shape[1]
+    equal = np.count_nonzero(group.max(axis=0) == group.min(axis=0))
+    if equal >= max(8, 0.05 * width):
+        return True
     spread_all = float(np.median(rows.std(axis=0)))
-    return spread_all > 0 and float(np.median(rows[tied].std(axis=0))) < 0.1 * spread_all
+    return spread_all > 0 and float(np.median(group.std(axis=0))) < 0.1 * spread_all
 
 
 def _levels(col: np.ndarray, top: float, bottom: float) -> float:
@@ -136,8 +143,8 @@ def ties(rows: np.ndarray, candidates: int = 8) -> tuple[float, float]:
     from a density that falls toward the tail, quantised at the dtype's spacing, so the extreme
     holds no more values than its neighbours (excess <= ~1-2, whatever the number of tokens);
     a clip puts every value beyond the limit on one value. A channel spanning fewer than
-    TIE_MIN_LEVELS quantisation steps (nearly constant over the tokens, e.g. the output of a
-    uniform attention in bf16) is not judged. Identical rows (a prompt prefix
+    TIE_MIN_LEVELS quantisation steps, or whose tied tokens are copies of each other in other
+    channels (``_near_copies``), is not judged. Identical rows (a prompt prefix
     repeated across a batch, pad rows) are counted once. ``rows`` are finite."""
     rows = unique_rows(rows)
     if rows.shape[0] < 2:

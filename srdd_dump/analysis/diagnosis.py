@@ -86,6 +86,11 @@ SCALE_WORDS = {
 # Roles whose clean statistics are not evidence: a rotary embedding's cos/sin repeat by design,
 # a ReLU-like activation has exact zeros and a clip as its healthy output.
 NO_STATISTICS = ("rotary", "act_clip")
+# Ties at a channel's extreme are healthy at an attention core (its rows are convex
+# combinations of value rows: a head that puts all its weight on one token returns that token's
+# values exactly; the same makes a core channel constant over the tokens) and at an activation
+# (SiLU and GELU have a global minimum that many tokens reach in fp16/bf16).
+NO_TIES = ("core", "act")
 # Roles judged against the other layers (relative evidence): blocks and sub-blocks only; an
 # operator's offset varies by design (biases), the identities and the host replay judge it.
 RELATIVE_ROLES = ("", "block", "sublayer")
@@ -183,22 +188,25 @@ def _exact_evidence(sig: Signals, dtype: str, instab_median: float, compute_dtyp
         # came in with its input, from an earlier layer
         moved = (np.isfinite(sig.flat_zero) and sig.flat_zero < INHERITED * sig.zero_frac
                  and input_zeros >= 0.5 * sig.zero_frac)
-        ev.append(Evidence("DEAD_ZONE", zeros / zero_limit,
-                           f"{sig.zero_frac:.2%} exact zeros in {where}{extra}",
-                           inheritable=bool(moved)))
+        # a normalisation maps an exact 0 of its input to 0: such zeros are its input's,
+        # judged where they are made
+        if not (moved and sig.role == "norm"):
+            ev.append(Evidence("DEAD_ZONE", zeros / zero_limit,
+                               f"{sig.zero_frac:.2%} exact zeros in {where}{extra}",
+                               inheritable=bool(moved)))
     flat_limit = FLAT_VALUE.get(dtype, 1e-3)
     flat = lower_bound(sig.flat_value, sig.n_probed)
     if flat > SUSPECT_RATIO * flat_limit:
         ev.append(Evidence("SAT_SOURCE", flat / flat_limit,
                            f"{sig.flat_value:.2%} of non-zero elements in {where} do not move "
                            "under a dc shift of the input (clipped)"))
-    if sig.stuck > STUCK_FRAC:
+    if sig.stuck > STUCK_FRAC and sig.role != "core":
         ev.append(Evidence("STUCK", 1.0 + 100 * sig.stuck,
                            f"{sig.stuck:.1%} of channels constant over every token in {where}"))
     ties = TIES.get(dtype, 4)
     excess = sig.tie_excess if np.isfinite(sig.tie_excess) else sig.ties
     strength = min(sig.ties / ties, excess / TIE_EXCESS)
-    if strength >= SUSPECT_RATIO:
+    if strength >= SUSPECT_RATIO and sig.role not in NO_TIES:
         ev.append(Evidence("PILEUP_SAT", strength,
                            f"{sig.ties:.0f} tokens share a channel's exact extreme in {where}, "
                            f"{excess:.1f}x the count at the next values (pile-up "
@@ -322,7 +330,9 @@ def diagnose(signals: list[Signals], dtype: str, n_layers: int, compute_dtype: s
     ``compute_dtype`` the autocast dtype the model ran under (limits follow the less precise)."""
     evidence: dict[int, list[tuple[Evidence, str]]] = {k: [] for k in range(n_layers)}
     systemic: dict[str, tuple[str, int, int]] = {}  # family -> (site kind, layers, of)
+    # exact zeros of each block's output (layer -1: the stack input, when it was read)
     block_zeros = {(g.layer, g.phase): g.zero_frac for g in signals if g.site == BLOCK_SITE}
+    signals = [g for g in signals if g.layer >= 0]
     for kind, group in site_groups(signals).items():
         inst = np.array([g.instability for g in group], dtype=np.float64)
         inst = inst[np.isfinite(inst)]

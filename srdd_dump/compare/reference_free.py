@@ -81,7 +81,8 @@ def _diagnose_file(f: DumpFile, signals: list[Signals]) -> tuple[list[dict], lis
     """Layer rows, sub-layer rows and the headline of one file."""
     blocks: dict[int, Signals] = {}  # the layer rows: prefill signals, else decode ones
     for g in signals:
-        if g.site == s.BLOCK_SITE and g.samples and (g.layer not in blocks or g.phase == PREFILL):
+        if (g.site == s.BLOCK_SITE and g.samples and g.layer >= 0
+                and (g.layer not in blocks or g.phase == PREFILL)):
             blocks[g.layer] = g
     if not blocks:
         return [], [], ""
@@ -95,7 +96,7 @@ def _diagnose_file(f: DumpFile, signals: list[Signals]) -> tuple[list[dict], lis
     shown = {id(g) for g in blocks.values()}
     judged = site_verdicts(verdicts)
     sites = [site_row(f.source, g, f.rank, f.pid, judged.get((g.module, g.phase)))
-             for g in signals if g.samples and id(g) not in shown]
+             for g in signals if g.samples and id(g) not in shown and g.layer >= 0]
     worst = max(verdicts, key=lambda v: v.score)
     if worst.verdict == NORMAL:
         phases = " (prefill and decode steps)" if any(g.phase == DECODE for g in signals) else ""

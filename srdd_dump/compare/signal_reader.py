@@ -182,9 +182,15 @@ def _probe(record: np.void, data: np.ndarray, dtype: str) -> Probe:
 
 
 def present_keys(records: np.ndarray) -> list[tuple[int, int]]:
-    """Every (layer, site) with records, in order (the stack input, layer -1, left out)."""
+    """Every (layer, site) with records, in order; the stack input (layer -1) only when a
+    layer's operators are captured: an element-wise operator of layer 0 (its input norm)
+    inherits the stack input's exact zeros, and the diagnosis needs to know them."""
     ok = records["layer"] >= 0
-    return sorted(set(zip(records["layer"][ok].tolist(), records["site"][ok].tolist())))
+    keys = sorted(set(zip(records["layer"][ok].tolist(), records["site"][ok].tolist())))
+    stack = (records["layer"] == s.STACK_INPUT) & (records["kind"] == s.KIND_CLEAN)
+    if np.any(stack) and any(site != s.BLOCK_SITE and layer == 0 for layer, site in keys):
+        keys.insert(0, (s.STACK_INPUT, s.BLOCK_SITE))
+    return keys
 
 
 def chunks(records: np.ndarray, keys: list[tuple[int, int]], jobs: int) -> list[list]:
