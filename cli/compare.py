@@ -106,6 +106,10 @@ def compare(
     max_abs_fail: Optional[float] = typer.Option(
         None, "--max-abs-fail", help="--baseline: FAIL when max_absolute_error is above this "
         "(msprobe: 0.001)."),
+    metrics: str = typer.Option(
+        "msit", "--metrics", help="--baseline: msit (default) or msprobe: max_relative_error "
+        "and the thousandth ratios by msprobe's own rules (docs/method.md), to match numbers "
+        "in existing msprobe reports."),
     read_timeout: float = typer.Option(
         300.0, "--read-timeout", help="Fail with exit code 2 when one read of a dump file "
         "takes longer than this many seconds (a damaged file can hang the HDF5 library); "
@@ -131,7 +135,7 @@ def compare(
         thresholds = Thresholds(
             tolerance=tolerance, rel_dist_warn=rel_dist_warn, rel_dist_fail=rel_dist_fail,
             cos_warn=cos_warn, cos_fail=cos_fail, max_abs_warn=max_abs_warn,
-            max_abs_fail=max_abs_fail,
+            max_abs_fail=max_abs_fail, metrics=metrics,
         )
         progress = False if quiet else None
         if baseline is not None:
@@ -142,8 +146,8 @@ def compare(
                                              baseline_run=baseline_run)
         else:
             if thresholds != Thresholds() or baseline_run is not None:
-                raise UserError("--tolerance, the threshold options and --baseline-run apply "
-                                "with --baseline only")
+                raise UserError("--tolerance, --metrics, the threshold options and "
+                                "--baseline-run apply with --baseline only")
             result = modes.compare_path(dumps, jobs=jobs, progress=progress, run=run)
         for note in result.notes:
             typer.echo(f"{PROG}: note: {note}", err=True)

@@ -21,6 +21,7 @@ from srdd_dump import DumpConfig, register_hook
 from srdd_dump.analysis import metrics as M
 from srdd_dump.analysis.matching import pair_layers, pair_samples
 from srdd_dump.analysis.tolerance import Thresholds, tolerance_dtype
+from srdd_dump.analysis.verdicts import FAIL, NOT_COMPARED
 from srdd_dump.compare import check_consistency
 from srdd_dump.compare.results import BASELINE_COLUMNS, MSIT_COLUMNS
 from srdd_dump.errors import UserError
@@ -518,3 +519,91 @@ def test_jobs_two_gives_the_same_table(tmp_path):
     two = compare(mine, golden, jobs=2)
     pd.testing.assert_frame_equal(one.table, two.table)
     assert len(one.table) == 2 * 2 * 5  # samples x steps (prefill, 1 decode) x layers
+
+
+# -- the birth of an error (issue 16) -----------------------------------------------------------
+
+
+def _generate_dump(path, inject=(), dtype=torch.float32, layers=8):
+    model = build("llama", layers=layers, dtype=dtype)
+    gen = torch.Generator().manual_seed(0)
+    config = DumpConfig(dump_path=str(path), samples=2, inject=list(inject), progress=False,
+                        probes="none", granularity="block")
+    with register_hook(model, config), torch.no_grad():
+        for n in (24, 31):
+            model.generate(torch.randint(1, 128, (1, n), generator=gen), max_new_tokens=3,
+                           do_sample=False, pad_token_id=0)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def clean_run(tmp_path_factory):
+    return _generate_dump(tmp_path_factory.mktemp("clean"))
+
+
+@pytest.mark.parametrize("spec", ["noise@layer=3,site=mlp,m=0.004",
+                                  "scale@layer=3,site=mlp,m=0.02,sparsity=0.05"])
+def test_an_error_born_inside_tolerance_is_named(tmp_path, clean_run, spec):
+    """Same model, same device: a small fault in one MLP keeps its own layer at PASS or WARN
+    (no FAIL anywhere), the error is exactly 0 before it: the birth layer is named."""
+    result = compare_baseline(_generate_dump(tmp_path, [spec]), clean_run)
+    t, summary = result.table, result.summary
+    assert FAIL not in set(t["verdict"])
+    births = t[t["first_divergence"]]
+    assert len(births) and set(births["layer"]) == {3}
+    assert not t["first_fail"].any()
+    before = t[(t["layer"] < 3) & (t["verdict"] != NOT_COMPARED)]
+    assert (before["relative_euclidean_distance"] == 0).all()
+    assert summary.pattern == "born" and summary.first_layer == 3
+    assert "error born at layer 3 (model.layers.3)" in summary.message
+    assert "from an exact input" in summary.message and "reaches WARN" in summary.message
+
+
+def test_a_tiny_error_that_stays_within_tolerance_is_located_but_clean(tmp_path, clean_run):
+    result = compare_baseline(_generate_dump(tmp_path, ["noise@layer=5,site=mlp,m=0.0001"]),
+                              clean_run)
+    assert result.summary.pattern == "clean" and not result.table["first_divergence"].any()
+    assert "first differ at layer 5" in result.summary.message
+
+
+def test_bf16_against_fp32_has_no_birth(tmp_path, clean_run):
+    result = compare_baseline(_generate_dump(tmp_path, dtype=torch.bfloat16), clean_run)
+    assert not result.table["first_divergence"].any()
+    assert result.summary.pattern in ("clean", "gradual")
+    assert "first differ" not in result.summary.message  # other dtypes: no exact-input rule
+
+
+def test_msprobe_metric_rules():
+    """--metrics msprobe reproduces msprobe's get_relative_err / calc_relative_err_ratio: eps of
+    the inputs' precision added to both sides where the golden value is 0, float32 arithmetic,
+    a strict < (values from msprobe 26.2.0 itself: bench/peer_check.py)."""
+    g = np.array([0.0, 1.0, 2.0, -4.0], dtype=np.float32)
+    m = np.array([1e-4, 1.0, 2.0, -4.0], dtype=np.float32)
+    eps = float(np.finfo(np.float32).eps)
+    default, probe = M.compare_arrays(g, m), M.compare_arrays(g, m, rules="msprobe")
+    assert default.max_relative_error == 0  # msit: |g| <= eps is left out
+    expected = float((np.float32(1e-4) + np.float32(eps) - np.float32(eps)) / np.float32(eps))
+    assert probe.max_relative_error == pytest.approx(expected, rel=1e-6)
+    assert probe.one_thousandth_err_ratio == 0.75
+    edge_g, edge_m = np.full(8, 1000.0, np.float32), np.full(8, 1001.0, np.float32)
+    assert M.compare_arrays(edge_g, edge_m).one_thousandth_err_ratio == 1.0  # <= in float64
+    assert M.compare_arrays(edge_g, edge_m, rules="msprobe").one_thousandth_err_ratio == 0.0
+    assert default.euclidean_distance == pytest.approx(1e-4, rel=1e-6)
+    nan_g = np.array([np.nan, 1.0, 2.0], dtype=np.float32)
+    same = M.compare_arrays(nan_g, np.array([np.nan, 1.0, 2.0], np.float32), rules="msprobe")
+    assert same.one_thousandth_err_ratio == 1.0  # equal NaN positions count as equal elements
+    other = M.compare_arrays(nan_g, np.array([1.0, np.nan, 2.0], np.float32), rules="msprobe")
+    assert math.isnan(other.max_relative_error) and math.isnan(other.one_thousandth_err_ratio)
+
+
+def test_cli_metrics_option(runs, tmp_path):
+    out = tmp_path / "r.csv"
+    proc = run_cli("srdd-compare", runs["fault"], "--baseline", runs["golden"], "-o", str(out),
+                   "--metrics", "msprobe", "--quiet")
+    assert proc.returncode == 0, proc.stderr
+    df = pd.read_csv(out)
+    assert "euclidean_distance" in df.columns and "first_fail" in df.columns
+    bad = run_cli("srdd-compare", runs["fault"], "--baseline", runs["golden"], "-o", str(out),
+                  "--metrics", "mine")
+    assert bad.returncode == 2 and bad.stderr.strip().count("\n") == 0
+    assert "--metrics 'mine'" in bad.stderr

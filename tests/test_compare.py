@@ -247,11 +247,11 @@ def _bad_inputs(tmp_path) -> dict:
     cut.write_bytes(blob[: len(blob) // 2])
     cases["truncated"] = (str(cut.parent), str(cut))
 
-    newer = tmp_path / "newer" / "v2.h5"
+    newer = tmp_path / "newer" / "vnext.h5"
     newer.parent.mkdir()
     shutil.copy(good, newer)
     with h5py.File(newer, "r+") as f:
-        f.attrs[s.ATTR_VERSION] = 2
+        f.attrs[s.ATTR_VERSION] = s.SCHEMA_VERSION + 1
     cases["newer_schema"] = (str(newer.parent), str(newer))
     return cases
 

@@ -218,3 +218,23 @@ def test_a_precision_fault_in_the_rotary_table_is_found_by_the_host_replay(tmp_p
     top = result.layers.iloc[0]
     assert top["verdict"] == FAULT and top["site"] == "model.rotary_emb", result.headlines
     assert "HOST_MISMATCH" in top["diagnosis"]
+
+
+@pytest.mark.integration
+def test_left_padded_generation_at_operator_granularity(tmp_path):
+    """A padded batch: the rotary table then has one row per sequence and token, and the host
+    record of every kept row is narrowed like the clean record."""
+    model = build("llama", layers=4)
+    ids = torch.randint(1, 128, (2, 21), generator=torch.Generator().manual_seed(5))
+    mask = torch.ones_like(ids)
+    mask[1, :7] = 0
+    ids[1, :7] = 0
+    config = DumpConfig(dump_path=str(tmp_path), samples=1, granularity="op", reference="host",
+                        progress=False)
+    with register_hook(model, config), torch.no_grad():
+        model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False,
+                       pad_token_id=0)
+    result = compare_path(str(tmp_path), progress=False)
+    assert FAULT not in set(result.layers["verdict"]), result.headlines
+    rotary = result.sites[result.sites["role"] == "rotary"]
+    assert len(rotary) and (rotary["host_red"].dropna() <= 1e-4).all()

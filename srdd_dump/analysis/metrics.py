@@ -11,7 +11,14 @@
 * relative_euclidean_distance = sqrt(sum (m - g)^2 / sum g^2); 0 when |g| <= eps (msit)
 * sqnr = 20 log10(|g| / |g - m|) in dB, +inf when m == g (PyTorch Numeric Suite)
 * one_thousandth / five_thousandths_err_ratio = fraction of elements with
-  |m - g| / |g| <= 0.001 / 0.005, |g| = 0 replaced by eps (msprobe)
+  |m - g| / |g| <= 0.001 / 0.005, |g| = 0 replaced by eps, in float64
+* euclidean_distance = sqrt(sum (m - g)^2) (msprobe's EucDist)
+
+``rules="msprobe"`` reproduces msprobe's own max_relative_error and thousandth ratios instead:
+computed in the inputs' precision (float32 for fp32/bf16/fp16 data), eps of that precision
+added to both sides where g == 0 (so the error there is |m| / eps), over every element, and the
+ratios count a strict ``< 0.001`` / ``< 0.005``; NaN/Inf at the same positions count as equal
+elements (msprobe zeroes them), at different positions make both NaN (msprobe's N/A).
 
 NaN and Inf are compared by position (``nan_inf``); every other metric is computed over the
 elements finite on both sides. ``PairStats`` accumulates all of them block by block, so a tensor
@@ -143,11 +150,16 @@ def _exp_terms(
     return e, w
 
 
+METRIC_RULES = ("msit", "msprobe")
+
+
 @dataclass
 class PairStats:
     """Streaming accumulator of every metric of a (golden, mine) pair of equal-size tensors."""
 
+    rules: str = "msit"  # or "msprobe": its max_relative_error and thousandth ratios
     n: int = 0  # elements finite on both sides
+    n_ratio: int = 0  # elements the thousandth ratios count (msprobe: equal NaN/Inf too)
     gg: float = 0.0
     mm: float = 0.0
     gm: float = 0.0
@@ -188,7 +200,7 @@ class PairStats:
                 side.count += x.size
                 side.total += total(x)
                 side.max, side.min = max(side.max, hi), min(side.min, lo)
-            self._errors(g, m, *ranges)
+            self._errors(g, m, *ranges, precision=np.result_type(g_in, m_in, np.float32))
             return
         fg, fm = np.isfinite(g), np.isfinite(m)
         both = fg & fm
@@ -202,15 +214,24 @@ class PairStats:
         gb, mb = g[bad], m[bad]
         same = (np.isnan(gb) & np.isnan(mb)) | (np.isinf(gb) & (gb == mb))
         self.nan_inf.mismatched += int(bad.sum() - same.sum())
+        if self.rules == "msprobe":  # msprobe sets equal NaN/Inf to 0 on both sides
+            matched = int(same.sum())
+            self.n_ratio += matched
+            self.within_1e3 += matched
+            self.within_5e3 += matched
         g, m = g[both], m[both]
         if g.size:
-            self._errors(g, m)
+            self._errors(g, m, precision=np.result_type(g_in, m_in, np.float32))
 
-    def _errors(self, g: np.ndarray, m: np.ndarray, g_range=(None, None), m_range=(None, None)):
+    def _errors(self, g: np.ndarray, m: np.ndarray, g_range=(None, None), m_range=(None, None),
+                precision=np.float32):
         """Every pair metric of a float64 block finite on both sides. ``g`` and ``m`` are the
         caller's scratch copies: they are overwritten in turn by m - g and |g|, so the block
         stays in two buffers (the CPU's L2 holds two records, not the five of fresh arrays)."""
         self.n += g.size
+        self.n_ratio += g.size
+        if self.rules == "msprobe":
+            self._msprobe_relative(g, m, precision)
         self.gg += dot(g, g)
         self.mm += dot(m, m)
         self.gm += dot(g, m)
@@ -229,13 +250,32 @@ class PairStats:
             # not needed any more (all_big), the quotient overwrites it.
             q = np.divide(ad, ag, out=ag) if all_big else ad / ag
         rel = q if all_big else np.where(ag > FP32_EPS, q, 0.0)
-        self.rel_max = max(self.rel_max, float(rel.max()))
         self.rel_sum += total(rel)
-        # msprobe: where g == 0, eps is added to both sides, so the error is |m| / eps
+        if self.rules == "msprobe":
+            return
+        self.rel_max = max(self.rel_max, float(rel.max()))
+        # where g == 0, eps is added to both sides, so the error is |m| / eps
         zero = None if all_big else ag == 0
         ratio = ad / np.where(zero, FP32_EPS, ag) if zero is not None and zero.any() else q
         self.within_1e3 += int(np.count_nonzero(ratio <= 1e-3))
         self.within_5e3 += int(np.count_nonzero(ratio <= 5e-3))
+
+    def _msprobe_relative(self, g: np.ndarray, m: np.ndarray, precision) -> None:
+        """msprobe's get_relative_err and calc_relative_err_ratio on one block (before ``g``
+        and ``m`` are overwritten): |(m - g) / g| in the inputs' precision, eps of that
+        precision added to both where g == 0, ratios with a strict <."""
+        b = g.astype(precision)
+        n = m.astype(precision)
+        zero = b == 0
+        if zero.any():
+            eps = np.finfo(precision).eps
+            b[zero] += eps
+            n[zero] += eps
+        with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+            rel = np.abs(np.divide(n - b, b))
+        self.rel_max = max(self.rel_max, float(rel.max()))
+        self.within_1e3 += int(np.count_nonzero(rel < 1e-3))
+        self.within_5e3 += int(np.count_nonzero(rel < 5e-3))
 
     # -- results -------------------------------------------------------------------------
     @property
@@ -248,6 +288,8 @@ class PairStats:
 
     @property
     def max_relative_error(self) -> float:
+        if self.rules == "msprobe" and self.nan_inf.mismatched:
+            return math.nan  # msprobe: N/A
         return self.rel_max if self.n else math.nan
 
     @property
@@ -291,12 +333,22 @@ class PairStats:
         return 10.0 * math.log10(self.gg / self.dd)
 
     @property
+    def euclidean_distance(self) -> float:
+        """sqrt(sum (m - g)^2): msprobe's EucDist (absolute)."""
+        return math.sqrt(self.dd) if self.n else math.nan
+
+    @property
     def one_thousandth_err_ratio(self) -> float:
-        return self.within_1e3 / self.n if self.n else math.nan
+        return self._ratio(self.within_1e3)
 
     @property
     def five_thousandths_err_ratio(self) -> float:
-        return self.within_5e3 / self.n if self.n else math.nan
+        return self._ratio(self.within_5e3)
+
+    def _ratio(self, count: int) -> float:
+        if self.rules == "msprobe" and self.nan_inf.mismatched:
+            return math.nan  # msprobe: N/A
+        return count / self.n_ratio if self.n_ratio else math.nan
 
     @property
     def golden_all_zero(self) -> bool:
@@ -314,13 +366,13 @@ class PairStats:
 METRIC_NAMES = (
     "cosine_similarity", "max_relative_error", "mean_relative_error", "max_absolute_error",
     "mean_absolute_error", "kl_divergence", "relative_euclidean_distance", "sqnr",
-    "one_thousandth_err_ratio", "five_thousandths_err_ratio",
+    "euclidean_distance", "one_thousandth_err_ratio", "five_thousandths_err_ratio",
 )
 
 
-def compare_arrays(golden: np.ndarray, mine: np.ndarray) -> PairStats:
+def compare_arrays(golden: np.ndarray, mine: np.ndarray, rules: str = "msit") -> PairStats:
     """All metrics of two whole arrays with the same number of elements."""
-    return PairStats().add(golden, mine)
+    return PairStats(rules=rules).add(golden, mine)
 
 
 def cosine_similarity(golden: np.ndarray, mine: np.ndarray) -> float:

@@ -321,8 +321,16 @@ def _valid_rows(x, before, rows, probes, valid):
         keep = valid[rows]
         new_index = np.cumsum(valid) - 1
         rows = new_index[rows[keep]]
-        probes = [p._replace(data=st.rows_of(p.data)[keep]) for p in probes]
+        probes = [p._replace(data=_narrow(p, keep, valid)) for p in probes]
     return x, before, rows, probes
+
+
+def _narrow(p: Probe, keep: np.ndarray, valid: np.ndarray) -> np.ndarray:
+    """A probe's rows narrowed like the clean record's: probe rows by ``keep``, a record of
+    every kept row (``subset`` False) by ``valid``."""
+    data = st.rows_of(p.data)
+    mask = keep if p.subset else valid
+    return data[mask] if mask.size == data.shape[0] else data[:0]
 
 
 def set_kurtosis_change(signals: list[Signals]) -> None:

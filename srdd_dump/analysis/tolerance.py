@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import Callable
 
 from ..errors import UserError
-from .metrics import PairStats
+from .metrics import METRIC_RULES, PairStats
 from .verdicts import FAIL, NOT_COMPARED, PASS, VERDICT_RANK, VERDICTS, WARN
 
 __all__ = ["FAIL", "NOT_COMPARED", "PASS", "VERDICT_RANK", "VERDICTS", "WARN", "Thresholds"]
@@ -94,9 +94,13 @@ class Thresholds:
     cos_fail: float | None = None
     max_abs_warn: float | None = None
     max_abs_fail: float | None = None
+    metrics: str = "msit"  # metric rules of max_relative_error and the thousandth ratios
 
     def validate(self) -> Thresholds:
         """Self, or InvalidThresholds naming the fields that cannot be used together."""
+        if self.metrics not in METRIC_RULES:
+            raise InvalidThresholds(
+                f"{{0}} {self.metrics!r}: use one of {', '.join(METRIC_RULES)}", "metrics")
         if self.tolerance != AUTO and self.tolerance not in TOLERANCES:
             raise InvalidThresholds(
                 f"{{0}} {self.tolerance!r}: use auto or one of {', '.join(TOLERANCES)}",
@@ -126,7 +130,8 @@ class Thresholds:
             tolerance_dtype(golden_dtype, my_dtype) if self.tolerance == AUTO else self.tolerance
         )
         base = DEFAULT_LIMITS[tolerance]
-        overrides = {k: v for k, v in asdict(self).items() if k != "tolerance" and v is not None}
+        overrides = {k: v for k, v in asdict(self).items()
+                     if k not in ("tolerance", "metrics") and v is not None}
         limits = replace(base, **overrides)
         # An override of one side of a pair must not leave the other one inconsistent.
         if limits.rel_dist_warn > limits.rel_dist_fail:

@@ -29,6 +29,7 @@ stuck_at                  channels stuck at ``value`` (default m * max|h| of the
 bitflip                   each element flips one random bit with probability ``rate``
                           (default 1e-4) in the ``bits=mantissa|exponent`` of its float32 value
 precision                 h rounded to ``dtype=bfloat16|float16`` and back
+scale                     h * (1 + m) (a wrong scale factor; with sparsity: on a few channels)
 causal_leak               h_t + m * mean(h_{t+1..}) over the later tokens of the same sequence
                           (an attention mask bug: rows see the future; multi-token calls)
 ========================  =====================================================================
@@ -142,6 +143,8 @@ class _Fault:
             y = self._bitflip(x, float(o.get("rate", 1e-4)), o.get("bits", "mantissa"))
         elif s.type == "precision":
             y = x.to(getattr(torch, o.get("dtype", "bfloat16"))).float()
+        elif s.type == "scale":
+            y = x * (1 + m)
         elif s.type == "causal_leak":
             y = x + m * _mean_of_later(x)
         else:  # parse_fault rejects unknown types

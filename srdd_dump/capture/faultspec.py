@@ -9,7 +9,7 @@ from ..errors import UserError
 
 FAULT_TYPES = (
     "dead_zone", "mxfp4_deadzone", "saturation", "bias", "noise", "spike", "nondeterminism",
-    "stuck_at", "bitflip", "precision", "causal_leak",
+    "stuck_at", "bitflip", "precision", "causal_leak", "scale",
 )
 
 

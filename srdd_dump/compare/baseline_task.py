@@ -75,7 +75,7 @@ def _compare_row(
         )
         compare = False
     if compare:
-        stats = PairStats()
+        stats = PairStats(rules=thresholds.metrics)
         rows = block_rows(int(my_rec["width"]))
         valid = _attended(spec, mine, golden, int(my_rec["nrows"]))
         start = 0

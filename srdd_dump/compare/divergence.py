@@ -6,7 +6,14 @@ the embedding output) the input ids, which agree unless ``input_match`` says the
 
 * ``error_amplification`` = RED(output) / max(RED(input), u), u = unit roundoff of the
   tolerance dtype (RED = relative_euclidean_distance; the input ids have RED 0).
-* ``first_divergence``: the first row of the round whose input PASSes and whose output FAILs.
+* ``first_divergence``: where the error is born, also when it stays within tolerance. A row is
+  a birth candidate when its input is within its rounding (exactly equal to the golden run's,
+  or PASS) and the layer multiplies the error by at least BIRTH_GROWTH; with the same dtype on
+  both sides, any non-zero error from an exactly equal input is one. The birth of a round is
+  the last candidate at or before the round's first WARN/FAIL row (the layer that last
+  multiplied the error that then breaks tolerance); a round that stays PASS has none.
+* ``first_fail``: the first row of the round whose input PASSes and whose output FAILs (the
+  earlier rule, msprobe's red node).
 * ``highlight``: ``red`` on every row whose input PASSes and whose output FAILs, and on FAIL
   rows with NaN/Inf (msprobe's red); ``yellow`` on other WARN/FAIL rows whose error grew at
   least 10x across the layer (msprobe's yellow).
@@ -27,16 +34,19 @@ from .results import PER_LAYER_COLUMNS, BaselineSummary
 GROUP = ["source", "golden_source", "sample", "golden_sample", "step"]
 RED_COLUMN = "relative_euclidean_distance"
 YELLOW_GROWTH = 10.0
+BIRTH_GROWTH = 10.0  # an accumulation of rounding errors does not grow 10x across one layer
 RED = "red"
 YELLOW = "yellow"
 WORST = 5
 
 
 def mark_divergence(table: pd.DataFrame) -> pd.DataFrame:
-    """Add ``error_amplification``, ``highlight`` and ``first_divergence`` (table in order)."""
+    """Add ``error_amplification``, ``highlight``, ``first_divergence`` (the birth of the error)
+    and ``first_fail`` (table in order)."""
     amp = np.full(len(table), math.nan)
     highlight = np.full(len(table), "", dtype=object)
     first = np.zeros(len(table), dtype=bool)
+    fail = np.zeros(len(table), dtype=bool)
     has_layer = table["layer"].notna() | table["golden_layer"].notna()
     keys = table[GROUP].astype(object).where(table[GROUP].notna(), None)
     groups: dict[tuple, list[int]] = {}
@@ -47,9 +57,12 @@ def mark_divergence(table: pd.DataFrame) -> pd.DataFrame:
     red = table[RED_COLUMN].to_numpy(dtype=float)
     tolerance = table["tolerance"].to_numpy()
     match = table["input_match"].to_numpy()
+    same_dtype = (table["my_dtype"].astype(str) == table["golden_dtype"].astype(str)).to_numpy()
     nonfinite = (table["golden_nan_inf"].fillna(0) + table["my_nan_inf"].fillna(0)).to_numpy()
     for rows in groups.values():
         found = False
+        candidates: list[int] = []
+        breaks = None  # the round's first WARN/FAIL row
         for k, pos in enumerate(rows):
             if k == 0:
                 input_ok = match[pos] != DIFFER
@@ -67,11 +80,21 @@ def mark_divergence(table: pd.DataFrame) -> pd.DataFrame:
             elif verdict[pos] in (WARN, FAIL) and amp[pos] >= YELLOW_GROWTH:
                 highlight[pos] = YELLOW
             if verdict[pos] == FAIL and input_ok and not found:
-                first[pos] = found = True
+                fail[pos] = found = True
+            exact_input = input_red == 0.0 and same_dtype[pos]
+            if input_ok and breaks is None and (
+                    amp[pos] >= BIRTH_GROWTH or (exact_input and red[pos] > 0)
+                    or (verdict[pos] == FAIL and nonfinite[pos] > 0)):
+                candidates.append(pos)
+            if breaks is None and verdict[pos] in (WARN, FAIL):
+                breaks = pos
+        if breaks is not None and candidates:
+            first[candidates[-1]] = True
     out = table.copy()
     out["error_amplification"] = amp
     out["highlight"] = highlight
     out["first_divergence"] = first
+    out["first_fail"] = fail
     return out
 
 
@@ -124,8 +147,25 @@ def summarize(table: pd.DataFrame) -> BaselineSummary:
         at = firsts[firsts["layer"] == layer]
         summary.first_layer, summary.first_module = layer, str(at["module"].iloc[0])
         summary.first_rounds = len(at)
+        birth = int(at[RED_COLUMN].fillna(-1.0).idxmax())
+        summary.first_exact_input = _input_red(table, birth) == 0
     summary.pattern, summary.message = _explain(summary, compared)
     return summary
+
+
+def _input_red(table: pd.DataFrame, pos: int) -> float:
+    """The relative error of a row's input: the previous row of its round, or 0 for the first
+    row when the input ids agree."""
+    row = table.iloc[pos]
+    if pos > 0:
+        prev = table.iloc[pos - 1]
+        if all(_same(prev[c], row[c]) for c in GROUP):
+            return float(prev[RED_COLUMN]) if prev["verdict"] != NOT_COMPARED else math.nan
+    return 0.0 if row["input_match"] != DIFFER else math.nan
+
+
+def _same(a, b) -> bool:
+    return (pd.isna(a) and pd.isna(b)) or a == b
 
 
 def _reason_kinds(reasons: pd.Series) -> pd.Series:
@@ -142,25 +182,68 @@ def _explain(s: BaselineSummary, compared: pd.DataFrame) -> tuple[str, str]:
             "the stack input (embedding output, before layer 0)" if s.first_layer < 0
             else f"layer {s.first_layer} ({s.first_module})"
         )
-        row = s.first_divergence[s.first_divergence["layer"] == s.first_layer].iloc[0]
-        return "introduced", (
-            f"{where} introduced the error: its input agrees with the golden run and its "
-            f"output does not, in {s.first_rounds} of {s.rounds} compared rounds "
-            f"(cosine {row['cosine_similarity']:.6f}, relative error {row[RED_COLUMN]:.3g}, "
-            f"x{row['error_amplification']:.3g} its input's) at {tol} tolerance"
+        at = s.first_divergence[s.first_divergence["layer"] == s.first_layer]
+        row = at.loc[at[RED_COLUMN].fillna(-1.0).idxmax()]
+        if row["verdict"] == FAIL:
+            return "introduced", (
+                f"{where} introduced the error: its input agrees with the golden run and its "
+                f"output does not, in {s.first_rounds} of {s.rounds} compared rounds "
+                f"(cosine {row['cosine_similarity']:.6f}, relative error {row[RED_COLUMN]:.3g}, "
+                f"x{row['error_amplification']:.3g} its input's) at {tol} tolerance"
+            )
+        later = s.per_layer[(s.per_layer["layer"] > s.first_layer)
+                            & s.per_layer["verdict"].isin([WARN, FAIL])]
+        worst = FAIL if (later["verdict"] == FAIL).any() else WARN
+        layers = later.loc[later["verdict"] == worst, "layer"].astype(int).tolist()
+        growth = row["error_amplification"]
+        origin = ("from an exact input" if s.first_exact_input
+                  else "from an input within tolerance")
+        return "born", (
+            f"error born at {where}: x{growth:.3g} {origin} (relative error "
+            f"{row[RED_COLUMN]:.3g}, {row['verdict']}); it reaches {worst} at layers "
+            f"{_ranges(layers)} ({s.first_rounds} of {s.rounds} compared rounds, {tol} "
+            "tolerance): look at this layer first"
         )
     bad = s.per_layer[s.per_layer["verdict"] != PASS]
     if bad.empty:
         return "clean", (
             f"every compared layer PASSes at {tol} tolerance "
             f"(largest relative error {s.per_layer['max_relative_euclidean_distance'].max():.3g})"
+            + _first_difference(compared)
         )
     start = bad.iloc[0]
     growth = s.per_layer["max_error_amplification"].max()
     return "gradual", (
-        f"no single layer introduced the error: no layer turns a PASS input into a FAIL output. "
-        f"The first layer beyond {tol} tolerance is {int(start['layer'])} ({start['module']}, "
+        f"no layer multiplies the error by {BIRTH_GROWTH:g}x or more: "
+        f"the first layer beyond {tol} tolerance is {int(start['layer'])} ({start['module']}, "
         f"{start['verdict']}); the relative error grows to "
         f"{s.per_layer['max_relative_euclidean_distance'].max():.3g}, at most x{growth:.3g} "
         f"across one layer: an accumulation such as a precision difference, not one faulty layer"
     )
+
+
+def _first_difference(compared: pd.DataFrame) -> str:
+    """'; the outputs first differ at layer K (xN from an exact input)' when both sides have
+    the same dtype and some layer turns an exactly equal input into a different output."""
+    for pos in range(len(compared)):
+        row = compared.iloc[pos]
+        if (row[RED_COLUMN] > 0 and row["my_dtype"] == row["golden_dtype"]
+                and pd.notna(row["layer"]) and _input_red(compared, pos) == 0):
+            return (f"; the outputs first differ at layer {int(row['layer'])} "
+                    f"({row['module']}, x{row['error_amplification']:.3g} from an exact input)")
+    return ""
+
+
+def _ranges(layers: list[int]) -> str:
+    """[27, 28, 29, 31] -> '27-29, 31'."""
+    if not layers:
+        return "none"
+    parts, start, prev = [], layers[0], layers[0]
+    for k in layers[1:] + [None]:
+        if k is not None and k == prev + 1:
+            prev = k
+            continue
+        parts.append(f"{start}" if start == prev else f"{start}-{prev}")
+        if k is not None:
+            start = prev = k
+    return ", ".join(parts)

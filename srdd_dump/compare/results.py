@@ -78,11 +78,13 @@ MSIT_COLUMNS = [
     "mean_absolute_error", "kl_divergence", "relative_euclidean_distance", "cmp_fail_reason",
 ]
 EXTRA_COLUMNS = [
-    "sqnr", "one_thousandth_err_ratio", "five_thousandths_err_ratio", "golden_nan_inf",
-    "my_nan_inf", "error_amplification", "tolerance", "verdict", "highlight", "first_divergence",
+    "sqnr", "euclidean_distance", "one_thousandth_err_ratio", "five_thousandths_err_ratio",
+    "golden_nan_inf", "my_nan_inf", "error_amplification", "tolerance", "verdict", "highlight",
+    "first_divergence", "first_fail",
 ]
 BASELINE_COLUMNS = ID_COLUMNS + MSIT_COLUMNS + EXTRA_COLUMNS
-DERIVED_COLUMNS = ["error_amplification", "highlight", "first_divergence"]  # from the whole run
+# from the whole run
+DERIVED_COLUMNS = ["error_amplification", "highlight", "first_divergence", "first_fail"]
 BASELINE_FILE_COLUMNS = [
     "role", "source", "status", "reason", "paired_with", "rounds", "samples", "layers", "rank",
     "pid",
@@ -99,14 +101,15 @@ class BaselineSummary:
 
     verdicts: dict[str, int]  # rows per verdict (PASS, WARN, FAIL, N/A)
     rounds: int  # compared rounds (source, sample, step)
-    first_divergence: pd.DataFrame  # the rows with first_divergence
-    first_layer: int | None  # earliest layer that introduced the error (-1 = stack input)
+    first_divergence: pd.DataFrame  # the rows with first_divergence (the birth of the error)
+    first_layer: int | None  # earliest layer where the error was born (-1 = stack input)
     first_module: str
-    first_rounds: int  # rounds in which first_layer introduced it
+    first_rounds: int  # rounds in which it was born at first_layer
     per_layer: pd.DataFrame  # PER_LAYER_COLUMNS, one row per layer over every round: the chart
     worst: pd.DataFrame  # the layers with the largest relative error, PER_LAYER_COLUMNS
     not_compared: dict[str, int] = field(default_factory=dict)  # reason -> rows
-    pattern: str = ""  # introduced | gradual | clean | nothing
+    first_exact_input: bool = False  # the birth layer's input equals the golden run's
+    pattern: str = ""  # introduced | born | gradual | clean | nothing
     message: str = ""  # the finding, one sentence
 
 

@@ -166,8 +166,8 @@ def _round_batch(reader, recs, batch, per_key, clean_prev, layers, sample, prow,
         for key in batch:
             mine = per_key[key]
             clean = [i for i in mine if recs["kind"][i] == s.KIND_CLEAN]
-            probes = [_probe(recs[i], data[i], reader.dtype_of(recs[i]))
-                      for i in mine if recs["kind"][i] != s.KIND_CLEAN]
+            probes = [_probe(recs[i], data[i], reader.dtype_of(recs[i])) for i in mine
+                      if recs["kind"][i] != s.KIND_CLEAN and int(recs["kind"][i]) in s.KIND_NAMES]
             before = None
             if key[1] == s.BLOCK_SITE and key[0] - 1 in clean_prev:
                 before = data[clean_prev[key[0] - 1]]

@@ -1,4 +1,4 @@
-"""HDF5 dump schema v1: the single definition shared by the writer and the reader.
+"""HDF5 dump schema v2: the single definition shared by the writer and the reader.
 
 Layout of one file (one per process), all readable with plain h5py:
 
@@ -23,7 +23,9 @@ from __future__ import annotations
 import numpy as np
 
 FORMAT_NAME = "srdd-dump"
-SCHEMA_VERSION = 1
+# 2: record kinds scale, causal and host (a v1 reader would take them for probe replays); v1
+# files are read as before.
+SCHEMA_VERSION = 2
 PARTIAL_SUFFIX = ".partial"
 # A file whose write failed half-way (disk full) is renamed to <name>.h5.broken and not read:
 # HDF5 may have recorded data that never reached the disk.

@@ -72,7 +72,7 @@ def _summary_sheet(ws, result: BaselineResult) -> None:
         *((f"{v} rows", s.verdicts[v]) for v in VERDICTS),
         ("first divergent layer", "" if s.first_layer is None else s.first_layer),
         ("first divergent module", s.first_module),
-        ("rounds it introduced the error in", s.first_rounds if s.first_layer is not None else ""),
+        ("rounds the error was born there", s.first_rounds if s.first_layer is not None else ""),
         ("finding", s.message),
     ]
     lines += [(f"not compared: {k}", v) for k, v in s.not_compared.items()]
