@@ -238,3 +238,23 @@ def test_left_padded_generation_at_operator_granularity(tmp_path):
     assert FAULT not in set(result.layers["verdict"]), result.headlines
     rotary = result.sites[result.sites["role"] == "rotary"]
     assert len(rotary) and (rotary["host_red"].dropna() <= 1e-4).all()
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("reference", ["none", "host"])
+def test_a_plain_batched_forward_at_operator_granularity_is_readable(tmp_path, reference):
+    """A forward of a right-padded batch without position ids: the model-level rotary table
+    has batch 1 and is stored with the round's shape (a reader rejects any other)."""
+    model = build("llama", layers=2)
+    ids = torch.randint(1, 128, (3, 17), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[1, 12:] = 0
+    mask[2, 9:] = 0
+    config = DumpConfig(dump_path=str(tmp_path), samples=1, granularity="op",
+                        reference=reference, progress=False)
+    with register_hook(model, config) as session, torch.no_grad():
+        model(input_ids=ids, attention_mask=mask)
+    assert session.records_dropped == 0
+    result = compare_path(str(tmp_path), progress=False)
+    assert FAULT not in set(result.layers["verdict"]), result.headlines
+    assert "rotary" in set(result.sites["role"])

@@ -128,6 +128,7 @@ class CaptureSession:
         self._pending: list[tuple[int, Site, torch.Tensor, tuple, dict]] = []
         self.host_replays = 0
         self.host_replays_failed = 0
+        self.records_dropped = 0
         self._store = cfg.parse_store(config.store)
         self.batched_replays = 0
         self.decode_replays_skipped = 0
@@ -363,10 +364,22 @@ class CaptureSession:
         their output, and with --reference host its float64 replay, over every kept row."""
         pending, self._pending = self._pending, []
         for index, site, out, args, kwargs in pending:
-            self._add(site.layer, index, out)
+            shaped = self._round_shaped(out)
+            if shaped is None:
+                continue  # a table for other positions than this round's: not comparable
+            self._add(site.layer, index, shaped)
             if self._host and self._rows is not None:
                 self._host_record(site.module, site.layer, index, args, kwargs, None,
                                   rows=None)
+
+    def _round_shaped(self, t: torch.Tensor) -> torch.Tensor | None:
+        """A model-level table (batch 1 or the round's, the round's tokens) as the round's
+        (batch, seq, width): a batch-1 table (position ids shared by the batch) is repeated, as
+        every record of a round has its shape (docs/dump-format.md)."""
+        r = self._round
+        if t.dim() != 3 or t.shape[1] != r.seq or t.shape[0] not in (1, r.batch):
+            return None
+        return t.expand(r.batch, -1, -1) if t.shape[0] != r.batch else t
 
     def _on_output(self, module, layer, site, args, kwargs, output, last) -> None:
         hidden = first_tensor(output)
@@ -479,6 +492,9 @@ class CaptureSession:
             out = kept(out, self._positions, self._rows)
             subset = True
         elif site_role == ROTARY:
+            out = self._round_shaped(out)
+            if out is None:
+                return
             out, subset = kept(out, self._positions), False
         else:
             out, subset = kept(out, None), True
@@ -503,6 +519,7 @@ class CaptureSession:
 
     def _submit(self) -> None:
         r, self._round = self._round, None
+        self._drop_misshapen(r)
         if self.writer is None:
             self.path = dump_file_name(self.config.dump_path)
             self.writer = DumpWriter(self.path, self._meta(r), self.layer_names, self.site_names)
@@ -510,6 +527,20 @@ class CaptureSession:
             self._fail(f"cannot write {self.writer.path}: {self.writer.error}")
             return
         self.writer.submit(r)
+
+    def _drop_misshapen(self, r: Round) -> None:
+        """Every record of a round has the round's shape (readers reject a file otherwise):
+        an output of another shape (a module called on other rows) is left out and counted."""
+        ntok = len(r.positions)
+        rows = None if r.probe_rows is None else len(r.probe_rows)
+        keep = []
+        for t in r.tensors:
+            want = (1, rows) if t.subset else (r.batch, ntok)
+            if t.array.ndim == 3 and t.array.shape[:2] == want:
+                keep.append(t)
+            else:
+                self.records_dropped += 1
+        r.tensors = keep
 
     def _meta(self, first: Round) -> dict:
         param = next(self.model.parameters(), None)
@@ -588,6 +619,7 @@ class CaptureSession:
                     "decode_replays_skipped": self.decode_replays_skipped,
                     "host_replays": self.host_replays,
                     "host_replays_failed": self.host_replays_failed,
+                    "records_dropped": self.records_dropped,
                 })
             except Exception as exc:  # runs at exit too: never a traceback in the user's program
                 self.path = self.writer.partial_path
