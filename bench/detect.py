@@ -389,17 +389,30 @@ def summarize(paths: list[str], plot: str | None) -> None:
     df = pd.concat([pd.read_csv(p) for p in paths], ignore_index=True)
     faults = df[df["kind"] == "fault"]
     healthy = df[df["kind"] == "healthy"]
-    lines = ["| group | type | cases | hit (top-1 FAULT) | SUSPECT at the fault | "
-             "cases with FAULT rows elsewhere |", "|---|---|---|---|---|---|"]
+    ops = "site_hit" in faults and faults["site_hit"].notna().any()
+
+    def named(sub) -> str:  # the top row's site is the planted operator
+        return f" {sub['site_hit'].fillna(0).mean():.0%} |" if ops else ""
+
+    head = " operator named (top row's site) |" if ops else ""
+    lines = ["| group | type | cases | hit (top-1 FAULT) |" + head + " SUSPECT at the fault | "
+             "cases with FAULT rows elsewhere |", "|---|---|---|---|---|---|" + ("---|" if ops
+                                                                                else "")]
     for (group, ftype), sub in faults.groupby(["group", "type"], sort=False):
-        lines.append(f"| {group} | {ftype} | {len(sub)} | {sub['hit'].mean():.0%} | "
+        lines.append(f"| {group} | {ftype} | {len(sub)} | {sub['hit'].mean():.0%} |{named(sub)} "
                      f"{sub['suspect_at_fault'].fillna(0).mean():.0%} | "
                      f"{(sub['n_fault_other'].fillna(0) > 0).mean():.0%} |")
     for group, sub in faults.groupby("group", sort=False):
-        lines.append(f"| **{group}** | all | {len(sub)} | **{sub['hit'].mean():.0%}** | "
-                     f"{sub['suspect_at_fault'].fillna(0).mean():.0%} | "
+        lines.append(f"| **{group}** | all | {len(sub)} | **{sub['hit'].mean():.0%}** |"
+                     f"{named(sub)} {sub['suspect_at_fault'].fillna(0).mean():.0%} | "
                      f"{(sub['n_fault_other'].fillna(0) > 0).mean():.0%} |")
-    lines.append(f"| **all faults** | | {len(faults)} | **{faults['hit'].mean():.0%}** | | |")
+    if ops:
+        for site, sub in faults.groupby("site", sort=False):
+            lines.append(f"| by site | {site} | {len(sub)} | {sub['hit'].mean():.0%} |"
+                         f"{named(sub)} | |")
+    lines.append(f"| **all faults** | | {len(faults)} | **{faults['hit'].mean():.0%}** |"
+                 + (f" **{faults['site_hit'].fillna(0).mean():.0%}** |" if ops else "")
+                 + " | |")
     print("\n".join(lines) + "\n")
     if len(healthy):
         rows = len(healthy) * N_LAYERS

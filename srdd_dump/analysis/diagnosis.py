@@ -373,7 +373,7 @@ def diagnose(signals: list[Signals], dtype: str, n_layers: int, compute_dtype: s
         for e, _ in labelled:
             if e.strength >= SUSPECT_RATIO and e.family not in labels:
                 labels.append(e.family)
-        site = labelled[0][1] if labelled else ""  # where the first label's evidence is
+        site = _narrowest_source(labelled)
         verdicts.append(LayerVerdict(
             layer=layer, module="", score=float(score), verdict=verdict,
             diagnosis=",".join(labels), evidence=[e for e, _ in strong], site=site,
@@ -381,6 +381,25 @@ def diagnose(signals: list[Signals], dtype: str, n_layers: int, compute_dtype: s
     _mark_propagation(verdicts, signals)
     _mark_systemic(verdicts, systemic)
     return verdicts
+
+
+def _narrowest_source(items: list[tuple[Evidence, str]]) -> str:
+    """The module a layer row names: among the modules with main evidence at the layer's
+    level (FAULT, else SUSPECT), the innermost ones (a block or sub-block that contains another
+    of them only carries its fault: its own replay runs the faulty operator inside), the
+    strongest of those. ``items`` are (evidence, module), main findings first."""
+    if not items:
+        return ""
+    main = [(e, m) for e, m in items if not e.secondary] or items
+    for level in (1.0, SUSPECT_RATIO):
+        found = {m for e, m in main if e.strength >= level}
+        if found:
+            break
+    else:
+        return items[0][1]
+    inner = [m for m in found if not any(o.startswith(m + ".") for o in found)]
+    strength = {m: max(e.strength for e, mm in main if mm == m) for m in inner}
+    return max(inner, key=lambda m: (strength[m], m.count(".")))
 
 
 def _shared_families(per_layer: list[list[Evidence]]) -> dict[str, tuple[int, int]]:
@@ -459,6 +478,9 @@ def headline(v: LayerVerdict) -> str:
         return (f"every {kind} ({count}/{of} layers): {v.verdict} - SYSTEMIC {what}, one "
                 f"shared kernel; strongest at layer {v.layer}: {top.text} "
                 f"({top.strength:.3g}x the FAULT limit)")
+    at_site = [e for e in main if e.module == v.site]
+    if at_site:  # the evidence of the module the row names
+        top = max(at_site, key=lambda e: e.strength)
     what = FAMILY_WORDS.get(top.family, top.family.replace("_", " ").lower())
     line = (f"Layer {v.layer} ({v.site or v.module}): {v.verdict} - {what}: {top.text} "
             f"({top.strength:.3g}x the FAULT limit)")

@@ -335,7 +335,8 @@ def _narrow(p: Probe, keep: np.ndarray, valid: np.ndarray) -> np.ndarray:
 
 def set_kurtosis_change(signals: list[Signals]) -> None:
     """``kurt_change`` of every block from its kurtosis and the previous block's (prefill)."""
-    blocks = {g.layer: g for g in signals if g.site == BLOCK_SITE and g.phase == PREFILL}
+    blocks = {g.layer: g for g in signals
+              if g.site == BLOCK_SITE and g.phase == PREFILL and g.layer >= 0}
     for layer, g in blocks.items():
         before = blocks.get(layer - 1)
         if before is not None and g.kurtosis + 3 > 0 and before.kurtosis + 3 > 0:

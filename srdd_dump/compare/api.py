@@ -65,7 +65,8 @@ def file_signals(path: str, *, jobs: int = 1) -> list[Signals]:
     failed = [p for p in parts if isinstance(p, str)]
     if failed:
         raise UserError(failed[0])
-    signals = sorted((g for p in parts for g in p), key=lambda g: (g.layer, g.site))
+    signals = sorted((g for p in parts for g in p if g.layer >= 0),
+                     key=lambda g: (g.layer, g.site))
     set_kurtosis_change(signals)
     return signals
 

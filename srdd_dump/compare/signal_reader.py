@@ -181,14 +181,14 @@ def _probe(record: np.void, data: np.ndarray, dtype: str) -> Probe:
                  float(record["pert_rms"]), data, dtype, bool(record["subset"]))
 
 
-def present_keys(records: np.ndarray) -> list[tuple[int, int]]:
-    """Every (layer, site) with records, in order; the stack input (layer -1) only when a
-    layer's operators are captured: an element-wise operator of layer 0 (its input norm)
-    inherits the stack input's exact zeros, and the diagnosis needs to know them."""
+def present_keys(records: np.ndarray, stack_input: bool = False) -> list[tuple[int, int]]:
+    """Every (layer, site) with records, in order; with ``stack_input`` (a dump with
+    normalisation operators: layer 0's input norm inherits the stack input's exact zeros, and
+    the diagnosis needs to know them) the stack input (layer -1) first."""
     ok = records["layer"] >= 0
     keys = sorted(set(zip(records["layer"][ok].tolist(), records["site"][ok].tolist())))
     stack = (records["layer"] == s.STACK_INPUT) & (records["kind"] == s.KIND_CLEAN)
-    if np.any(stack) and any(site != s.BLOCK_SITE and layer == 0 for layer, site in keys):
+    if stack_input and np.any(stack):
         keys.insert(0, (s.STACK_INPUT, s.BLOCK_SITE))
     return keys
 
