@@ -615,3 +615,32 @@ def test_cli_metrics_option(runs, tmp_path):
                   "--metrics", "mine")
     assert bad.returncode == 2 and bad.stderr.strip().count("\n") == 0
     assert "--metrics 'mine'" in bad.stderr
+
+
+def _rounds_table(reds_per_round, dtype_mine="bfloat16"):
+    """A baseline table of rounds x layers from RED values (bf16 tolerance limits)."""
+    rows = []
+    for sample, reds in enumerate(reds_per_round):
+        for layer, red in enumerate(reds):
+            verdict = "PASS" if red <= 1.5e-2 else "WARN" if red <= 0.15 else "FAIL"
+            rows.append(dict(source="a", golden_source="b", sample=sample, golden_sample=sample,
+                             step=0, layer=layer, golden_layer=layer, module=f"l.{layer}",
+                             verdict=verdict, relative_euclidean_distance=red,
+                             tolerance="bfloat16", input_match="same", golden_nan_inf=0,
+                             my_nan_inf=0, my_dtype=dtype_mine, golden_dtype="float32",
+                             cosine_similarity=1.0, cmp_fail_reason=""))
+    return pd.DataFrame(rows)
+
+
+@pytest.mark.unit
+def test_a_birth_by_growth_must_recur_to_be_named():
+    from srdd_dump.compare.divergence import mark_divergence, summarize
+
+    smooth = [0.004, 0.006, 0.009, 0.013, 0.02, 0.03]  # accumulates to WARN, x1.5 per layer
+    jump = [0.004, 0.001, 0.06, 0.07, 0.08, 0.09]  # x15 at layer 2 (0.06 over the floor 2^-8)
+    once = mark_divergence(_rounds_table([jump] + [smooth] * 9))
+    assert once["first_divergence"].sum() == 1  # marked in its round ...
+    assert summarize(once).pattern == "gradual"  # ... but not named: it does not recur
+    often = mark_divergence(_rounds_table([jump] * 4 + [smooth] * 6))
+    summary = summarize(often)
+    assert summary.pattern == "born" and summary.first_layer == 2 and summary.first_rounds == 4
