@@ -188,9 +188,9 @@ def _exact_evidence(sig: Signals, dtype: str, instab_median: float, compute_dtyp
         # came in with its input, from an earlier layer
         moved = (np.isfinite(sig.flat_zero) and sig.flat_zero < INHERITED * sig.zero_frac
                  and input_zeros >= 0.5 * sig.zero_frac)
-        # a normalisation maps an exact 0 of its input to 0: such zeros are its input's,
-        # judged where they are made
-        if not (moved and sig.role == "norm"):
+        # a normalisation or an activation maps an exact 0 of its input to 0: such zeros are
+        # its input's, judged where they are made
+        if not (moved and sig.role in ("norm", "act")):
             ev.append(Evidence("DEAD_ZONE", zeros / zero_limit,
                                f"{sig.zero_frac:.2%} exact zeros in {where}{extra}",
                                inheritable=bool(moved)))
@@ -332,14 +332,25 @@ def diagnose(signals: list[Signals], dtype: str, n_layers: int, compute_dtype: s
     systemic: dict[str, tuple[str, int, int]] = {}  # family -> (site kind, layers, of)
     # exact zeros of each block's output (layer -1: the stack input, when it was read)
     block_zeros = {(g.layer, g.phase): g.zero_frac for g in signals if g.site == BLOCK_SITE}
+    # an activation's input is a linear operator's output of its layer (gate_proj, c_fc, ...)
+    linear_zeros: dict[tuple[int, str], float] = {}
+    for g in signals:
+        if g.role == "linear" and np.isfinite(g.zero_frac):
+            key = (g.layer, g.phase)
+            linear_zeros[key] = max(linear_zeros.get(key, 0.0), g.zero_frac)
     signals = [g for g in signals if g.layer >= 0]
+
+    def input_zeros(sig: Signals) -> float:
+        if sig.role == "act":
+            return linear_zeros.get((sig.layer, sig.phase), 0.0)
+        return block_zeros.get((sig.layer - 1, sig.phase), 0.0)
+
     for kind, group in site_groups(signals).items():
         inst = np.array([g.instability for g in group], dtype=np.float64)
         inst = inst[np.isfinite(inst)]
         inst_median = float(np.median(inst)) if inst.size else 0.0
         relative = _relative_evidence(group)
-        per_layer = [_exact_evidence(sig, dtype, inst_median, compute_dtype,
-                                     block_zeros.get((sig.layer - 1, sig.phase), 0.0))
+        per_layer = [_exact_evidence(sig, dtype, inst_median, compute_dtype, input_zeros(sig))
                      + relative[i] for i, sig in enumerate(group)]
         shared_noise = _systemic_noise(group, dtype, compute_dtype)
         if shared_noise is not None:
