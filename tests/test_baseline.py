@@ -617,7 +617,7 @@ def test_cli_metrics_option(runs, tmp_path):
     assert "--metrics 'mine'" in bad.stderr
 
 
-def _rounds_table(reds_per_round, dtype_mine="bfloat16"):
+def _rounds_table(reds_per_round, dtype_mine="bfloat16", dtype_golden="float32"):
     """A baseline table of rounds x layers from RED values (bf16 tolerance limits)."""
     rows = []
     for sample, reds in enumerate(reds_per_round):
@@ -627,7 +627,7 @@ def _rounds_table(reds_per_round, dtype_mine="bfloat16"):
                              step=0, layer=layer, golden_layer=layer, module=f"l.{layer}",
                              verdict=verdict, relative_euclidean_distance=red,
                              tolerance="bfloat16", input_match="same", golden_nan_inf=0,
-                             my_nan_inf=0, my_dtype=dtype_mine, golden_dtype="float32",
+                             my_nan_inf=0, my_dtype=dtype_mine, golden_dtype=dtype_golden,
                              cosine_similarity=1.0, cmp_fail_reason=""))
     return pd.DataFrame(rows)
 
@@ -644,3 +644,20 @@ def test_a_birth_by_growth_must_recur_to_be_named():
     often = mark_divergence(_rounds_table([jump] * 4 + [smooth] * 6))
     summary = summarize(often)
     assert summary.pattern == "born" and summary.first_layer == 2 and summary.first_rounds == 4
+
+
+@pytest.mark.unit
+def test_exact_input_births_need_one_device():
+    """bf16 on an NPU against bf16 on a GPU: layer 0 differs by rounding from an exactly equal
+    input (the embedding lookup), then the error accumulates to WARN. Not a birth across
+    devices; on one device (a clean run against a faulty one) it is."""
+    from srdd_dump.compare.divergence import mark_divergence, summarize
+
+    reds = [[0.0, 0.003, 0.005, 0.008, 0.012, 0.018, 0.025, 0.03]] * 4
+    table = _rounds_table(reds, "bfloat16", "bfloat16")
+    across = mark_divergence(table)
+    assert not across["first_divergence"].any()
+    assert summarize(across).pattern == "gradual"
+    one = mark_divergence(table, {("a", "b")})
+    assert set(one.loc[one["first_divergence"], "layer"]) == {1}
+    assert summarize(one, {("a", "b")}).pattern == "born"

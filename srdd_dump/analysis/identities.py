@@ -29,6 +29,7 @@ class ScaleCheck(NamedTuple):
     broken: int  # elements where the identity fails
     judged: int  # elements inside the dtype's safe range
     pattern: str  # ZERO, CLIP, OFFSET or OTHER ("" when nothing is broken)
+    size: float = 0.0  # rms of the differences / rms of the reference, judged elements
 
 
 def scale_check(ref: np.ndarray, scaled: np.ndarray, k: int, dtype: str) -> ScaleCheck:
@@ -45,8 +46,11 @@ def scale_check(ref: np.ndarray, scaled: np.ndarray, k: int, dtype: str) -> Scal
                   & (size <= big / margin))
     broken = judged & (ref != scaled)
     n_broken = int(np.count_nonzero(broken))
+    if not n_broken:
+        return ScaleCheck(0, int(np.count_nonzero(judged)), "")
     return ScaleCheck(n_broken, int(np.count_nonzero(judged)),
-                      scale_pattern(ref, scaled, broken) if n_broken else "")
+                      scale_pattern(ref, scaled, broken),
+                      _relative_rms(ref[judged], scaled[judged]))
 
 
 def scale_pattern(ref: np.ndarray, scaled: np.ndarray, broken: np.ndarray) -> str:
@@ -75,17 +79,29 @@ def scale_pattern(ref: np.ndarray, scaled: np.ndarray, broken: np.ndarray) -> st
 
 
 def causal_check(ref: np.ndarray, out: np.ndarray, positions: np.ndarray, cut: int
-                 ) -> tuple[int, int]:
-    """(elements that moved, elements judged) in the rows before ``cut``; ``positions``: the
-    token position of each row of ``ref``/``out`` (rows, width)."""
+                 ) -> tuple[int, int, float]:
+    """(elements that moved, elements judged, rms of the moves / rms of the reference) in the
+    rows before ``cut``; ``positions``: the token position of each row of ``ref``/``out``
+    (rows, width)."""
     ref = ref.reshape(-1, ref.shape[-1])
     out = out.reshape(-1, out.shape[-1])
     if ref.shape != out.shape or positions.size != ref.shape[0]:
-        return 0, 0
+        return 0, 0, 0.0
     before = positions < cut
     a, b = ref[before], out[before]
     same = (a == b) | (np.isnan(a) & np.isnan(b))
-    return int(same.size - np.count_nonzero(same)), int(same.size)
+    moved = int(same.size - np.count_nonzero(same))
+    return moved, int(same.size), _relative_rms(a, b) if moved else 0.0
+
+
+def _relative_rms(ref: np.ndarray, other: np.ndarray) -> float:
+    """rms(other - ref) / rms(ref) over the elements finite in both, in float64."""
+    a, b = ref.astype(np.float64).reshape(-1), other.astype(np.float64).reshape(-1)
+    ok = np.isfinite(a) & np.isfinite(b)
+    a, b = a[ok], b[ok]
+    den = float(np.sqrt(np.mean(a * a))) if a.size else 0.0
+    num = float(np.sqrt(np.mean((b - a) ** 2))) if a.size else 0.0
+    return num / den if den > 0 else (0.0 if num == 0 else float("inf"))
 
 
 def relative_distance(device: np.ndarray, host: np.ndarray) -> float:

@@ -90,8 +90,10 @@ class Signals:
     scale_broken: float = float("nan")  # linear: elements breaking y(2^k x) = 2^k y(x), worst
     scale_n: int = 0  # elements judged in that round
     scale_pattern: str = ""  # zero / clip / offset / other (identities.scale_pattern)
+    scale_size: float = float("nan")  # rms of those differences / rms of the output
     causal_broken: float = float("nan")  # elements before the cut moved by later tokens, worst
     causal_n: int = 0
+    causal_size: float = float("nan")  # rms of those moves / rms of the output
     host_red: float = float("nan")  # relative distance to the float64 host replay, worst round
 
     def as_dict(self) -> dict:
@@ -104,8 +106,8 @@ class LayerSignals:
     def __init__(self, layer: int, site: int, module: str, phase: str = PREFILL,
                  role: str = ""):
         self.sig = Signals(layer=layer, site=site, module=module, phase=phase, role=role)
-        self.scale: list[tuple[float, int, str]] = []
-        self.causal: list[tuple[float, int]] = []
+        self.scale: list[tuple[float, int, str, float]] = []
+        self.causal: list[tuple[float, int, float]] = []
         self.host: list[float] = []
         self.moments = Moments()
         self.samples: set[int] = set()
@@ -183,22 +185,23 @@ class LayerSignals:
         """The scale and causality identities and the host replay of one round."""
         scaled = {int(p.param): st.rows_of(p.data) for p in probes if p.kind == "scale"}
         if 0 in scaled:
-            worst = (0.0, 0, "")
+            worst = (0.0, 0, "", 0.0)
             for k, data in scaled.items():
                 if k:
                     check = scale_check(scaled[0], data, k, dtype)
                     frac = check.broken / check.judged if check.judged else 0.0
                     if check.judged and (frac > worst[0] or not worst[1]):
-                        worst = (frac, check.judged, check.pattern)
+                        worst = (frac, check.judged, check.pattern, check.size)
             if worst[1]:
                 self.scale.append(worst)
         refs = [p.data for p in probes if p.kind == "replay"]
         for p in probes:
             if p.kind == "causal" and row_pos is not None:
                 ref = st.rows_of(refs[0]) if refs else x_rows[rows]
-                moved, judged = causal_check(ref, st.rows_of(p.data), row_pos, int(p.param))
+                moved, judged, size = causal_check(ref, st.rows_of(p.data), row_pos,
+                                                   int(p.param))
                 if judged:
-                    self.causal.append((moved / judged, judged))
+                    self.causal.append((moved / judged, judged, size))
             elif p.kind == "host":
                 device = x_rows[rows] if p.subset else x_rows
                 self.host.append(relative_distance(device, st.rows_of(p.data)))
@@ -296,9 +299,9 @@ class LayerSignals:
             sig.batch_dep, sig.batch_dep_level, sig.batch_dep_moved = max(
                 self.batch_dep, key=lambda v: v[0] if np.isfinite(v[0]) else -1.0)
         if self.scale:
-            sig.scale_broken, sig.scale_n, sig.scale_pattern = max(self.scale)
+            sig.scale_broken, sig.scale_n, sig.scale_pattern, sig.scale_size = max(self.scale)
         if self.causal:
-            sig.causal_broken, sig.causal_n = max(self.causal)
+            sig.causal_broken, sig.causal_n, sig.causal_size = max(self.causal)
         if self.host:
             sig.host_red = max(self.host, key=lambda v: v if not np.isnan(v) else -1.0)
         if self.instab:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from fnmatch import fnmatchcase
 from typing import NamedTuple
 
+import torch
 from torch import nn
 
 from ..errors import UserError
@@ -131,8 +132,9 @@ def operator_role(module: nn.Module) -> str | None:
     kinds), None for anything else (containers, dropout, embeddings)."""
     cls = type(module).__name__
     weight = getattr(module, "weight", None)
-    if isinstance(module, nn.Linear) or (cls == "Conv1D" and getattr(weight, "dim", int)() == 2):
-        return LINEAR
+    floating = isinstance(weight, torch.Tensor) and weight.is_floating_point()
+    if floating and (isinstance(module, nn.Linear) or (cls == "Conv1D" and weight.dim() == 2)):
+        return LINEAR  # int8/4-bit weights (bitsandbytes, quantised kernels) are not linear maps
     if "Rotary" in cls:
         return ROTARY
     if list(module.children()):

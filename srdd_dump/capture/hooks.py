@@ -129,6 +129,7 @@ class CaptureSession:
         self.host_replays = 0
         self.host_replays_failed = 0
         self.records_dropped = 0
+        self.site_errors = 0
         self._store = cfg.parse_store(config.store)
         self.batched_replays = 0
         self.decode_replays_skipped = 0
@@ -183,7 +184,8 @@ class CaptureSession:
                 self._handles.append(site.module.register_forward_pre_hook(
                     self._input_hook(site.layer, index), with_kwargs=True))
                 continue
-            if site.role == ROTARY:  # model-level: runs before the blocks open the round
+            if site.role == ROTARY and not site.name.startswith(
+                    self.layer_names[site.layer] + "."):  # model-level: runs before the blocks
                 self._handles.append(site.module.register_forward_hook(
                     self._pending_hook(index), with_kwargs=True))
                 continue
@@ -331,10 +333,24 @@ class CaptureSession:
 
     def _output_hook(self, layer: int, site: int, last: bool):
         def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-            if self._round is not None:
+            if self._round is None:
+                return
+            if site == schema.BLOCK_SITE:
                 self._guard(self._on_output, module, layer, site, args, kwargs, output, last)
+            else:
+                self._guard(self._site_guarded, module, layer, site, args, kwargs, output)
 
         return hook
+
+    def _site_guarded(self, module, layer, site, args, kwargs, output) -> None:
+        """A sub-layer or operator: one that cannot be captured (an error in its replay, an
+        output not shaped like the round's tokens) is skipped and counted; the blocks and
+        the rest of the session go on."""
+        try:
+            self._on_output(module, layer, site, args, kwargs, output, False)
+        except Exception:  # noqa: BLE001 (counted in the dump's status)
+            self._replaying = False
+            self.site_errors += 1
 
     def _input_hook(self, layer: int, site: int):
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -346,7 +362,19 @@ class CaptureSession:
     def _on_input(self, layer: int, site: int, args: tuple, kwargs: dict) -> None:
         hidden = first_tensor(args) if args else kwargs.get("hidden_states")
         if isinstance(hidden, torch.Tensor):
-            self._add(layer, site, hidden)
+            if self._token_shaped(hidden):
+                self._add(layer, site, hidden)
+            else:
+                self.records_dropped += 1
+
+    def _token_shaped(self, t: torch.Tensor) -> bool:
+        """(batch, seq, width) of the round, or (seq, width) for a batch of one: a tensor of
+        token rows. Experts that see only their routed tokens, per-head outputs (batch, seq,
+        heads, dim) and flattened token lists are not."""
+        r = self._round
+        if t.dim() == 3:
+            return tuple(t.shape[:2]) == (r.batch, r.seq)
+        return t.dim() == 2 and r.batch == 1 and t.shape[0] == r.seq
 
     def _pending_hook(self, index: int):
         def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
@@ -385,6 +413,9 @@ class CaptureSession:
         hidden = first_tensor(output)
         if hidden is None:
             raise TypeError(f"{type(module).__name__} of layer {layer} returned no tensor")
+        if site != schema.BLOCK_SITE and not self._token_shaped(hidden):
+            self.records_dropped += 1
+            return
         self._add(layer, site, hidden)
         if self._rows is not None:
             self._probe(module, layer, site, args, kwargs, hidden)
@@ -564,6 +595,9 @@ class CaptureSession:
             # torch.autocast around the model: the precision the matmuls ran in, below the
             # dtype of the recorded tensors (the compare judges rounding by it)
             "autocast_dtype": self._autocast or None,
+            # fp32 matmuls in a shorter format (TF32 / HF32 / bf16 passes): the compare judges
+            # rounding by it
+            "float32_matmul": _float32_matmul(),
             "hidden_width": int(first.tensors[0].array.shape[-1]),
             "device": str(param.device) if param is not None else "cpu",
             "torch_version": torch.__version__,
@@ -608,6 +642,7 @@ class CaptureSession:
             return self.path
         self._closed = True
         self.remove()
+        self._pending = []  # device tensors of a model-level operator
         if self._bar is not None:
             self._bar.close()
         if self.writer is not None:
@@ -620,6 +655,7 @@ class CaptureSession:
                     "host_replays": self.host_replays,
                     "host_replays_failed": self.host_replays_failed,
                     "records_dropped": self.records_dropped,
+                    "site_errors": self.site_errors,
                 })
             except Exception as exc:  # runs at exit too: never a traceback in the user's program
                 self.path = self.writer.partial_path
@@ -672,6 +708,28 @@ def _autocast_dtype(model: nn.Module) -> str:
         return str(torch.get_autocast_dtype(device)).replace("torch.", "")
     except (TypeError, RuntimeError, AttributeError):  # torch < 2.4 has no device argument
         return ""
+
+
+def _float32_matmul() -> str:
+    """The precision fp32 matmuls run in: "highest", "high" (TF32 / HF32: a 10-bit mantissa)
+    or "medium" (bf16), from torch's setting and the CUDA / NPU TF32 / HF32 switches."""
+    try:
+        precision = torch.get_float32_matmul_precision()
+    except Exception:  # noqa: BLE001
+        precision = "highest"
+    switches = []
+    try:
+        switches.append(bool(torch.backends.cuda.matmul.allow_tf32))
+    except Exception:  # noqa: BLE001
+        pass
+    npu = getattr(torch, "npu", None)
+    try:
+        switches.append(bool(npu.matmul.allow_hf32))  # torch_npu
+    except Exception:  # noqa: BLE001
+        pass
+    if precision == "highest" and any(switches):
+        return "high"
+    return precision
 
 
 def _input_embedding(model: nn.Module) -> nn.Module | None:

@@ -17,6 +17,8 @@ from torch import nn
 from .probes import FrozenCache, is_cache, replay_arguments
 
 HOST = torch.device("cpu")
+# instance attributes that wrap a module's forward (accelerate's device_map / offload hooks)
+WRAPPERS = ("_hf_hook", "_old_forward", "forward")
 HOOK_TABLES = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks",
                "_backward_pre_hooks", "_forward_hooks_with_kwargs",
                "_forward_pre_hooks_with_kwargs", "_forward_hooks_always_called",
@@ -30,17 +32,27 @@ def host_copy(module: nn.Module) -> nn.Module:
     for m in module.modules():
         for p in m._parameters.values():
             if p is not None and id(p) not in memo:
-                data = p.detach().to(HOST, torch.float64 if p.is_floating_point() else p.dtype)
+                data = p.detach().to(HOST, torch.float64 if p.is_floating_point() else p.dtype,
+                                     copy=True)
                 memo[id(p)] = nn.Parameter(data, requires_grad=False)
         for b in m._buffers.values():
             if b is not None and id(b) not in memo:
                 memo[id(b)] = b.detach().to(HOST, torch.float64 if b.is_floating_point()
-                                            else b.dtype)
+                                            else b.dtype, copy=True)
+        for name in WRAPPERS:  # accelerate's device hooks would move the copy's inputs back
+            value = m.__dict__.get(name)
+            if value is not None:
+                memo[id(value)] = None
         for name in HOOK_TABLES:  # hooks are not copied (they hold the capture session)
             table = getattr(m, name, None)
             if table is not None:
                 memo[id(table)] = type(table)()
-    return copy.deepcopy(module, memo)
+    clone = copy.deepcopy(module, memo)
+    for m in clone.modules():
+        for name in WRAPPERS:
+            if name in m.__dict__:
+                del m.__dict__[name]  # back to the class's own forward
+    return clone
 
 
 def to_host64(value: Any) -> Any:

@@ -26,9 +26,13 @@ def is_causal(module: nn.Module) -> bool:
 def scale_replays(module: nn.Module, x: torch.Tensor, powers=SCALE_POWERS
                   ) -> list[tuple[int, torch.Tensor]]:
     """[(k, y(2^k x) * 2^-k)] with k = 0 first (the reference, same shape and call), the bias
-    scaled alike without touching the module (``torch.func.functional_call``). Rows whose
-    input does not scale exactly (overflow) come back as NaN: not judged."""
+    scaled alike without touching the module (``torch.func.functional_call``). Subnormal
+    input elements are set to 0 in every call (a device that flushes them then computes the
+    same thing); rows whose input does not scale exactly (overflow) come back as NaN: not
+    judged."""
     bias = getattr(module, "bias", None)
+    if x.is_floating_point():  # subnormal inputs: a device may flush them, and 2^k x would not
+        x = torch.where(x.abs() < torch.finfo(x.dtype).tiny, torch.zeros_like(x), x)
     out = []
     for k in (0, *powers):
         scale = 2.0 ** k

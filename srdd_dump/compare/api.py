@@ -41,7 +41,8 @@ def compare_path(path: str, *, jobs: int | None = 1, progress: bool | None = Non
         tasks = reference_free.plan(files, jobs)
         results = scan(run_signal_task, tasks, jobs, progress=show, desc="reference-free")
         result = reference_free.finish(path, files, tasks, results)
-        result.notes = [found.note] if found.note else []
+        result.notes = ([found.note] if found.note else []) + [
+            note for f in files if f.usable for note in f.capture_notes]
         if result.layers.empty:
             raise no_usable_file(list(result.files["reason"]), path, under=True)
         result.consistency = _consistency(files, None, jobs, show)
@@ -106,9 +107,15 @@ def _compare_baseline(target_path, baseline_path, thresholds, jobs, progress, ru
     pairs = baseline_mode.pair_files(mine, golden)
     tasks = baseline_mode.plan(pairs, thresholds)
     parts = scan(run_row_task, tasks, jobs, progress=_show(progress), desc="baseline")
-    result = baseline_mode.finish(target_path, baseline_path, mine, golden, thresholds, parts)
+    result = baseline_mode.finish(target_path, baseline_path, mine, golden, thresholds, parts,
+                                  same_device=_same_device(pairs))
     result.notes = notes
     return result
+
+
+def _same_device(pairs) -> set[tuple[str, str]]:
+    """(source, golden source) of the file pairs that ran on one device type."""
+    return {(m.source, g.source) for m, g in pairs if m.device and m.device == g.device}
 
 
 def check_consistency(

@@ -59,13 +59,16 @@ def prepare(mine: list[DumpFile], golden: list[DumpFile]) -> tuple[list[Side], l
 
 
 def finish(path: str, baseline: str, mine: list[Side], golden: list[Side],
-           thresholds: Thresholds, parts: list[list[dict]]) -> BaselineResult:
-    table = _table([row for part in parts for row in part])
+           thresholds: Thresholds, parts: list[list[dict]],
+           same_device: set[tuple[str, str]] | None = None) -> BaselineResult:
+    """``same_device``: (source, golden source) pairs that ran on one device type, where a
+    non-zero error from an exactly equal input is the birth of an error."""
+    table = _table([row for part in parts for row in part], same_device)
     files = pd.DataFrame([_file_row(f) for f in mine + golden], columns=BASELINE_FILE_COLUMNS)
     for col in ("rounds", "samples", "layers", "rank", "pid"):
         files[col] = files[col].astype("Int64")
     return BaselineResult(path=path, baseline=baseline, table=table, files=files,
-                          summary=summarize(table), thresholds=thresholds)
+                          summary=summarize(table, same_device), thresholds=thresholds)
 
 
 # -- files -------------------------------------------------------------------------------------
@@ -180,7 +183,7 @@ def _layer_spec(
 # -- the table ---------------------------------------------------------------------------------
 
 
-def _table(rows: list[dict]) -> pd.DataFrame:
+def _table(rows: list[dict], same_device: set[tuple[str, str]] | None = None) -> pd.DataFrame:
     rows = sorted(rows, key=lambda r: r["_order"])
     columns = [c for c in BASELINE_COLUMNS if c not in DERIVED_COLUMNS]
     df = pd.DataFrame(rows, columns=columns)
@@ -193,6 +196,6 @@ def _table(rows: list[dict]) -> pd.DataFrame:
     for col in ("module", "golden_module", "input_match", "golden_dtype", "golden_shape",
                 "my_dtype", "my_shape", "cmp_fail_reason", "tolerance"):
         df[col] = df[col].astype(object).where(df[col].notna(), "").astype(str)
-    df = mark_divergence(df)
+    df = mark_divergence(df, same_device)
     return df[BASELINE_COLUMNS].reset_index(drop=True)
 

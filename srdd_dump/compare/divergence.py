@@ -41,9 +41,12 @@ YELLOW = "yellow"
 WORST = 5
 
 
-def mark_divergence(table: pd.DataFrame) -> pd.DataFrame:
+def mark_divergence(table: pd.DataFrame, same_device: set[tuple[str, str]] | None = None
+                    ) -> pd.DataFrame:
     """Add ``error_amplification``, ``highlight``, ``first_divergence`` (the birth of the error)
-    and ``first_fail`` (table in order)."""
+    and ``first_fail`` (table in order). ``same_device``: (source, golden source) pairs run on
+    one device type, where any non-zero error from an exactly equal input of the same dtype
+    is a birth (elsewhere two devices round differently from layer 0 on)."""
     amp = np.full(len(table), math.nan)
     highlight = np.full(len(table), "", dtype=object)
     first = np.zeros(len(table), dtype=bool)
@@ -58,7 +61,7 @@ def mark_divergence(table: pd.DataFrame) -> pd.DataFrame:
     red = table[RED_COLUMN].to_numpy(dtype=float)
     tolerance = table["tolerance"].to_numpy()
     match = table["input_match"].to_numpy()
-    same_dtype = (table["my_dtype"].astype(str) == table["golden_dtype"].astype(str)).to_numpy()
+    same_setup = _same_setup(table, same_device)
     nonfinite = (table["golden_nan_inf"].fillna(0) + table["my_nan_inf"].fillna(0)).to_numpy()
     for rows in groups.values():
         found = False
@@ -82,7 +85,7 @@ def mark_divergence(table: pd.DataFrame) -> pd.DataFrame:
                 highlight[pos] = YELLOW
             if verdict[pos] == FAIL and input_ok and not found:
                 fail[pos] = found = True
-            exact_input = input_red == 0.0 and same_dtype[pos]
+            exact_input = input_red == 0.0 and same_setup[pos]
             if input_ok and breaks is None and (
                     amp[pos] >= BIRTH_GROWTH or (exact_input and red[pos] > 0)
                     or (verdict[pos] == FAIL and nonfinite[pos] > 0)):
@@ -97,6 +100,15 @@ def mark_divergence(table: pd.DataFrame) -> pd.DataFrame:
     out["first_divergence"] = first
     out["first_fail"] = fail
     return out
+
+
+def _same_setup(table: pd.DataFrame, same_device: set[tuple[str, str]] | None) -> np.ndarray:
+    """Per row: both sides have the same dtype and ran on one device type."""
+    pairs = same_device or set()
+    dtype = (table["my_dtype"].astype(str) == table["golden_dtype"].astype(str)).to_numpy()
+    device = np.array([(a, b) in pairs for a, b in zip(table["source"], table["golden_source"])],
+                      dtype=bool)
+    return dtype & device
 
 
 def _ratio(num: float, den: float) -> float:
@@ -126,7 +138,8 @@ def per_layer(table: pd.DataFrame) -> pd.DataFrame:
     return out[PER_LAYER_COLUMNS]
 
 
-def summarize(table: pd.DataFrame) -> BaselineSummary:
+def summarize(table: pd.DataFrame, same_device: set[tuple[str, str]] | None = None
+              ) -> BaselineSummary:
     counts = table["verdict"].value_counts()
     verdicts = {v: int(counts.get(v, 0)) for v in VERDICTS}
     compared = table[table["verdict"] != NOT_COMPARED]
@@ -143,7 +156,8 @@ def summarize(table: pd.DataFrame) -> BaselineSummary:
         first_module="", first_rounds=0, per_layer=layers, worst=worst,
         not_compared=not_compared,
     )
-    firsts = _recurring(table, firsts)
+    same_setup = _same_setup(table, same_device)
+    firsts = _recurring(table, firsts, same_setup)
     summary.first_divergence = firsts
     if len(firsts):
         layer = int(firsts["layer"].min())
@@ -152,11 +166,12 @@ def summarize(table: pd.DataFrame) -> BaselineSummary:
         summary.first_rounds = len(at)
         birth = int(at[RED_COLUMN].fillna(-1.0).idxmax())
         summary.first_exact_input = _input_red(table, birth) == 0
-    summary.pattern, summary.message = _explain(summary, compared)
+    summary.pattern, summary.message = _explain(summary, compared, same_setup)
     return summary
 
 
-def _recurring(table: pd.DataFrame, births: pd.DataFrame) -> pd.DataFrame:
+def _recurring(table: pd.DataFrame, births: pd.DataFrame, same_setup: np.ndarray
+               ) -> pd.DataFrame:
     """The births the summary names. One from an exactly equal input with the same dtype on
     both sides is conclusive on its own; one found by growth alone must recur at its layer, in
     at least 2 rounds and BIRTH_SHARE of the rounds that break tolerance: one decode step of
@@ -165,8 +180,7 @@ def _recurring(table: pd.DataFrame, births: pd.DataFrame) -> pd.DataFrame:
         return births
     breaking = table[table["verdict"].isin([WARN, FAIL])][GROUP].drop_duplicates()
     need = max(2, BIRTH_SHARE * len(breaking))
-    exact = np.array([_input_red(table, int(pos)) == 0 and
-                      str(table.at[pos, "my_dtype"]) == str(table.at[pos, "golden_dtype"])
+    exact = np.array([_input_red(table, int(pos)) == 0 and bool(same_setup[int(pos)])
                       for pos in births.index], dtype=bool)
     counts = births["layer"].map(births["layer"].value_counts())
     return births[exact | (counts.to_numpy() >= need)]
@@ -192,7 +206,8 @@ def _reason_kinds(reasons: pd.Series) -> pd.Series:
     return reasons.fillna("").str.split(":").str[0].str.replace(r"\d+", "N", regex=True)
 
 
-def _explain(s: BaselineSummary, compared: pd.DataFrame) -> tuple[str, str]:
+def _explain(s: BaselineSummary, compared: pd.DataFrame, same_setup: np.ndarray
+             ) -> tuple[str, str]:
     if compared.empty:
         return "nothing", "nothing was compared (see cmp_fail_reason)"
     tol = ", ".join(sorted(set(compared["tolerance"])))
@@ -228,7 +243,7 @@ def _explain(s: BaselineSummary, compared: pd.DataFrame) -> tuple[str, str]:
         return "clean", (
             f"every compared layer PASSes at {tol} tolerance "
             f"(largest relative error {s.per_layer['max_relative_euclidean_distance'].max():.3g})"
-            + _first_difference(compared)
+            + _first_difference(compared, same_setup)
         )
     start = bad.iloc[0]
     growth = s.per_layer["max_error_amplification"].max()
@@ -242,12 +257,13 @@ def _explain(s: BaselineSummary, compared: pd.DataFrame) -> tuple[str, str]:
     )
 
 
-def _first_difference(compared: pd.DataFrame) -> str:
+def _first_difference(compared: pd.DataFrame, same_setup: np.ndarray) -> str:
     """'; the outputs first differ at layer K (xN from an exact input)' when both sides have
-    the same dtype and some layer turns an exactly equal input into a different output."""
+    the same dtype and device type and some layer turns an exactly equal input into a
+    different output. ``same_setup`` is indexed like the whole table."""
     for pos in range(len(compared)):
         row = compared.iloc[pos]
-        if (row[RED_COLUMN] > 0 and row["my_dtype"] == row["golden_dtype"]
+        if (row[RED_COLUMN] > 0 and same_setup[compared.index[pos]]
                 and pd.notna(row["layer"]) and _input_red(compared, pos) == 0):
             return (f"; the outputs first differ at layer {int(row['layer'])} "
                     f"({row['module']}, x{row['error_amplification']:.3g} from an exact input)")

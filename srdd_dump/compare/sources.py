@@ -25,6 +25,8 @@ INCOMPLETE = "incomplete"  # capture cut short: the rounds written were used
 SKIPPED = "skipped"  # unreadable or empty: listed with the reason, not used
 
 STACK_MODULE = "(stack input)"
+# fp32 matmuls run in a shorter format (meta float32_matmul): the precision rounding is judged by
+REDUCED_FP32 = {"high": "float16", "medium": "bfloat16"}  # TF32/HF32 keep fp16's 10-bit mantissa
 
 
 @dataclass(eq=False)
@@ -40,6 +42,8 @@ class DumpFile:
     layers: list[str] = field(default_factory=list)  # block module names, by layer number
     sites: list[str] = field(default_factory=list)  # sub-layer module names, by site number
     site_roles: list[str] = field(default_factory=list)  # linear, norm, ... (older dumps: none)
+    device: str = ""  # the device type the model ran on (cpu, cuda, npu), "" when unknown
+    capture_notes: list[str] = field(default_factory=list)  # what capture could not record
     rounds: np.ndarray = field(default_factory=lambda: np.zeros(0, s.ROUND_DTYPE))
     records: np.ndarray = field(default_factory=lambda: np.zeros(0, s.RECORD_DTYPE))
     clean_blocks: dict[tuple[int, int], int] = field(default_factory=dict)  # (round, layer) ->
@@ -161,6 +165,24 @@ def _mtime(path: str) -> float:
         return 0.0
 
 
+def capture_notes(source: str, status: dict) -> list[str]:
+    """One line per thing the capture of a file had to leave out (its ``status`` counters)."""
+    notes = []
+    for key, what in (
+        ("host_replays_failed", "module replays on the host failed (a device-only kernel or "
+         "offloaded weights): those modules have no float64 reference"),
+        ("records_dropped", "outputs were not shaped like the round's tokens (routed experts, "
+         "per-head tensors) and were left out"),
+        ("site_errors", "sub-layer or operator captures failed and were skipped"),
+        ("decode_replays_skipped", "decode steps could not be replayed (a KV cache layout "
+         "not reproduced): their clean data is kept"),
+    ):
+        n = status.get(key) if isinstance(status, dict) else None
+        if isinstance(n, int) and n > 0:
+            notes.append(f"{source}: {n} {what}")
+    return notes
+
+
 def inspect(path: str, source: str) -> DumpFile:
     """What a dump file holds; a file that cannot be opened becomes SKIPPED with the reason."""
     f = DumpFile(path=path, source=source)
@@ -173,6 +195,8 @@ def inspect(path: str, source: str) -> DumpFile:
     f.layers, f.sites = list(reader.layers), list(reader.sites)
     roles = reader.meta.get("site_roles")
     f.site_roles = [str(r) for r in roles] if isinstance(roles, list) else []
+    f.device = str(reader.meta.get("device") or "").split(":")[0]
+    f.capture_notes = capture_notes(source, reader.status)
     f.rounds, f.records = reader.rounds, reader.records
     f.samples = reader.n_samples
     f.clean_blocks = clean_block_records(reader)
@@ -182,7 +206,8 @@ def inspect(path: str, source: str) -> DumpFile:
     clean = reader.select(kind=s.KIND_CLEAN)
     first = reader.dtype_of(clean[0]) if len(clean) else "float32"
     f.hidden_dtype = str(reader.meta.get("hidden_dtype") or first)
-    f.compute_dtype = str(reader.meta.get("autocast_dtype") or "")
+    f.compute_dtype = str(reader.meta.get("autocast_dtype") or "") or REDUCED_FP32.get(
+        str(reader.meta.get("float32_matmul") or ""), "")
     if not reader.complete:
         f.status, f.reason = INCOMPLETE, incomplete_reason(reader)
     return f
