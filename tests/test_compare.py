@@ -267,7 +267,7 @@ def test_cli_bad_inputs_one_line_exit_2(tmp_path):
         assert "Traceback" not in proc.stderr
         assert not out.exists()
         if case == "newer_schema":
-            assert "schema version 2" in lines[0]
+            assert f"schema version {s.SCHEMA_VERSION + 1}" in lines[0]
 
 
 def test_cli_good_and_bad_file_writes_report(tmp_path):
