@@ -140,9 +140,19 @@ def score(result, layer, systemic: bool = False, site: str | None = None) -> dic
             n_fault_other=int(((t["verdict"] == "FAULT") & (t["layer"] != layer)).sum()),
         )
         # the operator named: the top row's site is the planted module
-        row["site_hit"] = int(bool(row["hit"]) and bool(site) and "." in str(site)
-                              and str(top["site"]).endswith(str(site)))
+        row["site_hit"] = int(bool(row["hit"]) and names_site(top["site"], site))
     return row
+
+
+SITE_ALIASES = {"attn": ("self_attn", "attn", "attention", "self_attention"),
+                "mlp": ("mlp", "feed_forward", "ffn")}
+
+
+def names_site(top_site, site) -> bool:
+    """The top row's site is the planted module (``site``: a path relative to the block, a
+    full module path, or the simulator's attn/mlp aliases)."""
+    top, site = str(top_site), str(site)
+    return any(top == a or top.endswith("." + a) for a in SITE_ALIASES.get(site, (site,)))
 
 
 # -- the cases ---------------------------------------------------------------------------------
@@ -267,7 +277,7 @@ def operator_cases(quick: bool):
                     [f"precision@layer=0,site=model.rotary_emb,dtype={dtype}"], 0,
                     "model.rotary_emb"))
     for m in (0.001, 0.01):
-        out.append(("operator", "mask_leak", m, [f"causal_leak@layer=12,site=attn,m={m}"], 12,
+        out.append(("operator", "mask_leak", m, [f"causal_leak@layer=12,site=self_attn,m={m}"], 12,
                     "self_attn"))
     return out
 
@@ -387,8 +397,11 @@ def summarize(paths: list[str], plot: str | None) -> None:
     import pandas as pd
 
     df = pd.concat([pd.read_csv(p) for p in paths], ignore_index=True)
-    faults = df[df["kind"] == "fault"]
+    faults = df[df["kind"] == "fault"].copy()
     healthy = df[df["kind"] == "healthy"]
+    if "site_hit" in faults:  # recomputed from the rows: the rule may be newer than the CSV
+        faults["site_hit"] = [int(h == 1 and names_site(t, s)) for h, t, s in
+                              zip(faults["hit"], faults["top_site"], faults["site"])]
     ops = "site_hit" in faults and faults["site_hit"].notna().any()
 
     def named(sub) -> str:  # the top row's site is the planted operator

@@ -270,11 +270,15 @@ def _identity_evidence(sig: Signals, where: str, dtype: str) -> list[Evidence]:
             f"rows of {where}"))
     if np.isfinite(sig.host_red) or sig.host_red == float("inf"):
         limits = DEFAULT_LIMITS.get(dtype, DEFAULT_LIMITS["float32"])
-        strength = sig.host_red / limits.rel_dist_fail
+        channel = sig.host_channel_red if np.isfinite(sig.host_channel_red) else 0.0
+        red = max(sig.host_red, channel)
+        strength = red / limits.rel_dist_fail
         if strength > SUSPECT_RATIO:
+            what = ("" if sig.host_red >= channel else
+                    f" in its worst channel ({sig.host_red:.3g} over the whole output)")
             ev.append(Evidence(
                 "HOST_MISMATCH", min(strength, 1e3),
-                f"{where} differs from its float64 host replay by {sig.host_red:.3g} "
+                f"{where} differs from its float64 host replay by {red:.3g}{what} "
                 f"(relative distance; FAIL above {limits.rel_dist_fail:g} for {dtype})"))
     return ev
 

@@ -15,7 +15,7 @@ from typing import NamedTuple
 import numpy as np
 
 from . import array_stats as st
-from .identities import causal_check, relative_distance, scale_check
+from .identities import causal_check, channel_distance, relative_distance, scale_check
 from .moments import Moments
 
 BLOCK_SITE = -1  # Signals.site of a block's own output (the dump schema's BLOCK_SITE)
@@ -95,6 +95,7 @@ class Signals:
     causal_n: int = 0
     causal_size: float = float("nan")  # rms of those moves / rms of the output
     host_red: float = float("nan")  # relative distance to the float64 host replay, worst round
+    host_channel_red: float = float("nan")  # the same for the worst channel (identities)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -109,6 +110,7 @@ class LayerSignals:
         self.scale: list[tuple[float, int, str, float]] = []
         self.causal: list[tuple[float, int, float]] = []
         self.host: list[float] = []
+        self.host_channel: list[float] = []
         self.moments = Moments()
         self.samples: set[int] = set()
         self.per_sample: dict[str, list[float]] = {
@@ -205,6 +207,7 @@ class LayerSignals:
             elif p.kind == "host":
                 device = x_rows[rows] if p.subset else x_rows
                 self.host.append(relative_distance(device, st.rows_of(p.data)))
+                self.host_channel.append(channel_distance(device, st.rows_of(p.data)))
 
     def _probes(self, clean_rows: np.ndarray, probes: list[Probe]) -> None:
         refs = [p.data for p in probes if p.kind == "replay"]
@@ -304,6 +307,7 @@ class LayerSignals:
             sig.causal_broken, sig.causal_n, sig.causal_size = max(self.causal)
         if self.host:
             sig.host_red = max(self.host, key=lambda v: v if not np.isnan(v) else -1.0)
+            sig.host_channel_red = st.nanmax(self.host_channel)
         if self.instab:
             sig.instability = st.nanmax(self.instab)
             sig.instab_changed = st.nanmax(self.changed)
