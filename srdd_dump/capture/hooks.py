@@ -31,16 +31,14 @@ from .discovery import (
     ROW_WISE,
     Site,
     find_blocks,
-    find_operators,
-    find_sites,
 )
 from .faults import install_faults
 from .host import host_replay
 from .identities import causal_cut, is_causal, scale_replays
+from .model_facts import autocast_dtype, float32_matmul, has_past, input_embedding, sites_of
 from .probes import (
     ProbeSpec,
     first_tensor,
-    is_cache,
     layer_index,
     preserved_rng,
     probe_seed,
@@ -109,7 +107,7 @@ class CaptureSession:
         self.config = config
         self.blocks = find_blocks(model, config.layers)
         self.layer_names = [name for name, _ in self.blocks]
-        self.sites = _sites(model, self.blocks, config)
+        self.sites = sites_of(model, self.blocks, config)
         self.site_names = [site.name for site in self.sites]
         probes = cfg.parse_probes(config.probes)
         self.probe_spec = ProbeSpec(
@@ -167,7 +165,7 @@ class CaptureSession:
     def _install(self) -> None:
         self._handles.append(
             self.model.register_forward_pre_hook(self._on_model_call, with_kwargs=True))
-        embed = _input_embedding(self.model)
+        embed = input_embedding(self.model)
         if embed is not None:
             self._handles.append(embed.register_forward_pre_hook(self._on_embedding))
         first = self.blocks[0][1]
@@ -237,7 +235,7 @@ class CaptureSession:
             self._attention_mask = (
                 mask if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None)
             if self._autocast is None:
-                self._autocast = _autocast_dtype(self.model)
+                self._autocast = autocast_dtype(self.model)
 
         self._guard(grab)
 
@@ -437,7 +435,7 @@ class CaptureSession:
             return
         idx = self._layer_of(module) if self.step > 0 else None
         cache = self._caches.get(idx) if idx is not None else None
-        if self.step > 0 and cache is None and _has_past(args, kwargs):
+        if self.step > 0 and cache is None and has_past(args, kwargs):
             return  # a decode step whose past cannot be reproduced: no replay, clean data only
         cut = None
         if self.probe_spec.causal and self.step == 0 and self._causal.get(id(module)):
@@ -597,7 +595,7 @@ class CaptureSession:
             "autocast_dtype": self._autocast or None,
             # fp32 matmuls in a shorter format (TF32 / HF32 / bf16 passes): the compare judges
             # rounding by it
-            "float32_matmul": _float32_matmul(),
+            "float32_matmul": float32_matmul(),
             "hidden_width": int(first.tensors[0].array.shape[-1]),
             "device": str(param.device) if param is not None else "cpu",
             "torch_version": torch.__version__,
@@ -675,73 +673,6 @@ class CaptureSession:
     def __exit__(self, *exc) -> None:
         self.close()
         self.remove_faults()
-
-
-def _sites(model: nn.Module, blocks: list[tuple[str, nn.Module]], config: DumpConfig
-           ) -> list[Site]:
-    """The sub-layer sites of the granularity: none, the attention and MLP sub-blocks, or
-    those and every operator inside the blocks (a module named twice is kept once)."""
-    if config.granularity == "block":
-        return []
-    sites = find_sites(blocks, config.sublayers)
-    if config.granularity == "op":
-        seen = {site.name for site in sites}
-        sites += [op for op in find_operators(model, blocks) if op.name not in seen]
-    return sites
-
-
-def _has_past(args: tuple, kwargs: dict) -> bool:
-    """The call carries a KV cache: a Cache object, or a legacy tuple cache argument."""
-    if any(is_cache(v) for v in (*args, *kwargs.values())):
-        return True
-    return any(v is not None and ("past_key_value" in k or k == "layer_past")
-               for k, v in kwargs.items())
-
-
-def _autocast_dtype(model: nn.Module) -> str:
-    """The autocast dtype in force for the model's device type ("" when autocast is off)."""
-    param = next(model.parameters(), None)
-    device = param.device.type if param is not None else "cpu"
-    try:
-        if not torch.is_autocast_enabled(device):
-            return ""
-        return str(torch.get_autocast_dtype(device)).replace("torch.", "")
-    except (TypeError, RuntimeError, AttributeError):  # torch < 2.4 has no device argument
-        return ""
-
-
-def _float32_matmul() -> str:
-    """The precision fp32 matmuls run in: "highest", "high" (TF32 / HF32: a 10-bit mantissa)
-    or "medium" (bf16), from torch's setting and the CUDA / NPU TF32 / HF32 switches."""
-    try:
-        precision = torch.get_float32_matmul_precision()
-    except Exception:  # noqa: BLE001
-        precision = "highest"
-    switches = []
-    try:
-        switches.append(bool(torch.backends.cuda.matmul.allow_tf32))
-    except Exception:  # noqa: BLE001
-        pass
-    npu = getattr(torch, "npu", None)
-    try:
-        switches.append(bool(npu.matmul.allow_hf32))  # torch_npu
-    except Exception:  # noqa: BLE001
-        pass
-    if precision == "highest" and any(switches):
-        return "high"
-    return precision
-
-
-def _input_embedding(model: nn.Module) -> nn.Module | None:
-    get = getattr(model, "get_input_embeddings", None)
-    if callable(get):
-        try:
-            module = get()
-            if isinstance(module, nn.Module):
-                return module
-        except Exception:
-            pass
-    return next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
 
 
 def register_hook(model: nn.Module, config: DumpConfig | None = None) -> CaptureSession:

@@ -1,0 +1,79 @@
+"""What capture needs to know about the user's model and the torch settings it runs under:
+its sites at a granularity, whether a call carries a KV cache, autocast and the fp32 matmul
+precision, and its input embedding."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .config import DumpConfig
+from .discovery import Site, find_operators, find_sites
+from .probes import is_cache
+
+
+def sites_of(model: nn.Module, blocks: list[tuple[str, nn.Module]], config: DumpConfig
+           ) -> list[Site]:
+    """The sub-layer sites of the granularity: none, the attention and MLP sub-blocks, or
+    those and every operator inside the blocks (a module named twice is kept once)."""
+    if config.granularity == "block":
+        return []
+    sites = find_sites(blocks, config.sublayers)
+    if config.granularity == "op":
+        seen = {site.name for site in sites}
+        sites += [op for op in find_operators(model, blocks) if op.name not in seen]
+    return sites
+
+
+def has_past(args: tuple, kwargs: dict) -> bool:
+    """The call carries a KV cache: a Cache object, or a legacy tuple cache argument."""
+    if any(is_cache(v) for v in (*args, *kwargs.values())):
+        return True
+    return any(v is not None and ("past_key_value" in k or k == "layer_past")
+               for k, v in kwargs.items())
+
+
+def autocast_dtype(model: nn.Module) -> str:
+    """The autocast dtype in force for the model's device type ("" when autocast is off)."""
+    param = next(model.parameters(), None)
+    device = param.device.type if param is not None else "cpu"
+    try:
+        if not torch.is_autocast_enabled(device):
+            return ""
+        return str(torch.get_autocast_dtype(device)).replace("torch.", "")
+    except (TypeError, RuntimeError, AttributeError):  # torch < 2.4 has no device argument
+        return ""
+
+
+def float32_matmul() -> str:
+    """The precision fp32 matmuls run in: "highest", "high" (TF32 / HF32: a 10-bit mantissa)
+    or "medium" (bf16), from torch's setting and the CUDA / NPU TF32 / HF32 switches."""
+    try:
+        precision = torch.get_float32_matmul_precision()
+    except Exception:  # noqa: BLE001
+        precision = "highest"
+    switches = []
+    try:
+        switches.append(bool(torch.backends.cuda.matmul.allow_tf32))
+    except Exception:  # noqa: BLE001
+        pass
+    npu = getattr(torch, "npu", None)
+    try:
+        switches.append(bool(npu.matmul.allow_hf32))  # torch_npu
+    except Exception:  # noqa: BLE001
+        pass
+    if precision == "highest" and any(switches):
+        return "high"
+    return precision
+
+
+def input_embedding(model: nn.Module) -> nn.Module | None:
+    get = getattr(model, "get_input_embeddings", None)
+    if callable(get):
+        try:
+            module = get()
+            if isinstance(module, nn.Module):
+                return module
+        except Exception:
+            pass
+    return next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
