@@ -29,6 +29,9 @@ CONFIGS = {
     "default, no decode probes": {"probe_steps": "0"},
     "default, every sample probed": {"probe_samples": 1000},
     "capture only (no probes)": {"probes": "none"},
+    "default without the causality probe": {"probes": "gain,dc,repeat,scale"},
+    "hunt: --granularity op": {"granularity": "op"},
+    "hunt: --granularity op --reference host": {"granularity": "op", "reference": "host"},
 }
 
 

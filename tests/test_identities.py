@@ -288,3 +288,26 @@ def test_tf32_matmuls_are_recorded_and_judged_at_their_precision(tmp_path):
         torch.set_float32_matmul_precision(before)
     (path,) = find_dump_files(str(tmp_path))
     assert inspect(path, "x").compute_dtype == "float16"
+
+
+@pytest.mark.integration
+def test_the_hunt_options_do_not_change_what_the_model_computes(tmp_path):
+    """Operator probes, identity replays and host replays run beside the user's forward:
+    the generated tokens and the logits are bit-identical with and without them."""
+    model = build("qwen2", layers=3)
+    ids = torch.randint(1, 128, (2, 15), generator=torch.Generator().manual_seed(7))
+
+    def generate():
+        torch.manual_seed(0)
+        with torch.no_grad():
+            out = model.generate(ids, max_new_tokens=5, do_sample=True, pad_token_id=0)
+            return out, model(input_ids=out).logits
+
+    plain_tokens, plain_logits = generate()
+    config = DumpConfig(dump_path=str(tmp_path), granularity="op", reference="host",
+                        progress=False)
+    with register_hook(model, config):
+        tokens, logits = generate()
+    assert torch.equal(tokens, plain_tokens) and torch.equal(logits, plain_logits)
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    assert not any(m._forward_hooks for m in model.modules())  # every hook removed

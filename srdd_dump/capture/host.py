@@ -78,7 +78,10 @@ def host_replay(module: nn.Module, args: tuple, kwargs: dict,
     args = tuple(None if is_cache(a) and not isinstance(a, FrozenCache) else a for a in args)
     clone = host_copy(module)
     try:
-        with torch.no_grad(), torch.autocast("cpu", enabled=False):
+        # the host's RNG stream is the user's too: a module drawing random numbers (dropout
+        # in training mode) must not move it
+        with torch.no_grad(), torch.autocast("cpu", enabled=False), \
+                torch.random.fork_rng(devices=[]):
             out = clone(*to_host64(args), **to_host64(kwargs))
     finally:
         del clone
