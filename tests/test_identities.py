@@ -311,3 +311,19 @@ def test_the_hunt_options_do_not_change_what_the_model_computes(tmp_path):
     assert torch.equal(tokens, plain_tokens) and torch.equal(logits, plain_logits)
     assert all(p.dtype == torch.float32 for p in model.parameters())
     assert not any(m._forward_hooks for m in model.modules())  # every hook removed
+
+
+@pytest.mark.integration
+def test_a_few_layers_cannot_carry_a_relative_fault(tmp_path):
+    """Healthy tiny Qwen2 in fp16 (4 layers): one MLP's mean offset reaches z = 15 among the 4;
+    a median and MAD of 4 values cannot carry a FAULT (found by bench/identities.py)."""
+    model = build("qwen2", dtype=torch.float16)
+    gen = torch.Generator().manual_seed(90)
+    config = DumpConfig(dump_path=str(tmp_path), samples=2, granularity="op", reference="host",
+                        progress=False)
+    with register_hook(model, config), torch.no_grad():
+        for n in (24, 37):
+            model.generate(torch.randint(1, 128, (2, n), generator=gen), max_new_tokens=8,
+                           do_sample=False, pad_token_id=0)
+    result = compare_path(str(tmp_path), progress=False)
+    assert FAULT not in set(result.layers["verdict"]), result.headlines

@@ -72,6 +72,7 @@ BATCH_DEP_FEW = 0.01
 # Gain and kurtosis change are reported but not used as evidence: healthy SmolLM2 reaches
 # |z| = 262 (gain, layer 0) and 1143 (kurtosis drop, layer 9) through natural structure.
 Z_OFFSET = 12.0
+RELATIVE_MIN_LAYERS = 8  # layers of a kind the relative z needs to reach FAULT
 
 # Exact identities (docs/method.md): healthy value exactly 0 on every architecture and dtype
 # measured; FAULT when the lower bound of the broken share reaches these.
@@ -316,9 +317,11 @@ def _relative_evidence(group: list[Signals]) -> dict[int, list[Evidence]]:
     if any(g.role not in RELATIVE_ROLES for g in group):
         return out
     z = relative_z(group)
+    # a median and MAD of a few layers cannot carry a z threshold: SUSPECT at most there
+    cap = math.inf if len(group) >= RELATIVE_MIN_LAYERS else 1.0 - 1e-9
     for i, g in enumerate(group):
         if z["offset"][i] > SUSPECT_RATIO * Z_OFFSET:
-            out[i].append(Evidence("BIAS", z["offset"][i] / Z_OFFSET,
+            out[i].append(Evidence("BIAS", min(z["offset"][i] / Z_OFFSET, cap),
                                    f"mean offset of the update {g.offset:.3g} "
                                    f"(z = {z['offset'][i]:.1f})", exact=False))
     return out
