@@ -63,6 +63,16 @@ def restore(model: torch.nn.Module, saved: list) -> None:
         model.config.layer_types = saved[2]
 
 
+def write_rows(path: str, rows: list[dict]) -> None:
+    """A CSV of dict rows, the columns of the first one (the benches' result tables)."""
+    import csv
+
+    with open(path, "w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+
+
 def du(path: str) -> tuple[int, int]:
     """(bytes, files) under a folder."""
     size = files = 0

@@ -12,7 +12,6 @@ own peak is already counted).
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import os
 import resource
@@ -22,6 +21,8 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
+
+from _models import write_rows  # noqa: E402
 
 
 def measure(name: str, tokens: int, threads: int) -> dict:
@@ -82,10 +83,7 @@ def main() -> None:
                                  capture_output=True, text=True, check=True).stdout
             rows.append(json.loads(out.strip().splitlines()[-1]))
             print(rows[-1], flush=True)
-    with open(args.out, "w", newline="") as fh:
-        w = csv.DictWriter(fh, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
+    write_rows(args.out, rows)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,6 @@ hunt options (--granularity op --reference host).
 from __future__ import annotations
 
 import argparse
-import csv
 import os
 import shutil
 import sys
@@ -22,6 +21,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "fixtures"))
 sys.path.insert(0, HERE)
 
+from _models import write_rows  # noqa: E402
 from detect import prompt_ids  # noqa: E402
 
 from srdd_dump import DumpConfig, register_hook  # noqa: E402
@@ -81,10 +81,7 @@ def main() -> None:
             for row in measure(model, ids, arch != "bert"):
                 out.append({"model": f"tiny {arch}", "dtype": dtype, **row})
                 print(out[-1], flush=True)
-    with open(args.out, "w", newline="") as fh:
-        w = csv.DictWriter(fh, fieldnames=list(out[0]))
-        w.writeheader()
-        w.writerows(out)
+    write_rows(args.out, out)
 
 
 if __name__ == "__main__":

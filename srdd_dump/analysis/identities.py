@@ -11,9 +11,12 @@
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import numpy as np
+
+from .metrics import compare_arrays
 
 # finfo of each logical dtype: the normal range an element must stay in, with margin
 _RANGE = {
@@ -50,7 +53,7 @@ def scale_check(ref: np.ndarray, scaled: np.ndarray, k: int, dtype: str) -> Scal
         return ScaleCheck(0, int(np.count_nonzero(judged)), "")
     return ScaleCheck(n_broken, int(np.count_nonzero(judged)),
                       scale_pattern(ref, scaled, broken),
-                      _relative_rms(ref[judged], scaled[judged]))
+                      relative_distance(scaled[judged], ref[judged]))
 
 
 def scale_pattern(ref: np.ndarray, scaled: np.ndarray, broken: np.ndarray) -> str:
@@ -91,35 +94,21 @@ def causal_check(ref: np.ndarray, out: np.ndarray, positions: np.ndarray, cut: i
     a, b = ref[before], out[before]
     same = (a == b) | (np.isnan(a) & np.isnan(b))
     moved = int(same.size - np.count_nonzero(same))
-    return moved, int(same.size), _relative_rms(a, b) if moved else 0.0
-
-
-def _relative_rms(ref: np.ndarray, other: np.ndarray) -> float:
-    """rms(other - ref) / rms(ref) over the elements finite in both, in float64."""
-    a, b = ref.astype(np.float64).reshape(-1), other.astype(np.float64).reshape(-1)
-    ok = np.isfinite(a) & np.isfinite(b)
-    a, b = a[ok], b[ok]
-    den = float(np.sqrt(np.mean(a * a))) if a.size else 0.0
-    num = float(np.sqrt(np.mean((b - a) ** 2))) if a.size else 0.0
-    return num / den if den > 0 else (0.0 if num == 0 else float("inf"))
+    return moved, int(same.size), relative_distance(b, a) if moved else 0.0
 
 
 def relative_distance(device: np.ndarray, host: np.ndarray) -> float:
-    """||device - host|| / ||host|| in float64 (RED); inf when only the host is all zero, NaN
-    when the device has NaN/Inf that the host does not."""
-    d = device.reshape(-1).astype(np.float64)
-    h = host.reshape(-1).astype(np.float64)
-    if d.shape != h.shape or not d.size:
+    """||device - host|| / ||host|| (the baseline mode's RED, ``metrics.PairStats``) over the
+    elements finite on both sides; inf when NaN/Inf positions differ or only the host is all
+    zero."""
+    if device.size != host.size or not device.size:
         return float("nan")
-    ok = np.isfinite(h)
-    if not np.isfinite(d[ok]).all():
+    stats = compare_arrays(host, device)
+    if stats.nan_inf.mismatched:
         return float("inf")
-    d, h = d[ok], h[ok]
-    den = float(np.sqrt(np.dot(h, h)))
-    num = float(np.sqrt(np.dot(d - h, d - h)))
-    if den == 0:
-        return 0.0 if num == 0 else float("inf")
-    return num / den
+    if stats.gg == 0:
+        return 0.0 if stats.dd == 0 else float("inf")
+    return math.sqrt(stats.dd / stats.gg)
 
 
 CHANNEL_FLOOR = 0.1  # channels judged alone: rms at least this x the median channel's

@@ -36,7 +36,6 @@ class Probe(NamedTuple):
     param: float  # gain: sigma relative to each token's std; dc: shift in token stds
     pert_rms: float  # rms of the perturbation added to the input (gain)
     data: np.ndarray  # the module's output on the perturbed input, (rows, width)
-    dtype: str = ""  # logical dtype of the record
     subset: bool = True  # rows are the round's probe rows (False: every kept row)
 
 

@@ -166,7 +166,7 @@ def _round_batch(reader, recs, batch, per_key, clean_prev, layers, sample, prow,
         for key in batch:
             mine = per_key[key]
             clean = [i for i in mine if recs["kind"][i] == s.KIND_CLEAN]
-            probes = [_probe(recs[i], data[i], reader.dtype_of(recs[i])) for i in mine
+            probes = [_probe(recs[i], data[i]) for i in mine
                       if recs["kind"][i] != s.KIND_CLEAN and int(recs["kind"][i]) in s.KIND_NAMES]
             before = None
             if key[1] == s.BLOCK_SITE and key[0] - 1 in clean_prev:
@@ -176,9 +176,9 @@ def _round_batch(reader, recs, batch, per_key, clean_prev, layers, sample, prow,
                                 probes, valid, positions)
 
 
-def _probe(record: np.void, data: np.ndarray, dtype: str) -> Probe:
+def _probe(record: np.void, data: np.ndarray) -> Probe:
     return Probe(s.KIND_NAMES[int(record["kind"])], float(record["param"]),
-                 float(record["pert_rms"]), data, dtype, bool(record["subset"]))
+                 float(record["pert_rms"]), data, bool(record["subset"]))
 
 
 def present_keys(records: np.ndarray, stack_input: bool = False) -> list[tuple[int, int]]:
