@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 
 from srdd_dump.analysis import array_stats, metrics
-from srdd_dump.analysis.moments import BLOCK, Moments
 from srdd_dump.format.schema import bf16_bits_to_float32, float32_to_bf16_bits
 
 from capture_utils import python_words
@@ -98,14 +97,6 @@ def test_tie_excess_is_scale_free():
         clipped = np.minimum(coarse, np.quantile(coarse, q))  # a clamp at a fixed value
         count, excess = array_stats.ties(clipped)
         assert excess >= 3 * (n * (1 - q)) ** 0.5, (n, count, excess)
-
-
-def test_streamed_kurtosis_matches_concatenation():
-    parts = [RNG.standard_normal(n).astype(np.float32) for n in (10, BLOCK - 3, 7, BLOCK + 5, 1)]
-    k = array_stats.Kurtosis()
-    for p in parts:
-        k.add(p)
-    assert k.value == Moments().add(np.concatenate(parts)).kurtosis
 
 
 def test_exp_terms_match_the_full_sums_above_the_flush_limit():

@@ -9,7 +9,7 @@ decode steps are accumulated apart (``phase``): a decode kernel has signals of i
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import NamedTuple
 
 import numpy as np
@@ -100,6 +100,170 @@ class Signals:
         return asdict(self)
 
 
+@dataclass
+class RoundStats:
+    """The reductions of one (layer, site) in one round: everything ``LayerSignals`` keeps of
+    the round's arrays. ``round_stats`` computes them from arrays (the full store); a stats
+    dump (``--store stats``) holds them as computed on the device by the same arithmetic."""
+
+    sample: int
+    dtype: str
+    moments: Moments
+    pileup: float = float("nan")
+    ties: float = float("nan")
+    tie_excess: float = float("nan")
+    update_rms: float = float("nan")
+    offset: float = float("nan")
+    dc_energy: float = float("nan")
+    consistency: float = float("nan")
+    stuck: float = float("nan")
+    lowbits: float = float("nan")
+    batch_dep: tuple[float, float, float] | None = None
+    gains: list[tuple[float, float]] = field(default_factory=list)  # (sigma, std(dO)/rms(dI))
+    # per dc probe: (dead, flat_zero, flat_value, probed, low) (the Signals fields)
+    dc: list[tuple[float, float, float, int, float]] = field(default_factory=list)
+    repeats: list[tuple[float, float]] = field(default_factory=list)  # (instability, changed)
+    diffs: Moments | None = None  # moments of the repeats' differences (changed repeats)
+    scale: tuple[float, int, str, float] | None = None  # worst k: (broken frac, judged, ...)
+    causal: list[tuple[float, int, float]] = field(default_factory=list)
+    host: tuple[float, float] | None = None  # (relative distance, worst channel's)
+
+
+def round_stats(
+    x: np.ndarray, dtype: str, sample: int, before: np.ndarray | None = None,
+    rows: np.ndarray | None = None, probes: list[Probe] = (), valid: np.ndarray | None = None,
+    positions: np.ndarray | None = None,
+) -> RoundStats | None:
+    """The reductions of one clean record ``x`` (batch, ntok, width) and its probes; None when
+    the attention mask leaves no row. ``before``: the previous block's clean output in the
+    same round; ``rows``: the round's probe rows (indices into the token rows of ``x``);
+    ``probes``: this module's probe replays of the round; ``valid``: per token row of ``x``,
+    False for rows the attention mask excludes (padding), which no statistic sees;
+    ``positions``: the token position of each token row of ``x``."""
+    if valid is not None and valid.size == x.size // x.shape[-1] and not valid.all():
+        if positions is not None and positions.size == valid.size:
+            positions = positions[valid]
+        x, before, rows, probes = _valid_rows(x, before, rows, probes, valid)
+        if not x.size:
+            return None
+    out = RoundStats(sample=sample, dtype=dtype, moments=Moments().add(x))
+    fin = np.isfinite(x)
+    all_finite = bool(fin.all())
+    finite = x.reshape(-1) if all_finite else x[fin]
+    out.pileup = st.pileup(finite)
+    out.ties, out.tie_excess = st.ties(st.rows_of(x if all_finite else np.where(fin, x, 0.0)))
+    update = x
+    if before is not None and before.shape == x.shape:
+        update = x - before
+    fin_u = np.isfinite(update)
+    upd_finite = bool(fin_u.all())
+    upd = update.reshape(-1) if upd_finite else update[fin_u]
+    out.update_rms = upd_rms = st.rms(upd)
+    out.offset = (abs(float(upd.mean(dtype=np.float64))) / upd_rms if upd_rms > 0
+                  else float("nan"))
+    u = st.rows_of(update if upd_finite else np.where(fin_u, update, 0.0)).astype(np.float64)
+    out.dc_energy, out.consistency, out.stuck = st.channel_signals(u, st.rows_of(x))
+    mask = LOW_BITS_MASK.get(dtype)
+    if mask is not None and finite.dtype == np.float32:
+        nonzero = finite != 0
+        nnz = np.count_nonzero(nonzero)
+        if nnz:
+            low = (finite.view(np.uint32) & np.uint32(mask)) == 0
+            out.lowbits = np.count_nonzero(low & nonzero) / nnz
+    if rows is not None and probes:
+        if rows.size and int(rows.max()) >= x.size // x.shape[-1]:
+            rows = rows[:0]  # a model-level operator (rotary) has fewer rows than the round
+        row_pos = positions[rows] if positions is not None and rows.size and \
+            positions.size > int(rows.max()) else None
+        _identities(out, st.rows_of(x), rows, row_pos, probes, dtype)
+        _probes(out, st.rows_of(x)[rows], probes)
+    return out
+
+
+def _identities(out: RoundStats, x_rows: np.ndarray, rows: np.ndarray,
+                row_pos: np.ndarray | None, probes: list[Probe], dtype: str) -> None:
+    """The scale and causality identities and the host replay of one round."""
+    scaled = {int(p.param): st.rows_of(p.data) for p in probes if p.kind == "scale"}
+    if 0 in scaled:
+        worst = (0.0, 0, "", 0.0)
+        for k, data in scaled.items():
+            if k:
+                check = scale_check(scaled[0], data, k, dtype)
+                frac = check.broken / check.judged if check.judged else 0.0
+                if check.judged and (frac > worst[0] or not worst[1]):
+                    worst = (frac, check.judged, check.pattern, check.size)
+        if worst[1]:
+            out.scale = worst
+    refs = [p.data for p in probes if p.kind == "replay"]
+    for p in probes:
+        if p.kind == "causal" and row_pos is not None:
+            ref = st.rows_of(refs[0]) if refs else x_rows[rows]
+            moved, judged, size = causal_check(ref, st.rows_of(p.data), row_pos, int(p.param))
+            if judged:
+                out.causal.append((moved / judged, judged, size))
+        elif p.kind == "host":
+            device = x_rows[rows] if p.subset else x_rows
+            out.host = (relative_distance(device, st.rows_of(p.data)),
+                        channel_distance(device, st.rows_of(p.data)))
+
+
+def _probes(out: RoundStats, clean_rows: np.ndarray, probes: list[Probe]) -> None:
+    refs = [p.data for p in probes if p.kind == "replay"]
+    ref = st.rows_of(refs[0]) if refs else clean_rows
+    if refs and ref.shape == clean_rows.shape:
+        out.batch_dep = st.batch_dependence(ref, clean_rows)
+    top_sigma = max((float(p.param) for p in probes if p.kind == "gain"), default=0.0)
+    top_sigma = max(top_sigma, 0.0)
+    flat = np.ones(clean_rows.shape, dtype=bool)
+    for p in probes:
+        if p.kind == "gain" and p.pert_rms > 0:
+            d = st.rows_of(p.data) - ref
+            out.gains.append((float(p.param), st.std(d) / p.pert_rms))
+            if p.param == top_sigma:
+                flat &= d == 0
+    for p in probes:
+        if p.kind != "dc":
+            continue
+        d = np.abs(st.rows_of(p.data) - ref)
+        ok = np.isfinite(d)
+        all_ok = bool(ok.all())
+        if not (all_ok or ok.any()):
+            continue
+        dead = d == 0
+        flat &= dead
+        ref_zero = ref == 0
+        # flat under every perturbation: 0 -> dead zone, non-zero -> clipped
+        if all_ok:
+            d_ok, fractions = d.reshape(-1), (dead, flat & ref_zero, flat & ~ref_zero)
+        else:
+            d_ok = d[ok]
+            fractions = (dead[ok], (flat & ref_zero)[ok], (flat & ~ref_zero)[ok])
+        med = st.median(d_ok)
+        low = st.fraction(d_ok < 0.15 * med) if med > 0 else 1.0
+        out.dc.append((*(st.fraction(f) for f in fractions), d_ok.size, low))
+    scale = None
+    diffs: list[np.ndarray] = []
+    for p in probes:
+        if p.kind != "repeat":
+            continue
+        d = st.rows_of(p.data) - clean_rows
+        fin = np.isfinite(d)
+        if not fin.all():
+            d = np.where(fin, d, 0.0)
+        if scale is None:
+            scale = st.rms(clean_rows)
+        nz = d != 0
+        changed = np.count_nonzero(nz)
+        # the usual case: the repeat is bit-identical, its rms is 0
+        d_rms = st.rms(d) if changed or not d.size else 0.0
+        out.repeats.append((d_rms / scale if scale > 0 else float("nan"),
+                            changed / nz.size if nz.size else float("nan")))
+        if changed:
+            diffs.append(d.reshape(-1))
+    if diffs:
+        out.diffs = Moments().add(np.concatenate(diffs))
+
+
 class LayerSignals:
     """Accumulates the signals of one (layer, site) over the rounds, in file order."""
 
@@ -125,7 +289,8 @@ class LayerSignals:
         self.instab: list[float] = []
         self.changed: list[float] = []
         self.batch_dep: list[tuple[float, float, float]] = []
-        self.diffs = st.Kurtosis()
+        self.diffs = Moments()
+        self.any_diffs = False
         self.dtypes: dict[str, int] = {}  # logical dtype -> elements seen
 
     def add(
@@ -133,139 +298,44 @@ class LayerSignals:
         rows: np.ndarray | None, probes: list[Probe], valid: np.ndarray | None = None,
         positions: np.ndarray | None = None,
     ) -> None:
-        """One clean record ``x`` (batch, ntok, width); ``before``: the previous block's clean
-        output in the same round; ``rows``: the round's probe rows (indices into the token rows of
-        ``x``); ``probes``: this module's probe replays of the round; ``valid``: per token row
-        of ``x``, False for rows the attention mask excludes (padding), which no statistic
-        sees; ``positions``: the token position of each token row of ``x``."""
-        if valid is not None and valid.size == x.size // x.shape[-1] and not valid.all():
-            if positions is not None and positions.size == valid.size:
-                positions = positions[valid]
-            x, before, rows, probes = _valid_rows(x, before, rows, probes, valid)
-            if not x.size:
-                return
-        self.moments.add(x)
-        self.samples.add(sample)
-        self.dtypes[dtype] = self.dtypes.get(dtype, 0) + x.size
+        """One clean record and its probes (the arguments of ``round_stats``)."""
+        stats = round_stats(x, dtype, sample, before, rows, probes, valid, positions)
+        if stats is not None:
+            self.add_round(stats)
+
+    def add_round(self, r: RoundStats) -> None:
+        """The reductions of one round, from arrays or from a stats dump."""
+        self.moments.merge(r.moments)
+        self.samples.add(r.sample)
+        self.dtypes[r.dtype] = self.dtypes.get(r.dtype, 0) + r.moments.total
         acc = self.per_sample
-        fin = np.isfinite(x)
-        all_finite = bool(fin.all())
-        finite = x.reshape(-1) if all_finite else x[fin]
-        acc["pileup"].append(st.pileup(finite))
-        count, excess = st.ties(st.rows_of(x if all_finite else np.where(fin, x, 0.0)))
-        acc["ties"].append(count)
-        acc["tie_excess"].append(excess)
-        update = x
-        if before is not None and before.shape == x.shape:
-            update = x - before
-        fin_u = np.isfinite(update)
-        upd_finite = bool(fin_u.all())
-        upd = update.reshape(-1) if upd_finite else update[fin_u]
-        upd_rms = st.rms(upd)
-        acc["upd"].append(upd_rms)
-        acc["offset"].append(abs(float(upd.mean())) / upd_rms if upd_rms > 0 else float("nan"))
-        u = st.rows_of(update if upd_finite else np.where(fin_u, update, 0.0)).astype(np.float64)
-        st.channel_signals(u, st.rows_of(x), acc)
-        mask = LOW_BITS_MASK.get(dtype)
-        if mask is not None and finite.dtype == np.float32:
-            nonzero = finite != 0
-            nnz = np.count_nonzero(nonzero)
-            if nnz:
-                low = (finite.view(np.uint32) & np.uint32(mask)) == 0
-                acc["lowbits"].append(np.count_nonzero(low & nonzero) / nnz)
-        if rows is not None and probes:
-            if rows.size and int(rows.max()) >= x.size // x.shape[-1]:
-                rows = rows[:0]  # a model-level operator (rotary) has fewer rows than the round
-            row_pos = positions[rows] if positions is not None and rows.size and \
-                positions.size > int(rows.max()) else None
-            self._identities(st.rows_of(x), rows, row_pos, probes, dtype)
-            self._probes(st.rows_of(x)[rows], probes)
-
-    def _identities(self, x_rows: np.ndarray, rows: np.ndarray, row_pos: np.ndarray | None,
-                    probes: list[Probe], dtype: str) -> None:
-        """The scale and causality identities and the host replay of one round."""
-        scaled = {int(p.param): st.rows_of(p.data) for p in probes if p.kind == "scale"}
-        if 0 in scaled:
-            worst = (0.0, 0, "", 0.0)
-            for k, data in scaled.items():
-                if k:
-                    check = scale_check(scaled[0], data, k, dtype)
-                    frac = check.broken / check.judged if check.judged else 0.0
-                    if check.judged and (frac > worst[0] or not worst[1]):
-                        worst = (frac, check.judged, check.pattern, check.size)
-            if worst[1]:
-                self.scale.append(worst)
-        refs = [p.data for p in probes if p.kind == "replay"]
-        for p in probes:
-            if p.kind == "causal" and row_pos is not None:
-                ref = st.rows_of(refs[0]) if refs else x_rows[rows]
-                moved, judged, size = causal_check(ref, st.rows_of(p.data), row_pos,
-                                                   int(p.param))
-                if judged:
-                    self.causal.append((moved / judged, judged, size))
-            elif p.kind == "host":
-                device = x_rows[rows] if p.subset else x_rows
-                self.host.append(relative_distance(device, st.rows_of(p.data)))
-                self.host_channel.append(channel_distance(device, st.rows_of(p.data)))
-
-    def _probes(self, clean_rows: np.ndarray, probes: list[Probe]) -> None:
-        refs = [p.data for p in probes if p.kind == "replay"]
-        ref = st.rows_of(refs[0]) if refs else clean_rows
-        if refs and ref.shape == clean_rows.shape:
-            self.batch_dep.append(st.batch_dependence(ref, clean_rows))
-        top_sigma = max((float(p.param) for p in probes if p.kind == "gain"),
-                        default=0.0)
-        top_sigma = max(top_sigma, 0.0)
-        flat = np.ones(clean_rows.shape, dtype=bool)
-        for p in probes:
-            if p.kind == "gain" and p.pert_rms > 0:
-                d = st.rows_of(p.data) - ref
-                self.gains.setdefault(float(p.param), []).append(st.std(d) / p.pert_rms)
-                if p.param == top_sigma:
-                    flat &= d == 0
-        for p in probes:
-            if p.kind != "dc":
-                continue
-            d = np.abs(st.rows_of(p.data) - ref)
-            ok = np.isfinite(d)
-            all_ok = bool(ok.all())
-            if not (all_ok or ok.any()):
-                continue
-            dead = d == 0
-            flat &= dead
-            ref_zero = ref == 0
-            if all_ok:
-                self.dc_dead.append(st.fraction(dead))
-                # flat under every perturbation: 0 -> dead zone, non-zero -> clipped
-                self.flat_zero.append(st.fraction(flat & ref_zero))
-                self.flat_value.append(st.fraction(flat & ~ref_zero))
-                d_ok = d.reshape(-1)
-            else:
-                self.dc_dead.append(st.fraction(dead[ok]))
-                self.flat_zero.append(st.fraction((flat & ref_zero)[ok]))
-                self.flat_value.append(st.fraction((flat & ~ref_zero)[ok]))
-                d_ok = d[ok]
-            self.probed.append(d_ok.size)
-            med = st.median(d_ok)
-            self.dc_low.append(st.fraction(d_ok < 0.15 * med) if med > 0 else 1.0)
-        scale = None
-        for p in probes:
-            if p.kind != "repeat":
-                continue
-            d = st.rows_of(p.data) - clean_rows
-            fin = np.isfinite(d)
-            if not fin.all():
-                d = np.where(fin, d, 0.0)
-            if scale is None:
-                scale = st.rms(clean_rows)
-            nz = d != 0
-            changed = np.count_nonzero(nz)
-            # the usual case: the repeat is bit-identical, its rms is 0
-            d_rms = st.rms(d) if changed or not d.size else 0.0
-            self.instab.append(d_rms / scale if scale > 0 else float("nan"))
-            self.changed.append(changed / nz.size if nz.size else float("nan"))
-            if changed:
-                self.diffs.add(d.reshape(-1))
+        for key, value in (("pileup", r.pileup), ("ties", r.ties), ("tie_excess", r.tie_excess),
+                           ("upd", r.update_rms), ("offset", r.offset), ("dce", r.dc_energy),
+                           ("cons", r.consistency), ("stuck", r.stuck),
+                           ("lowbits", r.lowbits)):
+            acc[key].append(value)
+        if r.scale is not None:
+            self.scale.append(r.scale)
+        self.causal += r.causal
+        if r.host is not None:
+            self.host.append(r.host[0])
+            self.host_channel.append(r.host[1])
+        if r.batch_dep is not None:
+            self.batch_dep.append(r.batch_dep)
+        for sigma, gain in r.gains:
+            self.gains.setdefault(sigma, []).append(gain)
+        for dead, flat_zero, flat_value, probed, low in r.dc:
+            self.dc_dead.append(dead)
+            self.flat_zero.append(flat_zero)
+            self.flat_value.append(flat_value)
+            self.probed.append(probed)
+            self.dc_low.append(low)
+        for instab, changed in r.repeats:
+            self.instab.append(instab)
+            self.changed.append(changed)
+        if r.diffs is not None:
+            self.diffs.merge(r.diffs)
+            self.any_diffs = True
 
     def result(self) -> Signals:
         sig = self.sig
@@ -310,7 +380,7 @@ class LayerSignals:
         if self.instab:
             sig.instability = st.nanmax(self.instab)
             sig.instab_changed = st.nanmax(self.changed)
-            sig.instab_kurtosis = self.diffs.value if self.diffs.any else 0.0
+            sig.instab_kurtosis = self.diffs.kurtosis if self.any_diffs else 0.0
         return sig
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import asdict, dataclass, field
+from typing import NamedTuple
 
 from ..errors import UserError
 from .faultspec import FaultSpec, parse_fault
@@ -33,6 +34,10 @@ class DumpConfig:
         at operator granularity), causal (the causality identity of attention and blocks).
     granularity: block, sublayer (attention and MLP too) or op (every operator inside).
     reference: none, or host: each probed site re-run in float64 on the host CPU.
+    store: "sample:N" (every clean output, probe outputs on rows of about N elements), "full"
+        (probe outputs on every row), or "stats[:R]": no tensors but the statistics the
+        reference-free diagnosis needs, reduced on the device, and R seeded rows (default 2)
+        of every block output for the baseline mode (docs/dump-format.md).
     """
 
     dump_path: str = "srdd_dumps"
@@ -172,16 +177,31 @@ def parse_probes(spec: str) -> set[str]:
     return names
 
 
-def parse_store(spec: str) -> int | None:
-    """"full" -> None; "sample:N" -> N elements (N >= 1)."""
-    spec = str(spec).strip().lower()
-    if spec == "full":
-        return None
-    if spec.startswith("sample:"):
-        try:
-            n = int(spec.split(":", 1)[1])
-        except ValueError:
-            n = 0
-        if n >= 1:
-            return n
-    raise UserError(f"bad --store {spec!r}: use full or sample:N (N >= 1)")
+class StoreSpec(NamedTuple):
+    """What a dump stores (``--store``)."""
+
+    kind: str  # "full", "sample" or "stats"
+    elements: int | None  # probe records keep rows of about this many elements (None: all)
+    rows: int = 0  # stats: seeded rows of every block output kept per round (baseline mode)
+
+
+STATS_ROWS = 2  # --store stats: rows of each block output kept per round
+PROBE_ELEMENTS = 32768  # the default sample:N, also the probe rows a stats dump reduces
+
+
+def parse_store(spec: str) -> StoreSpec:
+    """"full"; "sample:N" (probe records keep N elements' worth of rows, N >= 1); "stats" or
+    "stats:R" (statistics reduced on the device, R seeded rows of every block output)."""
+    text = str(spec).strip().lower()
+    if text == "full":
+        return StoreSpec("full", None)
+    kind, _, number = text.partition(":")
+    try:
+        n = int(number) if number else None
+    except ValueError:
+        n = -1
+    if kind == "sample" and n is not None and n >= 1:
+        return StoreSpec("sample", n)
+    if kind == "stats" and (n is None or n >= 0):
+        return StoreSpec("stats", PROBE_ELEMENTS, STATS_ROWS if n is None else n)
+    raise UserError(f"bad --store {spec!r}: use full, sample:N (N >= 1) or stats[:R] (R >= 0)")

@@ -45,6 +45,8 @@ from .probes import (
     run_probes,
     snapshot_cache,
 )
+from .reductions import ProbeRows
+from .stats_store import StatsCollector
 
 _TORCH_TO_LOGICAL = {
     torch.float32: "float32",
@@ -129,11 +131,18 @@ class CaptureSession:
         self.records_dropped = 0
         self.site_errors = 0
         self._store = cfg.parse_store(config.store)
+        self._stats = None
+        if self._store.kind == "stats":
+            spec = self.probe_spec
+            self._stats = StatsCollector(
+                schema.stat_columns(spec.sigmas, spec.draws, spec.dc, spec.repeats))
         self.batched_replays = 0
         self.decode_replays_skipped = 0
         self.sequential_replays = 0
         self._replaying = False
         self._rows: torch.Tensor | None = None
+        self._sample_rows: torch.Tensor | None = None  # --store stats: block rows stored
+        self._width = 0
         self._bar = None
         self._fault_handles, self.faults = install_faults(
             model, self.blocks, config.faults()
@@ -251,6 +260,7 @@ class CaptureSession:
         self._caches.clear()
         if not isinstance(hidden, torch.Tensor):
             return
+        self._width = int(hidden.shape[-1])
         batch = hidden.shape[0] if hidden.dim() >= 3 else 1
         seq = hidden.shape[-2] if hidden.dim() >= 2 else 1
         if seq > 1:
@@ -276,14 +286,20 @@ class CaptureSession:
             ids = token_ids.detach().to("cpu").reshape(batch, seq).numpy()
         keep = self._kept_rows(batch, seq, positions)
         probe_rows = self._choose_probe_rows(batch, len(positions), hidden.shape[-1], keep)
+        self._rows = None if probe_rows is None else torch.from_numpy(probe_rows.astype(np.int64))
+        self._sample_rows = None
+        if self._stats is not None:  # the stored rows are the row sample, not the probe rows
+            probe_rows = self._choose_sample_rows(batch, len(positions), keep)
+            self._sample_rows = torch.from_numpy(probe_rows.astype(np.int64))
+            self._stats.open_round(keep, positions, batch, self._rows)
         self._round = Round(
             sample=self.sample, step=self.step, batch=batch, seq=seq,
             positions=np.asarray(positions), token_ids=ids, time=time.time(),
             probe_rows=probe_rows,
         )
-        self._rows = None if probe_rows is None else torch.from_numpy(probe_rows.astype(np.int64))
         self._add(schema.STACK_INPUT, schema.BLOCK_SITE, hidden)
-        if keep is not None:
+        self._finish_site(schema.STACK_INPUT, schema.BLOCK_SITE)
+        if keep is not None and self._stats is None:
             self._add_mask(keep)
         self._add_pending()
 
@@ -313,9 +329,9 @@ class CaptureSession:
                 or not cfg.step_selected(self._probe_steps, self.step)):
             return None
         n_rows = batch * ntok
-        if self._store is None:
+        if self._store.elements is None:
             return np.arange(n_rows)
-        k = min(n_rows, -(-self._store // max(1, width)))
+        k = min(n_rows, -(-self._store.elements // max(1, width)))
         attended = np.ones(n_rows, dtype=bool) if keep is None else keep.reshape(-1)
         starts = np.arange(batch) * ntok
         offset = np.argmax(attended.reshape(batch, ntok), axis=1)  # first attended row
@@ -328,6 +344,18 @@ class CaptureSession:
         live = rng.choice(rest[:n_live], size=min(n_extra, n_live), replace=False)
         pad = rest[n_live:][: n_extra - live.size]
         return np.sort(np.concatenate([first[:k], live, pad]))
+
+    def _choose_sample_rows(self, batch: int, ntok: int, keep: np.ndarray | None) -> np.ndarray:
+        """--store stats: the seeded rows of every block output kept for the baseline mode,
+        attended rows only while there are any (the same rows in a GPU and an NPU run of the
+        same prompts and seed)."""
+        n_rows = batch * ntok
+        attended = np.ones(n_rows, dtype=bool) if keep is None else keep.reshape(-1)
+        pool = np.flatnonzero(attended) if attended.any() else np.arange(n_rows)
+        rng = np.random.default_rng(probe_seed(self.config.seed, self.sample, self.step,
+                                               0x5A3B1E))
+        n = min(self._store.rows, pool.size)
+        return np.sort(rng.choice(pool, size=n, replace=False)) if n else pool[:0]
 
     def _output_hook(self, layer: int, site: int, last: bool):
         def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
@@ -362,6 +390,7 @@ class CaptureSession:
         if isinstance(hidden, torch.Tensor):
             if self._token_shaped(hidden):
                 self._add(layer, site, hidden)
+                self._finish_site(layer, site)
             else:
                 self.records_dropped += 1
 
@@ -397,6 +426,7 @@ class CaptureSession:
             if self._host and self._rows is not None:
                 self._host_record(site.module, site.layer, index, args, kwargs, None,
                                   rows=None)
+            self._finish_site(site.layer, index)
 
     def _round_shaped(self, t: torch.Tensor) -> torch.Tensor | None:
         """A model-level table (batch 1 or the round's, the round's tokens) as the round's
@@ -415,8 +445,11 @@ class CaptureSession:
             self.records_dropped += 1
             return
         self._add(layer, site, hidden)
-        if self._rows is not None:
-            self._probe(module, layer, site, args, kwargs, hidden)
+        try:
+            if self._rows is not None:
+                self._probe(module, layer, site, args, kwargs, hidden)
+        finally:
+            self._finish_site(layer, site)
         if site == schema.BLOCK_SITE and self.step == 0:
             self._progress()
         if last:
@@ -499,6 +532,11 @@ class CaptureSession:
 
     def _append(self, layer, site, rows_tensor, kind, probe=0, param=0.0, seed=0, pert_rms=0.0,
                 subset=True) -> None:
+        if self._stats is not None:
+            data = rows_tensor.detach().reshape(-1, rows_tensor.shape[-1])
+            self._stats.probe(layer, site, ProbeRows(schema.KIND_NAMES[kind], float(param),
+                                                     int(probe), float(pert_rms), data, subset))
+            return
         array, logical = to_host(rows_tensor, None)
         self._round.tensors.append(Tensor(
             layer=layer, site=site, array=array, dtype=logical, kind=kind, probe=probe,
@@ -543,15 +581,33 @@ class CaptureSession:
 
     # -- rounds ---------------------------------------------------------------------------
     def _add(self, layer: int, site: int, hidden: torch.Tensor) -> None:
+        if self._stats is not None:
+            t = kept(hidden, self._positions)
+            self._stats.clean(layer, site, t, _TORCH_TO_LOGICAL.get(t.dtype, "float32"))
+            if site == schema.BLOCK_SITE and self._sample_rows is not None \
+                    and self._sample_rows.numel():
+                array, logical = to_host(hidden, self._positions, self._sample_rows)
+                self._round.tensors.append(Tensor(layer=layer, site=site, array=array,
+                                                  dtype=logical, subset=True))
+            return
         array, logical = to_host(hidden, self._positions)
         self._round.tensors.append(Tensor(layer=layer, site=site, array=array, dtype=logical))
+
+    def _finish_site(self, layer: int, site: int) -> None:
+        """--store stats: the site's outputs of the round, reduced to its stats row."""
+        if self._stats is not None and self._round is not None:
+            row = self._stats.finish(layer, site)
+            if row is not None:
+                self._round.stats.append(row)
 
     def _submit(self) -> None:
         r, self._round = self._round, None
         self._drop_misshapen(r)
         if self.writer is None:
             self.path = dump_file_name(self.config.dump_path)
-            self.writer = DumpWriter(self.path, self._meta(r), self.layer_names, self.site_names)
+            self.writer = DumpWriter(
+                self.path, self._meta(r), self.layer_names, self.site_names,
+                stat_columns=self._stats.columns if self._stats is not None else None)
         if self.writer.error:
             self._fail(f"cannot write {self.writer.path}: {self.writer.error}")
             return
@@ -582,6 +638,8 @@ class CaptureSession:
         except Exception:
             tf_version = None
         dtypes = {t.layer: t.dtype for t in first.tensors}
+        for row in first.stats:
+            dtypes.setdefault(row.layer, schema.DTYPE_CODES[row.dtype])
         return {
             "tool": "srdd-dump",
             "tool_version": __version__,
@@ -596,7 +654,7 @@ class CaptureSession:
             # fp32 matmuls in a shorter format (TF32 / HF32 / bf16 passes): the compare judges
             # rounding by it
             "float32_matmul": float32_matmul(),
-            "hidden_width": int(first.tensors[0].array.shape[-1]),
+            "hidden_width": self._width,
             "device": str(param.device) if param is not None else "cpu",
             "torch_version": torch.__version__,
             "transformers_version": tf_version,

@@ -32,8 +32,9 @@ def plan(files: list[DumpFile], jobs: int) -> list[SignalTask]:
     for n, f in enumerate(files):
         if not f.usable:
             continue
-        keys = present_keys(f.records, stack_input="norm" in f.site_roles)
-        parts = chunks(f.records, keys, jobs) if jobs > 1 and len(keys) > 1 else [keys]
+        table = f.records if f.stats_index is None else f.stats_index
+        keys = present_keys(table, stack_input="norm" in f.site_roles)
+        parts = chunks(table, keys, jobs) if jobs > 1 and len(keys) > 1 else [keys]
         tasks += [SignalTask(n, f.path, part, f.layers, f.sites, f.site_roles)
                   for part in parts]
     return tasks

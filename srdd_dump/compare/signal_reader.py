@@ -18,6 +18,7 @@ from ..errors import first_line
 from ..format import schema as s
 from ..format.reader import DumpReader
 from .readers import READ_ERRORS, open_reader
+from .stats_rows import StatsLayout
 
 SPAN_BYTES = 16 << 20  # data read at once: the records of a group of layers of one round
 
@@ -88,6 +89,10 @@ def read_signals(
     layers = {k: LayerSignals(k[0], k[1], module(*k), role=role(*k)) for k in keys}
     decode = {k: LayerSignals(k[0], k[1], module(*k), phase=DECODE, role=role(*k))
               for k in keys}
+    if reader.has_stats:
+        _stats_signals(reader, by_round, layers, decode)
+        return [layers[k].result() for k in keys] + [
+            decode[k].result() for k in keys if decode[k].samples]
     if not len(recs) or not keys:
         return [layers[k].result() for k in keys]
     code = _key_code(recs["layer"], recs["site"])
@@ -154,6 +159,24 @@ def read_signals(
         decode[k].result() for k in keys if decode[k].samples]
 
 
+def _stats_signals(reader: DumpReader, by_round: dict, layers: dict, decode: dict) -> None:
+    """A stats dump: its rows are the rounds' reductions, fed in file order."""
+    index = reader.stats_index
+    code = _key_code(index["layer"], index["site"])
+    want = np.isin(code, _key_code([k[0] for k in layers], [k[1] for k in layers]))
+    want &= np.isin(index["round"], list(by_round))  # rounds cut off by a crash are not used
+    if not want.any():
+        return
+    values = reader.stats_values()
+    layout = StatsLayout(reader.stat_columns)
+    for i in np.flatnonzero(want).tolist():
+        row = by_round[int(index["round"][i])]
+        key = (int(index["layer"][i]), int(index["site"][i]))
+        target = layers if int(row["step"]) == 0 else decode
+        target[key].add_round(layout.round_stats(values[i], int(row["sample"]),
+                                                 s.DTYPE_CODES[int(index["dtype"][i])]))
+
+
 def _round_batch(reader, recs, batch, per_key, clean_prev, layers, sample, prow, valid=None,
                  positions=None):
     index: list[int] = []
@@ -182,23 +205,30 @@ def _probe(record: np.void, data: np.ndarray) -> Probe:
 
 
 def present_keys(records: np.ndarray, stack_input: bool = False) -> list[tuple[int, int]]:
-    """Every (layer, site) with records, in order; with ``stack_input`` (a dump with
-    normalisation operators: layer 0's input norm inherits the stack input's exact zeros, and
-    the diagnosis needs to know them) the stack input (layer -1) first."""
+    """Every (layer, site) with records (or rows of a stats index: layer, site fields), in
+    order; with ``stack_input`` (a dump with normalisation operators: layer 0's input norm
+    inherits the stack input's exact zeros, and the diagnosis needs to know them) the stack
+    input (layer -1) first."""
     ok = records["layer"] >= 0
     keys = sorted(set(zip(records["layer"][ok].tolist(), records["site"][ok].tolist())))
-    stack = (records["layer"] == s.STACK_INPUT) & (records["kind"] == s.KIND_CLEAN)
+    stack = records["layer"] == s.STACK_INPUT
+    if "kind" in (records.dtype.names or ()):
+        stack &= records["kind"] == s.KIND_CLEAN
     if stack_input and np.any(stack):
         keys.insert(0, (s.STACK_INPUT, s.BLOCK_SITE))
     return keys
 
 
 def chunks(records: np.ndarray, keys: list[tuple[int, int]], jobs: int) -> list[list]:
-    """``keys`` in runs of consecutive layers, each about 1 / (2 * jobs) of the bytes left: large
+    """``keys`` in runs of consecutive layers, each about 1 / (2 * jobs) of the bytes left (of
+    ``records``, or of the rows of a stats index): large
     runs first, single layers at the end, so no process waits long for the last one. (Every
     run reads its first block's previous layer once more.)"""
     code = _key_code(records["layer"], records["site"])
-    nbytes = records["nrows"].astype(np.int64) * records["width"]
+    if "nrows" in (records.dtype.names or ()):
+        nbytes = records["nrows"].astype(np.int64) * records["width"]
+    else:  # rows of a stats index: one per round, all alike
+        nbytes = np.ones(len(records), dtype=np.int64)
     uniq, inv = np.unique(code, return_inverse=True)
     per = {int(c): int(b) for c, b in zip(uniq, np.bincount(inv, weights=nbytes))}
     weights = [per.get(int(_key_code(*k)), 0) + 1 for k in keys]

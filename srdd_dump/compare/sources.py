@@ -49,6 +49,7 @@ class DumpFile:
     clean_blocks: dict[tuple[int, int], int] = field(default_factory=dict)  # (round, layer) ->
     # index into records of the clean block output (rounds without a /rounds row left out)
     masks: dict[int, int] = field(default_factory=dict)  # round -> its KIND_MASK record
+    stats_index: np.ndarray | None = None  # a stats dump's /stats index (None: tensors)
     hidden_dtype: str = "float32"  # logical dtype of the hidden states
     compute_dtype: str = ""  # autocast dtype the model ran under ("" when none)
     data_dtypes: list[str] = field(default_factory=list)  # logical dtype of each /data set
@@ -200,11 +201,15 @@ def inspect(path: str, source: str) -> DumpFile:
     f.rounds, f.records = reader.rounds, reader.records
     f.samples = reader.n_samples
     f.clean_blocks = clean_block_records(reader)
+    if reader.has_stats:
+        f.stats_index = reader.stats_index
     r = reader.records
     f.masks = {int(r["round"][i]): int(i) for i in np.flatnonzero(r["kind"] == s.KIND_MASK)}
     f.data_dtypes = reader.data_dtypes
     clean = reader.select(kind=s.KIND_CLEAN)
     first = reader.dtype_of(clean[0]) if len(clean) else "float32"
+    if not len(clean) and len(reader.stats_index):
+        first = s.DTYPE_CODES[int(reader.stats_index["dtype"][0])]
     f.hidden_dtype = str(reader.meta.get("hidden_dtype") or first)
     f.compute_dtype = str(reader.meta.get("autocast_dtype") or "") or REDUCED_FP32.get(
         str(reader.meta.get("float32_matmul") or ""), "")

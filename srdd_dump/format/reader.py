@@ -146,6 +146,48 @@ class DumpReader:
         }
         self._check_rounds(lengths)
         self._check_records()
+        self.stat_columns: list[str] = []
+        self.stats_index = np.zeros(0, s.STATS_INDEX_DTYPE)
+        self._stats_values: h5py.Dataset | None = None
+        if s.STATS in f:
+            self._read_stats_index()
+
+    def _read_stats_index(self) -> None:
+        """/stats (--store stats): the index table, and the values' shape and column names."""
+        index = self._table(s.STATS_INDEX, s.STATS_INDEX_DTYPE)
+        values = self.f.get(s.STATS_VALUES)
+        if not isinstance(values, h5py.Dataset) or values.ndim != 2 or values.dtype.kind != "f":
+            raise DumpError(f"{self.path}: /{s.STATS_VALUES} is not a two-dimensional float "
+                            "data set")
+        self._check_stored(values)
+        try:
+            columns = json.loads(_attr_text(values, s.ATTR_COLUMNS) or "")
+        except ValueError:
+            columns = None
+        if not isinstance(columns, list) or not all(isinstance(c, str) for c in columns) \
+                or len(columns) != values.shape[1]:
+            raise DumpError(f"{self.path}: /{s.STATS_VALUES} has no valid column names")
+        bad = (
+            (index["layer"] < s.STACK_INPUT) | (index["layer"] >= len(self.layers))
+            | (index["site"] < s.BLOCK_SITE) | (index["site"] >= len(self.sites))
+            | (index["dtype"] >= len(s.DTYPE_CODES))
+        )
+        if values.shape[0] < len(index) or bad.any():
+            raise DumpError(f"{self.path}: /{s.STATS} rows point outside the file's layers "
+                            "or values (damaged file)")
+        self.stat_columns, self.stats_index, self._stats_values = columns, index, values
+
+    @property
+    def has_stats(self) -> bool:
+        """A statistics dump (``--store stats``): the reductions are in /stats."""
+        return self._stats_values is not None
+
+    def stats_values(self) -> np.ndarray:
+        """(rows of /stats/index, columns) float64: every row of the stats table."""
+        if self._stats_values is None:
+            return np.zeros((0, 0))
+        with _reading(self.path):
+            return np.asarray(self._stats_values[: len(self.stats_index)], dtype=np.float64)
 
     # -- validation helpers -----------------------------------------------------------------
     def _json_attr(self, name: str) -> dict:

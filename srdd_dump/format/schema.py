@@ -1,4 +1,4 @@
-"""HDF5 dump schema v2: the single definition shared by the writer and the reader.
+"""HDF5 dump schema v3: the single definition shared by the writer and the reader.
 
 Layout of one file (one per process), all readable with plain h5py:
 
@@ -11,6 +11,9 @@ Layout of one file (one per process), all readable with plain h5py:
     /probe_rows           (Q,) int32: rows kept for probe records of a round (prow_off/prow_len)
     /records              (N,) RECORD_DTYPE: one row per stored tensor, pointing into /data
     /data/<name>          (rows, width) chunked, resizable; attr dtype = logical dtype name
+    /stats/index          (K,) STATS_INDEX_DTYPE: one row per (round, layer, site) reduced on
+                          the device (``--store stats``; absent otherwise)
+    /stats/values         (K, C) float64: the reductions; attr columns = their names (JSON)
 
 A tensor of shape (batch, seq, width) is stored as batch*ntok rows of one /data dataset, where
 ntok is the number of kept token positions. Rows of /records are appended only after the rows
@@ -24,8 +27,8 @@ import numpy as np
 
 FORMAT_NAME = "srdd-dump"
 # 2: record kinds scale, causal and host (a v1 reader would take them for probe replays); v1
-# files are read as before.
-SCHEMA_VERSION = 2
+# files are read as before. 3: /stats (the statistics store); v1 and v2 files are read as before.
+SCHEMA_VERSION = 3
 PARTIAL_SUFFIX = ".partial"
 # A file whose write failed half-way (disk full) is renamed to <name>.h5.broken and not read:
 # HDF5 may have recorded data that never reached the disk.
@@ -132,6 +135,75 @@ STORAGE_DTYPES = {
 }
 
 CHUNK_BYTES = 512 * 1024
+
+
+# --store stats: the per-round reductions of every (layer, site), computed on the device
+# (capture/reductions.py) by the arithmetic of analysis.signals.round_stats. One row per
+# (round, layer, site); the columns are named, so a reader finds each by name.
+STATS = "stats"
+STATS_INDEX = "stats/index"
+STATS_VALUES = "stats/values"
+ATTR_COLUMNS = "columns"
+STATS_INDEX_DTYPE = np.dtype(
+    [
+        ("round", "<i4"),
+        ("layer", "<i4"),
+        ("site", "<i2"),
+        ("dtype", "u1"),  # index into DTYPE_CODES: the clean output's logical dtype
+    ]
+)
+DTYPE_CODES = ("float32", "bfloat16", "float16", "float64")
+# the clean output: Moments (count, mean, central sums M2..M4, absmax, zeros, NaN, Inf of the
+# finite values) and the shape signals of analysis.signals.Signals
+MOMENT_COLUMNS = ("n", "mean", "m2", "m3", "m4", "absmax", "zeros", "nan", "inf")
+SHAPE_COLUMNS = ("pileup", "ties", "tie_excess", "update_rms", "offset", "dc_energy",
+                 "consistency", "stuck", "lowbits")
+BATCH_COLUMNS = ("batch_dep", "batch_dep_level", "batch_dep_moved")
+DIFF_COLUMNS = ("diff_n", "diff_mean", "diff_m2", "diff_m3", "diff_m4")  # repeats' differences
+SCALE_COLUMNS = ("scale_broken", "scale_judged", "scale_pattern", "scale_size")
+CAUSAL_COLUMNS = ("causal_broken", "causal_judged", "causal_size")
+HOST_COLUMNS = ("host_red", "host_channel_red")
+DC_PARTS = ("dead", "flat_zero", "flat_value", "probed", "low")
+REPEAT_PARTS = ("instability", "changed")
+SCALE_PATTERNS = ("", "zero", "clip", "offset", "other")  # scale_pattern: index into these
+
+
+def gain_column(sigma: float, probe: int) -> str:
+    """The gain of one draw: ``probe`` numbers the draws of every sigma in turn."""
+    return f"gain@{float(sigma)!r}#{int(probe)}"
+
+
+def dc_column(value: float, part: str) -> str:
+    return f"dc@{float(value)!r}:{part}"
+
+
+def repeat_column(index: int, part: str) -> str:
+    return f"repeat#{int(index)}:{part}"
+
+
+def parse_probe_column(name: str) -> tuple[str, float, str] | None:
+    """("gain", sigma, probe) / ("dc", value, part) / ("repeat", index, part) of a probe
+    column; None for the fixed columns."""
+    if name.startswith("gain@"):
+        sigma, draw = name[5:].rsplit("#", 1)
+        return "gain", float(sigma), draw
+    if name.startswith("dc@"):
+        value, part = name[3:].rsplit(":", 1)
+        return "dc", float(value), part
+    if name.startswith("repeat#"):
+        index, part = name[7:].split(":", 1)
+        return "repeat", float(index), part
+    return None
+
+
+def stat_columns(sigmas: tuple, draws: int, dc: tuple, repeats: int) -> list[str]:
+    """Every column of a stats dump captured with these probes."""
+    columns = [*MOMENT_COLUMNS, *SHAPE_COLUMNS, *BATCH_COLUMNS, *DIFF_COLUMNS, *SCALE_COLUMNS,
+               *CAUSAL_COLUMNS, *HOST_COLUMNS]
+    columns += [gain_column(s, i * draws + d) for i, s in enumerate(sigmas) for d in range(draws)]
+    columns += [dc_column(v, part) for v in dc for part in DC_PARTS]
+    columns += [repeat_column(r, part) for r in range(repeats) for part in REPEAT_PARTS]
+    return columns
 
 
 def data_name(kind: int, dtype: str, width: int) -> str:

@@ -1,4 +1,4 @@
-"""Append-only writer of schema-v1 dump files. numpy + h5py only; runs on a background thread.
+"""Append-only writer of dump files (format/schema.py): numpy + h5py, on a background thread.
 
 The capture side hands over finished rounds (numpy arrays already on the host); one thread does
 all HDF5 I/O, so the user's device never waits on the disk, and each round costs one write per
@@ -39,6 +39,16 @@ class Tensor:
 
 
 @dataclass
+class StatRow:
+    """One (layer, site)'s reductions of a round (``--store stats``), in the file's columns."""
+
+    layer: int
+    site: int
+    dtype: int  # index into schema.DTYPE_CODES
+    values: np.ndarray  # float64, one value per column (NaN: not measured)
+
+
+@dataclass
 class Round:
     sample: int
     step: int
@@ -49,6 +59,7 @@ class Round:
     probe_rows: np.ndarray | None = None  # rows of the clean records kept for probe records
     time: float = field(default_factory=time.time)
     tensors: list[Tensor] = field(default_factory=list)
+    stats: list[StatRow] = field(default_factory=list)
 
 
 def tokens_hash(token_ids: np.ndarray | None) -> int:
@@ -105,13 +116,16 @@ def _append(ds: h5py.Dataset, rows: np.ndarray) -> int:
 class _H5File:
     """Synchronous part: owns the h5py handle."""
 
-    def __init__(self, partial_path: str, meta: dict, layers: list[str], sites: list[str]):
+    def __init__(self, partial_path: str, meta: dict, layers: list[str], sites: list[str],
+                 stat_columns: list[str] | None = None):
         self.path = partial_path
         self._close_tried = False
         self._check_room(ROOM_RESERVE, 0)
         self.f = h5py.File(partial_path, "w")
         try:
             self._create(meta, layers, sites)
+            if stat_columns:
+                self._create_stats(stat_columns)
         except Exception:
             self.abandon()
             raise
@@ -136,6 +150,15 @@ class _H5File:
         self.data_index: dict[str, int] = {}
         self.n_rounds = 0
         f.flush()
+
+    def _create_stats(self, columns: list[str]) -> None:
+        self.f.create_dataset(s.STATS_INDEX, shape=(0,), maxshape=(None,),
+                              dtype=s.STATS_INDEX_DTYPE, chunks=(1024,))
+        values = self.f.create_dataset(s.STATS_VALUES, shape=(0, len(columns)),
+                                       maxshape=(None, len(columns)), dtype="<f8",
+                                       chunks=(max(1, 8192 // len(columns)), len(columns)))
+        values.attrs[s.ATTR_COLUMNS] = json.dumps(columns)
+        self.f.flush()
 
     def _dataset(self, name: str, dtype: str, width: int) -> h5py.Dataset:
         group = self.f[s.DATA]
@@ -171,9 +194,12 @@ class _H5File:
         for name, rows in (
             (s.POSITIONS, len(r.positions)), (s.TOKEN_IDS, tok), (s.PROBE_ROWS, prows),
             (s.RECORDS, len(r.tensors)), (s.ROUNDS, 1),
+            (s.STATS_INDEX, len(r.stats)), (s.STATS_VALUES, len(r.stats)),
         ):
-            ds = f[name]
-            need += _growth(ds, rows, ds.chunks[0], ds.dtype.itemsize)
+            ds = f.get(name)
+            if ds is not None and rows:
+                row_bytes = ds.dtype.itemsize * (ds.shape[1] if ds.ndim == 2 else 1)
+                need += _growth(ds, rows, ds.chunks[0], row_bytes)
         return need
 
     def _check_room(self, need: int, size: int) -> None:
@@ -228,6 +254,14 @@ class _H5File:
                 int(t.subset), self.data_index[name], row0, b * n, b, n, w,
             )
         _append(f[s.RECORDS], records)
+        if r.stats:
+            index = np.zeros(len(r.stats), dtype=s.STATS_INDEX_DTYPE)
+            index["round"] = self.n_rounds
+            index["layer"] = [st.layer for st in r.stats]
+            index["site"] = [st.site for st in r.stats]
+            index["dtype"] = [st.dtype for st in r.stats]
+            _append(f[s.STATS_VALUES], np.stack([st.values for st in r.stats]))
+            _append(f[s.STATS_INDEX], index)
         row = np.array(
             [(
                 self.n_rounds, r.sample, r.step, r.batch, r.seq, len(r.positions), pos_off,
@@ -296,7 +330,7 @@ class DumpWriter:
 
     def __init__(
         self, path: str, meta: dict, layers: list[str], sites: list[str] | None = None,
-        max_pending: int = 4,
+        max_pending: int = 4, stat_columns: list[str] | None = None,
     ):
         self.path = path
         self.partial_path = path + s.PARTIAL_SUFFIX
@@ -304,7 +338,7 @@ class DumpWriter:
         self.error: str | None = None
         self.rounds_written = 0
         self._broken = False  # a write failed: the HDF5 file must be abandoned, not closed
-        self._file = _H5File(self.partial_path, meta, layers, sites or [])
+        self._file = _H5File(self.partial_path, meta, layers, sites or [], stat_columns)
         self._queue: queue.Queue = queue.Queue(maxsize=max_pending)
         self._thread = threading.Thread(target=self._run, name="srdd-dump-writer", daemon=True)
         self._thread.start()

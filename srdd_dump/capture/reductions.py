@@ -1,0 +1,497 @@
+"""The per-round reductions of ``--store stats``, computed on the tensor's own device.
+
+Each function mirrors one of ``analysis.signals.round_stats`` / ``analysis.array_stats`` /
+``analysis.identities`` with torch ops, so that a stats dump gives the compare the numbers it
+would have computed from the tensors (tests/test_stats_store.py holds the two side by side).
+Only scalars leave the device: the histogram's two range values (its edges are computed by
+numpy, as the compare does), the tie candidates' extremes, and the reductions themselves. The
+host replay's rows are compared on the host, where that replay ran.
+
+Sums run in float64 where the device has it (CPU, CUDA) and in float32 elsewhere (NPU).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..format import schema as s
+
+LOW_BITS_MASK = {"float32": 0xFFFF, "bfloat16": 0xF << 16, "float16": 0x7 << 13}
+NAN = float("nan")
+TIE_CANDIDATES = 8
+TIE_MIN_LEVELS = 16
+CHANNEL_FLOOR = 0.1
+PILEUP_BINS = 100
+_RANGE = {
+    "float64": (np.finfo(np.float64).tiny, np.finfo(np.float64).max),
+    "float32": (np.finfo(np.float32).tiny, np.finfo(np.float32).max),
+    "bfloat16": (np.finfo(np.float32).tiny, 3.38e38),
+    "float16": (np.finfo(np.float16).tiny, np.finfo(np.float16).max),
+}
+
+
+@dataclass
+class ProbeRows:
+    """One probe replay's output rows, as ``analysis.signals.Probe`` holds them."""
+
+    kind: str
+    param: float
+    probe: int
+    pert_rms: float
+    data: torch.Tensor  # (rows, width)
+    subset: bool = True
+
+
+def accumulator(device: torch.device) -> torch.dtype:
+    return torch.float64 if device.type in ("cpu", "cuda") else torch.float32
+
+
+def reduce_round(
+    x: torch.Tensor, dtype: str, before: torch.Tensor | None = None,
+    rows: torch.Tensor | None = None, probes: list[ProbeRows] = (),
+    valid: torch.Tensor | None = None, positions: torch.Tensor | None = None,
+) -> dict[str, float] | None:
+    """The stats columns of one clean output ``x`` (batch, ntok, width) and its probes (the
+    arguments of ``analysis.signals.round_stats``, as device tensors); None when the attention
+    mask leaves no row."""
+    width = x.shape[-1]
+    x = _as_float(x).reshape(-1, width)
+    if before is not None:
+        before = _as_float(before).reshape(-1, width)
+    if valid is not None and valid.numel() == x.shape[0] and not bool(valid.all()):
+        valid = valid.to(x.device)
+        if positions is not None and positions.numel() == valid.numel():
+            positions = positions.to(x.device)[valid]
+        x, before, rows, probes = _valid_rows(x, before, rows, probes, valid)
+        if not x.numel():
+            return None
+    out: dict[str, float] = {}
+    acc = accumulator(x.device)
+    fin = torch.isfinite(x)
+    all_finite = bool(fin.all())
+    finite = x.reshape(-1) if all_finite else x[fin]
+    out.update(_moments(x, acc, prefix=""))
+    out["pileup"] = pileup(finite)
+    out["ties"], out["tie_excess"] = ties(x if all_finite else torch.where(fin, x, 0.0))
+    update = x
+    if before is not None and before.shape == x.shape:
+        update = x - before
+    fin_u = torch.isfinite(update)
+    upd_finite = bool(fin_u.all())
+    upd = update.reshape(-1) if upd_finite else update[fin_u]
+    upd_rms = _rms(upd, acc)
+    out["update_rms"] = upd_rms
+    out["offset"] = (abs(float(upd.to(acc).mean())) / upd_rms if upd_rms > 0 else NAN)
+    u = (update if upd_finite else torch.where(fin_u, update, 0.0)).to(acc)
+    out["dc_energy"], out["consistency"], out["stuck"] = channel_signals(u, x)
+    mask = LOW_BITS_MASK.get(dtype)
+    if mask is not None and finite.dtype == torch.float32:
+        nonzero = finite != 0
+        nnz = int(nonzero.sum())
+        if nnz:
+            low = (finite.view(torch.int32) & mask) == 0
+            out["lowbits"] = int((low & nonzero).sum()) / nnz
+    if rows is not None and probes:
+        rows = rows.to(x.device)
+        if rows.numel() and int(rows.max()) >= x.shape[0]:
+            rows = rows[:0]  # a model-level operator (rotary) has fewer rows than the round
+        row_pos = None
+        if positions is not None and rows.numel() and positions.numel() > int(rows.max()):
+            row_pos = positions.to(x.device)[rows]
+        _identities(out, x, rows, row_pos, probes, dtype)
+        _probes(out, x[rows], probes, acc)
+    return out
+
+
+def _as_float(t: torch.Tensor) -> torch.Tensor:
+    """float32, as the reader gives stored values back (float64 stays float64)."""
+    t = t.detach()
+    return t if t.dtype in (torch.float32, torch.float64) else t.float()
+
+
+def _valid_rows(x, before, rows, probes, valid):
+    x = x[valid]
+    before = before[valid] if before is not None and before.shape[0] == valid.numel() else None
+    if rows is not None:
+        rows = rows.to(valid.device)
+        keep = valid[rows]
+        new_index = torch.cumsum(valid.long(), 0) - 1
+        rows = new_index[rows[keep]]
+        narrowed = []
+        for p in probes:
+            mask = keep if p.subset else valid
+            data = p.data.reshape(-1, p.data.shape[-1])
+            data = data[mask] if mask.numel() == data.shape[0] else data[:0]
+            narrowed.append(ProbeRows(p.kind, p.param, p.probe, p.pert_rms, data, p.subset))
+        probes = narrowed
+    return x, before, rows, probes
+
+
+def _moments(x: torch.Tensor, acc: torch.dtype, prefix: str) -> dict[str, float]:
+    """analysis.moments.Moments of ``x``: counts, mean, central sums M2..M4 of the finite
+    values (two passes over the whole tensor)."""
+    flat = x.reshape(-1)
+    names = [prefix + c for c in s.MOMENT_COLUMNS] if prefix == "" else \
+        [prefix + c for c in ("n", "mean", "m2", "m3", "m4")]
+    finite = torch.isfinite(flat)
+    n_nan = int(torch.isnan(flat).sum())
+    n_inf = flat.numel() - int(finite.sum()) - n_nan
+    if n_nan or n_inf:
+        flat = flat[finite]
+    n = flat.numel()
+    values = dict.fromkeys(names, 0.0)
+    if n:
+        lo, hi = float(flat.min()), float(flat.max())
+        if lo == hi:
+            mean, m2, m3, m4 = lo, 0.0, 0.0, 0.0
+        else:
+            d = flat.to(acc)
+            mean_t = d.sum() / n
+            d = d - mean_t
+            d2 = d * d
+            sums = torch.stack([mean_t, d2.sum(), (d2 * d).sum(), (d2 * d2).sum()]).tolist()
+            mean, m2, m3, m4 = sums
+        values.update(zip(names[:5], (n, mean, m2, m3, m4)))
+        if prefix == "":
+            values.update(absmax=max(abs(lo), abs(hi)), zeros=int((flat == 0).sum()))
+    if prefix == "":
+        values.update(nan=n_nan, inf=n_inf)
+    return values
+
+
+def _rms(x: torch.Tensor, acc: torch.dtype) -> float:
+    if not x.numel():
+        return NAN
+    x = x.reshape(-1).to(acc)
+    return math.sqrt(float(torch.dot(x, x)) / x.numel())
+
+
+def _std(x: torch.Tensor, acc: torch.dtype) -> float:
+    if not x.numel():
+        return NAN
+    c = x.reshape(-1).to(acc)
+    c = c - c.sum() / c.numel()
+    return math.sqrt(float(torch.dot(c, c)) / c.numel())
+
+
+def _median(x: torch.Tensor) -> float:
+    """numpy's median (the mean of the two middle values) of a 1-D tensor without NaN."""
+    n = x.numel()
+    if not n:
+        return NAN
+    ordered = torch.sort(x.reshape(-1)).values
+    half = n // 2
+    middle = ordered[half - 1: half + 1] if n % 2 == 0 else ordered[half: half + 1]
+    return float(middle.to(torch.float64).mean())
+
+
+def pileup(x: torch.Tensor, bins: int = PILEUP_BINS) -> float:
+    """array_stats.pileup: the edges from numpy (the same linspace), the counts on the device."""
+    if x.numel() < 10 * bins:
+        return NAN
+    lo_t, hi_t = torch.aminmax(x)
+    np_dtype = np.float64 if x.dtype == torch.float64 else np.float32
+    lo, hi = np_dtype(lo_t.item()), np_dtype(hi_t.item())
+    if lo == hi:
+        return NAN
+    edges = np.linspace(lo, hi, bins + 1, endpoint=True, dtype=np_dtype)
+    if np.any(edges[:-1] >= edges[1:]):
+        return NAN
+    cuts = torch.from_numpy(edges[[1, 2, 3, 4, bins - 4, bins - 3, bins - 2, bins - 1]]).to(
+        x.device)
+    counts = [int((x < c).sum()) for c in cuts[:4]] + [int((x >= c).sum()) for c in cuts[4:]]
+    below, above = counts[:4], counts[4:]
+    left_edge, left = below[0], ((below[2] - below[1]) + (below[3] - below[2])) / 2
+    right_edge, right = above[3], ((above[0] - above[1]) + (above[1] - above[2])) / 2
+    return float(max(right_edge / max(1.0, right), left_edge / max(1.0, left)))
+
+
+def unique_rows(rows: torch.Tensor) -> torch.Tensor:
+    """array_stats.unique_rows: the rows with duplicates removed (order does not matter)."""
+    n, width = rows.shape
+    if n < 2:
+        return rows
+    for j in sorted({0, width // 4, width // 2, 3 * width // 4, width - 1}):
+        if torch.unique(rows[:, j]).numel() == n:
+            return rows
+    return torch.unique(rows, dim=0)
+
+
+def _levels(col: torch.Tensor, top: float, bottom: float) -> float:
+    """array_stats._levels: (top - bottom) in steps of the values' own precision."""
+    bits = col.to(torch.float32).contiguous().view(torch.int32) & 0x7FFFFF
+    lowest = bits & (-bits)
+    lowest = lowest[lowest > 0]
+    zeros = int(lowest.min()).bit_length() - 1 if lowest.numel() else 23
+    step = float(np.spacing(np.float32(abs(top)))) * 2.0 ** zeros
+    return abs(top - bottom) / step if step > 0 else float("inf")
+
+
+def _near_copies(rows: torch.Tensor, tied: torch.Tensor) -> bool:
+    if int(tied.sum()) < 2:
+        return False
+    group = rows[tied]
+    width = rows.shape[1]
+    equal = int((group.amax(dim=0) == group.amin(dim=0)).sum())
+    if equal >= max(8, 0.05 * width):
+        return True
+    spread_all = _median(rows.std(dim=0, unbiased=False))
+    return spread_all > 0 and _median(group.std(dim=0, unbiased=False)) < 0.1 * spread_all
+
+
+def ties(rows: torch.Tensor, candidates: int = TIE_CANDIDATES) -> tuple[float, float]:
+    """array_stats.ties of finite (rows, width)."""
+    rows = unique_rows(rows)
+    if rows.shape[0] < 2:
+        return NAN, NAN
+    hi, lo = rows.amax(dim=0), rows.amin(dim=0)
+    one = torch.ones_like(hi, dtype=torch.int64)
+    at_hi = torch.where(hi > 0, (rows == hi).sum(dim=0), one)
+    at_lo = torch.where(lo < 0, (rows == lo).sum(dim=0), one)
+    count = int(torch.maximum(at_hi.max(), at_lo.max()))
+    if count < 2:
+        return float(count), 1.0
+    best = (1.0, 1)
+    for at, ext, sign in ((at_hi, hi, 1.0), (at_lo, lo, -1.0)):
+        order = torch.sort(-at, stable=True).indices[:candidates].tolist()
+        counts_at = at[order].tolist()
+        extremes = ext[order].tolist()
+        for c, n, e in zip(order, counts_at, extremes):
+            if n < 2:
+                break
+            col = rows[:, c] * sign
+            top = e * sign
+            inner = col[col < top]
+            values, counts = torch.unique(inner, return_counts=True)
+            if values.numel() and _levels(col, top, float(values[0])) < TIE_MIN_LEVELS:
+                continue
+            if _near_copies(rows, col == top):
+                continue
+            neighbours = float(counts[-2:].double().mean()) if counts.numel() else 1.0
+            best = max(best, (n / max(1.0, neighbours), n))
+    return float(count), float(best[0])
+
+
+def channel_signals(u: torch.Tensor, out: torch.Tensor) -> tuple[float, float, float]:
+    """array_stats.channel_signals: (dc energy, consistency, stuck)."""
+    if u.shape[0] < 4:
+        return NAN, NAN, NAN
+    mean_c = u.mean(dim=0)
+    sq_c = (u * u).sum(dim=0)
+    rms_c = torch.sqrt(sq_c / u.shape[0])
+    per_token = float(sq_c.sum()) / u.shape[0]
+    dce = float((mean_c * mean_c).sum()) / per_token if per_token > 0 else NAN
+    live = rms_c > 0
+    cons = NAN
+    if bool(live.any()):
+        ratio = (mean_c[live].abs() / rms_c[live]).to(torch.float64)
+        cons = float(torch.quantile(ratio, 0.99, interpolation="linear"))
+    out = unique_rows(out)
+    if out.shape[0] < 4:
+        return dce, cons, NAN
+    constant = ((out.amax(dim=0) - out.amin(dim=0)) == 0) & (out[0] != 0)
+    return dce, cons, float(constant.double().mean())
+
+
+def batch_dependence(ref: torch.Tensor, clean: torch.Tensor) -> tuple[float, float, float]:
+    """array_stats.batch_dependence."""
+    if torch.equal(ref, clean):
+        top = float(clean.abs().max()) if clean.numel() else 0.0
+        if math.isfinite(top):
+            return (NAN, NAN, NAN) if top == 0 else (0.0, NAN, 0.0)
+    d = (ref - clean).abs()
+    if not bool(torch.isfinite(d).all()):
+        ok = torch.isfinite(ref) & torch.isfinite(clean)
+        ref, clean = ref[ok], clean[ok]
+        d = (ref - clean).abs()
+    if not d.numel():
+        return NAN, NAN, NAN
+    top = float(clean.abs().max())
+    if top == 0:
+        return NAN, NAN, NAN
+    worst = float(d.max())
+    if worst == 0:
+        return 0.0, NAN, 0.0
+    moved = d >= 0.5 * worst
+    level = _median(clean[moved].abs()) / top
+    return worst / top, level, int(moved.sum()) / d.numel()
+
+
+def relative_distance(device: torch.Tensor, host: torch.Tensor) -> float:
+    """identities.relative_distance (the baseline's RED): ||device - host|| / ||host||."""
+    if device.numel() != host.numel() or not device.numel():
+        return NAN
+    g = host.reshape(-1).to(torch.float64)
+    m = device.reshape(-1).to(torch.float64)
+    fg, fm = torch.isfinite(g), torch.isfinite(m)
+    both = fg & fm
+    if not bool(both.all()):
+        bad = ~both
+        gb, mb = g[bad], m[bad]
+        same = (torch.isnan(gb) & torch.isnan(mb)) | (torch.isinf(gb) & (gb == mb))
+        if int(bad.sum()) - int(same.sum()):
+            return float("inf")
+        g, m = g[both], m[both]
+    gg = float(torch.dot(g, g))
+    d = m - g
+    dd = float(torch.dot(d, d))
+    if gg == 0:
+        return 0.0 if dd == 0 else float("inf")
+    return math.sqrt(dd / gg)
+
+
+def channel_distance(device: torch.Tensor, host: torch.Tensor) -> float:
+    """identities.channel_distance: the worst channel's relative distance."""
+    d = device.reshape(-1, device.shape[-1]).to(torch.float64)
+    h = host.reshape(-1, host.shape[-1]).to(torch.float64)
+    if d.shape != h.shape or d.shape[0] < 8:
+        return NAN
+    ok = torch.isfinite(h).all(dim=0) & torch.isfinite(d).all(dim=0)
+    if not bool(ok.any()):
+        return NAN
+    d, h = d[:, ok], h[:, ok]
+    norm = torch.sqrt((h * h).mean(dim=0))
+    live = norm >= CHANNEL_FLOOR * _median(norm)
+    if not bool(live.any()):
+        return NAN
+    err = torch.sqrt(((d - h) ** 2).mean(dim=0))
+    return float((err[live] / norm[live]).max())
+
+
+def scale_check(ref: torch.Tensor, scaled: torch.Tensor, k: int, dtype: str
+                ) -> tuple[int, int, str, float]:
+    """identities.scale_check: (broken, judged, pattern, size)."""
+    if ref.shape != scaled.shape or not ref.numel():
+        return 0, 0, "", 0.0
+    tiny, big = _RANGE.get(dtype, _RANGE["float32"])
+    margin = 2.0 ** (abs(k) + 1)
+    size = torch.maximum(ref.abs(), scaled.abs())
+    judged = (torch.isfinite(ref) & torch.isfinite(scaled) & (size >= tiny * margin)
+              & (size <= big / margin))
+    broken = judged & (ref != scaled)
+    n_broken, n_judged = int(broken.sum()), int(judged.sum())
+    if not n_broken:
+        return 0, n_judged, "", 0.0
+    return (n_broken, n_judged, scale_pattern(ref, scaled, broken),
+            relative_distance(scaled[judged], ref[judged]))
+
+
+def scale_pattern(ref: torch.Tensor, scaled: torch.Tensor, broken: torch.Tensor) -> str:
+    """identities.scale_pattern: zero, clip, offset or other."""
+    a, b = ref[broken].to(torch.float64), scaled[broken].to(torch.float64)
+    if int(((a == 0) | (b == 0)).sum()) >= 0.5 * a.numel():
+        return "zero"
+    mags = torch.cat([a.abs(), b.abs()])
+    _, counts = torch.unique(mags, return_counts=True)
+    if a.numel() >= 4 and int(counts.max()) >= 0.25 * a.numel():
+        return "clip"
+    if int(broken.sum()) >= 0.5 * broken.numel():
+        diff = scaled.to(torch.float64) - ref.to(torch.float64)
+        mean_c = diff.mean(dim=0).abs()
+        spread_c = diff.std(dim=0, unbiased=False)
+        if _median(mean_c / torch.clamp(spread_c, min=1e-30)) > 3.0:
+            return "offset"
+    return "other"
+
+
+def causal_check(ref: torch.Tensor, out: torch.Tensor, positions: torch.Tensor, cut: int
+                 ) -> tuple[int, int, float]:
+    """identities.causal_check."""
+    if ref.shape != out.shape or positions.numel() != ref.shape[0]:
+        return 0, 0, 0.0
+    before = positions < cut
+    a, b = ref[before], out[before]
+    same = (a == b) | (torch.isnan(a) & torch.isnan(b))
+    moved = same.numel() - int(same.sum())
+    return moved, same.numel(), relative_distance(b, a) if moved else 0.0
+
+
+def _identities(out: dict, x: torch.Tensor, rows: torch.Tensor, row_pos, probes, dtype) -> None:
+    scaled = {int(p.param): _rows(p.data) for p in probes if p.kind == "scale"}
+    if 0 in scaled:
+        worst = (0.0, 0, "", 0.0)
+        for k, data in scaled.items():
+            if k:
+                broken, judged, pattern, size = scale_check(scaled[0], data, k, dtype)
+                frac = broken / judged if judged else 0.0
+                if judged and (frac > worst[0] or not worst[1]):
+                    worst = (frac, judged, pattern, size)
+        if worst[1]:
+            out.update(zip(s.SCALE_COLUMNS, (worst[0], worst[1],
+                                             s.SCALE_PATTERNS.index(worst[2]), worst[3])))
+    refs = [p.data for p in probes if p.kind == "replay"]
+    for p in probes:
+        if p.kind == "causal" and row_pos is not None:
+            ref = _rows(refs[0]) if refs else x[rows]
+            moved, judged, size = causal_check(ref, _rows(p.data), row_pos, int(p.param))
+            if judged:
+                out.update(zip(s.CAUSAL_COLUMNS, (moved / judged, judged, size)))
+        elif p.kind == "host":
+            device = (x[rows] if p.subset else x).to("cpu")
+            host = _rows(p.data).to("cpu")
+            out["host_red"] = relative_distance(device, host)
+            out["host_channel_red"] = channel_distance(device, host)
+
+
+def _probes(out: dict, clean: torch.Tensor, probes: list[ProbeRows], acc: torch.dtype) -> None:
+    refs = [_rows(p.data) for p in probes if p.kind == "replay"]
+    ref = refs[0] if refs else clean
+    if refs and ref.shape == clean.shape:
+        out.update(zip(s.BATCH_COLUMNS, batch_dependence(ref, clean)))
+    top_sigma = max((float(p.param) for p in probes if p.kind == "gain"), default=0.0)
+    top_sigma = max(top_sigma, 0.0)
+    flat = torch.ones(clean.shape, dtype=torch.bool, device=clean.device)
+    for p in probes:
+        if p.kind == "gain" and p.pert_rms > 0:
+            d = _rows(p.data) - ref
+            out[s.gain_column(p.param, p.probe)] = _std(d, acc) / p.pert_rms
+            if p.param == top_sigma:
+                flat &= d == 0
+    for p in probes:
+        if p.kind != "dc":
+            continue
+        d = (_rows(p.data) - ref).abs()
+        ok = torch.isfinite(d)
+        all_ok = bool(ok.all())
+        if not (all_ok or bool(ok.any())):
+            continue
+        dead = d == 0
+        flat &= dead
+        ref_zero = ref == 0
+        parts = (dead, flat & ref_zero, flat & ~ref_zero)
+        if all_ok:
+            d_ok = d.reshape(-1)
+        else:
+            d_ok, parts = d[ok], tuple(f[ok] for f in parts)
+        med = _median(d_ok)
+        low = int((d_ok < 0.15 * med).sum()) / d_ok.numel() if med > 0 else 1.0
+        fractions = [int(f.sum()) / f.numel() if f.numel() else NAN for f in parts]
+        values = (*fractions, d_ok.numel(), low)
+        out.update((s.dc_column(p.param, part), v) for part, v in zip(s.DC_PARTS, values))
+    scale = None
+    diffs = []
+    for p in probes:
+        if p.kind != "repeat":
+            continue
+        d = _rows(p.data) - clean
+        fin = torch.isfinite(d)
+        if not bool(fin.all()):
+            d = torch.where(fin, d, 0.0)
+        if scale is None:
+            scale = _rms(clean, acc)
+        changed = int((d != 0).sum())
+        d_rms = _rms(d, acc) if changed or not d.numel() else 0.0
+        out[s.repeat_column(p.probe, "instability")] = d_rms / scale if scale > 0 else NAN
+        out[s.repeat_column(p.probe, "changed")] = changed / d.numel() if d.numel() else NAN
+        if changed:
+            diffs.append(d.reshape(-1))
+    if diffs:
+        out.update(_moments(torch.cat(diffs), acc, prefix="diff_"))
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    return _as_float(t).reshape(-1, t.shape[-1])

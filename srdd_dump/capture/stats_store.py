@@ -1,0 +1,71 @@
+"""``--store stats``: each site's clean output and probe outputs stay on the device until the
+site's hook is done, and are then reduced to one row of the dump's stats table
+(capture/reductions.py). Nothing but that row leaves the device, and the seeded row sample of
+the block outputs that the capture session stores for the baseline mode."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ..format import schema as s
+from ..format.writer import StatRow
+from .reductions import ProbeRows, reduce_round
+
+
+class StatsCollector:
+    """The pending tensors of the sites of one round, reduced site by site."""
+
+    def __init__(self, columns: list[str]):
+        self.columns = columns
+        self._index = {name: i for i, name in enumerate(columns)}
+        self._clean: dict[tuple[int, int], tuple[torch.Tensor, str]] = {}
+        self._probes: dict[tuple[int, int], list[ProbeRows]] = {}
+        self._previous: tuple[int, torch.Tensor] | None = None  # the last block output reduced
+        self._valid: torch.Tensor | None = None
+        self._positions: torch.Tensor | None = None
+        self._rows: torch.Tensor | None = None
+
+    def open_round(self, valid: np.ndarray | None, positions: np.ndarray, batch: int,
+                   rows: torch.Tensor | None) -> None:
+        """A new round: ``valid`` (batch, ntok) False at padding, None when every row counts;
+        ``positions`` the kept token positions; ``rows`` the probe rows (None: not probed)."""
+        self._clean.clear()
+        self._probes.clear()
+        self._previous = None
+        self._valid = None if valid is None else torch.from_numpy(valid.reshape(-1).copy())
+        self._positions = torch.from_numpy(np.tile(np.asarray(positions, np.int64), batch))
+        self._rows = rows
+
+    def clean(self, layer: int, site: int, kept: torch.Tensor, dtype: str) -> None:
+        self._clean[(layer, site)] = (kept, dtype)
+
+    def probe(self, layer: int, site: int, p: ProbeRows) -> None:
+        self._probes.setdefault((layer, site), []).append(p)
+
+    def finish(self, layer: int, site: int) -> StatRow | None:
+        """The site's row of the stats table (None when it has no clean output this round)."""
+        probes = self._probes.pop((layer, site), [])
+        found = self._clean.pop((layer, site), None)
+        if found is None:
+            return None
+        x, dtype = found
+        before = None
+        if site == s.BLOCK_SITE and self._previous is not None \
+                and self._previous[0] == layer - 1:
+            before = self._previous[1]
+        values = reduce_round(x, dtype, before, self._rows, probes, self._valid,
+                              self._positions)
+        if site == s.BLOCK_SITE:
+            # the next block's update is taken against this output: a copy, since the model
+            # may change its tensors in place (a fused residual add)
+            self._previous = (layer, x.detach().clone())
+        if values is None:
+            return None
+        row = np.full(len(self.columns), np.nan)
+        for name, value in values.items():
+            at = self._index.get(name)
+            if at is not None:
+                row[at] = value
+        code = s.DTYPE_CODES.index(dtype) if dtype in s.DTYPE_CODES else 0
+        return StatRow(layer=layer, site=site, dtype=code, values=row)
