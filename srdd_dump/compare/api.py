@@ -101,6 +101,7 @@ def _compare_baseline(target_path, baseline_path, thresholds, jobs, progress, ru
     jobs = default_jobs(sides[0] + sides[1]) if jobs is None else jobs
     check_jobs(jobs)
     mine, golden = baseline_mode.prepare(*sides)
+    notes += baseline_mode.store_notes(mine + golden)
     for side, path, option in ((mine, target_path, ""), (golden, baseline_path, "--baseline ")):
         if not any(f.usable for f in side):
             raise no_usable_file([f.reason for f in side], path, option)

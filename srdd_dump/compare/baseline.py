@@ -49,13 +49,25 @@ def prepare(mine: list[DumpFile], golden: list[DumpFile]) -> tuple[list[Side], l
     for files, role in ((mine, "my"), (golden, "golden")):
         rows = []
         for f in files:
-            if f.usable and not f.clean_blocks:
+            if f.usable and not f.clean_blocks and f.stats_index is not None:
+                f.status, f.reason = SKIPPED, (
+                    f"{f.path}: a stats dump without rows (--store stats:0); the baseline mode "
+                    "compares tensors: dump with --store stats (2 rows of each block), "
+                    "sample:N or full")
+            elif f.usable and not f.clean_blocks:
                 f.status, f.reason = SKIPPED, f"{f.path}: no captured layer data"
             elif f.status == INCOMPLETE:
                 f.reason = f"{f.path}: capture did not finish; rounds written used"
             rows.append(Side(f, role))
         sides.append(rows)
     return sides[0], sides[1]
+
+
+def store_notes(sides: list[Side]) -> list[str]:
+    """One line per stats dump compared: its rows are a seeded sample, not every token."""
+    return [f"{f.source}: a stats dump (--store stats): the baseline compares the seeded rows "
+            "of each block output it kept, not every token (for every row: --store sample:N "
+            "or full)" for f in sides if f.usable and f.stats_index is not None]
 
 
 def finish(path: str, baseline: str, mine: list[Side], golden: list[Side],

@@ -69,7 +69,12 @@ def _compare_row(
             row[f"{prefix}_dtype"] = reader.dtype_of(rec)
             row[f"{prefix}_shape"] = str(list(shape_of(rec)))
     compare = spec.compare and my_rec is not None and golden_rec is not None
+    sampled = None
     if compare and shape_of(my_rec) != shape_of(golden_rec):
+        sampled = _sampled_pair(mine, my_rec, golden, golden_rec)
+        if sampled is not None:
+            reasons.append(f"rows: the {len(sampled[0])} sampled rows of the stats dump")
+    if compare and sampled is None and shape_of(my_rec) != shape_of(golden_rec):
         reasons.append(
             f"shape mismatch: golden {row['golden_shape']} vs my {row['my_shape']}"
         )
@@ -79,7 +84,10 @@ def _compare_row(
         rows = block_rows(int(my_rec["width"]))
         valid = _attended(spec, mine, golden, int(my_rec["nrows"]))
         start = 0
-        for g, m in zip(record_blocks(golden, golden_rec, rows), record_blocks(mine, my_rec, rows)):
+        pairs = zip(record_blocks(golden, golden_rec, rows), record_blocks(mine, my_rec, rows))
+        if sampled is not None:
+            pairs, valid = [(sampled[1], sampled[0])], None
+        for g, m in pairs:
             if valid is not None:  # rows the attention mask excludes (padding) are left out
                 keep = valid[start: start + len(g)]
                 start += len(g)
@@ -112,6 +120,36 @@ def _compare_row(
         row[f"{prefix}_nan_inf"] = side.nonfinite
     row["cmp_fail_reason"] = "; ".join(r for r in reasons if r)
     return row
+
+
+def _sampled_pair(mine: DumpReader, my_rec: np.void, golden: DumpReader, golden_rec: np.void
+                  ) -> tuple[np.ndarray, np.ndarray] | None:
+    """(my rows, golden rows) when one side is a stats dump's row sample of a block output
+    (``--store stats``) and the other holds every row of a round of the same shape: the
+    other side's same rows. None when they cannot be paired."""
+    if bool(my_rec["subset"]) == bool(golden_rec["subset"]) or \
+            int(my_rec["width"]) != int(golden_rec["width"]):
+        return None
+    sides = [(mine, my_rec), (golden, golden_rec)]
+    (s_reader, s_rec), (f_reader, f_rec) = sides if my_rec["subset"] else sides[::-1]
+    s_round, f_round = _round_row(s_reader, s_rec), _round_row(f_reader, f_rec)
+    if s_round is None or f_round is None or \
+            (int(s_round["batch"]), int(s_round["ntok"])) != \
+            (int(f_round["batch"]), int(f_round["ntok"])):
+        return None
+    rows = s_reader.probe_rows(s_round)
+    width = int(s_rec["width"])
+    if rows.size != int(s_rec["nrows"]) or int(f_rec["nrows"]) != \
+            int(f_round["batch"]) * int(f_round["ntok"]):
+        return None
+    sample = s_reader.read(s_rec).reshape(-1, width)
+    full = f_reader.read(f_rec).reshape(-1, width)[rows]
+    return (sample, full) if my_rec["subset"] else (full, sample)
+
+
+def _round_row(reader: DumpReader, record: np.void) -> np.void | None:
+    at = np.flatnonzero(reader.rounds["round"] == record["round"])
+    return reader.rounds[at[0]] if at.size else None
 
 
 def _attended(spec: RowSpec, mine: DumpReader, golden: DumpReader, nrows: int

@@ -1,0 +1,280 @@
+"""``--store stats`` (issue 17): the reductions computed on the device equal the compare's own
+from the tensors, a stats dump gives the same diagnosis as the default store, its size does not
+grow with the tokens, and the baseline mode compares its row sample."""
+
+from __future__ import annotations
+
+import glob
+import math
+import os
+
+import h5py
+import numpy as np
+import pytest
+import torch
+
+from srdd_dump import DumpConfig, register_hook
+from srdd_dump.analysis.signals import Probe, RoundStats, round_stats
+from srdd_dump.capture.config import STATS_ROWS, parse_store
+from srdd_dump.capture.reductions import ProbeRows, reduce_round
+from srdd_dump.compare import compare_baseline, compare_path
+from srdd_dump.compare.api import file_signals
+from srdd_dump.compare.stats_rows import StatsLayout
+from srdd_dump.errors import UserError
+from srdd_dump.format import schema as s
+from srdd_dump.format.reader import DumpError, DumpReader
+
+from capture_utils import py, run_cli
+from tiny_models import build
+
+SIGMAS, DRAWS, DC, REPEATS = (0.1, 0.01), 2, (1.0,), 2
+COLUMNS = s.stat_columns(SIGMAS, DRAWS, DC, REPEATS)
+
+
+def _device_stats(x, dtype, before=None, rows=None, probes=(), valid=None, positions=None,
+                  sample=0) -> RoundStats | None:
+    """reduce_round on torch tensors, through the file's columns, back as RoundStats."""
+    t = lambda a: None if a is None else torch.from_numpy(np.ascontiguousarray(a))  # noqa: E731
+    values = reduce_round(
+        t(x), dtype, t(before), t(rows),
+        [ProbeRows(p.kind, p.param, i, p.pert_rms, t(p.data), p.subset)
+         for i, p in _numbered(probes)],
+        t(valid), t(positions))
+    if values is None:
+        return None
+    row = np.full(len(COLUMNS), np.nan)
+    for name, value in values.items():
+        row[COLUMNS.index(name)] = value
+    return StatsLayout(COLUMNS).round_stats(row, sample, dtype)
+
+
+def _numbered(probes):
+    """(probe index, probe): gains numbered across sigmas, the others within their kind."""
+    seen: dict[str, int] = {}
+    for p in probes:
+        key = "gain" if p.kind == "gain" else p.kind
+        i = seen.get(key, 0)
+        seen[key] = i + 1
+        yield (int(p.param) if p.kind == "scale" else i), p
+
+
+def _close(a, b, rel=1e-6) -> bool:
+    if isinstance(a, str) or isinstance(b, str):
+        return a == b
+    if a is None or b is None:
+        return a is b
+    if isinstance(a, (tuple, list)):
+        return len(a) == len(b) and all(_close(x, y, rel) for x, y in zip(a, b))
+    a, b = float(a), float(b)
+    if math.isnan(a) or math.isnan(b):
+        return math.isnan(a) and math.isnan(b)
+    return a == b or abs(a - b) <= rel * max(abs(a), abs(b)) + 1e-12
+
+
+def _assert_same(want: RoundStats, got: RoundStats) -> None:
+    for name in ("count", "mean", "m2", "m3", "m4", "absmax", "zeros", "nan_count",
+                 "inf_count"):
+        assert _close(getattr(want.moments, name), getattr(got.moments, name), 1e-9), name
+    for name in ("pileup", "ties", "tie_excess", "update_rms", "offset", "dc_energy",
+                 "consistency", "stuck", "lowbits", "batch_dep", "dc", "repeats", "scale",
+                 "causal", "host"):
+        assert _close(getattr(want, name), getattr(got, name)), (
+            name, getattr(want, name), getattr(got, name))
+    assert _close(sorted(want.gains), sorted(got.gains))
+    assert (want.diffs is None) == (got.diffs is None)
+    if want.diffs is not None:
+        assert got.diffs.kurtosis == pytest.approx(want.diffs.kurtosis, rel=1e-6)
+
+
+def _probes(x_rows, rows, rng, dtype=np.float32):
+    """Every probe kind on the rows ``rows`` of ``x_rows``, with faults in some."""
+    clean = x_rows[rows]
+    replay = clean.copy()
+    replay[0, :3] += np.float32(1e-3)  # batch dependence
+    out = [Probe("replay", 0.0, 0.0, replay)]
+    for sigma in SIGMAS:
+        for _ in range(DRAWS):
+            out.append(Probe("gain", sigma, 0.5, (replay + sigma * rng.standard_normal(
+                clean.shape)).astype(dtype)))
+    dc = replay + np.float32(0.7)
+    dc[:, 5] = replay[:, 5]  # a channel the constant shift does not move
+    out.append(Probe("dc", 1.0, 0.0, dc.astype(dtype)))
+    out.append(Probe("repeat", 0.0, 0.0, clean.copy()))
+    noisy = clean.copy()
+    noisy[1::3, 7] += np.float32(1e-4)
+    out.append(Probe("repeat", 0.0, 0.0, noisy))
+    scaled = np.clip(clean, -0.9, 0.9).astype(dtype)  # a clamp breaks y(2^k x) = 2^k y(x)
+    out += [Probe("scale", 0.0, 0.0, clean.copy()), Probe("scale", 1.0, 0.0, scaled),
+            Probe("scale", 3.0, 0.0, scaled)]
+    leaked = replay.copy()
+    leaked[:4] += np.float32(0.01)
+    out.append(Probe("causal", 20.0, 0.0, leaked))
+    out.append(Probe("host", 0.0, 0.0, (clean.astype(np.float64)
+                                        * (1 + 1e-6 * rng.standard_normal(clean.shape)))))
+    return out
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("case", ["plain", "faulty", "bf16", "padded", "tiny"])
+def test_device_reductions_equal_the_compares(case):
+    rng = np.random.default_rng(len(case))
+    batch, ntok, width = (1, 3, 16) if case == "tiny" else (2, 48, 64)
+    x = rng.standard_normal((batch, ntok, width)).astype(np.float32)
+    before = (x - 0.1 * rng.standard_normal(x.shape)).astype(np.float32)
+    dtype = "float32"
+    if case == "faulty":
+        x[..., 3] = np.minimum(x[..., 3], 0.4)  # a clamp: ties at the channel's max
+        x[np.abs(x) < 0.05] = 0  # a flush
+        x[0, 2, 9], x[1, 5, 1] = np.nan, np.inf
+        x[:, :, 11] = 0.25  # a stuck channel
+    if case == "bf16":
+        x = s.bf16_bits_to_float32(s.float32_to_bf16_bits(x))
+        dtype = "bfloat16"
+    valid = None
+    if case == "padded":
+        valid = np.ones(batch * ntok, dtype=bool)
+        valid[:7] = False
+    positions = np.tile(np.arange(ntok), batch)
+    rows = np.sort(rng.choice(batch * ntok, size=min(24, batch * ntok), replace=False))
+    probes = _probes(x.reshape(-1, width), rows, rng)
+    want = round_stats(x, dtype, 3, before, rows, probes, valid, positions)
+    got = _device_stats(x, dtype, before, rows, probes, valid, positions, sample=3)
+    assert want is not None and got is not None
+    _assert_same(want, got)
+    assert want.scale is not None and want.scale[2] == "clip"  # the case exercises each part
+    assert want.causal and want.host is not None and want.batch_dep is not None
+    assert len(want.dc) == 1 and len(want.repeats) == 2 and want.diffs is not None
+
+
+@pytest.mark.unit
+def test_device_reductions_of_a_round_left_empty_by_the_mask():
+    x = np.ones((1, 4, 8), np.float32)
+    valid = np.zeros(4, dtype=bool)
+    assert round_stats(x, "float32", 0, valid=valid) is None
+    assert _device_stats(x, "float32", valid=valid) is None
+
+
+@pytest.mark.unit
+def test_store_option():
+    assert parse_store("stats") == ("stats", 32768, STATS_ROWS)
+    assert parse_store("stats:0").rows == 0
+    assert parse_store("sample:100") == ("sample", 100, 0)
+    assert parse_store("full").elements is None
+    for bad in ("stats:x", "stats:-1", "sample:0", "sample", "everything"):
+        with pytest.raises(UserError, match="bad --store"):
+            parse_store(bad)
+
+
+# -- whole dumps -------------------------------------------------------------------------------
+
+
+def _dump(tmp, name, store, inject=(), tokens=40, pad=False, seed=0, prompts=2):
+    model = build("llama", layers=4)
+    path = os.path.join(tmp, name)
+    config = DumpConfig(dump_path=path, samples=prompts, store=store, progress=False,
+                        inject=list(inject), seed=seed)
+    torch.manual_seed(1)
+    with register_hook(model, config), torch.no_grad():
+        for _ in range(prompts):
+            ids = torch.randint(0, 128, (2, tokens))
+            mask = torch.ones_like(ids)
+            if pad:
+                mask[0, : tokens // 5] = 0
+            model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False,
+                           pad_token_id=0)
+    return path
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("pad", [False, True])
+def test_stats_dump_gives_the_default_stores_diagnosis(tmp_path, pad):
+    fault = ["saturation@layer=2,quantile=0.95,site=mlp"]
+    full = _dump(str(tmp_path), "full", "sample:32768", fault, pad=pad)
+    stats = _dump(str(tmp_path), "stats", "stats", fault, pad=pad)
+    a, b = compare_path(full), compare_path(stats)
+    assert a.layers["verdict"].iloc[0] == "FAULT" and int(a.layers["layer"].iloc[0]) == 2
+    cols = ["layer", "verdict", "diagnosis", "site"]
+    assert a.layers[cols].values.tolist() == b.layers[cols].values.tolist()
+    assert b.layers["score"].values == pytest.approx(a.layers["score"].values, rel=1e-5)
+    assert a.sites[["module", "phase", "verdict"]].values.tolist() == \
+        b.sites[["module", "phase", "verdict"]].values.tolist()
+    signals = {(g.layer, g.site, g.phase): g.as_dict() for g in file_signals(
+        glob.glob(os.path.join(full, "*.h5"))[0])}
+    for g in file_signals(glob.glob(os.path.join(stats, "*.h5"))[0]):
+        want = signals.pop((g.layer, g.site, g.phase))
+        for name, value in g.as_dict().items():
+            assert _close(want[name], value, 1e-5), (g.module, g.phase, name)
+    assert not signals
+
+
+@pytest.mark.integration
+def test_stats_dump_size_does_not_grow_with_the_tokens(tmp_path):
+    sizes = {}
+    for tokens in (24, 96):
+        path = _dump(str(tmp_path), f"t{tokens}", "stats", tokens=tokens, prompts=1)
+        with h5py.File(glob.glob(os.path.join(path, "*.h5"))[0]) as f:
+            sizes[tokens] = (f[s.STATS_VALUES].shape, {
+                name: ds.shape for name, ds in f[s.DATA].items()})
+            assert f[s.STATS_VALUES].shape[1] == len(
+                s.stat_columns((0.1, 0.01), 2, (1.0,), 3))
+            assert set(f[s.RECORDS][:]["subset"]) == {1}  # only the row sample
+            assert set(f[s.RECORDS][:]["site"]) == {s.BLOCK_SITE}
+    assert sizes[24] == sizes[96]
+
+
+@pytest.mark.integration
+def test_baseline_mode_on_stats_dumps(tmp_path):
+    fault = ["noise@layer=2,m=0.05"]
+    golden = _dump(str(tmp_path), "golden", "stats")
+    mine = _dump(str(tmp_path), "mine", "stats", fault)
+    result = compare_baseline(mine, golden)
+    t = result.table
+    compared = t[t["verdict"] != "N/A"]
+    assert len(compared) and set(compared["my_shape"]) <= {f"[1, {n}, 64]" for n in (1, 2)}
+    assert int(compared.loc[compared["verdict"] == "FAIL", "layer"].min()) == 2
+    assert (compared.loc[compared["layer"] < 2, "verdict"] == "PASS").all()
+    assert any("stats dump" in note for note in result.notes)
+    # a stats dump against a full one: the full side's same rows
+    full = _dump(str(tmp_path), "full", "full")
+    t = compare_baseline(golden, full).table
+    compared = t[t["verdict"] != "N/A"]
+    assert len(compared) == len(t) and (compared["verdict"] == "PASS").all()
+    assert (compared["cosine_similarity"] > 0.999999).all()
+    assert compared["cmp_fail_reason"].str.contains("sampled rows").all()
+
+
+@pytest.mark.integration
+def test_stats_dump_without_rows_cannot_be_a_baseline(tmp_path):
+    path = _dump(str(tmp_path), "norows", "stats:0", prompts=1)
+    assert len(compare_path(path).layers) == 4  # the reference-free mode needs no rows
+    done = run_cli("srdd-compare", path, "--baseline", path, "-o",
+                   str(tmp_path / "r.csv"))
+    assert done.returncode != 0
+    assert "stats:0" in done.stderr and "Traceback" not in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.integration
+def test_stats_store_from_the_command_line(tmp_path):
+    out = str(tmp_path / "dumps")
+    done = run_cli("srdd-dump", "--exec", py("infer_tiny.py", "llama"), "-o", out, "--store", "stats")
+    assert done.returncode == 0, done.stderr
+    files = glob.glob(os.path.join(out, "*", "*.h5"))
+    with DumpReader(files[0]) as reader:
+        assert reader.has_stats and len(reader.stats_index)
+    report = str(tmp_path / "r.csv")
+    done = run_cli("srdd-compare", out, "-o", report)
+    assert done.returncode == 0, done.stderr
+    bad = run_cli("srdd-dump", "--exec", py("infer_tiny.py", "llama"), "-o", out, "--store", "stats:x")
+    assert bad.returncode != 0 and "bad --store" in bad.stderr
+    assert "Traceback" not in bad.stderr
+
+
+@pytest.mark.integration
+def test_damaged_stats_table_is_refused(tmp_path):
+    path = _dump(str(tmp_path), "d", "stats", prompts=1)
+    file = glob.glob(os.path.join(path, "*.h5"))[0]
+    with h5py.File(file, "a") as f:
+        f[s.STATS_VALUES].attrs[s.ATTR_COLUMNS] = '["n"]'
+    with pytest.raises(DumpError, match="column names"):
+        DumpReader(file)
