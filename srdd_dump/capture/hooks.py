@@ -712,6 +712,8 @@ class CaptureSession:
                     "host_replays_failed": self.host_replays_failed,
                     "records_dropped": self.records_dropped,
                     "site_errors": self.site_errors,
+                    **({"stats_seconds": round(self._stats.seconds, 3)}
+                       if self._stats is not None else {}),
                 })
             except Exception as exc:  # runs at exit too: never a traceback in the user's program
                 self.path = self.writer.partial_path

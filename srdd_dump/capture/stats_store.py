@@ -5,6 +5,8 @@ the block outputs that the capture session stores for the baseline mode."""
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import torch
 
@@ -25,6 +27,7 @@ class StatsCollector:
         self._valid: torch.Tensor | None = None
         self._positions: torch.Tensor | None = None
         self._rows: torch.Tensor | None = None
+        self.seconds = 0.0  # spent reducing (recorded in the dump's status)
 
     def open_round(self, valid: np.ndarray | None, positions: np.ndarray, batch: int,
                    rows: torch.Tensor | None) -> None:
@@ -54,12 +57,14 @@ class StatsCollector:
         if site == s.BLOCK_SITE and self._previous is not None \
                 and self._previous[0] == layer - 1:
             before = self._previous[1]
+        start = time.perf_counter()
         values = reduce_round(x, dtype, before, self._rows, probes, self._valid,
                               self._positions)
         if site == s.BLOCK_SITE:
             # the next block's update is taken against this output: a copy, since the model
             # may change its tensors in place (a fused residual add)
             self._previous = (layer, x.detach().clone())
+        self.seconds += time.perf_counter() - start
         if values is None:
             return None
         row = np.full(len(self.columns), np.nan)
