@@ -278,3 +278,16 @@ def test_damaged_stats_table_is_refused(tmp_path):
         f[s.STATS_VALUES].attrs[s.ATTR_COLUMNS] = '["n"]'
     with pytest.raises(DumpError, match="column names"):
         DumpReader(file)
+
+
+@pytest.mark.integration
+def test_consistency_mode_on_stats_dumps(tmp_path):
+    """Three cards dumped with --store stats: the odd card out is named from the row samples."""
+    for card in range(3):
+        _dump(str(tmp_path), f"card{card}", "stats", prompts=1,
+              inject=["noise@layer=2,m=0.05"] if card == 1 else ())
+    result = compare_path(str(tmp_path))
+    summary = result.consistency.summary
+    odd = summary[summary["odd"]]
+    assert len(odd) == 1 and odd["source"].iloc[0].startswith("card1")
+    assert int(odd["first_departing_layer"].iloc[0]) == 2
