@@ -4,6 +4,7 @@ length and at about 500 and 2,000 tokens; the time the stats reductions take dur
 (the dump's ``stats_seconds``) against the whole capture.
 
     python bench/store_size.py [--out bench/results/store_size.csv] [--lengths 0,500,2000]
+                               [--stores full,sample:32768,stats]
 
 Each run: SAMPLES prompts (all probed, as the default probes the first 4), greedy generation
 of 8 new tokens, default capture options otherwise. Bytes per sample = file size / SAMPLES.
@@ -26,11 +27,12 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "fixtures"))
 sys.path.insert(0, HERE)
 
+from _models import write_rows  # noqa: E402
+from detect import prompt_ids  # noqa: E402
+
 from srdd_dump import DumpConfig, register_hook  # noqa: E402
 from srdd_dump.format.reader import DumpReader  # noqa: E402
 
-from _models import write_rows  # noqa: E402
-from detect import prompt_ids  # noqa: E402
 from smollm2 import load  # noqa: E402
 
 SAMPLES = 2
@@ -59,6 +61,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.path.join(HERE, "results", "store_size.csv"))
     ap.add_argument("--lengths", default="0,500,2000", help="prompt tokens (0: natural)")
+    ap.add_argument("--stores", default=",".join(STORES))
     args = ap.parse_args()
     model, tokenizer = load("float32")
     rows = []
@@ -66,7 +69,7 @@ def main() -> None:
         ids = prompt_ids(tokenizer, 0, SAMPLES, tokens=length or None)
         tokens = sum(x.shape[1] for x in ids) / len(ids)
         capture(model, ids[:1], "stats")  # warm-up
-        for store in STORES:
+        for store in args.stores.split(","):
             if store == "full" and length > 500:
                 continue  # about 4.6 GB per sample at 2,000 tokens: not written here
             got = capture(model, ids, store)

@@ -257,7 +257,8 @@ def test_stats_dump_without_rows_cannot_be_a_baseline(tmp_path):
 @pytest.mark.integration
 def test_stats_store_from_the_command_line(tmp_path):
     out = str(tmp_path / "dumps")
-    done = run_cli("srdd-dump", "--exec", py("infer_tiny.py", "llama"), "-o", out, "--store", "stats")
+    script = py("infer_tiny.py", "llama")
+    done = run_cli("srdd-dump", "--exec", script, "-o", out, "--store", "stats")
     assert done.returncode == 0, done.stderr
     files = glob.glob(os.path.join(out, "*", "*.h5"))
     with DumpReader(files[0]) as reader:
@@ -265,7 +266,7 @@ def test_stats_store_from_the_command_line(tmp_path):
     report = str(tmp_path / "r.csv")
     done = run_cli("srdd-compare", out, "-o", report)
     assert done.returncode == 0, done.stderr
-    bad = run_cli("srdd-dump", "--exec", py("infer_tiny.py", "llama"), "-o", out, "--store", "stats:x")
+    bad = run_cli("srdd-dump", "--exec", script, "-o", out, "--store", "stats:x")
     assert bad.returncode != 0 and "bad --store" in bad.stderr
     assert "Traceback" not in bad.stderr
 
