@@ -4,7 +4,7 @@ length and at about 500 and 2,000 tokens; the time the stats reductions take dur
 (the dump's ``stats_seconds``) against the whole capture.
 
     python bench/store_size.py [--out bench/results/store_size.csv] [--lengths 0,500,2000]
-                               [--stores full,sample:32768,stats]
+                               [--stores full,sample:32768,stats] [--repeats N]
 
 Each run: SAMPLES prompts (all probed, as the default probes the first 4), greedy generation
 of 8 new tokens, default capture options otherwise. Bytes per sample = file size / SAMPLES.
@@ -17,6 +17,7 @@ import argparse
 import glob
 import os
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -62,6 +63,7 @@ def main() -> None:
     ap.add_argument("--out", default=os.path.join(HERE, "results", "store_size.csv"))
     ap.add_argument("--lengths", default="0,500,2000", help="prompt tokens (0: natural)")
     ap.add_argument("--stores", default=",".join(STORES))
+    ap.add_argument("--repeats", type=int, default=1, help="runs per store, interleaved")
     args = ap.parse_args()
     model, tokenizer = load("float32")
     rows = []
@@ -69,12 +71,20 @@ def main() -> None:
         ids = prompt_ids(tokenizer, 0, SAMPLES, tokens=length or None)
         tokens = sum(x.shape[1] for x in ids) / len(ids)
         capture(model, ids[:1], "stats")  # warm-up
-        for store in args.stores.split(","):
-            if store == "full" and length > 500:
-                continue  # about 4.6 GB per sample at 2,000 tokens: not written here
-            got = capture(model, ids, store)
+        stores = [st for st in args.stores.split(",") if not (st == "full" and length > 500)]
+        runs: dict[str, list[dict]] = {st: [] for st in stores}  # full: ~4.6 GB at 2,000
+        for _ in range(args.repeats):  # interleaved: store A, store B, A, B, ...
+            for store in stores:
+                runs[store].append(capture(model, ids, store))
+        for store in stores:
+            got = runs[store]
             row = {"prompt_tokens": round(tokens), "store": store, "samples": SAMPLES,
-                   "bytes_per_sample": got["bytes"] // SAMPLES, **got}
+                   "bytes_per_sample": got[0]["bytes"] // SAMPLES, "bytes": got[0]["bytes"],
+                   "seconds": statistics.median(g["seconds"] for g in got),
+                   "seconds_all": " ".join(str(g["seconds"]) for g in got),
+                   "stats_seconds": statistics.median(g["stats_seconds"] for g in got)
+                   if store == "stats" else "",
+                   "stats_seconds_all": " ".join(str(g["stats_seconds"]) for g in got)}
             rows.append(row)
             print(row, flush=True)
     write_rows(args.out, rows)
