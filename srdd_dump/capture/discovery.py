@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from fnmatch import fnmatchcase
 from typing import NamedTuple
 
@@ -95,7 +96,14 @@ ACTIVATION = "act"  # element-wise activation modules
 CLIPPING = "act_clip"  # ReLU-like activations: exact zeros and a clip are their healthy output
 CORE = "core"  # the attention core: the input of the attention's output projection
 ROTARY = "rotary"  # the rotary position embedding (cos/sin), often one module for the model
-ROW_WISE = (LINEAR, NORM, ACTIVATION, CLIPPING)
+# Mixture of experts (docs/method.md, "Experts"): the router's logits, the fused experts
+# module's summed output, the routed experts' own outputs (one record per token slot: the
+# "slots" site) and one virtual site per expert, whose rows are the tokens routed to it.
+ROUTER = "router"
+EXPERTS = "experts"
+EXPERT_SLOTS = "expert_slots"
+EXPERT = "expert"
+ROW_WISE = (LINEAR, NORM, ACTIVATION, CLIPPING, ROUTER)
 _CLIPPING_CLASSES = ("ReLU", "ReLU6", "Hardtanh", "Hardsigmoid", "Hardswish", "Threshold",
                      "ReLUSquaredActivation", "ReLUActivation")
 
@@ -105,6 +113,7 @@ class Site(NamedTuple):
     name: str  # qualified module name; the attention core is "<attention>.core"
     module: nn.Module  # the module whose output it is (the core: the output projection)
     role: str
+    expert: int = -1  # an EXPERT site: the expert's index in its fused module
 
 
 def find_sites(
@@ -124,6 +133,53 @@ def find_sites(
                 sites.append(Site(index, f"{block_name}.{name}", module, _role(module)))
     if patterns and not sites:
         raise NoBlocksFound(f"--sublayers {patterns!r} matches no module inside the blocks")
+    return sites + find_moe_sites(blocks)
+
+
+def fused_experts(module: nn.Module) -> int:
+    """The number of experts of a fused experts module (transformers 5's Mixtral/Qwen-MoE/
+    DeepSeek ``experts``: 3-D weights [E, ...] called as ``experts(hidden, top_k_index,
+    top_k_weights)``), else 0."""
+    weights = [p for p in module.parameters(recurse=False) if p.dim() == 3]
+    if not weights or not weights[0].is_floating_point():
+        return 0
+    try:
+        params = list(inspect.signature(module.forward).parameters)
+    except (TypeError, ValueError):
+        return 0
+    if len(params) < 3 or not any("index" in p or "indices" in p for p in params):
+        return 0
+    return int(getattr(module, "num_experts", weights[0].shape[0]))
+
+
+def _router(moe: nn.Module, experts: int) -> tuple[str, nn.Module] | None:
+    """The router of an MoE block: the child whose weight has one row per expert."""
+    for name, child in moe.named_children():
+        weight = getattr(child, "weight", None)
+        if (isinstance(weight, torch.Tensor) and weight.dim() == 2
+                and weight.shape[0] == experts and fused_experts(child) == 0):
+            return name, child
+    return None
+
+
+def find_moe_sites(blocks: list[tuple[str, nn.Module]]) -> list[Site]:
+    """The router, the fused experts, their token slots and one site per expert of every MoE
+    block."""
+    sites = []
+    for index, (block_name, block) in enumerate(blocks):
+        modules = dict(block.named_modules())
+        for name, module in modules.items():
+            n = fused_experts(module) if name else 0
+            if not n:
+                continue
+            parent = name.rsplit(".", 1)[0] if "." in name else ""
+            router = _router(modules[parent], n) if parent in modules else None
+            if router is not None:
+                sites.append(Site(index, f"{block_name}.{parent}.{router[0]}", router[1], ROUTER))
+            full = f"{block_name}.{name}"
+            sites.append(Site(index, full, module, EXPERTS))
+            sites.append(Site(index, f"{full}.slots", module, EXPERT_SLOTS))
+            sites += [Site(index, f"{full}.{e}", module, EXPERT, e) for e in range(n)]
     return sites
 
 
@@ -160,6 +216,8 @@ def find_operators(model: nn.Module, blocks: list[tuple[str, nn.Module]]) -> lis
         for name, module in block.named_modules():
             inside.add(id(module))
             role = operator_role(module) if name else None
+            if role == LINEAR and fused_experts(module):
+                role = None
             if role is not None:
                 sites.append(Site(index, f"{block_name}.{name}", module, role))
             if name.rsplit(".", 1)[-1] in ATTENTION_NAMES:

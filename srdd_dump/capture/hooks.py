@@ -13,6 +13,7 @@ import os
 import socket
 import sys
 import time
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -26,16 +27,22 @@ from . import config as cfg
 from .config import DumpConfig
 from .discovery import (
     CORE,
+    EXPERT,
+    EXPERT_SLOTS,
+    EXPERTS,
     LINEAR,
     ROTARY,
+    ROUTER,
     ROW_WISE,
     Site,
     find_blocks,
 )
+from .experts import Routing, pinned_routing, routing_of
 from .faults import install_faults
 from .host import host_replay
 from .identities import causal_cut, is_causal, scale_replays
 from .model_facts import autocast_dtype, float32_matmul, has_past, input_embedding, sites_of
+from .moe_capture import ExpertCapture
 from .probes import (
     ProbeSpec,
     first_tensor,
@@ -47,45 +54,7 @@ from .probes import (
 )
 from .reductions import ProbeRows
 from .stats_store import StatsCollector
-
-_TORCH_TO_LOGICAL = {
-    torch.float32: "float32",
-    torch.float16: "float16",
-    torch.bfloat16: "bfloat16",
-    torch.float64: "float64",
-}
-
-
-def kept(
-    t: torch.Tensor, positions: torch.Tensor | None, rows: torch.Tensor | None = None
-) -> torch.Tensor:
-    """(batch, ntok, width) view of the kept token positions; with ``rows``, (1, rows, width)
-    of those rows of the flattened (batch * ntok, width) tensor."""
-    t = t.detach()
-    if t.dim() == 2:
-        t = t.unsqueeze(0)
-    elif t.dim() != 3:
-        t = t.reshape(t.shape[0], -1, t.shape[-1])
-    if positions is not None:
-        t = t.index_select(-2, positions.to(t.device))
-    if rows is not None:
-        t = t.reshape(-1, t.shape[-1]).index_select(0, rows.to(t.device)).unsqueeze(0)
-    return t
-
-
-def to_host(
-    t: torch.Tensor, positions: torch.Tensor | None, rows: torch.Tensor | None = None
-) -> tuple[np.ndarray, str]:
-    """Copy the kept part of a hidden state to a numpy array in storage dtype. Always a copy:
-    the user's tensor may be changed in place later."""
-    t = kept(t, positions, rows)
-    logical = _TORCH_TO_LOGICAL.get(t.dtype)
-    if logical is None:
-        t, logical = t.float(), "float32"
-    host = t.to("cpu", copy=True)
-    if logical == "bfloat16":
-        return host.view(torch.int16).numpy().view(np.uint16), logical
-    return host.numpy(), logical
+from .tensors import _TORCH_TO_LOGICAL, kept, to_host
 
 
 def dump_file_name(dump_path: str) -> str:
@@ -126,6 +95,10 @@ class CaptureSession:
         self._causal = {id(m): is_causal(m) for _, m in self.blocks}
         self._causal.update({id(site.module): is_causal(site.module) for site in self.sites})
         self._pending: list[tuple[int, Site, torch.Tensor, tuple, dict]] = []
+        # fused experts modules and the routing each was called with in this round
+        self._experts = [site.module for site in self.sites if site.role == EXPERTS]
+        self._routing: dict[int, Routing] = {}
+        self._moe = ExpertCapture(self) if self._experts else None
         self.host_replays = 0
         self.host_replays_failed = 0
         self.records_dropped = 0
@@ -187,6 +160,8 @@ class CaptureSession:
             self._handles.append(
                 block.register_forward_pre_hook(self._on_module_call, with_kwargs=True))
         for index, site in enumerate(self.sites):
+            if site.role in (EXPERT_SLOTS, EXPERT):  # recorded by their experts site's hook
+                continue
             if site.role == CORE:  # the attention core's output is its output projection's input
                 self._handles.append(site.module.register_forward_pre_hook(
                     self._input_hook(site.layer, index), with_kwargs=True))
@@ -258,6 +233,7 @@ class CaptureSession:
         token_ids, self._token_ids = self._token_ids, None
         self._round = None
         self._caches.clear()
+        self._routing.clear()
         if not isinstance(hidden, torch.Tensor):
             return
         self._width = int(hidden.shape[-1])
@@ -394,6 +370,14 @@ class CaptureSession:
             else:
                 self.records_dropped += 1
 
+    def _as_round(self, t: torch.Tensor) -> torch.Tensor:
+        """A flattened token list (batch * seq, width), as a router or fused experts module
+        gets it, as the round's (batch, seq, width)."""
+        r = self._round
+        if t.dim() == 2 and r.batch > 1 and t.shape[0] == r.batch * r.seq:
+            return t.reshape(r.batch, r.seq, t.shape[-1])
+        return t
+
     def _token_shaped(self, t: torch.Tensor) -> bool:
         """(batch, seq, width) of the round, or (seq, width) for a batch of one: a tensor of
         token rows. Experts that see only their routed tokens, per-head outputs (batch, seq,
@@ -441,6 +425,9 @@ class CaptureSession:
         hidden = first_tensor(output)
         if hidden is None:
             raise TypeError(f"{type(module).__name__} of layer {layer} returned no tensor")
+        role = self.sites[site].role if site >= 0 else "block"
+        if role in (EXPERTS, ROUTER):
+            hidden = self._as_round(hidden)
         if site != schema.BLOCK_SITE and not self._token_shaped(hidden):
             self.records_dropped += 1
             return
@@ -450,6 +437,11 @@ class CaptureSession:
                 self._probe(module, layer, site, args, kwargs, hidden)
         finally:
             self._finish_site(layer, site)
+        if role == EXPERTS:
+            found = routing_of(args, kwargs)
+            if found is not None:
+                self._routing[id(module)] = found[1]
+                self._moe.record(module, layer, site, found[0], found[1])
         if site == schema.BLOCK_SITE and self.step == 0:
             self._progress()
         if last:
@@ -475,11 +467,15 @@ class CaptureSession:
             cut = causal_cut(hidden.shape[-2] if hidden.dim() >= 2 else 1,
                              probe_seed(self.config.seed, self.sample, 0xCA05A1))
         spec = self.probe_spec
+        if role == EXPERTS:  # (T, H) rows and their routing: copies are not stacked
+            spec = replace(spec, batched=False)
         if spec.sigmas or spec.dc or spec.repeats or cut is not None:
             self._replaying = True
             try:
-                outputs, batched = run_probes(module, args, kwargs, hidden, spec,
-                                              self._seeds(layer, site), cache, cut)
+                with pinned_routing(self._experts if role != EXPERTS else [],
+                                    self._routing):
+                    outputs, batched = run_probes(module, args, kwargs, hidden, spec,
+                                                  self._seeds(layer, site), cache, cut)
             except Exception:
                 if self.step == 0:
                     raise
@@ -501,6 +497,8 @@ class CaptureSession:
         """A row-wise operator (linear, norm, activation) is probed on the probe rows of its
         input alone: each output row depends on its input row only."""
         x = first_tensor(args) if args else kwargs.get("hidden_states")
+        if isinstance(x, torch.Tensor) and role == ROUTER:
+            x = self._as_round(x)
         if not isinstance(x, torch.Tensor) or x.shape[:-1] != hidden.shape[:-1]:
             return
         x_rows = kept(x, self._positions, self._rows)
@@ -522,13 +520,15 @@ class CaptureSession:
             self._host_record(module, layer, site, (x_rows,), {}, None, rows=None)
 
     def _add_probes(self, layer, site, outputs, positions, rows) -> None:
+        # a module's own call (rows given) of flattened tokens: as the round's shape first
+        shape = self._as_round if rows is not None else (lambda t: t)
         for p in outputs:
             rms = 0.0
             if p.perturbation is not None:
-                d = kept(p.perturbation, positions, rows).double()
+                d = kept(shape(p.perturbation), positions, rows).double()
                 rms = float(d.pow(2).mean().sqrt())
-            self._append(layer, site, kept(p.output, positions, rows), p.kind, p.probe, p.param,
-                         p.seed, rms)
+            self._append(layer, site, kept(shape(p.output), positions, rows), p.kind,
+                         p.probe, p.param, p.seed, rms)
 
     def _append(self, layer, site, rows_tensor, kind, probe=0, param=0.0, seed=0, pert_rms=0.0,
                 subset=True) -> None:

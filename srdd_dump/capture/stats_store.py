@@ -21,7 +21,7 @@ class StatsCollector:
     def __init__(self, columns: list[str]):
         self.columns = columns
         self._index = {name: i for i, name in enumerate(columns)}
-        self._clean: dict[tuple[int, int], tuple[torch.Tensor, str]] = {}
+        self._clean: dict[tuple[int, int], tuple[torch.Tensor, str, torch.Tensor | None]] = {}
         self._probes: dict[tuple[int, int], list[ProbeRows]] = {}
         self._previous: tuple[int, torch.Tensor] | None = None  # the last block output reduced
         self._valid: torch.Tensor | None = None
@@ -40,8 +40,11 @@ class StatsCollector:
         self._positions = torch.from_numpy(np.tile(np.asarray(positions, np.int64), batch))
         self._rows = rows
 
-    def clean(self, layer: int, site: int, kept: torch.Tensor, dtype: str) -> None:
-        self._clean[(layer, site)] = (kept, dtype)
+    def clean(self, layer: int, site: int, kept: torch.Tensor, dtype: str,
+              valid: torch.Tensor | None = None) -> None:
+        """``valid``: the rows of the round this site has (an expert: the tokens routed to
+        it), on top of the round's own mask."""
+        self._clean[(layer, site)] = (kept, dtype, valid)
 
     def probe(self, layer: int, site: int, p: ProbeRows) -> None:
         self._probes.setdefault((layer, site), []).append(p)
@@ -52,14 +55,18 @@ class StatsCollector:
         found = self._clean.pop((layer, site), None)
         if found is None:
             return None
-        x, dtype = found
+        x, dtype, site_valid = found
+        valid = self._valid
+        if site_valid is not None:
+            site_valid = site_valid.reshape(-1).to("cpu")
+            valid = site_valid if valid is None else valid & site_valid
         before = None
         if site == s.BLOCK_SITE and self._previous is not None \
                 and self._previous[0] == layer - 1:
             before = self._previous[1]
         start = time.perf_counter()
         with torch.inference_mode():  # no autograd bookkeeping: less overhead per torch call
-            values = reduce_round(x, dtype, before, self._rows, probes, self._valid,
+            values = reduce_round(x, dtype, before, self._rows, probes, valid,
                                   self._positions)
         if site == s.BLOCK_SITE:
             # the next block's update is taken against this output: a copy, since the model

@@ -23,7 +23,7 @@ from .results import (
     SKIPPED,
     CompareResult,
 )
-from .signal_reader import SignalTask, chunks, present_keys
+from .signal_reader import SignalTask, chunks, expert_sites, present_keys, with_experts
 from .sources import DumpFile
 
 
@@ -33,7 +33,8 @@ def plan(files: list[DumpFile], jobs: int) -> list[SignalTask]:
         if not f.usable:
             continue
         table = f.records if f.stats_index is None else f.stats_index
-        keys = present_keys(table, stack_input="norm" in f.site_roles)
+        keys = with_experts(present_keys(table, stack_input="norm" in f.site_roles),
+                            expert_sites(f.sites, f.site_roles))
         parts = chunks(table, keys, jobs) if jobs > 1 and len(keys) > 1 else [keys]
         tasks += [SignalTask(n, f.path, part, f.layers, f.sites, f.site_roles)
                   for part in parts]

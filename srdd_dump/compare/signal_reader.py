@@ -13,6 +13,7 @@ from typing import Callable
 
 import numpy as np
 
+from ..analysis.experts import expert_rows, split_route
 from ..analysis.signals import DECODE, LayerSignals, Probe, Signals
 from ..errors import first_line
 from ..format import schema as s
@@ -47,7 +48,8 @@ def run_task(task: SignalTask) -> list[Signals] | str:
         return task.roles[site] if 0 <= site < len(task.roles) else "sublayer"
 
     try:
-        return read_signals(open_reader(task.path), task.keys, module, role)
+        return read_signals(open_reader(task.path), task.keys, module, role,
+                            expert_sites(task.sites, task.roles))
     except READ_ERRORS as exc:
         return f"{task.path}: damaged dump file ({first_line(exc)})"
 
@@ -77,13 +79,45 @@ def _read_group(reader: DumpReader, records: np.ndarray, index: list[int]) -> di
     return out
 
 
+def expert_sites(sites: list[str], roles: list[str]) -> dict[int, list[tuple[int, int]]]:
+    """slots site -> [(expert site, expert index)]: the sites whose records a fused experts
+    module's slots site holds (docs/dump-format.md, "Experts")."""
+    by_name = {name: i for i, name in enumerate(sites)}
+    out: dict[int, list[tuple[int, int]]] = {}
+    for i, (name, role) in enumerate(zip(sites, roles)):
+        if role == "expert":
+            owner, _, expert = name.rpartition(".")
+            slots = by_name.get(owner + ".slots")
+            if slots is not None and expert.isdigit():
+                out.setdefault(slots, []).append((i, int(expert)))
+    return out
+
+
+def with_experts(keys: list[tuple[int, int]], experts: dict[int, list[tuple[int, int]]]
+                 ) -> list[tuple[int, int]]:
+    """``keys`` with every slots site replaced by the expert sites it holds."""
+    out = []
+    for layer, site in keys:
+        if site in experts:
+            out += [(layer, e) for e, _ in experts[site]]
+        else:
+            out.append((layer, site))
+    return out
+
+
 def read_signals(
     reader: DumpReader, keys: list[tuple[int, int]], module: Callable[[int, int], str],
     role: Callable[[int, int], str] | None = None,
+    experts: dict[int, list[tuple[int, int]]] | None = None,
 ) -> list[Signals]:
     """Signals of the (layer, site) ``keys`` of one file, reading it round by round;
-    ``module(layer, site)`` names each, ``role(layer, site)`` says what it is."""
+    ``module(layer, site)`` names each, ``role(layer, site)`` says what it is; ``experts``
+    (``expert_sites``) the expert sites a slots site's records hold."""
     recs = reader.records
+    # expert keys are read from their slots site's records
+    slots_of = {(k[0], e): ((k[0], slots), expert)
+                for slots, members in (experts or {}).items()
+                for k in keys for e, expert in members if k[1] == e}
     by_round = {int(r["round"]): r for r in reader.rounds}
     role = role or (lambda layer, site: "")
     layers = {k: LayerSignals(k[0], k[1], module(*k), role=role(*k)) for k in keys}
@@ -96,7 +130,8 @@ def read_signals(
     if not len(recs) or not keys:
         return [layers[k].result() for k in keys]
     code = _key_code(recs["layer"], recs["site"])
-    want = np.isin(code, _key_code([k[0] for k in keys], [k[1] for k in keys]))
+    read = [slots_of[k][0] if k in slots_of else k for k in keys]
+    want = np.isin(code, _key_code([k[0] for k in read], [k[1] for k in read]))
     block_layers = np.array([k[0] for k in keys if k[1] == s.BLOCK_SITE], dtype=np.int64)
     prev = ((recs["site"] == s.BLOCK_SITE) & (recs["kind"] == s.KIND_CLEAN)
             & np.isin(recs["layer"].astype(np.int64) + 1, block_layers))
@@ -116,6 +151,9 @@ def read_signals(
         groups.setdefault(int(recs["round"][i]), []).append(i)
     width_bytes = recs["nrows"].astype(np.int64) * recs["width"] * 4
     masks = {int(recs["round"][i]): int(i) for i in np.flatnonzero(recs["kind"] == s.KIND_MASK)}
+    holds: dict[tuple[int, int], list[tuple[tuple[int, int], int]]] = {}
+    for key, (slots_key, expert) in slots_of.items():
+        holds.setdefault(slots_key, []).append((key, expert))
 
     for rnd in sorted(groups, key=first.__getitem__):
         row = by_round[rnd]
@@ -139,7 +177,7 @@ def read_signals(
             key = (int(r["layer"]), int(r["site"]))
             if r["site"] == s.BLOCK_SITE and r["kind"] == s.KIND_CLEAN:
                 clean_prev[key[0]] = i
-            if key in layers:
+            if key in layers or key in holds:
                 per_key.setdefault(key, []).append(i)
         batch: list[tuple[int, int]] = []
         size = 0
@@ -148,11 +186,12 @@ def read_signals(
             size += int(width_bytes[per_key[key]].sum())
             if size >= SPAN_BYTES:
                 _round_batch(reader, recs, batch, per_key, clean_prev,
-                             layers if prefill else decode, sample, prow, valid, positions)
+                             layers if prefill else decode, sample, prow, valid, positions,
+                             holds)
                 batch, size = [], 0
         if batch:
             _round_batch(reader, recs, batch, per_key, clean_prev, layers if prefill else decode,
-                         sample, prow, valid, positions)
+                         sample, prow, valid, positions, holds)
     # decode steps run other kernels than the prefill: their own signals, kept apart so that
     # neither phase's evidence is averaged away by the other's rounds
     return [layers[k].result() for k in keys] + [
@@ -178,7 +217,7 @@ def _stats_signals(reader: DumpReader, by_round: dict, layers: dict, decode: dic
 
 
 def _round_batch(reader, recs, batch, per_key, clean_prev, layers, sample, prow, valid=None,
-                 positions=None):
+                 positions=None, holds=None):
     index: list[int] = []
     for key in batch:
         index += per_key[key]
@@ -188,6 +227,10 @@ def _round_batch(reader, recs, batch, per_key, clean_prev, layers, sample, prow,
     with np.errstate(all="ignore"):  # faulty layers hold NaN/Inf/1e38: expected, not noise
         for key in batch:
             mine = per_key[key]
+            if holds and key in holds:
+                _add_experts(reader, recs, mine, data, holds[key], layers, sample, prow, valid,
+                             positions)
+                continue
             clean = [i for i in mine if recs["kind"][i] == s.KIND_CLEAN]
             probes = [_probe(recs[i], data[i]) for i in mine
                       if recs["kind"][i] != s.KIND_CLEAN and int(recs["kind"][i]) in s.KIND_NAMES]
@@ -197,6 +240,41 @@ def _round_batch(reader, recs, batch, per_key, clean_prev, layers, sample, prow,
             for i in clean:
                 layers[key].add(data[i], reader.dtype_of(recs[i]), sample, before, prow,
                                 probes, valid, positions)
+
+
+def _add_experts(reader, recs, mine, data, members, layers, sample, prow, valid, positions
+                 ) -> None:
+    """A slots site's records of one round, as each expert's rows: the tokens routed to it."""
+    kinds = recs["kind"][mine]
+    route = [i for i, k in zip(mine, kinds) if k == s.KIND_ROUTE]
+    clean = [i for i, k in zip(mine, kinds) if k == s.KIND_CLEAN]
+    if not route or not clean:
+        return
+    index, _ = split_route(data[route[0]])
+    slots = data[clean[0]]
+    batch, ntok = slots.shape[:2]
+    k = index.shape[1]
+    width = slots.shape[-1] // max(1, k)
+    dtype = reader.dtype_of(recs[clean[0]])
+    probes = [(recs[i], data[i]) for i, kind in zip(mine, kinds)
+              if kind not in (s.KIND_CLEAN, s.KIND_ROUTE) and int(kind) in s.KIND_NAMES]
+    probe_index = index[prow] if prow is not None and len(prow) else index[:0]
+    flat = slots.reshape(-1, slots.shape[-1])
+    for key, expert in members:
+        if key not in layers:
+            continue
+        rows, routed = expert_rows(flat, index, expert)
+        if not routed.any():
+            continue
+        mine_valid = routed if valid is None else routed & valid
+        own = []
+        for record, array in probes:
+            if len(probe_index) != array.size // array.shape[-1]:
+                continue
+            part, _ = expert_rows(array.reshape(-1, array.shape[-1]), probe_index, expert)
+            own.append(_probe(record, part.reshape(1, -1, width)))
+        layers[key].add(rows.reshape(batch, ntok, width), dtype, sample, None, prow, own,
+                        mine_valid, positions)
 
 
 def _probe(record: np.void, data: np.ndarray) -> Probe:

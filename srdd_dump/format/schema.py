@@ -1,4 +1,4 @@
-"""HDF5 dump schema v3: the single definition shared by the writer and the reader.
+"""HDF5 dump schema v4: the single definition shared by the writer and the reader.
 
 Layout of one file (one per process), all readable with plain h5py:
 
@@ -28,7 +28,8 @@ import numpy as np
 FORMAT_NAME = "srdd-dump"
 # 2: record kinds scale, causal and host (a v1 reader would take them for probe replays); v1
 # files are read as before. 3: /stats (the statistics store); v1 and v2 files are read as before.
-SCHEMA_VERSION = 3
+# 4: mixture-of-experts sites (roles router, experts, expert_slots, expert; KIND_ROUTE).
+SCHEMA_VERSION = 4
 PARTIAL_SUFFIX = ".partial"
 # A file whose write failed half-way (disk full) is renamed to <name>.h5.broken and not read:
 # HDF5 may have recorded data that never reached the disk.
@@ -76,6 +77,10 @@ KIND_MASK = 5
 KIND_SCALE = 6
 KIND_CAUSAL = 7
 KIND_HOST = 8
+# Mixture of experts (schema 4): at a fused experts module's "slots" site, the routing of every
+# kept token row, width 2k: the k expert indices (as floats), then their k weights. The same
+# site's clean and probe records hold each token slot's own expert output (width k * H).
+KIND_ROUTE = 9
 KIND_NAMES = {
     KIND_CLEAN: "clean",
     KIND_GAIN: "gain",
@@ -86,6 +91,7 @@ KIND_NAMES = {
     KIND_SCALE: "scale",
     KIND_CAUSAL: "causal",
     KIND_HOST: "host",
+    KIND_ROUTE: "route",
 }
 
 ROUND_DTYPE = np.dtype(

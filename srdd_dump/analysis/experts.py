@@ -1,0 +1,49 @@
+"""Mixture of experts, from the records of a fused experts module's slots site: each expert's
+own output rows, and the router's statistics (docs/method.md, "Experts")."""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def split_route(route: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(index (T, k) int, weights (T, k)) of a KIND_ROUTE record (..., 2k)."""
+    flat = np.asarray(route, dtype=np.float64).reshape(-1, route.shape[-1])
+    k = flat.shape[1] // 2
+    index = np.where(np.isfinite(flat[:, :k]), flat[:, :k], -1).astype(np.int64)
+    return index, flat[:, k:]
+
+
+def expert_rows(slots: np.ndarray, index: np.ndarray, expert: int
+                ) -> tuple[np.ndarray, np.ndarray]:
+    """(rows (T, H), routed (T,) bool): ``expert``'s output on the tokens routed to it (zeros
+    elsewhere), from slot outputs (T, k * H) and their routing index (T, k)."""
+    tokens, k = index.shape
+    per_slot = np.asarray(slots).reshape(tokens, k, -1)
+    hit = index == expert
+    routed = hit.any(axis=1)
+    slot = np.argmax(hit, axis=1)
+    rows = per_slot[np.arange(tokens), slot]
+    rows = np.where(routed[:, None], rows, 0)
+    return rows, routed
+
+
+def tokens_per_expert(index: np.ndarray, experts: int) -> np.ndarray:
+    """(experts,) how many token slots went to each expert (indices out of range, an
+    expert-parallel slot not on this rank, are not counted)."""
+    flat = index.reshape(-1)
+    flat = flat[(flat >= 0) & (flat < experts)]
+    return np.bincount(flat, minlength=experts)
+
+
+def topk_margin(logits: np.ndarray, k: int) -> np.ndarray:
+    """Per token, the router's probability of its k-th expert minus that of the next one
+    (softmax of the logits): how close the token was to another routing."""
+    x = np.asarray(logits, dtype=np.float64).reshape(-1, logits.shape[-1])
+    if k >= x.shape[1] or not x.size:
+        return np.full(x.shape[0], np.nan)
+    x = x - x.max(axis=1, keepdims=True)
+    p = np.exp(x)
+    p /= p.sum(axis=1, keepdims=True)
+    top = -np.sort(-p, axis=1)
+    return top[:, k - 1] - top[:, k]

@@ -1,0 +1,117 @@
+"""What a capture session records of a fused experts call (docs/dump-format.md, "Experts").
+
+Full store: at the experts' ``slots`` site, the routing of every kept token (KIND_ROUTE:
+the k expert indices, then their k weights) and every token slot's own expert output
+(clean, width k * H), and on the probe rows the slots' probe replays with the routing held
+fixed. Stats store: one row per expert, reduced over the tokens routed to it, with its probe
+replays on the probe rows routed to it.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from ..format import schema
+from ..format.writer import Tensor
+from .discovery import EXPERT, EXPERT_SLOTS
+from .experts import Routing, SlotReplay, expert_rows, slot_outputs
+from .probes import run_probes
+from .reductions import ProbeRows
+from .tensors import _TORCH_TO_LOGICAL, kept, to_host
+
+if TYPE_CHECKING:
+    from .hooks import CaptureSession
+
+
+class ExpertCapture:
+    """The slots and per-expert records of every fused experts module of one session."""
+
+    def __init__(self, session: CaptureSession):
+        self.s = session
+        # site index of a fused experts module -> (its slots site, its expert sites by index)
+        self.sites: dict[int, tuple[int, dict[int, int]]] = {}
+        by_name = {site.name: i for i, site in enumerate(session.sites)}
+        for i, site in enumerate(session.sites):
+            if site.role == EXPERT_SLOTS:
+                experts = by_name.get(site.name[: -len(".slots")])
+                if experts is not None:
+                    self.sites[experts] = (i, {})
+        for i, site in enumerate(session.sites):
+            if site.role == EXPERT:
+                owner = by_name.get(site.name.rsplit(".", 1)[0])
+                if owner in self.sites:
+                    self.sites[owner][1][site.expert] = i
+
+    def record(self, module: nn.Module, layer: int, site: int, hidden: torch.Tensor,
+               routing: Routing) -> None:
+        if site not in self.sites:
+            return
+        s = self.s
+        slots_site, expert_sites = self.sites[site]
+        s._replaying = True
+        try:
+            with torch.no_grad():
+                slots = slot_outputs(module, hidden, routing.index)
+                probes, rows_index = self._probes(module, layer, slots_site, hidden, slots,
+                                                  routing)
+        finally:
+            s._replaying = False
+        if s._stats is not None:
+            self._reduce(layer, expert_sites, slots, routing, probes, rows_index)
+            return
+        route = torch.cat([routing.index.to(torch.float32), routing.weights.to(torch.float32)],
+                          dim=-1)
+        s._add(layer, slots_site, s._as_round(slots))
+        array, _ = to_host(s._as_round(route), s._positions)
+        s._round.tensors.append(Tensor(layer=layer, site=slots_site, array=array,
+                                       dtype="float32", kind=schema.KIND_ROUTE))
+        if probes:
+            s._add_probes(layer, slots_site, probes, None, None)
+
+    def _probes(self, module, layer, slots_site, hidden, slots, routing):
+        """The slots' probe replays on the round's probe rows (row-wise: each token's expert
+        outputs depend on its own row), and those rows' routing index (R, k)."""
+        s = self.s
+        if s._rows is None:
+            return [], None
+        spec = s.probe_spec
+        if not (spec.sigmas or spec.dc or spec.repeats):
+            return [], None
+        x = kept(s._as_round(hidden), s._positions, s._rows)
+        index = kept(s._as_round(routing.index), s._positions, s._rows)[0]
+        recorded = kept(s._as_round(slots), s._positions, s._rows)
+        outputs, _ = run_probes(SlotReplay(module, index), (x,), {}, recorded, spec,
+                                s._seeds(layer, slots_site))
+        return outputs, index
+
+    def _reduce(self, layer, expert_sites, slots, routing, probes, rows_index) -> None:
+        """--store stats: each expert's rows of this call, reduced to its stats row."""
+        s = self.s
+        kept_slots = kept(s._as_round(slots), s._positions)
+        kept_index = kept(s._as_round(routing.index), s._positions)
+        width = kept_slots.shape[-1] // max(1, routing.index.shape[-1])
+        flat_slots = kept_slots.reshape(-1, kept_slots.shape[-1])
+        flat_index = kept_index.reshape(-1, kept_index.shape[-1])
+        dtype = _logical(slots.dtype)
+        for expert, site in expert_sites.items():
+            rows, routed = expert_rows(flat_slots, flat_index, expert)
+            if not bool(routed.any()):
+                continue
+            s._stats.clean(layer, site, rows.reshape(*kept_slots.shape[:-1], width), dtype,
+                           valid=routed)
+            for p in probes:
+                data = p.output.reshape(-1, p.output.shape[-1])
+                mine, _ = expert_rows(data, rows_index, expert)
+                rms = 0.0
+                if p.perturbation is not None:
+                    rms = float(p.perturbation.double().pow(2).mean().sqrt())
+                s._stats.probe(layer, site, ProbeRows(schema.KIND_NAMES[p.kind],
+                                                      float(p.param), int(p.probe), rms, mine))
+            s._finish_site(layer, site)
+
+
+def _logical(dtype: torch.dtype) -> str:
+    return _TORCH_TO_LOGICAL.get(dtype, "float32")
