@@ -255,7 +255,14 @@ def _identity_evidence(sig: Signals, where: str, dtype: str) -> list[Evidence]:
     scale = lower_bound(sig.scale_broken, sig.scale_n) if sig.scale_n else 0.0
     if jitter > 0 and not sig.scale_size > JITTER_MARGIN * jitter:
         scale = 0.0
-    if scale > SUSPECT_RATIO * SCALE_BROKEN:
+    if scale > SUSPECT_RATIO * SCALE_BROKEN and sig.role == "expert":
+        pattern = sig.scale_pattern
+        what = "a fixed offset added" if pattern == OFFSET else "values that vary by row"
+        ev.append(Evidence(
+            "BIAS" if pattern == OFFSET else "NOT_ZERO", scale / SCALE_BROKEN,
+            f"zero input rows give non-zero output on {sig.scale_broken:.2%} of the elements "
+            f"of {where}, a bias-free expert ({what})", secondary=pattern != OFFSET))
+    elif scale > SUSPECT_RATIO * SCALE_BROKEN:
         pattern = sig.scale_pattern
         ev.append(Evidence(
             SCALE_FAMILY.get(pattern, "NOT_LINEAR"), scale / SCALE_BROKEN,

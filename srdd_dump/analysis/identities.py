@@ -56,6 +56,31 @@ def scale_check(ref: np.ndarray, scaled: np.ndarray, k: int, dtype: str) -> Scal
                       relative_distance(scaled[judged], ref[judged]))
 
 
+def zero_check(out: np.ndarray, clean: np.ndarray) -> ScaleCheck:
+    """A bias-free module's output for zero input rows (``out``), which must be exactly 0:
+    the broken elements, their pattern (OFFSET: a constant per broken channel, a bias; else
+    OTHER), and their rms relative to the rms of the module's output ``clean``."""
+    out = out.reshape(-1, out.shape[-1]).astype(np.float64)
+    broken = out != 0
+    n_broken = int(np.count_nonzero(broken))
+    if not n_broken:
+        return ScaleCheck(0, out.size, "")
+    scale = float(np.sqrt(np.mean(np.square(clean.astype(np.float64))))) if clean.size else 0.0
+    size = float(np.sqrt(np.mean(np.square(np.where(np.isfinite(out), out, 0.0)))))
+    return ScaleCheck(n_broken, out.size, zero_pattern(out, broken),
+                      size / scale if scale > 0 else math.inf)
+
+
+def zero_pattern(out: np.ndarray, broken: np.ndarray) -> str:
+    """OFFSET when most broken channels hold one value on every row, else OTHER."""
+    columns = np.flatnonzero(broken.any(axis=0))
+    if out.shape[0] < 2 or not columns.size:
+        return OTHER
+    part = out[:, columns]
+    constant = np.all(part == part[:1], axis=0)
+    return OFFSET if np.count_nonzero(constant) >= 0.5 * columns.size else OTHER
+
+
 def scale_pattern(ref: np.ndarray, scaled: np.ndarray, broken: np.ndarray) -> str:
     """What the broken elements look like:
 

@@ -15,7 +15,13 @@ from typing import NamedTuple
 import numpy as np
 
 from . import array_stats as st
-from .identities import causal_check, channel_distance, relative_distance, scale_check
+from .identities import (
+    causal_check,
+    channel_distance,
+    relative_distance,
+    scale_check,
+    zero_check,
+)
 from .moments import Moments
 
 BLOCK_SITE = -1  # Signals.site of a block's own output (the dump schema's BLOCK_SITE)
@@ -194,6 +200,11 @@ def _identities(out: RoundStats, x_rows: np.ndarray, rows: np.ndarray,
                     worst = (frac, check.judged, check.pattern, check.size)
         if worst[1]:
             out.scale = worst
+    for p in probes:
+        if p.kind == "zero":  # an expert's zero identity: held in the scale fields
+            check = zero_check(st.rows_of(p.data), x_rows[rows])
+            out.scale = (check.broken / check.judged if check.judged else 0.0, check.judged,
+                         check.pattern, check.size)
     refs = [p.data for p in probes if p.kind == "replay"]
     for p in probes:
         if p.kind == "causal" and row_pos is not None:

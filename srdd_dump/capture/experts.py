@@ -61,6 +61,12 @@ def slot_outputs(experts: nn.Module, hidden: torch.Tensor, index: torch.Tensor) 
     return out.reshape(*lead, tokens, k * width)
 
 
+def bias_free(experts: nn.Module) -> bool:
+    """Every parameter is a 3-D expert weight: an expert's output for a zero input is 0."""
+    params = list(experts.parameters())
+    return bool(params) and all(p.dim() == 3 for p in params)
+
+
 class SlotReplay(nn.Module):
     """A module whose output is ``slot_outputs`` of fixed routing rows: the probes replay it
     like any row-wise operator (its input rows perturbed, the routing never re-decided)."""

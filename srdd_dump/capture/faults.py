@@ -40,6 +40,13 @@ dead_zone into a flush-to-zero (h = 0 where |h| < L), saturation into a clamp at
 into a fixed offset h + L. ``phase=decode`` (or ``prefill``) restricts any fault to one-token
 calls (or to the others): a bug in the decode kernel only.
 
+Mixture of experts: ``site=expert:E`` corrupts expert E of the layer's fused experts module
+(one module holding every expert, called as ``experts(hidden, top_k_index, top_k_weights)``):
+its own output on the tokens routed to it, before the routing weight, as a faulty expert
+kernel would; the other experts' shares of the sum are untouched. ``site=router`` corrupts the
+router's logits and re-decides the top-k from them (softmax top-k; the weights normalised
+when the model's were), so a router fault changes the routing as it would on a device.
+
 The random streams of faults come from their own seeded generators: they never touch the user's
 global RNG.
 """
@@ -52,6 +59,8 @@ import torch
 from torch import nn
 
 from ..errors import UserError
+from .discovery import find_moe_sites
+from .experts import routing_of
 from .faultspec import FaultSpec
 
 SITE_NAMES = {
@@ -67,6 +76,8 @@ def fault_site(blocks: list[tuple[str, nn.Module]], model: nn.Module, spec: Faul
     name, block = blocks[spec.layer]
     if spec.site == "block":
         return name, block
+    if spec.site == "router" or spec.site.startswith("expert:"):
+        return _moe_site(name, block, spec)
     children = dict(block.named_children())
     for candidate in SITE_NAMES.get(spec.site, ()):
         if candidate in children:
@@ -76,6 +87,21 @@ def fault_site(blocks: list[tuple[str, nn.Module]], model: nn.Module, spec: Faul
         if path in modules:
             return path, modules[path]
     raise UserError(f"--inject: no site {spec.site!r} in {name} (children: {sorted(children)})")
+
+
+def _moe_site(name: str, block: nn.Module, spec: FaultSpec) -> tuple[str, nn.Module]:
+    sites = find_moe_sites([(name, block)])
+    role = "router" if spec.site == "router" else "experts"
+    found = next((site for site in sites if site.role == role), None)
+    if found is None:
+        raise UserError(f"--inject: {name} has no {role} (site={spec.site} needs a fused "
+                        "mixture-of-experts module)")
+    if role == "experts":
+        count = sum(1 for site in sites if site.role == "expert" and site.module is found.module)
+        expert = spec.site.split(":", 1)[1]
+        if not expert.isdigit() or int(expert) >= count:
+            raise UserError(f"--inject: site={spec.site}: expert must be 0..{count - 1}")
+    return found.name, found.module
 
 
 class _Fault:
@@ -223,6 +249,70 @@ def _mean_of_later(x: torch.Tensor) -> torch.Tensor:
     return later / count.clamp(min=1).unsqueeze(-1)
 
 
+class _ExpertFault(_Fault):
+    """A fault in one expert of a fused experts module: that expert's output on its routed
+    tokens is corrupted, then weighted and added like the others'."""
+
+    def __init__(self, spec: FaultSpec, block: nn.Module):
+        super().__init__(spec)
+        self.expert = int(spec.site.split(":", 1)[1])
+        self.one_token = False  # the block's call is a decode step (one token per sequence)
+        self.block_hook = block.register_forward_pre_hook(self._on_block, with_kwargs=True)
+
+    def _on_block(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        hidden = args[0] if args and isinstance(args[0], torch.Tensor) else kwargs.get(
+            "hidden_states")
+        if isinstance(hidden, torch.Tensor) and hidden.dim() >= 2:
+            self.one_token = hidden.shape[-2] == 1
+
+    def applies(self, h: torch.Tensor) -> bool:
+        phase = self.spec.options.get("phase", "all")
+        return phase == "all" or (self.one_token == (phase == "decode"))
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+        found = routing_of(args, kwargs)
+        if found is None or not isinstance(output, torch.Tensor):
+            return output
+        hidden, routing = found
+        hit = routing.index == self.expert
+        tokens = hit.any(dim=1).nonzero().flatten()
+        if not tokens.numel() or not self.applies(hidden):
+            return output
+        with torch.no_grad():
+            x = hidden[tokens]
+            one = torch.full((x.shape[0], 1), self.expert, dtype=routing.index.dtype,
+                             device=x.device)
+            clean = module.forward(x, one, torch.ones(one.shape, dtype=x.dtype,
+                                                      device=x.device))
+            weight = (routing.weights[tokens] * hit[tokens]).sum(dim=1, keepdim=True)
+            delta = (self.corrupt(clean).to(clean.dtype) - clean) * weight.to(clean.dtype)
+        out = output.clone()
+        out.index_add_(0, tokens, delta.to(out.dtype))
+        return out
+
+
+class _RouterFault(_Fault):
+    """A fault in the router: its logits corrupted and the top-k re-decided from them."""
+
+    def __call__(self, module: nn.Module, args: tuple, output: Any) -> Any:
+        if not (isinstance(output, tuple) and len(output) == 3
+                and all(isinstance(t, torch.Tensor) for t in output)):
+            return super().__call__(module, args, output)
+        logits, weights, index = output
+        if not self.applies(logits):
+            return output
+        bad = self.corrupt(logits)
+        k = index.shape[-1]
+        probs = torch.softmax(bad.float(), dim=-1)
+        top, chosen = torch.topk(probs, k, dim=-1)
+        if torch.allclose(weights.float().sum(dim=-1), torch.ones(()), atol=1e-3):
+            top = top / top.sum(dim=-1, keepdim=True)
+        return bad, top.to(weights.dtype), chosen.to(index.dtype)
+
+    def applies(self, h: torch.Tensor) -> bool:
+        return True if self.spec.options.get("phase", "all") == "all" else super().applies(h)
+
+
 def install_faults(
     model: nn.Module, blocks: list[tuple[str, nn.Module]], specs: list[FaultSpec]
 ) -> tuple[list[Any], list[dict]]:
@@ -230,6 +320,13 @@ def install_faults(
     handles, described = [], []
     for spec in specs:
         name, module = fault_site(blocks, model, spec)
-        handles.append(module.register_forward_hook(_Fault(spec), prepend=True))
+        if spec.site.startswith("expert:"):
+            fault = _ExpertFault(spec, blocks[spec.layer][1])
+            handles.append(fault.block_hook)
+            handles.append(module.register_forward_hook(fault, prepend=True, with_kwargs=True))
+        elif spec.site == "router":
+            handles.append(module.register_forward_hook(_RouterFault(spec), prepend=True))
+        else:
+            handles.append(module.register_forward_hook(_Fault(spec), prepend=True))
         described.append({**spec.describe(), "module": name})
     return handles, described

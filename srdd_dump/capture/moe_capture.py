@@ -17,8 +17,8 @@ from torch import nn
 from ..format import schema
 from ..format.writer import Tensor
 from .discovery import EXPERT, EXPERT_SLOTS
-from .experts import Routing, SlotReplay, expert_rows, slot_outputs
-from .probes import run_probes
+from .experts import Routing, SlotReplay, bias_free, expert_rows, slot_outputs
+from .probes import ProbeOutput, run_probes
 from .reductions import ProbeRows
 from .tensors import _TORCH_TO_LOGICAL, kept, to_host
 
@@ -85,6 +85,13 @@ class ExpertCapture:
         recorded = kept(s._as_round(slots), s._positions, s._rows)
         outputs, _ = run_probes(SlotReplay(module, index), (x,), {}, recorded, spec,
                                 s._seeds(layer, slots_site))
+        if bias_free(module):
+            # zero rows in the same call as the probe rows: a per-call statistic (a range)
+            # sees the real rows too
+            both = slot_outputs(module, torch.cat([x, torch.zeros_like(x)], dim=-2),
+                                torch.cat([index, index]))
+            zero = both[..., x.shape[-2]:, :]
+            outputs.append(ProbeOutput(schema.KIND_ZERO, 0, 0.0, 0, zero, None))
         return outputs, index
 
     def _reduce(self, layer, expert_sites, slots, routing, probes, rows_index) -> None:

@@ -427,6 +427,23 @@ def scale_check(ref: torch.Tensor, scaled: torch.Tensor, k: int, dtype: str
             relative_distance(scaled[judged], ref[judged]))
 
 
+def zero_check(out: torch.Tensor, clean: torch.Tensor) -> tuple[int, int, str, float]:
+    """identities.zero_check: (broken, judged, pattern, size)."""
+    out = out.reshape(-1, out.shape[-1]).double()
+    broken = out != 0
+    n_broken = int(broken.sum())
+    if not n_broken:
+        return 0, out.numel(), "", 0.0
+    scale = float(clean.double().pow(2).mean().sqrt()) if clean.numel() else 0.0
+    size = float(torch.where(torch.isfinite(out), out, 0.0).pow(2).mean().sqrt())
+    columns = broken.any(dim=0).nonzero().flatten()
+    part = out[:, columns]
+    constant = (part == part[:1]).all(dim=0)
+    pattern = ("offset" if out.shape[0] >= 2 and int(constant.sum()) >= 0.5 * columns.numel()
+               else "other")
+    return n_broken, out.numel(), pattern, size / scale if scale > 0 else float("inf")
+
+
 def scale_pattern(ref: torch.Tensor, scaled: torch.Tensor, broken: torch.Tensor) -> str:
     """identities.scale_pattern: zero, clip, offset or other."""
     a, b = ref[broken].to(torch.float64), scaled[broken].to(torch.float64)
@@ -470,6 +487,11 @@ def _identities(out: dict, x: torch.Tensor, rows: torch.Tensor, row_pos, probes,
         if worst[1]:
             out.update(zip(s.SCALE_COLUMNS, (worst[0], worst[1],
                                              s.SCALE_PATTERNS.index(worst[2]), worst[3])))
+    for p in probes:
+        if p.kind == "zero":  # an expert's zero identity: held in the scale columns
+            broken, judged, pattern, size = zero_check(_rows(p.data), x[rows])
+            out.update(zip(s.SCALE_COLUMNS, (broken / judged if judged else 0.0, judged,
+                                             s.SCALE_PATTERNS.index(pattern), size)))
     refs = [p.data for p in probes if p.kind == "replay"]
     for p in probes:
         if p.kind == "causal" and row_pos is not None:

@@ -81,6 +81,9 @@ KIND_HOST = 8
 # kept token row, width 2k: the k expert indices (as floats), then their k weights. The same
 # site's clean and probe records hold each token slot's own expert output (width k * H).
 KIND_ROUTE = 9
+# The zero identity of a bias-free expert (its weights are all it has): the slots' outputs for
+# all-zero input rows, replayed in one call with the probe rows; healthy: exactly 0.
+KIND_ZERO = 10
 KIND_NAMES = {
     KIND_CLEAN: "clean",
     KIND_GAIN: "gain",
@@ -92,6 +95,7 @@ KIND_NAMES = {
     KIND_CAUSAL: "causal",
     KIND_HOST: "host",
     KIND_ROUTE: "route",
+    KIND_ZERO: "zero",
 }
 
 ROUND_DTYPE = np.dtype(
