@@ -6,12 +6,14 @@ from __future__ import annotations
 import numpy as np
 
 
-def split_route(route: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(index (T, k) int, weights (T, k)) of a KIND_ROUTE record (..., 2k)."""
+def split_route(route: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(index (T, k) int, weights (T, k), router margin (T,)) of a KIND_ROUTE record
+    (..., 2k + 1); the margin is NaN where the router's logits were not seen."""
     flat = np.asarray(route, dtype=np.float64).reshape(-1, route.shape[-1])
     k = flat.shape[1] // 2
     index = np.where(np.isfinite(flat[:, :k]), flat[:, :k], -1).astype(np.int64)
-    return index, flat[:, k:]
+    margin = flat[:, 2 * k] if flat.shape[1] > 2 * k else np.full(len(flat), np.nan)
+    return index, flat[:, k:2 * k], margin
 
 
 def expert_rows(slots: np.ndarray, index: np.ndarray, expert: int

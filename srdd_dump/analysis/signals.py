@@ -101,6 +101,10 @@ class Signals:
     causal_size: float = float("nan")  # rms of those moves / rms of the output
     host_red: float = float("nan")  # relative distance to the float64 host replay, worst round
     host_channel_red: float = float("nan")  # the same for the worst channel (identities)
+    # mixture of experts: token rows routed to an expert over every round, and the median
+    # router margin of those tokens (docs/method.md, "Experts")
+    tokens: float = float("nan")
+    topk_margin: float = float("nan")
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -124,6 +128,8 @@ class RoundStats:
     consistency: float = float("nan")
     stuck: float = float("nan")
     lowbits: float = float("nan")
+    rows: float = float("nan")  # token rows seen (after the attention mask)
+    topk_margin: float = float("nan")  # an expert: median router margin of its tokens
     batch_dep: tuple[float, float, float] | None = None
     gains: list[tuple[float, float]] = field(default_factory=list)  # (sigma, std(dO)/rms(dI))
     # per dc probe: (dead, flat_zero, flat_value, probed, low) (the Signals fields)
@@ -153,6 +159,7 @@ def round_stats(
         if not x.size:
             return None
     out = RoundStats(sample=sample, dtype=dtype, moments=Moments().add(x))
+    out.rows = float(x.size // x.shape[-1]) if x.ndim else 0.0
     fin = np.isfinite(x)
     all_finite = bool(fin.all())
     finite = x.reshape(-1) if all_finite else x[fin]
@@ -289,7 +296,7 @@ class LayerSignals:
         self.samples: set[int] = set()
         self.per_sample: dict[str, list[float]] = {
             k: [] for k in ("pileup", "ties", "tie_excess", "offset", "upd", "dce", "cons",
-                            "stuck", "lowbits")
+                            "stuck", "lowbits", "rows", "margin")
         }
         self.gains: dict[float, list[float]] = {}
         self.dc_dead: list[float] = []
@@ -307,11 +314,13 @@ class LayerSignals:
     def add(
         self, x: np.ndarray, dtype: str, sample: int, before: np.ndarray | None,
         rows: np.ndarray | None, probes: list[Probe], valid: np.ndarray | None = None,
-        positions: np.ndarray | None = None,
+        positions: np.ndarray | None = None, topk_margin: float = float("nan"),
     ) -> None:
-        """One clean record and its probes (the arguments of ``round_stats``)."""
+        """One clean record and its probes (the arguments of ``round_stats``); an expert's
+        ``topk_margin`` of the round."""
         stats = round_stats(x, dtype, sample, before, rows, probes, valid, positions)
         if stats is not None:
+            stats.topk_margin = topk_margin
             self.add_round(stats)
 
     def add_round(self, r: RoundStats) -> None:
@@ -323,7 +332,8 @@ class LayerSignals:
         for key, value in (("pileup", r.pileup), ("ties", r.ties), ("tie_excess", r.tie_excess),
                            ("upd", r.update_rms), ("offset", r.offset), ("dce", r.dc_energy),
                            ("cons", r.consistency), ("stuck", r.stuck),
-                           ("lowbits", r.lowbits)):
+                           ("lowbits", r.lowbits), ("rows", r.rows),
+                           ("margin", r.topk_margin)):
             acc[key].append(value)
         if r.scale is not None:
             self.scale.append(r.scale)
@@ -359,6 +369,10 @@ class LayerSignals:
         sig.n_values = int(moments.count)
         sig.nan_count, sig.inf_count = int(moments.nan_count), int(moments.inf_count)
         sig.pileup = st.nanmax(acc["pileup"])
+        if self.sig.role == "expert":
+            rows = np.asarray(acc["rows"], dtype=np.float64)
+            sig.tokens = float(np.nansum(rows)) if np.isfinite(rows).any() else float("nan")
+            sig.topk_margin = med(acc["margin"])
         sig.ties = st.nanmax(acc["ties"])
         sig.tie_excess = st.nanmax(acc["tie_excess"])
         sig.dtype = max(self.dtypes, key=self.dtypes.__getitem__)

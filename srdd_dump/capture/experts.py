@@ -61,6 +61,16 @@ def slot_outputs(experts: nn.Module, hidden: torch.Tensor, index: torch.Tensor) 
     return out.reshape(*lead, tokens, k * width)
 
 
+def topk_margin(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """(T,) per token, the router's softmax probability of its k-th expert minus that of the
+    next one: how close the token came to another routing (analysis.experts.topk_margin)."""
+    p = torch.softmax(logits.detach().float().reshape(-1, logits.shape[-1]), dim=-1)
+    if k >= p.shape[-1]:
+        return torch.full(p.shape[:1], float("nan"), device=p.device)
+    top = torch.topk(p, k + 1, dim=-1).values
+    return top[:, k - 1] - top[:, k]
+
+
 def bias_free(experts: nn.Module) -> bool:
     """Every parameter is a 3-D expert weight: an expert's output for a zero input is 0."""
     params = list(experts.parameters())

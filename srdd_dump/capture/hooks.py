@@ -94,6 +94,16 @@ class CaptureSession:
         self._probing = bool(probes) or self._host
         self._causal = {id(m): is_causal(m) for _, m in self.blocks}
         self._causal.update({id(site.module): is_causal(site.module) for site in self.sites})
+        # a block or sub-block with fused experts is not held to bit-exact causality: a
+        # grouped expert GEMM's rounding of a row depends on its place in its expert's group
+        # (its attention still is)
+        for site in self.sites:
+            if site.role == EXPERTS:
+                around = [self.blocks[site.layer][1]] + [
+                    other.module for other in self.sites if other.layer == site.layer]
+                for module in around:
+                    if any(m is site.module for m in module.modules()):
+                        self._causal[id(module)] = False
         self._pending: list[tuple[int, Site, torch.Tensor, tuple, dict]] = []
         # fused experts modules and the routing each was called with in this round
         self._experts = [site.module for site in self.sites if site.role == EXPERTS]
@@ -427,6 +437,8 @@ class CaptureSession:
             raise TypeError(f"{type(module).__name__} of layer {layer} returned no tensor")
         role = self.sites[site].role if site >= 0 else "block"
         if role in (EXPERTS, ROUTER):
+            if role == ROUTER and self._moe is not None:
+                self._moe.router_output(module, hidden)
             hidden = self._as_round(hidden)
         if site != schema.BLOCK_SITE and not self._token_shaped(hidden):
             self.records_dropped += 1

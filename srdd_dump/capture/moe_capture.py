@@ -16,8 +16,8 @@ from torch import nn
 
 from ..format import schema
 from ..format.writer import Tensor
-from .discovery import EXPERT, EXPERT_SLOTS
-from .experts import Routing, SlotReplay, bias_free, expert_rows, slot_outputs
+from .discovery import EXPERT, EXPERT_SLOTS, ROUTER
+from .experts import Routing, SlotReplay, bias_free, expert_rows, slot_outputs, topk_margin
 from .probes import ProbeOutput, run_probes
 from .reductions import ProbeRows
 from .tensors import _TORCH_TO_LOGICAL, kept, to_host
@@ -44,6 +44,19 @@ class ExpertCapture:
                 owner = by_name.get(site.name.rsplit(".", 1)[0])
                 if owner in self.sites:
                     self.sites[owner][1][site.expert] = i
+        # experts site -> its router site (the router's logits give each token's margin)
+        self.router_of = {}
+        for site in session.sites:
+            if site.role == ROUTER:
+                parent = site.name.rsplit(".", 1)[0]
+                owner = next((j for j in self.sites
+                              if session.sites[j].name.rsplit(".", 1)[0] == parent), None)
+                if owner is not None:
+                    self.router_of[owner] = id(site.module)
+        self.logits: dict[int, torch.Tensor] = {}  # router module -> its logits this round
+
+    def router_output(self, module: nn.Module, logits: torch.Tensor) -> None:
+        self.logits[id(module)] = logits
 
     def record(self, module: nn.Module, layer: int, site: int, hidden: torch.Tensor,
                routing: Routing) -> None:
@@ -51,6 +64,12 @@ class ExpertCapture:
             return
         s = self.s
         slots_site, expert_sites = self.sites[site]
+        logits = self.logits.pop(self.router_of.get(site, -1), None)
+        k = routing.index.shape[-1]
+        if logits is not None and logits.numel() == hidden.shape[0] * logits.shape[-1]:
+            margin = topk_margin(logits, k).unsqueeze(-1)
+        else:
+            margin = torch.full((hidden.shape[0], 1), float("nan"), device=hidden.device)
         s._replaying = True
         try:
             with torch.no_grad():
@@ -60,10 +79,10 @@ class ExpertCapture:
         finally:
             s._replaying = False
         if s._stats is not None:
-            self._reduce(layer, expert_sites, slots, routing, probes, rows_index)
+            self._reduce(layer, expert_sites, slots, routing, probes, rows_index, margin)
             return
-        route = torch.cat([routing.index.to(torch.float32), routing.weights.to(torch.float32)],
-                          dim=-1)
+        route = torch.cat([routing.index.to(torch.float32), routing.weights.to(torch.float32),
+                           margin.to(routing.weights.device, torch.float32)], dim=-1)
         s._add(layer, slots_site, s._as_round(slots))
         array, _ = to_host(s._as_round(route), s._positions)
         s._round.tensors.append(Tensor(layer=layer, site=slots_site, array=array,
@@ -94,7 +113,7 @@ class ExpertCapture:
             outputs.append(ProbeOutput(schema.KIND_ZERO, 0, 0.0, 0, zero, None))
         return outputs, index
 
-    def _reduce(self, layer, expert_sites, slots, routing, probes, rows_index) -> None:
+    def _reduce(self, layer, expert_sites, slots, routing, probes, rows_index, margin) -> None:
         """--store stats: each expert's rows of this call, reduced to its stats row."""
         s = self.s
         kept_slots = kept(s._as_round(slots), s._positions)
@@ -102,6 +121,8 @@ class ExpertCapture:
         width = kept_slots.shape[-1] // max(1, routing.index.shape[-1])
         flat_slots = kept_slots.reshape(-1, kept_slots.shape[-1])
         flat_index = kept_index.reshape(-1, kept_index.shape[-1])
+        flat_margin = kept(s._as_round(margin), s._positions).reshape(-1)
+        valid = s._stats.round_valid()
         dtype = _logical(slots.dtype)
         for expert, site in expert_sites.items():
             rows, routed = expert_rows(flat_slots, flat_index, expert)
@@ -109,6 +130,11 @@ class ExpertCapture:
                 continue
             s._stats.clean(layer, site, rows.reshape(*kept_slots.shape[:-1], width), dtype,
                            valid=routed)
+            mine = routed if valid is None else routed & valid.to(routed.device)
+            margins = flat_margin[mine]
+            margins = margins[torch.isfinite(margins)]
+            if margins.numel():
+                s._stats.extra(layer, site, {"topk_margin": float(margins.median())})
             for p in probes:
                 data = p.output.reshape(-1, p.output.shape[-1])
                 mine, _ = expert_rows(data, rows_index, expert)

@@ -75,6 +75,7 @@ def reduce_round(
     fin = None if all_finite else torch.isfinite(x)
     finite = x.reshape(-1) if all_finite else x[fin]
     out.update(_moments(x, acc, prefix="", all_finite=all_finite))
+    out["rows"] = float(x.shape[0])
     out["pileup"] = pileup(finite)
     distinct = unique_rows(x)  # shared by the tie count and the stuck channels
     out["ties"], out["tie_excess"] = ties(

@@ -23,6 +23,7 @@ class StatsCollector:
         self._index = {name: i for i, name in enumerate(columns)}
         self._clean: dict[tuple[int, int], tuple[torch.Tensor, str, torch.Tensor | None]] = {}
         self._probes: dict[tuple[int, int], list[ProbeRows]] = {}
+        self._extra: dict[tuple[int, int], dict[str, float]] = {}
         self._previous: tuple[int, torch.Tensor] | None = None  # the last block output reduced
         self._valid: torch.Tensor | None = None
         self._positions: torch.Tensor | None = None
@@ -35,6 +36,7 @@ class StatsCollector:
         ``positions`` the kept token positions; ``rows`` the probe rows (None: not probed)."""
         self._clean.clear()
         self._probes.clear()
+        self._extra.clear()
         self._previous = None
         self._valid = None if valid is None else torch.from_numpy(valid.reshape(-1).copy())
         self._positions = torch.from_numpy(np.tile(np.asarray(positions, np.int64), batch))
@@ -45,6 +47,14 @@ class StatsCollector:
         """``valid``: the rows of the round this site has (an expert: the tokens routed to
         it), on top of the round's own mask."""
         self._clean[(layer, site)] = (kept, dtype, valid)
+
+    def round_valid(self) -> torch.Tensor | None:
+        """The round's kept rows (False at padding); None when every row counts."""
+        return self._valid
+
+    def extra(self, layer: int, site: int, values: dict[str, float]) -> None:
+        """Columns of the site's row computed elsewhere (an expert's router margin)."""
+        self._extra[(layer, site)] = values
 
     def probe(self, layer: int, site: int, p: ProbeRows) -> None:
         self._probes.setdefault((layer, site), []).append(p)
@@ -73,8 +83,10 @@ class StatsCollector:
             # may change its tensors in place (a fused residual add)
             self._previous = (layer, x.detach().clone())
         self.seconds += time.perf_counter() - start
+        extra = self._extra.pop((layer, site), {})
         if values is None:
             return None
+        values.update(extra)
         row = np.full(len(self.columns), np.nan)
         for name, value in values.items():
             at = self._index.get(name)

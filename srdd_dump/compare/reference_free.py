@@ -90,11 +90,14 @@ def _diagnose_file(f: DumpFile, signals: list[Signals]) -> tuple[list[dict], lis
         return [], [], ""
     verdicts = diagnose(signals, f.hidden_dtype, n_layers=max(len(f.layers), max(blocks) + 1),
                         compute_dtype=f.compute_dtype)
+    experts = {name: int(name.rsplit(".", 1)[1])
+               for name, role in zip(f.sites, f.site_roles) if role == "expert"}
     rows = []
     for v in verdicts:
         if v.layer in blocks:
             v.module = blocks[v.layer].module
-            rows.append(layer_row(f.source, blocks[v.layer], v, f.rank, f.pid))
+            rows.append(layer_row(f.source, blocks[v.layer], v, f.rank, f.pid,
+                                  experts.get(v.site)))
     shown = {id(g) for g in blocks.values()}
     judged = site_verdicts(verdicts)
     sites = [site_row(f.source, g, f.rank, f.pid, judged.get((g.module, g.phase)))
@@ -113,13 +116,14 @@ def _diagnose_file(f: DumpFile, signals: list[Signals]) -> tuple[list[dict], lis
 
 
 def layer_row(source: str, sig: Signals, verdict: LayerVerdict, rank: int | None = None,
-              pid: int | None = None) -> dict:
-    """A block layer's row: its verdict and its block-level signals."""
+              pid: int | None = None, expert: int | None = None) -> dict:
+    """A block layer's row: its verdict and its block-level signals (``expert``: the expert
+    its site is)."""
     row = {k: v for k, v in sig.as_dict().items() if k in LAYER_COLUMNS}
     row.update(
         source=source, layer=verdict.layer, module=sig.module, score=round(verdict.score, 4),
         verdict=verdict.verdict, diagnosis=verdict.diagnosis, site=verdict.site,
-        evidence=verdict.explain(), rank=rank, pid=pid,
+        expert=expert, evidence=verdict.explain(), rank=rank, pid=pid,
     )
     if not sig.samples:
         row["absmax"] = math.nan
@@ -133,7 +137,8 @@ def site_row(source: str, sig: Signals, rank: int | None = None, pid: int | None
     row = {k: v for k, v in sig.as_dict().items() if k in SITE_COLUMNS}
     score, verdict, labels = judged or (0.0, NORMAL, "")
     row.update(source=source, rank=rank, pid=pid, score=round(score, 4), verdict=verdict,
-               diagnosis=labels)
+               diagnosis=labels,
+               expert=int(sig.module.rsplit(".", 1)[1]) if sig.role == "expert" else None)
     return row
 
 

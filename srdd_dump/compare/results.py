@@ -36,9 +36,12 @@ SIGNAL_COLUMNS = [
     "dtype",
 ]
 # site: the module holding the strongest evidence; evidence: every finding with its strength
-LAYER_COLUMNS = BASE_COLUMNS + SIGNAL_COLUMNS + ["site", "evidence", "rank", "pid"]
-SITE_COLUMNS = (["source", "layer", "module", "role", "phase", "score", "verdict", "diagnosis"]
-                + BASE_COLUMNS[6:] + SIGNAL_COLUMNS + ["rank", "pid"])
+# expert: the expert of a mixture-of-experts layer the site is (blank for other sites)
+LAYER_COLUMNS = BASE_COLUMNS + SIGNAL_COLUMNS + ["site", "expert", "evidence", "rank", "pid"]
+# tokens, topk_margin: an expert's routed tokens and their median router margin
+SITE_COLUMNS = (["source", "layer", "module", "expert", "role", "phase", "score", "verdict",
+                 "diagnosis"] + BASE_COLUMNS[6:] + SIGNAL_COLUMNS
+                + ["tokens", "topk_margin", "rank", "pid"])
 FILE_COLUMNS = ["source", "status", "reason", "rounds", "samples", "layers", "rank", "pid"]
 
 

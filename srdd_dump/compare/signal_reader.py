@@ -250,7 +250,7 @@ def _add_experts(reader, recs, mine, data, members, layers, sample, prow, valid,
     clean = [i for i, k in zip(mine, kinds) if k == s.KIND_CLEAN]
     if not route or not clean:
         return
-    index, _ = split_route(data[route[0]])
+    index, _, margin = split_route(data[route[0]])
     slots = data[clean[0]]
     batch, ntok = slots.shape[:2]
     k = index.shape[1]
@@ -273,8 +273,11 @@ def _add_experts(reader, recs, mine, data, members, layers, sample, prow, valid,
                 continue
             part, _ = expert_rows(array.reshape(-1, array.shape[-1]), probe_index, expert)
             own.append(_probe(record, part.reshape(1, -1, width)))
+        margins = margin[mine_valid]
+        margins = margins[np.isfinite(margins)]
         layers[key].add(rows.reshape(batch, ntok, width), dtype, sample, None, prow, own,
-                        mine_valid, positions)
+                        mine_valid, positions,
+                        float(np.median(margins)) if margins.size else float("nan"))
 
 
 def _probe(record: np.void, data: np.ndarray) -> Probe:

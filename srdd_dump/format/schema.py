@@ -167,7 +167,7 @@ DTYPE_CODES = ("float32", "bfloat16", "float16", "float64")
 # finite values) and the shape signals of analysis.signals.Signals
 MOMENT_COLUMNS = ("n", "mean", "m2", "m3", "m4", "absmax", "zeros", "nan", "inf")
 SHAPE_COLUMNS = ("pileup", "ties", "tie_excess", "update_rms", "offset", "dc_energy",
-                 "consistency", "stuck", "lowbits")
+                 "consistency", "stuck", "lowbits", "rows", "topk_margin")
 BATCH_COLUMNS = ("batch_dep", "batch_dep_level", "batch_dep_moved")
 DIFF_COLUMNS = ("diff_n", "diff_mean", "diff_m2", "diff_m3", "diff_m4")  # repeats' differences
 SCALE_COLUMNS = ("scale_broken", "scale_judged", "scale_pattern", "scale_size")

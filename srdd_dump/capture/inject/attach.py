@@ -22,7 +22,10 @@ def watch_forwards(state: dict) -> None:
         from ..hooks import CaptureSession
 
         try:
-            state["session"] = CaptureSession(module, state["config"])
+            state["session"] = session = CaptureSession(module, state["config"])
+            # this very call started before the session's own pre-hook existed: it gets the
+            # call's keyword arguments (the attention mask of a padded prefill) here
+            session._on_model_call(module, args, _call_kwargs(module))
         except NoBlocksFound as exc:
             # Remember why, and never look at this module or its children again.
             state["no_blocks"] = str(exc)
@@ -34,3 +37,18 @@ def watch_forwards(state: dict) -> None:
         handle.remove()
 
     handle = register_module_forward_pre_hook(on_forward)
+
+
+def _call_kwargs(module: nn.Module) -> dict:
+    """The keyword arguments of the call of ``module`` now starting: a global pre-hook is
+    given only the positional ones, so they are read from torch's calling frame ({} when not
+    found)."""
+    frame = sys._getframe(1)
+    for _ in range(6):
+        frame = frame.f_back
+        if frame is None:
+            break
+        local = frame.f_locals
+        if local.get("self") is module and isinstance(local.get("kwargs"), dict):
+            return local["kwargs"]
+    return {}
