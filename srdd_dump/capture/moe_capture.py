@@ -134,7 +134,9 @@ class ExpertCapture:
             margins = flat_margin[mine]
             margins = margins[torch.isfinite(margins)]
             if margins.numel():
-                s._stats.extra(layer, site, {"topk_margin": float(margins.median())})
+                # numpy's median (the mean of the middle two), as the full store's reader
+                s._stats.extra(layer, site,
+                               {"topk_margin": float(torch.quantile(margins.double(), 0.5))})
             for p in probes:
                 data = p.output.reshape(-1, p.output.shape[-1])
                 mine, _ = expert_rows(data, rows_index, expert)
