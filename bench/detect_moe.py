@@ -14,7 +14,8 @@ limits (the Q-quantile of the expert's |y| on its first call, then fixed), a fix
 noise, bf16 rounding; dense and on 10% of the channels; every decode step only for a few.
 Healthy runs were not used to set any limit: other prompts, bf16, a left-padded batch.
 
-Each case: 2 prompts (a prompt set chosen by the seed), greedy generation of 8 new tokens.
+Each case: 1 prompt (chosen by the seed), greedy generation of 8 new tokens; the experts run
+transformers' eager loop (its default grouped_mm is 2x slower on this CPU).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from detect import prompt_ids, run  # noqa: E402
 
 from moe_models import upcycle_smollm2  # noqa: E402
 
-PLACES = ((3, 1), (14, 0), (25, 3))  # (layer, expert)
+PLACES = ((3, 1), (22, 3))  # (layer, expert)
 TYPES = (  # (case, simulator type and options)
     ("dead_zone", "dead_zone,m=0.3"),  # relative: |y| < 0.3 max|y| of the call
     ("flush", "dead_zone,quantile=0.05"),  # flush-to-zero below a fixed limit
@@ -103,8 +104,9 @@ def main() -> None:
     detect.STORE = args.store
     rows = []
     model, tokenizer = upcycle_smollm2(4, 2)
+    model.config._experts_implementation = "eager"
     for case in cases(args.quick):
-        ids = prompt_ids(tokenizer, case["seed"])
+        ids = prompt_ids(tokenizer, case["seed"], n=1)
         result, seconds = run(model, ids, [case["spec"]], seed=case["seed"])
         row = dict(case, dtype="float32", seconds=round(seconds, 1),
                    **score(result, case["layer"], case["expert"]))
@@ -115,7 +117,10 @@ def main() -> None:
     healthy = [("other prompts", "float32", 11, False), ("left-padded batch", "float32", 12,
                True), ("bf16", "bfloat16", 13, False)]
     for label, dtype, prompt_set, pad in healthy[:1] if args.quick else healthy:
-        m = model if dtype == "float32" else upcycle_smollm2(4, 2, dtype=dtype)[0]
+        m = model
+        if dtype != "float32":
+            m = upcycle_smollm2(4, 2, dtype=dtype)[0]
+            m.config._experts_implementation = "eager"
         ids = prompt_ids(tokenizer, prompt_set, n=3 if pad else 2)
         result, seconds = run(m, ids, [], seed=prompt_set, pad=pad)
         t = result.layers

@@ -13,7 +13,6 @@ import os
 import socket
 import sys
 import time
-from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -470,6 +469,9 @@ class CaptureSession:
         if role in ROW_WISE:
             self._probe_rows(module, layer, site, role, args, kwargs, hidden)
             return
+        if role == EXPERTS:
+            # each expert is probed on its own (moe_capture), the sum within its MLP block
+            return
         idx = self._layer_of(module) if self.step > 0 else None
         cache = self._caches.get(idx) if idx is not None else None
         if self.step > 0 and cache is None and has_past(args, kwargs):
@@ -479,13 +481,10 @@ class CaptureSession:
             cut = causal_cut(hidden.shape[-2] if hidden.dim() >= 2 else 1,
                              probe_seed(self.config.seed, self.sample, 0xCA05A1))
         spec = self.probe_spec
-        if role == EXPERTS:  # (T, H) rows and their routing: copies are not stacked
-            spec = replace(spec, batched=False)
         if spec.sigmas or spec.dc or spec.repeats or cut is not None:
             self._replaying = True
             try:
-                with pinned_routing(self._experts if role != EXPERTS else [],
-                                    self._routing):
+                with pinned_routing(self._experts, self._routing):
                     outputs, batched = run_probes(module, args, kwargs, hidden, spec,
                                                   self._seeds(layer, site), cache, cut)
             except Exception:
