@@ -36,6 +36,7 @@ from .faults import install_faults
 from .host import host_replay
 from .identities import causal_cut, is_causal, scale_replays
 from .model_facts import autocast_dtype, float32_matmul, has_past, input_embedding, sites_of
+from .parallel import TensorParallel, to_local
 from .probes import (
     ProbeSpec,
     first_tensor,
@@ -111,6 +112,8 @@ class CaptureSession:
         self.layer_names = [name for name, _ in self.blocks]
         self.sites = sites_of(model, self.blocks, config)
         self.site_names = [site.name for site in self.sites]
+        self._tp = TensorParallel(model, [m for _, m in self.blocks]
+                                  + [site.module for site in self.sites])
         probes = cfg.parse_probes(config.probes)
         self.probe_spec = ProbeSpec(
             sigmas=tuple(config.sigmas) if "gain" in probes else (),
@@ -260,6 +263,7 @@ class CaptureSession:
         self._caches.clear()
         if not isinstance(hidden, torch.Tensor):
             return
+        hidden = self._tp.local(hidden, "stack input")
         self._width = int(hidden.shape[-1])
         batch = hidden.shape[0] if hidden.dim() >= 3 else 1
         seq = hidden.shape[-2] if hidden.dim() >= 2 else 1
@@ -388,6 +392,8 @@ class CaptureSession:
     def _on_input(self, layer: int, site: int, args: tuple, kwargs: dict) -> None:
         hidden = first_tensor(args) if args else kwargs.get("hidden_states")
         if isinstance(hidden, torch.Tensor):
+            s = self.sites[site]
+            hidden = self._tp.local(hidden, s.name, s.role, s.module, self._width)
             if self._token_shaped(hidden):
                 self._add(layer, site, hidden)
                 self._finish_site(layer, site)
@@ -406,7 +412,7 @@ class CaptureSession:
     def _pending_hook(self, index: int):
         def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
             def keep() -> None:
-                out = first_tensor(output)
+                out = to_local(first_tensor(output))
                 if isinstance(out, torch.Tensor):
                     self._pending = [(index, self.sites[index], out, args, kwargs)]
 
@@ -441,6 +447,11 @@ class CaptureSession:
         hidden = first_tensor(output)
         if hidden is None:
             raise TypeError(f"{type(module).__name__} of layer {layer} returned no tensor")
+        if site == schema.BLOCK_SITE:
+            hidden = self._tp.local(hidden, self.layer_names[layer])
+        else:
+            s = self.sites[site]
+            hidden = self._tp.local(hidden, s.name, s.role, s.module, self._width)
         if site != schema.BLOCK_SITE and not self._token_shaped(hidden):
             self.records_dropped += 1
             return
@@ -462,6 +473,8 @@ class CaptureSession:
         return seeds
 
     def _probe(self, module, layer, site, args, kwargs, hidden) -> None:
+        if not self._tp.may_replay(module):
+            return  # its replay could communicate (tensor parallel): parallel.py says why
         role = self.sites[site].role if site >= 0 else "block"
         if role in ROW_WISE:
             self._probe_rows(module, layer, site, role, args, kwargs, hidden)
@@ -500,7 +513,7 @@ class CaptureSession:
     def _probe_rows(self, module, layer, site, role, args, kwargs, hidden) -> None:
         """A row-wise operator (linear, norm, activation) is probed on the probe rows of its
         input alone: each output row depends on its input row only."""
-        x = first_tensor(args) if args else kwargs.get("hidden_states")
+        x = to_local(first_tensor(args) if args else kwargs.get("hidden_states"))
         if not isinstance(x, torch.Tensor) or x.shape[:-1] != hidden.shape[:-1]:
             return
         x_rows = kept(x, self._positions, self._rows)
@@ -671,6 +684,7 @@ class CaptureSession:
             "sites": self.site_names,
             "site_roles": [site.role for site in self.sites],
             "injected_faults": self.faults,
+            "tensor_parallel": self._tp.meta(),
             "model_config": to_dict() if callable(to_dict) else None,
             "started": time.time(),
         }
@@ -712,6 +726,7 @@ class CaptureSession:
                     "host_replays_failed": self.host_replays_failed,
                     "records_dropped": self.records_dropped,
                     "site_errors": self.site_errors,
+                    **self._tp.status(),
                     **({"stats_seconds": round(self._stats.seconds, 3)}
                        if self._stats is not None else {}),
                 })
