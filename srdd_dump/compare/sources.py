@@ -204,8 +204,12 @@ def inspect(path: str, source: str) -> DumpFile:
     f.capture_notes = capture_notes(source, reader.status)
     tp = reader.meta.get("tensor_parallel")
     sharded = tp.get("sharded_sites") if isinstance(tp, dict) else None
-    if isinstance(sharded, dict):
+    if isinstance(sharded, dict) and sharded:
         f.sharded_layers = {i for i, name in enumerate(f.layers) if name in sharded}
+        f.capture_notes.append(
+            f"{source}: {len(sharded)} sites hold rank {tp.get('rank')}'s part only (tensor "
+            f"parallel over {tp.get('world_size')} ranks; e.g. {next(iter(sharded))}): judged "
+            "on that part")
     f.rounds, f.records = reader.rounds, reader.records
     f.samples = reader.n_samples
     f.clean_blocks = clean_block_records(reader)
