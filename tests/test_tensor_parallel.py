@@ -9,6 +9,8 @@ import os
 import shlex
 import subprocess
 import sys
+import textwrap
+import threading
 
 import numpy as np
 import pandas as pd
@@ -31,6 +33,15 @@ pytestmark = pytest.mark.integration
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3"]
 SCRIPT_ARGS = ["--prompts", "2", "--new-tokens", "4"]
 FAULT = "dead_zone@layer=5,site=block,rank=1,m=0.05"  # on rank 1 only
+# rank 2 of this wrapper may write files of 3 MB at most: its capture stops after a round
+LIMITED = """
+import os, resource, runpy, sys
+if os.environ.get("RANK") == "2":
+    resource.setrlimit(resource.RLIMIT_FSIZE, (3_000_000, 3_000_000))
+sys.argv[0] = {script!r}
+sys.path.insert(0, os.path.dirname({script!r}))
+runpy.run_path({script!r}, run_name="__main__")
+"""
 
 
 def tp_command(*extra: str) -> str:
@@ -126,6 +137,75 @@ def test_a_fault_on_one_rank_is_named_by_the_consistency_table(smollm2_cache, tm
     faults = table[table["verdict"] == "FAULT"]
     assert set(faults["rank_"]) == {1}
     assert faults.sort_values("score", ascending=False)["layer"].iloc[0] == 5
+
+
+@pytest.mark.slow
+def test_lockstep_replays_find_noise_on_one_rank_and_stop_when_a_rank_stops(
+        smollm2_cache, tmp_path):
+    """--tp-replays lockstep probes the tensor-parallel blocks on every rank at once (rank 1's
+    noise shows as instability); when rank 2's capture stops (its file-size limit), the
+    others stop replaying after SRDD_DUMP_TP_TIMEOUT instead of waiting for it forever."""
+    wrapper = tmp_path / "limited.py"
+    wrapper.write_text(textwrap.dedent(LIMITED.format(script=os.path.join(FIXTURES,
+                                                                          "infer_tp.py"))))
+    out = str(tmp_path / "tokens.json")
+    command = shlex.join([*TORCHRUN, str(wrapper), *SCRIPT_ARGS, "--out", out,
+                          "--out-per-rank"])
+    dumps = tmp_path / "dumps"
+    res = run_cli("srdd-dump", "--exec", command, "-o", str(dumps), "--samples", "2",
+                  "--granularity", "block", "--tp-replays", "lockstep",
+                  "--inject", "noise@layer=5,site=block,rank=1,m=0.3",
+                  env={"SRDD_DUMP_TP_TIMEOUT": "5"}, timeout=300)
+    assert res.returncode == 3, res.stderr  # the program ran; rank 2's capture failed
+    assert "file-size limit" in res.stderr
+    tokens = rank_tokens(out)
+    assert tokens[0] == tokens[1] == tokens[2]  # the logits are gathered: the same answers
+    status = {}
+    for path in find_dump_files(str(dumps)):
+        with DumpReader(path) as r:
+            status[r.meta["rank"]] = r.status
+    for rank in (0, 1):
+        assert status[rank]["tp_replays_lockstep"] > 0
+        assert "within 5 s" in status[rank]["tp_lockstep_stopped"]
+        assert status[rank]["tp_replays_skipped"] > 0  # after the stop: clean data only
+
+    report = tmp_path / "report.csv"
+    res = run_cli("srdd-compare", str(dumps), "-o", str(report))
+    assert res.returncode == 0, res.stderr
+    assert "lockstep replays stopped" in res.stderr
+    table = pd.read_csv(report)
+    faults = table[table["verdict"] == "FAULT"]
+    assert faults["source"].str.contains("srdd_rank1_").all()
+    assert faults.sort_values("score", ascending=False)["layer"].iloc[0] == 5
+    assert (faults["diagnosis"] == "NOISE_SOURCE").any()
+
+
+def test_lockstep_agreement_leaves_no_rank_alone():
+    """The store protocol behind --tp-replays lockstep: all arrive -> every rank replays; one
+    never arrives -> nobody does, including a rank that arrives after the others gave up."""
+    from torch.distributed import TCPStore
+
+    master = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+
+    def run(ranks, key, late=None):
+        got = {}
+
+        def one(rank):
+            store = TCPStore("127.0.0.1", master.port, is_master=False)
+            got[rank] = parallel.agree(store, key, 3, 1.0)
+
+        threads = [threading.Thread(target=one, args=(r,)) for r in ranks]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if late is not None:
+            one(late)
+        return got
+
+    assert run([0, 1, 2], "a") == {0: True, 1: True, 2: True}
+    assert run([0, 1], "b", late=2) == {0: False, 1: False, 2: False}
+    assert run([0], "c") == {0: False}
 
 
 # -- DTensor outputs and faults, on a one-rank process group (no torchrun) -----------------

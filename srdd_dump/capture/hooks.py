@@ -9,6 +9,7 @@ value, so the user's program computes exactly what it computes without them.
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import os
 import socket
 import sys
@@ -113,7 +114,7 @@ class CaptureSession:
         self.sites = sites_of(model, self.blocks, config)
         self.site_names = [site.name for site in self.sites]
         self._tp = TensorParallel(model, [m for _, m in self.blocks]
-                                  + [site.module for site in self.sites])
+                                  + [site.module for site in self.sites], config.tp_replays)
         probes = cfg.parse_probes(config.probes)
         self.probe_spec = ProbeSpec(
             sigmas=tuple(config.sigmas) if "gain" in probes else (),
@@ -475,9 +476,12 @@ class CaptureSession:
     def _probe(self, module, layer, site, args, kwargs, hidden) -> None:
         if not self._tp.may_replay(module):
             return  # its replay could communicate (tensor parallel): parallel.py says why
+        spec = self.probe_spec
+        if not self._tp.batched(module):
+            spec = dataclasses.replace(spec, batched=False)
         role = self.sites[site].role if site >= 0 else "block"
         if role in ROW_WISE:
-            self._probe_rows(module, layer, site, role, args, kwargs, hidden)
+            self._probe_rows(module, layer, site, role, args, kwargs, hidden, spec)
             return
         idx = self._layer_of(module) if self.step > 0 else None
         cache = self._caches.get(idx) if idx is not None else None
@@ -487,7 +491,6 @@ class CaptureSession:
         if self.probe_spec.causal and self.step == 0 and self._causal.get(id(module)):
             cut = causal_cut(hidden.shape[-2] if hidden.dim() >= 2 else 1,
                              probe_seed(self.config.seed, self.sample, 0xCA05A1))
-        spec = self.probe_spec
         if spec.sigmas or spec.dc or spec.repeats or cut is not None:
             self._replaying = True
             try:
@@ -507,31 +510,34 @@ class CaptureSession:
             else:
                 self.sequential_replays += 1
             self._add_probes(layer, site, outputs, self._positions, self._rows)
-        if self._host:
+        if self._host and self._tp.may_host_replay(module):
             self._host_record(module, layer, site, args, kwargs, cache)
 
-    def _probe_rows(self, module, layer, site, role, args, kwargs, hidden) -> None:
+    def _probe_rows(self, module, layer, site, role, args, kwargs, hidden, spec) -> None:
         """A row-wise operator (linear, norm, activation) is probed on the probe rows of its
         input alone: each output row depends on its input row only."""
         x = to_local(first_tensor(args) if args else kwargs.get("hidden_states"))
         if not isinstance(x, torch.Tensor) or x.shape[:-1] != hidden.shape[:-1]:
             return
-        x_rows = kept(x, self._positions, self._rows)
-        recorded = kept(hidden, self._positions, self._rows)
-        spec = self.probe_spec
+        # a tensor-parallel module is replayed on its whole recorded input (an all-reduce's
+        # rounding depends on the buffer's shape), the probe rows taken from its outputs
+        rows = (self._positions, self._rows) if not self._tp.batched(module) else None
+        x_rows = x if rows else kept(x, self._positions, self._rows)
+        recorded = hidden if rows else kept(hidden, self._positions, self._rows)
         self._replaying = True
         try:
             if spec.sigmas or spec.dc or spec.repeats:
                 outputs, batched = run_probes(module, (x_rows,), {}, recorded, spec,
                                               self._seeds(layer, site))
-                self._add_probes(layer, site, outputs, None, None)
+                self._add_probes(layer, site, outputs, *(rows or (None, None)))
             if spec.scale and role == LINEAR:
                 with torch.no_grad(), preserved_rng(x.device):
                     for k, y in scale_replays(module, x_rows):
+                        y = kept(y, *rows) if rows else y
                         self._append(layer, site, y, schema.KIND_SCALE, probe=k, param=k)
         finally:
             self._replaying = False
-        if self._host:
+        if self._host and self._tp.may_host_replay(module):
             self._host_record(module, layer, site, (x_rows,), {}, None, rows=None)
 
     def _add_probes(self, layer, site, outputs, positions, rows) -> None:

@@ -15,6 +15,14 @@ Every rank runs the same hooks, but capture itself never issues a collective:
   exact identities (causality, batch independence) would report faults that are not there. So
   under tensor parallelism those modules are not replayed (counted: ``replays_skipped``);
   modules without distributed parameters (norms, activations, rotary tables) still are.
+* ``--tp-replays lockstep`` replays them anyway, on every rank at the same point: before each
+  such replay the ranks agree through the process group's store (no collective), and a rank
+  that does not arrive within ``LOCKSTEP_TIMEOUT`` (its capture stopped) makes every rank stop
+  those replays for good, so the program's own collectives stay paired. Their replays run one
+  input at a time with the recorded shapes, so an all-reduce sums every element in the
+  recorded order and the exact identities hold. Left: a replay that fails on one rank only
+  after it has communicated (out of memory) leaves the others waiting in that collective.
+  Never with ``--reference host``: the float64 copy of a sharded module is not the module.
 * A DTensor output is recorded as its local tensor (``to_local``: no communication). A
   replicated one is the full tensor; a Shard or Partial one is this rank's part, and a plain
   tensor that is a local shard (transformers returns the column-parallel projections'
@@ -27,6 +35,7 @@ Every rank runs the same hooks, but capture itself never issues a collective:
 from __future__ import annotations
 
 import os
+from datetime import timedelta
 from typing import Any, Callable
 
 import torch
@@ -35,6 +44,10 @@ from torch import nn
 from .discovery import CORE, LINEAR, ROTARY
 
 REPLICATED, SHARD, PARTIAL = "replicated", "shard", "partial"
+SKIP, LOCKSTEP = "skip", "lockstep"  # --tp-replays
+LOCKSTEP_TIMEOUT = 120.0  # seconds a rank waits for the others before a lockstep replay
+ENV_TIMEOUT = "SRDD_DUMP_TP_TIMEOUT"  # overrides it
+_GO, _ABANDON = "go", "abandon"
 
 
 def _dtensor_class() -> type | None:
@@ -121,24 +134,94 @@ def _sharded_dim(weight: Any) -> int | None:
     return None
 
 
+def agree(store: Any, key: str, world_size: int, timeout: float) -> bool:
+    """Whether every rank reached ``key`` (each rank calls this once per key): the last to
+    arrive decides "go"; a rank that waits ``timeout`` seconds decides "abandon". The first
+    decision stored wins (compare_set), so every rank, late ones included, gets the same."""
+    decision = key + "/decision"
+    if int(store.add(key, 1)) >= world_size:
+        return _is_go(store.compare_set(decision, "", _GO))
+    try:
+        store.wait([decision], timedelta(seconds=timeout))
+    except Exception:  # noqa: BLE001 (DistStoreError: the wait timed out)
+        return _is_go(store.compare_set(decision, "", _ABANDON))
+    return _is_go(store.get(decision))
+
+
+def _is_go(value: Any) -> bool:
+    return (value.decode() if isinstance(value, bytes) else str(value)) == _GO
+
+
+def _timeout() -> float:
+    try:
+        value = float(os.environ.get(ENV_TIMEOUT, "") or LOCKSTEP_TIMEOUT)
+    except ValueError:
+        return LOCKSTEP_TIMEOUT
+    return value if value > 0 else LOCKSTEP_TIMEOUT
+
+
+def _default_store() -> Any:
+    try:
+        return torch.distributed.distributed_c10d._get_default_store()
+    except Exception:  # noqa: BLE001 (not initialised, or a torch without it)
+        return None
+
+
 class TensorParallel:
     """The tensor-parallel facts of one capture session; inactive (every method a no-op) unless
     the world has more than one rank and the model holds DTensor parameters."""
 
-    def __init__(self, model: nn.Module, modules: list[nn.Module]):
+    def __init__(self, model: nn.Module, modules: list[nn.Module], replays: str = SKIP):
         self.rank, self.world_size = world()
         self.active = self.world_size > 1 and holds_distributed(model)
         self._distributed = (
             {id(m) for m in modules if holds_distributed(m)} if self.active else set())
+        self._store = _default_store() if self.active and replays == LOCKSTEP else None
+        self.lockstep = self._store is not None
+        self.lockstep_stopped = ""  # why lockstep replays stopped
+        self._agreements = 0
+        self._timeout = _timeout()
         self.replays_skipped = 0
+        self.replays_lockstep = 0
+        self.host_replays_skipped = 0
         self.sharded_sites: dict[str, str] = {}
 
     def may_replay(self, module: nn.Module) -> bool:
-        """False (and counted) for a module whose replay could communicate."""
+        """False (and counted) for a module whose replay could communicate, unless the ranks
+        replay in lockstep and all of them are here."""
+        if id(module) not in self._distributed:
+            return True
+        if self.lockstep and self._agree():
+            self.replays_lockstep += 1
+            return True
+        self.replays_skipped += 1
+        return False
+
+    def may_host_replay(self, module: nn.Module) -> bool:
+        """The float64 host copy of a module with distributed parameters is not that module."""
         if id(module) in self._distributed:
-            self.replays_skipped += 1
+            self.host_replays_skipped += 1
             return False
         return True
+
+    def batched(self, module: nn.Module) -> bool:
+        """A lockstep replay runs one input at a time with the recorded shapes (the order an
+        all-reduce sums an element in depends on its offset in the buffer)."""
+        return id(module) not in self._distributed
+
+    def _agree(self) -> bool:
+        n, self._agreements = self._agreements, self._agreements + 1
+        try:
+            ok = agree(self._store, f"srdd_dump/tp_replay/{n}", self.world_size,
+                       self._timeout)
+        except Exception as exc:  # noqa: BLE001 (the store went away)
+            ok, why = False, f"{type(exc).__name__}: {exc}"
+        else:
+            why = f"not every rank reached replay {n} within {self._timeout:g} s"
+        if not ok:
+            self.lockstep = False
+            self.lockstep_stopped = why
+        return ok
 
     def local(self, t: torch.Tensor, name: str, role: str = "", module: nn.Module | None = None,
               width: int = 0) -> torch.Tensor:
@@ -178,7 +261,14 @@ class TensorParallel:
             return None
         return {"world_size": self.world_size, "rank": self.rank,
                 "sharded_sites": dict(self.sharded_sites),
-                "replays": "skipped for modules with distributed parameters"}
+                "replays": LOCKSTEP if self._store is not None else SKIP}
 
     def status(self) -> dict:
-        return {"tp_replays_skipped": self.replays_skipped} if self.active else {}
+        if not self.active:
+            return {}
+        out = {"tp_replays_skipped": self.replays_skipped,
+               "tp_host_replays_skipped": self.host_replays_skipped}
+        if self._store is not None:
+            out.update(tp_replays_lockstep=self.replays_lockstep,
+                       tp_lockstep_stopped=self.lockstep_stopped)
+        return out

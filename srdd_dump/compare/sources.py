@@ -181,10 +181,16 @@ def capture_notes(source: str, status: dict) -> list[str]:
          "not reproduced): their clean data is kept"),
         ("tp_replays_skipped", "replays of tensor-parallel modules were skipped (a replay "
          "would communicate with the other ranks): those modules have clean data only"),
+        ("tp_host_replays_skipped", "host replays of tensor-parallel modules were skipped "
+         "(a float64 copy of one rank's shard is not the module): no float64 reference"),
     ):
         n = status.get(key) if isinstance(status, dict) else None
         if isinstance(n, int) and n > 0:
             notes.append(f"{source}: {n} {what}")
+    stopped = status.get("tp_lockstep_stopped") if isinstance(status, dict) else None
+    if stopped:
+        notes.append(f"{source}: lockstep replays stopped ({stopped}); the tensor-parallel "
+                     "modules' later rounds have clean data only")
     return notes
 
 
