@@ -242,12 +242,18 @@ def test_dtensor_outputs_are_recorded_as_their_local_tensor(mesh, monkeypatch):
     tp = parallel.TensorParallel(model, [model, other])
     assert tp.active and tp.meta()["rank"] == 1 and tp.meta()["world_size"] == 3
     assert not tp.may_replay(model) and tp.may_replay(other)
-    assert tp.status() == {"tp_replays_skipped": 1}
-    # a plain output narrower than the column-parallel map's out_features is its local shard
-    tp.local(torch.randn(1, 5, 4), "q_proj", "linear", model, 8)
+    assert not tp.may_host_replay(model) and tp.may_host_replay(other)
+    assert tp.status() == {"tp_replays_skipped": 1, "tp_host_replays_skipped": 1}
+    # a plain output narrower than the column-parallel map's out_features is its local shard,
+    # and so is an operator's output of that width (an activation between the projections)
+    act = torch.nn.SiLU()
+    tp.local(torch.randn(1, 5, 6), "act_before", "act", act, 8)  # no such width seen yet
+    tp.local(torch.randn(1, 5, 6), "q_proj", "linear", model, 8)
+    tp.local(torch.randn(1, 5, 6), "act", "act", act, 8)
     tp.local(torch.randn(1, 5, 8), "norm", "norm", other, 8)
-    tp.local(torch.randn(1, 5, 4), "rotary", "rotary", None, 8)
-    assert tp.sharded_sites == {"q_proj": "shard"}
+    tp.local(torch.randn(1, 5, 6), "rotary", "rotary", None, 8)
+    tp.local(torch.randn(1, 5, 8), "full", "linear", model, 8)  # FSDP-like: full output
+    assert tp.sharded_sites == {"q_proj": "shard", "act": "shard"}
 
 
 def test_a_fault_on_a_dtensor_output_acts_on_the_local_tensor(mesh):

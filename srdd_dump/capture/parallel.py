@@ -185,6 +185,7 @@ class TensorParallel:
         self.replays_lockstep = 0
         self.host_replays_skipped = 0
         self.sharded_sites: dict[str, str] = {}
+        self._local_widths: set[int] = set()  # widths of column-parallel outputs seen
 
     def may_replay(self, module: nn.Module) -> bool:
         """False (and counted) for a module whose replay could communicate, unless the ranks
@@ -237,23 +238,27 @@ class TensorParallel:
             self.sharded_sites[name] = kind
         return t
 
-    @staticmethod
-    def _is_local_part(t: torch.Tensor, role: str, module: nn.Module | None, width: int) -> bool:
+    def _is_local_part(self, t: torch.Tensor, role: str, module: nn.Module | None,
+                       width: int) -> bool:
         """A plain tensor of a site that is this rank's shard: the output of a column-parallel
         linear map (narrower than its ``out_features``), the input of a row-parallel one (the
-        attention core, narrower than ``in_features``), or any other operator's tensor of
-        another width than the hidden state's (it sits between the two). Rotary tables are
-        computed from the position ids on every rank: replicated."""
+        attention core, narrower than ``in_features``), or another operator's tensor that is
+        not as wide as the hidden state but as wide as a column-parallel output (it sits
+        between the two: the MLP's activation). Rotary tables are computed from the position
+        ids on every rank: replicated. (FSDP's sharded weights give full outputs: none.)"""
         got = int(t.shape[-1]) if t.dim() else 0
         weight = getattr(module, "weight", None)
         dim = _sharded_dim(weight)
         if role == LINEAR and dim is not None:
-            return dim == 0 and got != getattr(module, "out_features", got)
+            local = dim == 0 and got != getattr(module, "out_features", got)
+            if local:
+                self._local_widths.add(got)
+            return local
         if role == CORE and dim is not None:
             return dim == weight.dim() - 1 and got != getattr(module, "in_features", got)
         if not role or role == ROTARY:
             return False
-        return bool(width) and got != width
+        return got != width and got in self._local_widths
 
     def meta(self) -> dict | None:
         """The dump's ``tensor_parallel`` metadata (None when not tensor parallel)."""
