@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from srdd_dump.capture import parallel
+from srdd_dump.capture import lockstep, parallel
 from srdd_dump.capture.faults import _Fault, install_faults
 from srdd_dump.capture.faultspec import parse_fault
 from srdd_dump.errors import UserError
@@ -192,7 +192,7 @@ def test_lockstep_agreement_leaves_no_rank_alone():
 
         def one(rank):
             store = TCPStore("127.0.0.1", master.port, is_master=False)
-            got[rank] = parallel.agree(store, key, 3, 1.0)
+            got[rank] = lockstep.agree(store, key, 3, 1.0)
 
         threads = [threading.Thread(target=one, args=(r,)) for r in ranks]
         for t in threads:

@@ -16,9 +16,9 @@ Every rank runs the same hooks, but capture itself never issues a collective:
   under tensor parallelism those modules are not replayed (counted: ``replays_skipped``);
   modules without distributed parameters (norms, activations, rotary tables) still are.
 * ``--tp-replays lockstep`` replays them anyway, on every rank at the same point: before each
-  such replay the ranks agree through the process group's store (no collective), and a rank
-  that does not arrive within ``LOCKSTEP_TIMEOUT`` (its capture stopped) makes every rank stop
-  those replays for good, so the program's own collectives stay paired. Their replays run one
+  such replay the ranks agree through the process group's store (``lockstep``), and a rank
+  that does not arrive in time (its capture stopped) makes every rank stop those replays for
+  good, so the program's own collectives stay paired. Their replays run one
   input at a time with the recorded shapes, so an all-reduce sums every element in the
   recorded order and the exact identities hold. Left: a replay that fails on one rank only
   after it has communicated (out of memory) leaves the others waiting in that collective.
@@ -35,36 +35,32 @@ Every rank runs the same hooks, but capture itself never issues a collective:
 from __future__ import annotations
 
 import os
-from datetime import timedelta
+import sys
 from typing import Any, Callable
 
 import torch
 from torch import nn
 
 from .discovery import CORE, LINEAR, ROTARY
+from .lockstep import Lockstep
 
 REPLICATED, SHARD, PARTIAL = "replicated", "shard", "partial"
 SKIP, LOCKSTEP = "skip", "lockstep"  # --tp-replays
-LOCKSTEP_TIMEOUT = 120.0  # seconds a rank waits for the others before a lockstep replay
-ENV_TIMEOUT = "SRDD_DUMP_TP_TIMEOUT"  # overrides it
-_GO, _ABANDON = "go", "abandon"
 
 
 def _dtensor_class() -> type | None:
-    for where in ("torch.distributed.tensor", "torch.distributed._tensor"):  # torch >= 2.4, older
-        try:
-            module = __import__(where, fromlist=["DTensor"])
-            return module.DTensor
-        except Exception:  # noqa: BLE001 (no distributed support in this build)
-            continue
+    """DTensor, when the program has imported it (importing it costs 0.5 s; a program without
+    it has no DTensor)."""
+    for name in ("torch.distributed.tensor", "torch.distributed._tensor"):  # torch >= 2.4, older
+        cls = getattr(sys.modules.get(name), "DTensor", None)
+        if cls is not None:
+            return cls
     return None
 
 
-_DTENSOR = _dtensor_class()
-
-
 def is_dtensor(value: Any) -> bool:
-    return _DTENSOR is not None and isinstance(value, _DTENSOR)
+    cls = _dtensor_class()
+    return cls is not None and isinstance(value, cls)
 
 
 def layout(t: torch.Tensor) -> str:
@@ -134,39 +130,6 @@ def _sharded_dim(weight: Any) -> int | None:
     return None
 
 
-def agree(store: Any, key: str, world_size: int, timeout: float) -> bool:
-    """Whether every rank reached ``key`` (each rank calls this once per key): the last to
-    arrive decides "go"; a rank that waits ``timeout`` seconds decides "abandon". The first
-    decision stored wins (compare_set), so every rank, late ones included, gets the same."""
-    decision = key + "/decision"
-    if int(store.add(key, 1)) >= world_size:
-        return _is_go(store.compare_set(decision, "", _GO))
-    try:
-        store.wait([decision], timedelta(seconds=timeout))
-    except Exception:  # noqa: BLE001 (DistStoreError: the wait timed out)
-        return _is_go(store.compare_set(decision, "", _ABANDON))
-    return _is_go(store.get(decision))
-
-
-def _is_go(value: Any) -> bool:
-    return (value.decode() if isinstance(value, bytes) else str(value)) == _GO
-
-
-def _timeout() -> float:
-    try:
-        value = float(os.environ.get(ENV_TIMEOUT, "") or LOCKSTEP_TIMEOUT)
-    except ValueError:
-        return LOCKSTEP_TIMEOUT
-    return value if value > 0 else LOCKSTEP_TIMEOUT
-
-
-def _default_store() -> Any:
-    try:
-        return torch.distributed.distributed_c10d._get_default_store()
-    except Exception:  # noqa: BLE001 (not initialised, or a torch without it)
-        return None
-
-
 class TensorParallel:
     """The tensor-parallel facts of one capture session; inactive (every method a no-op) unless
     the world has more than one rank and the model holds DTensor parameters."""
@@ -176,11 +139,8 @@ class TensorParallel:
         self.active = self.world_size > 1 and holds_distributed(model)
         self._distributed = (
             {id(m) for m in modules if holds_distributed(m)} if self.active else set())
-        self._store = _default_store() if self.active and replays == LOCKSTEP else None
-        self.lockstep = self._store is not None
-        self.lockstep_stopped = ""  # why lockstep replays stopped
-        self._agreements = 0
-        self._timeout = _timeout()
+        self._lockstep = (Lockstep.start(self.world_size)
+                          if self.active and replays == LOCKSTEP else None)
         self.replays_skipped = 0
         self.replays_lockstep = 0
         self.host_replays_skipped = 0
@@ -192,7 +152,7 @@ class TensorParallel:
         replay in lockstep and all of them are here."""
         if id(module) not in self._distributed:
             return True
-        if self.lockstep and self._agree():
+        if self._lockstep is not None and self._lockstep.agree():
             self.replays_lockstep += 1
             return True
         self.replays_skipped += 1
@@ -209,20 +169,6 @@ class TensorParallel:
         """A lockstep replay runs one input at a time with the recorded shapes (the order an
         all-reduce sums an element in depends on its offset in the buffer)."""
         return id(module) not in self._distributed
-
-    def _agree(self) -> bool:
-        n, self._agreements = self._agreements, self._agreements + 1
-        try:
-            ok = agree(self._store, f"srdd_dump/tp_replay/{n}", self.world_size,
-                       self._timeout)
-        except Exception as exc:  # noqa: BLE001 (the store went away)
-            ok, why = False, f"{type(exc).__name__}: {exc}"
-        else:
-            why = f"not every rank reached replay {n} within {self._timeout:g} s"
-        if not ok:
-            self.lockstep = False
-            self.lockstep_stopped = why
-        return ok
 
     def local(self, t: torch.Tensor, name: str, role: str = "", module: nn.Module | None = None,
               width: int = 0) -> torch.Tensor:
@@ -266,14 +212,14 @@ class TensorParallel:
             return None
         return {"world_size": self.world_size, "rank": self.rank,
                 "sharded_sites": dict(self.sharded_sites),
-                "replays": LOCKSTEP if self._store is not None else SKIP}
+                "replays": LOCKSTEP if self._lockstep is not None else SKIP}
 
     def status(self) -> dict:
         if not self.active:
             return {}
         out = {"tp_replays_skipped": self.replays_skipped,
                "tp_host_replays_skipped": self.host_replays_skipped}
-        if self._store is not None:
+        if self._lockstep is not None:
             out.update(tp_replays_lockstep=self.replays_lockstep,
-                       tp_lockstep_stopped=self.lockstep_stopped)
+                       tp_lockstep_stopped=self._lockstep.stopped)
         return out
