@@ -72,6 +72,10 @@ def dump(
     inject: list[str] = typer.Option([], "--inject", help="Simulated fault, e.g. "
                                      "'dead_zone@layer=10,m=0.3,sparsity=0.1,site=mlp' "
                                      "(repeatable)."),
+    tp_replays: str = typer.Option(D.tp_replays, "--tp-replays", help="Tensor parallel: skip "
+                                   "(never replay a module with sharded weights: a replay "
+                                   "communicates) or lockstep (replay it on every rank at "
+                                   "once, agreed through the process group's store)."),
     batch_probes: bool = typer.Option(D.batch_probes, "--batch-probes/--no-batch-probes",
                                       help="Replay perturbed inputs in one batched call."),
     min_free_gb: float = typer.Option(MIN_FREE_GB, "--min-free-gb", help="Refuse to start when the "
@@ -93,7 +97,8 @@ def dump(
             probe_samples=probe_samples, sigmas=list(sigma), draws=draws, dc=list(dc),
             repeats=repeats, granularity=granularity, sublayers=sublayers, store=store,
             reference=reference,
-            inject=list(inject), batch_probes=batch_probes, progress=not quiet,
+            inject=list(inject), batch_probes=batch_probes, tp_replays=tp_replays,
+            progress=not quiet,
         )
         result = run_exec(exec_, config, min_free_gb=min_free_gb)
     except UserError as exc:

@@ -9,9 +9,9 @@ import subprocess
 
 import pytest
 import torch
-from moe_models import ARCHS, blocks_path, build, experts_modules, upcycle_smollm2
 
 from capture_utils import FIXTURES, py
+from moe_models import ARCHS, blocks_path, build, experts_modules, upcycle_smollm2
 
 pytestmark = pytest.mark.integration
 

@@ -38,6 +38,9 @@ class DumpConfig:
         (probe outputs on every row), or "stats[:R]": no tensors but the statistics the
         reference-free diagnosis needs, reduced on the device, and R seeded rows (default 2)
         of every block output for the baseline mode (docs/dump-format.md).
+    tp_replays: under tensor parallelism, "skip" (never replay a module with distributed
+        parameters: its replay would communicate) or "lockstep" (replay it on every rank at
+        the same point, agreed through the process group's store; capture/parallel.py).
     """
 
     dump_path: str = "srdd_dumps"
@@ -59,6 +62,7 @@ class DumpConfig:
     store: str = "sample:32768"
     inject: list = field(default_factory=list)
     batch_probes: bool = True
+    tp_replays: str = "skip"
     progress: bool = True
     command: str | None = None
 
@@ -76,6 +80,9 @@ class DumpConfig:
         if self.reference not in REFERENCES:
             raise UserError(f"reference must be one of {', '.join(REFERENCES)}, "
                             f"got {self.reference!r}")
+        if self.tp_replays not in TP_REPLAYS:
+            raise UserError(f"tp_replays must be one of {', '.join(TP_REPLAYS)}, "
+                            f"got {self.tp_replays!r}")
         if self.probe_samples < 0:
             raise UserError(f"probe_samples must be >= 0, got {self.probe_samples}")
         if self.draws < 0 or self.repeats < 0:
@@ -163,6 +170,7 @@ def token_positions(parts: list[slice | int] | None, seq: int) -> list[int]:
 PROBE_NAMES = ("gain", "dc", "repeat", "scale", "causal")
 GRANULARITIES = ("block", "sublayer", "op")
 REFERENCES = ("none", "host")
+TP_REPLAYS = ("skip", "lockstep")
 
 
 def parse_probes(spec: str) -> set[str]:

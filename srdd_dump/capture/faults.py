@@ -38,7 +38,10 @@ Element-wise absolute limits, as a device's number format makes them: ``limit=L`
 ``quantile=Q`` (L = the Q-quantile of |h| on the fault's first call, then fixed) turns
 dead_zone into a flush-to-zero (h = 0 where |h| < L), saturation into a clamp at +-L and bias
 into a fixed offset h + L. ``phase=decode`` (or ``prefill``) restricts any fault to one-token
-calls (or to the others): a bug in the decode kernel only.
+calls (or to the others): a bug in the decode kernel only. ``rank=R`` installs the fault only in
+the process whose RANK (else LOCAL_RANK) is R: one faulty card of a multi-process run. Under
+tensor parallelism a fault acts on what the module returns on its rank (a DTensor: its local
+tensor, statistics included), so no fault ever communicates.
 
 Mixture of experts: ``site=expert:E`` corrupts expert E of the layer's fused experts module
 (one module holding every expert, called as ``experts(hidden, top_k_index, top_k_weights)``):
@@ -62,6 +65,7 @@ from ..errors import UserError
 from .discovery import find_moe_sites
 from .experts import routing_of
 from .faultspec import FaultSpec
+from .parallel import env_rank, map_local
 
 SITE_NAMES = {
     "attn": ("self_attn", "attn", "attention", "self_attention"),
@@ -232,11 +236,11 @@ class _Fault:
 
     def __call__(self, module: nn.Module, args: tuple, output: Any) -> Any:
         if isinstance(output, torch.Tensor):
-            return self.corrupt(output) if self.applies(output) else output
+            return map_local(output, self.corrupt) if self.applies(output) else output
         if isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor):
             if not self.applies(output[0]):
                 return output
-            return (self.corrupt(output[0]), *output[1:])
+            return (map_local(output[0], self.corrupt), *output[1:])
         return output
 
 
@@ -316,10 +320,13 @@ class _RouterFault(_Fault):
 def install_faults(
     model: nn.Module, blocks: list[tuple[str, nn.Module]], specs: list[FaultSpec]
 ) -> tuple[list[Any], list[dict]]:
-    """Register the fault hooks; returns (handles, descriptions for the dump metadata)."""
+    """Register the fault hooks; returns (handles, descriptions for the dump metadata). A fault
+    with ``rank=R`` is installed (and described) only in the process of rank R."""
     handles, described = [], []
     for spec in specs:
         name, module = fault_site(blocks, model, spec)
+        if "rank" in spec.options and int(spec.options["rank"]) != env_rank():
+            continue
         if spec.site.startswith("expert:"):
             fault = _ExpertFault(spec, blocks[spec.layer][1])
             handles.append(fault.block_hook)

@@ -59,6 +59,9 @@ def parse_fault(text: str) -> FaultSpec:
         raise UserError(f"--inject {text!r}: scope must be batch or sample")
     if spec.options.get("phase", "all") not in ("all", "prefill", "decode"):
         raise UserError(f"--inject {text!r}: phase must be all, prefill or decode")
+    rank = spec.options.get("rank")
+    if rank is not None and not (rank.isdigit()):
+        raise UserError(f"--inject {text!r}: rank must be a process rank (0, 1, ...)")
     for key in ("limit", "quantile"):
         if key in spec.options:
             try:

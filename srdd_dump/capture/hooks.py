@@ -9,6 +9,7 @@ value, so the user's program computes exactly what it computes without them.
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import os
 import socket
 import sys
@@ -42,6 +43,7 @@ from .host import host_replay
 from .identities import causal_cut, is_causal, scale_replays
 from .model_facts import autocast_dtype, float32_matmul, has_past, input_embedding, sites_of
 from .moe_capture import ExpertCapture
+from .parallel import TensorParallel, to_local
 from .probes import (
     ProbeSpec,
     first_tensor,
@@ -79,6 +81,8 @@ class CaptureSession:
         self.layer_names = [name for name, _ in self.blocks]
         self.sites = sites_of(model, self.blocks, config)
         self.site_names = [site.name for site in self.sites]
+        self._tp = TensorParallel(model, [m for _, m in self.blocks]
+                                  + [site.module for site in self.sites], config.tp_replays)
         probes = cfg.parse_probes(config.probes)
         self.probe_spec = ProbeSpec(
             sigmas=tuple(config.sigmas) if "gain" in probes else (),
@@ -245,6 +249,7 @@ class CaptureSession:
         self._routing.clear()
         if not isinstance(hidden, torch.Tensor):
             return
+        hidden = self._tp.local(hidden, "stack input")
         self._width = int(hidden.shape[-1])
         batch = hidden.shape[0] if hidden.dim() >= 3 else 1
         seq = hidden.shape[-2] if hidden.dim() >= 2 else 1
@@ -373,6 +378,8 @@ class CaptureSession:
     def _on_input(self, layer: int, site: int, args: tuple, kwargs: dict) -> None:
         hidden = first_tensor(args) if args else kwargs.get("hidden_states")
         if isinstance(hidden, torch.Tensor):
+            s = self.sites[site]
+            hidden = self._tp.local(hidden, s.name, s.role, s.module, self._width)
             if self._token_shaped(hidden):
                 self._add(layer, site, hidden)
                 self._finish_site(layer, site)
@@ -399,7 +406,7 @@ class CaptureSession:
     def _pending_hook(self, index: int):
         def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
             def keep() -> None:
-                out = first_tensor(output)
+                out = to_local(first_tensor(output))
                 if isinstance(out, torch.Tensor):
                     self._pending = [(index, self.sites[index], out, args, kwargs)]
 
@@ -434,6 +441,11 @@ class CaptureSession:
         hidden = first_tensor(output)
         if hidden is None:
             raise TypeError(f"{type(module).__name__} of layer {layer} returned no tensor")
+        if site == schema.BLOCK_SITE:
+            hidden = self._tp.local(hidden, self.layer_names[layer])
+        else:
+            s = self.sites[site]
+            hidden = self._tp.local(hidden, s.name, s.role, s.module, self._width)
         role = self.sites[site].role if site >= 0 else "block"
         if role in (EXPERTS, ROUTER):
             if role == ROUTER and self._moe is not None:
@@ -465,9 +477,14 @@ class CaptureSession:
         return seeds
 
     def _probe(self, module, layer, site, args, kwargs, hidden) -> None:
+        if not self._tp.may_replay(module):
+            return  # its replay could communicate (tensor parallel): parallel.py says why
+        spec = self.probe_spec
+        if not self._tp.batched(module):
+            spec = dataclasses.replace(spec, batched=False)
         role = self.sites[site].role if site >= 0 else "block"
         if role in ROW_WISE:
-            self._probe_rows(module, layer, site, role, args, kwargs, hidden)
+            self._probe_rows(module, layer, site, role, args, kwargs, hidden, spec)
             return
         if role == EXPERTS:
             # each expert is probed on its own (moe_capture), the sum within its MLP block
@@ -480,7 +497,6 @@ class CaptureSession:
         if self.probe_spec.causal and self.step == 0 and self._causal.get(id(module)):
             cut = causal_cut(hidden.shape[-2] if hidden.dim() >= 2 else 1,
                              probe_seed(self.config.seed, self.sample, 0xCA05A1))
-        spec = self.probe_spec
         if spec.sigmas or spec.dc or spec.repeats or cut is not None:
             self._replaying = True
             try:
@@ -501,33 +517,36 @@ class CaptureSession:
             else:
                 self.sequential_replays += 1
             self._add_probes(layer, site, outputs, self._positions, self._rows)
-        if self._host:
+        if self._host and self._tp.may_host_replay(module):
             self._host_record(module, layer, site, args, kwargs, cache)
 
-    def _probe_rows(self, module, layer, site, role, args, kwargs, hidden) -> None:
+    def _probe_rows(self, module, layer, site, role, args, kwargs, hidden, spec) -> None:
         """A row-wise operator (linear, norm, activation) is probed on the probe rows of its
         input alone: each output row depends on its input row only."""
-        x = first_tensor(args) if args else kwargs.get("hidden_states")
+        x = to_local(first_tensor(args) if args else kwargs.get("hidden_states"))
         if isinstance(x, torch.Tensor) and role == ROUTER:
             x = self._as_round(x)
         if not isinstance(x, torch.Tensor) or x.shape[:-1] != hidden.shape[:-1]:
             return
-        x_rows = kept(x, self._positions, self._rows)
-        recorded = kept(hidden, self._positions, self._rows)
-        spec = self.probe_spec
+        # a tensor-parallel module is replayed on its whole recorded input (an all-reduce's
+        # rounding depends on the buffer's shape), the probe rows taken from its outputs
+        rows = (self._positions, self._rows) if not self._tp.batched(module) else None
+        x_rows = x if rows else kept(x, self._positions, self._rows)
+        recorded = hidden if rows else kept(hidden, self._positions, self._rows)
         self._replaying = True
         try:
             if spec.sigmas or spec.dc or spec.repeats:
                 outputs, batched = run_probes(module, (x_rows,), {}, recorded, spec,
                                               self._seeds(layer, site))
-                self._add_probes(layer, site, outputs, None, None)
+                self._add_probes(layer, site, outputs, *(rows or (None, None)))
             if spec.scale and role == LINEAR:
                 with torch.no_grad(), preserved_rng(x.device):
                     for k, y in scale_replays(module, x_rows):
+                        y = kept(y, *rows) if rows else y
                         self._append(layer, site, y, schema.KIND_SCALE, probe=k, param=k)
         finally:
             self._replaying = False
-        if self._host:
+        if self._host and self._tp.may_host_replay(module):
             self._host_record(module, layer, site, (x_rows,), {}, None, rows=None)
 
     def _add_probes(self, layer, site, outputs, positions, rows) -> None:
@@ -682,6 +701,7 @@ class CaptureSession:
             "sites": self.site_names,
             "site_roles": [site.role for site in self.sites],
             "injected_faults": self.faults,
+            "tensor_parallel": self._tp.meta(),
             "model_config": to_dict() if callable(to_dict) else None,
             "started": time.time(),
         }
@@ -723,6 +743,7 @@ class CaptureSession:
                     "host_replays_failed": self.host_replays_failed,
                     "records_dropped": self.records_dropped,
                     "site_errors": self.site_errors,
+                    **self._tp.status(),
                     **({"stats_seconds": round(self._stats.seconds, 3)}
                        if self._stats is not None else {}),
                 })

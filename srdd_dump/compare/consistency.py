@@ -59,7 +59,9 @@ def plan(files: list[DumpFile], thresholds: Thresholds | None = None
             continue
         keys = sorted(common, key=lambda k: members[0].rounds[k])
         limits = thresholds.limits(*_least_precise(members))
-        layers = list(range(len(members[0].layers)))
+        # tensor parallel: a block whose output is each rank's own part differs by design
+        sharded = set().union(*(m.file.sharded_layers for m in members))
+        layers = [i for i in range(len(members[0].layers)) if i not in sharded]
         if all(any(k[1] == s.STACK_INPUT for k in m.records) for m in members):
             layers = [s.STACK_INPUT] + layers
         for layer in layers:

@@ -54,6 +54,8 @@ class DumpFile:
     compute_dtype: str = ""  # autocast dtype the model ran under ("" when none)
     data_dtypes: list[str] = field(default_factory=list)  # logical dtype of each /data set
     samples: int = 0
+    sharded_layers: set[int] = field(default_factory=set)  # tensor parallel: blocks whose
+    # output is this rank's part only (meta tensor_parallel.sharded_sites)
 
     @property
     def usable(self) -> bool:
@@ -177,10 +179,18 @@ def capture_notes(source: str, status: dict) -> list[str]:
         ("site_errors", "sub-layer or operator captures failed and were skipped"),
         ("decode_replays_skipped", "decode steps could not be replayed (a KV cache layout "
          "not reproduced): their clean data is kept"),
+        ("tp_replays_skipped", "replays of tensor-parallel modules were skipped (a replay "
+         "would communicate with the other ranks): those modules have clean data only"),
+        ("tp_host_replays_skipped", "host replays of tensor-parallel modules were skipped "
+         "(a float64 copy of one rank's shard is not the module): no float64 reference"),
     ):
         n = status.get(key) if isinstance(status, dict) else None
         if isinstance(n, int) and n > 0:
             notes.append(f"{source}: {n} {what}")
+    stopped = status.get("tp_lockstep_stopped") if isinstance(status, dict) else None
+    if stopped:
+        notes.append(f"{source}: lockstep replays stopped ({stopped}); the tensor-parallel "
+                     "modules' later rounds have clean data only")
     return notes
 
 
@@ -198,6 +208,14 @@ def inspect(path: str, source: str) -> DumpFile:
     f.site_roles = [str(r) for r in roles] if isinstance(roles, list) else []
     f.device = str(reader.meta.get("device") or "").split(":")[0]
     f.capture_notes = capture_notes(source, reader.status)
+    tp = reader.meta.get("tensor_parallel")
+    sharded = tp.get("sharded_sites") if isinstance(tp, dict) else None
+    if isinstance(sharded, dict) and sharded:
+        f.sharded_layers = {i for i, name in enumerate(f.layers) if name in sharded}
+        f.capture_notes.append(
+            f"{source}: {len(sharded)} sites hold rank {tp.get('rank')}'s part only (tensor "
+            f"parallel over {tp.get('world_size')} ranks; e.g. {next(iter(sharded))}): judged "
+            "on that part")
     f.rounds, f.records = reader.rounds, reader.records
     f.samples = reader.n_samples
     f.clean_blocks = clean_block_records(reader)
