@@ -213,11 +213,12 @@ def find_operators(model: nn.Module, blocks: list[tuple[str, nn.Module]]) -> lis
     sites: list[Site] = []
     inside: set[int] = set()
     for index, (block_name, block) in enumerate(blocks):
+        fused = [name for name, m in block.named_modules() if name and fused_experts(m)]
         for name, module in block.named_modules():
             inside.add(id(module))
             role = operator_role(module) if name else None
-            if role == LINEAR and fused_experts(module):
-                role = None
+            if any(name == f or name.startswith(f + ".") for f in fused):
+                role = None  # a fused experts module's insides run on routed tokens only
             if role is not None:
                 sites.append(Site(index, f"{block_name}.{name}", module, role))
             if name.rsplit(".", 1)[-1] in ATTENTION_NAMES:
