@@ -98,6 +98,7 @@ def main() -> None:
     parser.add_argument("--out", default=os.path.join(HERE, "results", "detect_moe.csv"))
     parser.add_argument("--store")
     parser.add_argument("--threads", type=int)
+    parser.add_argument("--only", help="run only the cases whose group contains this text")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -106,6 +107,8 @@ def main() -> None:
     model, tokenizer = upcycle_smollm2(4, 2)
     model.config._experts_implementation = "eager"
     for case in cases(args.quick):
+        if args.only and args.only not in case["group"]:
+            continue
         ids = prompt_ids(tokenizer, case["seed"], n=1)
         result, seconds = run(model, ids, [case["spec"]], seed=case["seed"])
         row = dict(case, dtype="float32", seconds=round(seconds, 1),
@@ -116,7 +119,8 @@ def main() -> None:
               f"{row['top_site']} ({row['seconds']} s)", flush=True)
     healthy = [("other prompts", "float32", 11, False), ("left-padded batch", "float32", 12,
                True), ("bf16", "bfloat16", 13, False)]
-    for label, dtype, prompt_set, pad in healthy[:1] if args.quick else healthy:
+    for label, dtype, prompt_set, pad in [] if args.only else healthy[:1] if args.quick \
+            else healthy:
         m = model
         if dtype != "float32":
             m = upcycle_smollm2(4, 2, dtype=dtype)[0]

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .identities import CLIP, OFFSET, ZERO
+from .identities import CLIP, OFFSET, OTHER, ZERO
 from .signals import BLOCK_SITE, LOW_BITS, PREFILL, Signals
 from .tolerance import DEFAULT_LIMITS, tolerance_dtype
 from .verdicts import FAULT, NORMAL, SUSPECT, VERDICT_ORDER
@@ -257,11 +257,11 @@ def _identity_evidence(sig: Signals, where: str, dtype: str) -> list[Evidence]:
         scale = 0.0
     if scale > SUSPECT_RATIO * SCALE_BROKEN and sig.role == "expert":
         pattern = sig.scale_pattern
-        what = "a fixed offset added" if pattern == OFFSET else "values that vary by row"
+        what = {OFFSET: " (a fixed offset added)", OTHER: " (values that vary by row)"}
         ev.append(Evidence(
             "BIAS" if pattern == OFFSET else "NOT_ZERO", scale / SCALE_BROKEN,
             f"zero input rows give non-zero output on {sig.scale_broken:.2%} of the elements "
-            f"of {where}, a bias-free expert ({what})", secondary=pattern != OFFSET))
+            f"of {where}, a bias-free expert{what.get(pattern, '')}"))
     elif scale > SUSPECT_RATIO * SCALE_BROKEN:
         pattern = sig.scale_pattern
         ev.append(Evidence(

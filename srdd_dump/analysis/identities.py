@@ -72,10 +72,11 @@ def zero_check(out: np.ndarray, clean: np.ndarray) -> ScaleCheck:
 
 
 def zero_pattern(out: np.ndarray, broken: np.ndarray) -> str:
-    """OFFSET when most broken channels hold one value on every row, else OTHER."""
+    """OFFSET when most broken channels hold one value on every row, else OTHER ("" for one
+    row: no pattern to see)."""
     columns = np.flatnonzero(broken.any(axis=0))
     if out.shape[0] < 2 or not columns.size:
-        return OTHER
+        return ""
     part = out[:, columns]
     constant = np.all(part == part[:1], axis=0)
     return OFFSET if np.count_nonzero(constant) >= 0.5 * columns.size else OTHER

@@ -440,8 +440,8 @@ def zero_check(out: torch.Tensor, clean: torch.Tensor) -> tuple[int, int, str, f
     columns = broken.any(dim=0).nonzero().flatten()
     part = out[:, columns]
     constant = (part == part[:1]).all(dim=0)
-    pattern = ("offset" if out.shape[0] >= 2 and int(constant.sum()) >= 0.5 * columns.numel()
-               else "other")
+    pattern = ("" if out.shape[0] < 2 else
+               "offset" if int(constant.sum()) >= 0.5 * columns.numel() else "other")
     return n_broken, out.numel(), pattern, size / scale if scale > 0 else float("inf")
 
 
