@@ -52,6 +52,7 @@ import torch
 from torch import nn
 
 from ..errors import UserError
+from . import serving
 from .faultspec import FaultSpec
 
 SITE_NAMES = {
@@ -207,6 +208,11 @@ class _Fault:
     def __call__(self, module: nn.Module, args: tuple, output: Any) -> Any:
         if isinstance(output, torch.Tensor):
             return self.corrupt(output) if self.applies(output) else output
+        stream = serving.stream_output(module, output)
+        if stream is not None:  # a serving block: the fault is on the stream the pair carries
+            if not self.applies(stream):
+                return output
+            return self.corrupt(stream), torch.zeros_like(output[1])
         if isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor):
             if not self.applies(output[0]):
                 return output

@@ -23,6 +23,7 @@ from ..format import schema
 from ..format.writer import DumpWriter, Round, Tensor, describe_error
 from ..version import __version__
 from . import config as cfg
+from . import serving
 from .config import DumpConfig
 from .discovery import (
     CORE,
@@ -40,6 +41,7 @@ from .probes import (
     ProbeSpec,
     first_tensor,
     layer_index,
+    module_output,
     preserved_rng,
     probe_seed,
     run_probes,
@@ -125,6 +127,10 @@ class CaptureSession:
         self._probing = bool(probes) or self._host
         self._causal = {id(m): is_causal(m) for _, m in self.blocks}
         self._causal.update({id(site.module): is_causal(site.module) for site in self.sites})
+        # blocks of the (hidden_states, residual) convention, and their inputs copied before
+        # they run (serving.py)
+        self._serving = {id(m) for _, m in self.blocks if serving.is_serving_block(m)}
+        self._frozen: dict[int, tuple[tuple, dict]] = {}
         self._pending: list[tuple[int, Site, torch.Tensor, tuple, dict]] = []
         self.host_replays = 0
         self.host_replays_failed = 0
@@ -223,9 +229,15 @@ class CaptureSession:
         """A decode step that will be probed: keep the layer's KV cache as it is before the
         call updates it, so the replays see what the device saw. (``kwargs`` is None when the
         session closed itself inside this very call: torch then calls the hook without.)"""
-        if self._round is None or self._rows is None or self.step == 0 or kwargs is None:
+        if self._round is None or self._rows is None or kwargs is None:
             return
-        self._guard(self._snapshot, module, args, kwargs)
+        if id(module) in self._serving:
+            self._guard(self._freeze, module, args, kwargs)
+        if self.step > 0:
+            self._guard(self._snapshot, module, args, kwargs)
+
+    def _freeze(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        self._frozen[id(module)] = serving.frozen_call(module, args, kwargs)
 
     def _snapshot(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         idx = self._layer_of(module)
@@ -249,15 +261,19 @@ class CaptureSession:
         self._guard(grab)
 
     def _on_stack_input(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        self._guard(self._open_round, args, kwargs)
+        self._guard(self._open_round, module, args, kwargs)
 
-    def _open_round(self, args: tuple, kwargs: dict) -> None:
-        hidden = first_tensor(args) if args else None
-        if hidden is None:
-            hidden = kwargs.get("hidden_states")
+    def _open_round(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if id(module) in self._serving:
+            hidden = serving.stream_input(module, args, kwargs)
+        else:
+            hidden = first_tensor(args) if args else None
+            if hidden is None:
+                hidden = kwargs.get("hidden_states")
         token_ids, self._token_ids = self._token_ids, None
         self._round = None
         self._caches.clear()
+        self._frozen.clear()
         if not isinstance(hidden, torch.Tensor):
             return
         self._width = int(hidden.shape[-1])
@@ -438,7 +454,9 @@ class CaptureSession:
         return t.expand(r.batch, -1, -1) if t.shape[0] != r.batch else t
 
     def _on_output(self, module, layer, site, args, kwargs, output, last) -> None:
-        hidden = first_tensor(output)
+        hidden = module_output(module, output) if id(module) in self._serving \
+            else first_tensor(output)
+        args, kwargs = self._frozen.pop(id(module), (args, kwargs))
         if hidden is None:
             raise TypeError(f"{type(module).__name__} of layer {layer} returned no tensor")
         if site != schema.BLOCK_SITE and not self._token_shaped(hidden):
