@@ -126,10 +126,11 @@ def test_stream_perturbation_goes_into_residual_or_into_hidden_on_the_first_bloc
     assert x.equal(h + r)
     d = torch.randn(4, 64)
     (p, h2, r2), kw = rebuild(x + d)
-    assert p is pos and h2.equal(h) and h2 is not h and kw == {}
+    assert p is pos and h2 is h and kw == {}
     torch.testing.assert_close(h2 + r2, x + d)
-    (_, h3, r3), _ = rebuild(x)  # the recorded call, on fresh copies
-    assert h3.equal(h) and r3.equal(r) and r3 is not r
+    assert rebuild(x) == ((pos, h, r), {})  # the recorded call
+    (p, h3, r3), _ = serving.frozen_call(block, (pos, h, r), {})  # copies, for in-place norms
+    assert p is pos and h3.equal(h) and h3 is not h and r3.equal(r) and r3 is not r
     x, rebuild = serving.stream_perturbation(block, (pos,), {"hidden_states": h, "residual": None})
     assert x is h
     args, kw = rebuild(x + d)
@@ -214,12 +215,22 @@ def test_serving_dump_equals_the_hf_dump_of_the_same_weights(tmp_path):
     assert table["max_absolute_error"].max() <= 1e-5
 
 
-@pytest.mark.parametrize("flat", [False, True], ids=["batch", "flat"])
-def test_healthy_serving_model_has_no_fault(tmp_path, flat):
-    _capture(tiny(layers=LAYERS), tmp_path, flat=flat)
+@pytest.mark.parametrize("flat, cfg", [(False, {}), (True, {}),
+                                       (False, {"granularity": "op", "reference": "host"})],
+                         ids=["batch", "flat", "op-host"])
+def test_healthy_serving_model_has_no_fault(tmp_path, flat, cfg):
+    session, _ = _capture(tiny(layers=LAYERS), tmp_path, flat=flat, **cfg)
+    assert session.site_errors == 0 and session.records_dropped == 0
     result = compare_path(str(tmp_path), progress=False)
     assert len(result.layers) == LAYERS
     assert FAULT not in set(result.layers["verdict"]), result.layers[["layer", "evidence"]]
+    if cfg:  # the fused add + norms are probed on their inputs as they were before the call
+        with DumpReader(session.path) as r:
+            norm = r.sites.index("model.layers.2.post_attention_layernorm")
+            recs = r.records[(r.records["site"] == norm) & (r.records["round"] == 0)]
+            clean = r.read(recs[recs["kind"] == schema.KIND_CLEAN][0]).reshape(-1, 64)
+            (repeat, *_) = recs[recs["kind"] == schema.KIND_REPEAT]
+            np.testing.assert_array_equal(r.read(repeat).reshape(-1, 64), clean)
 
 
 @pytest.mark.parametrize("spec", ["noise@layer=2,site=mlp", "dead_zone@layer=3,m=0.3,sparsity=0.1",

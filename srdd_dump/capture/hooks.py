@@ -127,9 +127,12 @@ class CaptureSession:
         self._probing = bool(probes) or self._host
         self._causal = {id(m): is_causal(m) for _, m in self.blocks}
         self._causal.update({id(site.module): is_causal(site.module) for site in self.sites})
-        # blocks of the (hidden_states, residual) convention, and their inputs copied before
-        # they run (serving.py)
+        # blocks of the (hidden_states, residual) convention; the inputs of modules that may
+        # overwrite them (a fused add + norm), copied before they run (serving.py)
         self._serving = {id(m) for _, m in self.blocks if serving.is_serving_block(m)}
+        self._fused = {id(m) for m in (*(b for _, b in self.blocks),
+                                       *(site.module for site in self.sites))
+                       if serving.fuses_residual(m)}
         self._frozen: dict[int, tuple[tuple, dict]] = {}
         self._pending: list[tuple[int, Site, torch.Tensor, tuple, dict]] = []
         self.host_replays = 0
@@ -204,7 +207,7 @@ class CaptureSession:
                 continue
             hook = self._output_hook(site.layer, index, False)
             self._handles.append(site.module.register_forward_hook(hook, with_kwargs=True))
-            if site.role not in ROW_WISE:
+            if site.role not in ROW_WISE or id(site.module) in self._fused:
                 self._handles.append(site.module.register_forward_pre_hook(
                     self._on_module_call, with_kwargs=True))
 
@@ -231,7 +234,7 @@ class CaptureSession:
         session closed itself inside this very call: torch then calls the hook without.)"""
         if self._round is None or self._rows is None or kwargs is None:
             return
-        if id(module) in self._serving:
+        if id(module) in self._fused:
             self._guard(self._freeze, module, args, kwargs)
         if self.step > 0:
             self._guard(self._snapshot, module, args, kwargs)
@@ -523,11 +526,15 @@ class CaptureSession:
             return
         x_rows = kept(x, self._positions, self._rows)
         recorded = kept(hidden, self._positions, self._rows)
+        extra = {}
+        residual, _ = serving.named_input(module, args, kwargs, serving.RESIDUAL)
+        if residual is not None and residual.shape == x.shape:  # a fused add + norm
+            extra[serving.RESIDUAL] = kept(residual, self._positions, self._rows)
         spec = self.probe_spec
         self._replaying = True
         try:
             if spec.sigmas or spec.dc or spec.repeats:
-                outputs, batched = run_probes(module, (x_rows,), {}, recorded, spec,
+                outputs, batched = run_probes(module, (x_rows,), extra, recorded, spec,
                                               self._seeds(layer, site))
                 self._add_probes(layer, site, outputs, None, None)
             if spec.scale and role == LINEAR:
@@ -537,7 +544,7 @@ class CaptureSession:
         finally:
             self._replaying = False
         if self._host:
-            self._host_record(module, layer, site, (x_rows,), {}, None, rows=None)
+            self._host_record(module, layer, site, (x_rows,), extra, None, rows=None)
 
     def _add_probes(self, layer, site, outputs, positions, rows) -> None:
         for p in outputs:

@@ -9,9 +9,9 @@ code path the call took.
 
 Two things such engines do that a replay must respect:
 
-* a fused add + norm kernel overwrites the block's input tensors while the block runs
-  (vLLM's CUDA ``fused_add_rms_norm``), so a block's inputs are copied before it runs and
-  every replay gets copies of its own;
+* a fused add + norm kernel overwrites its input tensors while it runs (vLLM's CUDA
+  ``fused_add_rms_norm``), and with them the block's, so the inputs of a module that takes
+  ``residual`` are copied before it runs, and every replay gets copies of its own;
 * a module that takes ``positions`` reads the batch's layout from the engine's forward context
   and writes the KV cache of those positions in place, so it is replayed with exactly the
   recorded shapes (never a stacked batch) and the last replay is an unperturbed one, which
@@ -109,21 +109,35 @@ def stream_output(module: nn.Module, output: Any) -> torch.Tensor | None:
     return hidden + residual
 
 
+def fuses_residual(module: nn.Module) -> bool:
+    """A serving block, or a fused add + norm ``norm(x, residual)``: either may overwrite its
+    input tensors while it runs."""
+    return takes(module, RESIDUAL)
+
+
 def frozen_call(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """The call with copies of hidden_states and residual, taken before the block runs (its
-    fused add + norm may overwrite them)."""
-    for name in (HIDDEN, RESIDUAL):
-        value, rebuild = named_input(module, args, kwargs, name)
-        if value is not None:
-            args, kwargs = rebuild(value.detach().clone())
+    """The call with copies of its hidden-state input (``hidden_states``, else the first
+    floating-point positional tensor) and of ``residual``: taken before a module that fuses
+    the residual add runs, and for each of its replays."""
+    hidden, rebuild = named_input(module, args, kwargs, HIDDEN)
+    if hidden is not None:
+        args, kwargs = rebuild(hidden.detach().clone())
+    else:
+        index = next((i for i, a in enumerate(args)
+                      if isinstance(a, torch.Tensor) and a.is_floating_point()), None)
+        if index is not None:
+            args = (*args[:index], args[index].detach().clone(), *args[index + 1:])
+    residual, rebuild = named_input(module, args, kwargs, RESIDUAL)
+    if residual is not None:
+        args, kwargs = rebuild(residual.detach().clone())
     return args, kwargs
 
 
 def stream_perturbation(module: nn.Module, args: tuple, kwargs: dict
                         ) -> tuple[torch.Tensor | None, Callable[[torch.Tensor], tuple]]:
     """(the input stream x, rebuild): ``rebuild(x + d)`` is the call with ``d`` added to
-    residual (with hidden_states replaced by x + d when residual is None), on fresh copies
-    of the inputs; ``rebuild(x)`` is the recorded call itself, on fresh copies."""
+    residual (with hidden_states replaced by x + d when residual is None); ``rebuild(x)`` is
+    the recorded call itself."""
     x = stream_input(module, args, kwargs)
     if x is None:
         return None, lambda value: (args, kwargs)
@@ -131,12 +145,9 @@ def stream_perturbation(module: nn.Module, args: tuple, kwargs: dict
     residual, _ = named_input(module, args, kwargs, RESIDUAL)
 
     def rebuild(xp: torch.Tensor) -> tuple[tuple, dict]:
-        call_args, call_kwargs = set_hidden(xp.clone() if residual is None else hidden.clone())
-        if residual is None:
-            return call_args, call_kwargs
-        value = residual.clone() if xp is x else (
-            residual.float() + (xp.float() - x.float())).to(residual.dtype)
-        _, set_residual = named_input(module, call_args, call_kwargs, RESIDUAL)
-        return set_residual(value)
+        if residual is None or xp is x:
+            return set_hidden(xp) if residual is None else (args, kwargs)
+        _, set_residual = named_input(module, args, kwargs, RESIDUAL)
+        return set_residual((residual.float() + (xp.float() - x.float())).to(residual.dtype))
 
     return x, rebuild
