@@ -271,11 +271,13 @@ def test_exec_on_an_unmodified_serving_script(tmp_path):
     (path,) = find_dump_files(str(tmp_path / "ok"))
     with DumpReader(path) as r:
         assert r.n_samples == 4 and r.meta["block_class"] == "LlamaDecoderLayer"
-    res = run_cli("srdd-compare", str(tmp_path / "ok"), "--fail-on", "fault")
+    res = run_cli("srdd-compare", str(tmp_path / "ok"), "--fail-on", "fault", "-o",
+                  str(tmp_path / "ok.csv"))
     assert res.returncode == 0, res.stdout + res.stderr
 
     res = run_cli("srdd-dump", "--exec", py("infer_serving.py", *script, str(captured)),
                   "-o", str(tmp_path / "bad"), "--inject", "noise@layer=2,site=mlp")
     assert res.returncode == 0, res.stderr
-    res = run_cli("srdd-compare", str(tmp_path / "bad"), "--fail-on", "fault")
+    res = run_cli("srdd-compare", str(tmp_path / "bad"), "--fail-on", "fault", "-o",
+                  str(tmp_path / "bad.csv"))
     assert res.returncode == 1 and "Layer 2 (model.layers.2" in res.stdout, res.stdout

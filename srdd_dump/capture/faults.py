@@ -53,6 +53,7 @@ from torch import nn
 
 from ..errors import UserError
 from . import serving
+from .compiled import opaque
 from .faultspec import FaultSpec
 
 SITE_NAMES = {
@@ -205,6 +206,7 @@ class _Fault:
         as_int = x.contiguous().view(torch.int32) ^ flips.to(torch.int32)
         return as_int.view(torch.float32)
 
+    @opaque  # in a compiled model too: run eagerly, with fresh noise on every call
     def __call__(self, module: nn.Module, args: tuple, output: Any) -> Any:
         if isinstance(output, torch.Tensor):
             return self.corrupt(output) if self.applies(output) else output

@@ -24,6 +24,7 @@ from ..format.writer import DumpWriter, Round, Tensor, describe_error
 from ..version import __version__
 from . import config as cfg
 from . import serving
+from .compiled import explain_partial, explain_silence, opaque
 from .config import DumpConfig
 from .discovery import (
     CORE,
@@ -163,6 +164,10 @@ class CaptureSession:
         self.sample = -1
         self.step = 0
         self.error: str | None = None
+        self.silence: str | None = None  # why nothing was captured (compiled.explain_silence)
+        self.model_calls = 0  # forwards of the model and of its first block the hooks saw
+        self.block_calls = 0
+        self._fired: set[tuple[int, int]] = set()  # (layer, site) whose hook ran in a round
         self.path: str | None = None
         self.writer: DumpWriter | None = None
         self._round: Round | None = None
@@ -219,6 +224,7 @@ class CaptureSession:
         except Exception as exc:  # capture must never break the user's program
             self._fail(describe_error(exc))
 
+    @opaque
     def _on_embedding(self, module: nn.Module, args: tuple) -> None:
         def grab() -> None:
             ids = args[0] if args else None
@@ -227,6 +233,7 @@ class CaptureSession:
 
         self._guard(grab)
 
+    @opaque
     def _on_module_call(self, module: nn.Module, args: tuple, kwargs: dict | None = None
                         ) -> None:
         """A decode step that will be probed: keep the layer's KV cache as it is before the
@@ -253,7 +260,11 @@ class CaptureSession:
             self._cache_layer[key] = layer_index(module)
         return self._cache_layer[key]
 
+    @opaque
     def _on_model_call(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if not self._closed:
+            self.model_calls += 1
+
         def grab() -> None:
             mask = kwargs.get("attention_mask")
             self._attention_mask = (
@@ -263,7 +274,10 @@ class CaptureSession:
 
         self._guard(grab)
 
+    @opaque
     def _on_stack_input(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if not (self._closed or self._replaying):
+            self.block_calls += 1
         self._guard(self._open_round, module, args, kwargs)
 
     def _open_round(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -377,9 +391,12 @@ class CaptureSession:
         return np.sort(rng.choice(pool, size=n, replace=False)) if n else pool[:0]
 
     def _output_hook(self, layer: int, site: int, last: bool):
+        @opaque
         def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
             if self._round is None:
                 return
+            if not self._replaying:
+                self._fired.add((layer, site))
             if site == schema.BLOCK_SITE:
                 self._guard(self._on_output, module, layer, site, args, kwargs, output, last)
             else:
@@ -398,8 +415,11 @@ class CaptureSession:
             self.site_errors += 1
 
     def _input_hook(self, layer: int, site: int):
+        @opaque
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
             if self._round is not None:
+                if not self._replaying:
+                    self._fired.add((layer, site))
                 self._guard(self._on_input, layer, site, args, kwargs)
 
         return hook
@@ -423,6 +443,7 @@ class CaptureSession:
         return t.dim() == 2 and r.batch == 1 and t.shape[0] == r.seq
 
     def _pending_hook(self, index: int):
+        @opaque
         def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
             def keep() -> None:
                 out = first_tensor(output)
@@ -727,6 +748,8 @@ class CaptureSession:
         if self._bar is not None:
             self._bar.close()
         if self.writer is not None:
+            silent = self._silent_sites()
+            partial = explain_partial(silent, len(self.blocks) + len(self.sites))
             try:
                 self.path = self.writer.close({
                     "error": self.error, "samples": self.sample + 1,
@@ -737,6 +760,7 @@ class CaptureSession:
                     "host_replays_failed": self.host_replays_failed,
                     "records_dropped": self.records_dropped,
                     "site_errors": self.site_errors,
+                    "sites_never_run": len(silent) if partial else 0,
                     **({"stats_seconds": round(self._stats.seconds, 3)}
                        if self._stats is not None else {}),
                 })
@@ -749,8 +773,21 @@ class CaptureSession:
             elif self.path and not os.environ.get(cfg.ENV_CONFIG):
                 # under `srdd-dump --exec` the command itself lists every process's file
                 sys.stderr.write(f"srdd-dump: wrote {self.path}\n")
+            if partial:
+                sys.stderr.write(f"srdd-dump: warning: {partial}\n")
+        elif not self.error:
+            self.silence = explain_silence(self.model, self.model_calls, self.block_calls)
+            if self.silence and not os.environ.get(cfg.ENV_CONFIG):
+                sys.stderr.write(f"srdd-dump: warning: nothing captured: {self.silence}\n")
         atexit.unregister(self.close)
         return self.path
+
+    def _silent_sites(self) -> list[str]:
+        """Blocks and sites whose hooks never ran in a captured round."""
+        blocks = [name for i, name in enumerate(self.layer_names)
+                  if (i, schema.BLOCK_SITE) not in self._fired]
+        return blocks + [site.name for i, site in enumerate(self.sites)
+                         if site.role != ROTARY and (site.layer, i) not in self._fired]
 
     def __enter__(self) -> CaptureSession:
         return self

@@ -80,6 +80,7 @@ def _report_status() -> None:
         "error": getattr(session, "error", None) or _state.get("error"),
         "no_blocks": _state.get("no_blocks"),
         "model_seen": session is not None,
+        "silence": getattr(session, "silence", None),
     }
     try:
         with open(os.path.join(status_dir, f"{os.getpid()}.json"), "w") as fh:
