@@ -13,7 +13,6 @@ import sys
 import numpy as np
 import pytest
 import torch
-from serving_model import RMSNorm, from_hf, generate, tiny
 
 from srdd_dump import DumpConfig, register_hook
 from srdd_dump.analysis.diagnosis import FAULT
@@ -23,6 +22,7 @@ from srdd_dump.format import schema
 from srdd_dump.format.reader import DumpReader, find_dump_files
 
 from capture_utils import FIXTURES, py, run_cli
+from serving_model import RMSNorm, from_hf, generate, tiny
 from tiny_models import build
 
 pytestmark = pytest.mark.integration

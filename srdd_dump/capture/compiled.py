@@ -27,7 +27,10 @@ EAGER_HINT = ("run it eagerly: srdd-dump --eager, or TORCHDYNAMO_DISABLE=1 in th
 LATE_HINT = "register_hook before the compiled model's first call, or " + EAGER_HINT
 
 
-_state = {"compiled_out": False}  # a hook was compiled out of a graph that allows no break
+_state = {
+    "compiled_out": False,  # a hook was compiled out of a graph that allows no break
+    "from_compiled": False,  # the last hook was called at a graph break of compiled code
+}
 
 
 def _graph_breaks_allowed() -> bool:
@@ -59,22 +62,45 @@ def opaque(fn: F) -> F:
 
     @functools.wraps(fn)
     def hook(*args, **kwargs):
-        if compiler.is_compiling() and not allowed():
-            return None
+        if compiler.is_compiling():  # tracing: constants, and no graph break before eager
+            if not allowed():
+                return None
+        else:  # running (after a graph break, this frame is never traced)
+            _state["from_compiled"] = _dynamo_active()
         return eager(*args, **kwargs)
 
-    _skip_as_frame(hook.__code__)
+    _HOOK_CODES.add(hook.__code__)
+    skip_hook_frames()
     return hook  # type: ignore[return-value]
 
 
-def _skip_as_frame(code) -> None:
-    """Dynamo inlines ``code`` into the frames it traces, but never compiles it as a frame of
-    its own (where the hook runs at a graph break): that would compile an empty graph per
-    argument type, up to the recompile limit, with a warning."""
+_HOOK_CODES: set = set()
+
+
+def _dynamo_active() -> bool:
+    try:
+        from torch._C._dynamo.eval_frame import get_eval_frame_callback
+
+        return get_eval_frame_callback() not in (None, False)
+    except Exception:  # noqa: BLE001 (another torch)
+        return False
+
+
+def called_from_compiled() -> bool:
+    """The hook running now was called from torch.compile'd code (at a graph break)."""
+    return bool(_state["from_compiled"])
+
+
+def skip_hook_frames() -> None:
+    """Dynamo inlines the hooks into the frames it traces, but never compiles one as a frame
+    of its own (where it runs at a graph break): that would compile an empty graph per
+    argument type, up to the recompile limit, with a warning. (``torch._dynamo.reset()``
+    forgets this: each session says it again.)"""
     try:
         from torch._dynamo.eval_frame import skip_code
 
-        skip_code(code)
+        for code in _HOOK_CODES:
+            skip_code(code)
     except Exception:  # noqa: BLE001 (another torch: only slower, and warnings)
         pass
 
@@ -131,9 +157,9 @@ def explain_partial(silent: list[str], total: int) -> str | None:
     if not silent or not frames_compiled():
         return None
     if _state["compiled_out"]:
-        why = "compiled out of a fullgraph=True graph"
+        why, hint = "compiled out of a fullgraph=True graph", EAGER_HINT
     else:
-        why = "in torch.compile'd code compiled before the hooks were registered"
+        why, hint = "in torch.compile'd code compiled before the hooks were registered", LATE_HINT
     return (f"the hooks of {len(silent)} of {total} capture sites never ran ({silent[0]}"
             f"{', ...' if len(silent) > 1 else ''}): {why}, so the dump has no records of "
-            f"them; {LATE_HINT}")
+            f"them; {hint}")

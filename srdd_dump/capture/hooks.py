@@ -24,7 +24,14 @@ from ..format.writer import DumpWriter, Round, Tensor, describe_error
 from ..version import __version__
 from . import config as cfg
 from . import serving
-from .compiled import explain_partial, explain_silence, opaque
+from .compiled import (
+    EAGER_HINT,
+    called_from_compiled,
+    explain_partial,
+    explain_silence,
+    opaque,
+    skip_hook_frames,
+)
 from .config import DumpConfig
 from .discovery import (
     CORE,
@@ -45,6 +52,7 @@ from .probes import (
     module_output,
     preserved_rng,
     probe_seed,
+    reproduces,
     run_probes,
     snapshot_cache,
 )
@@ -147,6 +155,8 @@ class CaptureSession:
             self._stats = StatsCollector(
                 schema.stat_columns(spec.sigmas, spec.draws, spec.dc, spec.repeats))
         self.batched_replays = 0
+        self.compiled_probes_dropped = 0
+        self._compiled_round = False  # this round runs as torch.compile'd code
         self.decode_replays_skipped = 0
         self.sequential_replays = 0
         self._replaying = False
@@ -181,6 +191,7 @@ class CaptureSession:
         self._autocast: str | None = None  # "" when the first model call ran without autocast
         self._handles: list[Any] = []
         self._closed = False
+        skip_hook_frames()
         self._install()
         atexit.register(self.close)
 
@@ -288,6 +299,7 @@ class CaptureSession:
             if hidden is None:
                 hidden = kwargs.get("hidden_states")
         token_ids, self._token_ids = self._token_ids, None
+        self._compiled_round = called_from_compiled()
         self._round = None
         self._caches.clear()
         self._frozen.clear()
@@ -535,7 +547,8 @@ class CaptureSession:
                 self.batched_replays += 1
             else:
                 self.sequential_replays += 1
-            self._add_probes(layer, site, outputs, self._positions, self._rows)
+            if self._keep_probes(module, outputs, hidden):
+                self._add_probes(layer, site, outputs, self._positions, self._rows)
         if self._host:
             self._host_record(module, layer, site, args, kwargs, cache)
 
@@ -557,7 +570,8 @@ class CaptureSession:
             if spec.sigmas or spec.dc or spec.repeats:
                 outputs, batched = run_probes(module, (x_rows,), extra, recorded, spec,
                                               self._seeds(layer, site))
-                self._add_probes(layer, site, outputs, None, None)
+                if self._keep_probes(module, outputs, recorded):
+                    self._add_probes(layer, site, outputs, None, None)
             if spec.scale and role == LINEAR:
                 with torch.no_grad(), preserved_rng(x.device):
                     for k, y in scale_replays(module, x_rows):
@@ -566,6 +580,21 @@ class CaptureSession:
             self._replaying = False
         if self._host:
             self._host_record(module, layer, site, (x_rows,), extra, None, rows=None)
+
+    def _keep_probes(self, module, outputs, recorded) -> bool:
+        """In a round run as compiled code the replays run eagerly: a module's probe records
+        are kept only when its eager re-runs reproduce its recorded output bit for bit (the
+        eager and aot_eager backends do; fused inductor kernels do not, and every comparison
+        with the recorded output would then measure the compiler, not the device)."""
+        if not self._compiled_round or reproduces(outputs, recorded):
+            return True
+        if not self.compiled_probes_dropped:
+            sys.stderr.write(
+                f"srdd-dump: note: {type(module).__name__} runs as torch.compile'd code that an "
+                "eager replay does not reproduce bit for bit: such modules are captured without "
+                f"probes; for the probes {EAGER_HINT}\n")
+        self.compiled_probes_dropped += 1
+        return False
 
     def _add_probes(self, layer, site, outputs, positions, rows) -> None:
         for p in outputs:
@@ -761,6 +790,7 @@ class CaptureSession:
                     "records_dropped": self.records_dropped,
                     "site_errors": self.site_errors,
                     "sites_never_run": len(silent) if partial else 0,
+                    "compiled_probes_dropped": self.compiled_probes_dropped,
                     **({"stats_seconds": round(self._stats.seconds, 3)}
                        if self._stats is not None else {}),
                 })

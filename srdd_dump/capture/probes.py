@@ -272,6 +272,12 @@ def run_probes(
     return results, batched
 
 
+def reproduces(outputs: list[ProbeOutput], recorded: torch.Tensor) -> bool:
+    """Every unperturbed re-run equals the recorded output bit for bit (False without one)."""
+    repeats = [p.output for p in outputs if p.kind == schema.KIND_REPEAT]
+    return bool(repeats) and all(torch.equal(out, recorded) for out in repeats)
+
+
 def _batched(module, x, rebuild, perturbed, recorded) -> list[torch.Tensor] | None:
     """One call on [x, x+d1, x+d2, ...] stacked along the batch; None if the module refuses."""
     batch = x.shape[0] if x.dim() >= 3 else 1

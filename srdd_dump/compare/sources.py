@@ -177,6 +177,8 @@ def capture_notes(source: str, status: dict) -> list[str]:
         ("site_errors", "sub-layer or operator captures failed and were skipped"),
         ("decode_replays_skipped", "decode steps could not be replayed (a KV cache layout "
          "not reproduced): their clean data is kept"),
+        ("compiled_probes_dropped", "module replays ran as torch.compile'd code that an eager "
+         "replay does not reproduce: those modules have no probe records there"),
         ("sites_never_run", "blocks or sub-layers never ran their capture hooks (torch.compile'd "
          "code compiled before the hooks were registered) and have no records"),
     ):
