@@ -83,18 +83,25 @@ def test_compiled_model_is_captured_like_the_eager_one(tmp_path, how, backend):
     assert FAULT not in set(result.layers["verdict"])
 
 
-def test_inductor_compiled_module_is_captured(tmp_path):
-    model = build("llama")
-    ids = PROMPTS[1]
+def test_inductor_compiled_module_is_captured_without_false_probes(tmp_path):
+    """bf16 under inductor: the fused kernels round differently from the eager replays, so
+    the probes would call every layer unstable; they are left out, and said."""
+    model = build("llama", layers=6, dtype=torch.bfloat16)
     with torch.no_grad():
-        want = model(ids).logits
-    with register_hook(model, _config(tmp_path, probes="gain,repeat")) as session:
+        want = [model(ids).logits for ids in PROMPTS]
+    with register_hook(model, _config(tmp_path)) as session:
         cm = torch.compile(model)  # inductor, the default
         with torch.no_grad():
-            got = cm(ids).logits
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+            got = [cm(ids).logits for ids in PROMPTS]
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=0.05, atol=0.05)
+    assert session.compiled_probes_dropped > 0
     with DumpReader(session.path) as r:
-        assert len(r.rounds) == 1 and set(r.records["layer"]) == {-1, 0, 1, 2, 3}
+        assert len(r.rounds) == 2 and set(r.records["layer"]) == {-1, 0, 1, 2, 3, 4, 5}
+        assert r.status["compiled_probes_dropped"] == session.compiled_probes_dropped
+    result = compare_path(str(tmp_path), progress=False)
+    assert FAULT not in set(result.layers["verdict"]), result.layers[["layer", "evidence"]]
+    assert any("torch.compile'd code that an eager replay" in n for n in result.notes)
 
 
 def test_a_planted_fault_in_a_compiled_model_is_named(tmp_path):

@@ -272,10 +272,16 @@ def run_probes(
     return results, batched
 
 
-def reproduces(outputs: list[ProbeOutput], recorded: torch.Tensor) -> bool:
-    """Every unperturbed re-run equals the recorded output bit for bit (False without one)."""
+def other_kernels(outputs: list[ProbeOutput], recorded: torch.Tensor) -> bool:
+    """The unperturbed re-runs agree with each other bit for bit but not with the recorded
+    output: it came from other kernels (compiled code), not from run-to-run noise. True when
+    there is no re-run to tell."""
     repeats = [p.output for p in outputs if p.kind == schema.KIND_REPEAT]
-    return bool(repeats) and all(torch.equal(out, recorded) for out in repeats)
+    if not repeats:
+        return True
+    if all(torch.equal(out, recorded) for out in repeats):
+        return False
+    return all(torch.equal(out, repeats[0]) for out in repeats[1:])
 
 
 def _batched(module, x, rebuild, perturbed, recorded) -> list[torch.Tensor] | None:
