@@ -205,3 +205,18 @@ def test_exec_on_a_fullgraph_script_says_so_and_eager_captures_it(tmp_path):
     (path,) = find_dump_files(str(tmp_path / "e"))
     with DumpReader(path) as r:
         assert r.n_samples == 3
+
+
+def test_exec_when_every_forward_is_inside_a_fullgraph_function(tmp_path):
+    script = tmp_path / "fn.py"
+    script.write_text(
+        f"import sys; sys.path.insert(0, {FIXTURES!r})\n"
+        "import torch\nfrom tiny_models import build\nmodel = build('llama')\n"
+        "f = torch.compile(lambda ids: model(ids).logits, backend='eager', fullgraph=True)\n"
+        "with torch.no_grad():\n    f(torch.randint(0, 128, (1, 7)))\nprint('done')\n")
+    res = run_cli("srdd-dump", "--exec", f"{sys.executable} {script}", "-o", str(tmp_path / "d"))
+    assert res.returncode == 3 and "done" in res.stdout
+    lines = [line for line in res.stderr.splitlines() if line.startswith("srdd-dump")]
+    assert lines == ["srdd-dump: error: no model forward was seen: the models run inside "
+                     "fullgraph=True torch.compile'd code, where srdd-dump's hooks cannot run; "
+                     "run eagerly: srdd-dump --eager"]

@@ -41,7 +41,8 @@ into a fixed offset h + L. ``phase=decode`` (or ``prefill``) restricts any fault
 calls (or to the others): a bug in the decode kernel only.
 
 The random streams of faults come from their own seeded generators: they never touch the user's
-global RNG.
+global RNG. On a serving-engine block (``(hidden_states, residual)``, capture/serving.py) ``h``
+is the stream hidden + residual, and the block returns ``(fault(h), 0)``.
 """
 
 from __future__ import annotations

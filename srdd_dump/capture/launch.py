@@ -202,7 +202,14 @@ def _collect(returncode: int, status_dir: str, new_partials: set[str] | None = N
                 "srdd-dump loaded (is the command's python the one srdd-dump is installed in?)"
             )
         elif not any(st.get("model_seen") for st in statuses):
-            result.problems.append("no model with a block stack ran a forward in any process")
+            if any(st.get("compiled_out") for st in statuses):
+                result.problems.append(
+                    "no model forward was seen: the models run inside fullgraph=True "
+                    "torch.compile'd code, where srdd-dump's hooks cannot run; run eagerly: "
+                    "srdd-dump --eager")
+            else:
+                result.problems.append("no model with a block stack ran a forward in any "
+                                       "process")
         else:
             result.problems.append(
                 "no model forward with more than one token was captured (no prefill seen)"
