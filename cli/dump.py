@@ -78,6 +78,9 @@ def dump(
                                    "once, agreed through the process group's store)."),
     batch_probes: bool = typer.Option(D.batch_probes, "--batch-probes/--no-batch-probes",
                                       help="Replay perturbed inputs in one batched call."),
+    eager: bool = typer.Option(False, "--eager", help="Turn torch.compile off in the command "
+                               "(TORCHDYNAMO_DISABLE=1): compiled blocks run eagerly, where "
+                               "the hooks see them."),
     min_free_gb: float = typer.Option(MIN_FREE_GB, "--min-free-gb", help="Refuse to start when the "
                                       "output folder's file system has less free space (GB); "
                                       "0 = no check."),
@@ -100,7 +103,7 @@ def dump(
             inject=list(inject), batch_probes=batch_probes, tp_replays=tp_replays,
             progress=not quiet,
         )
-        result = run_exec(exec_, config, min_free_gb=min_free_gb)
+        result = run_exec(exec_, config, min_free_gb=min_free_gb, eager=eager)
     except UserError as exc:
         typer.echo(f"srdd-dump: error: {exc}", err=True)
         raise typer.Exit(2) from None

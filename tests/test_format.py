@@ -54,6 +54,25 @@ def test_round_trip(dtype, tmp_path):
         assert f["data"][f"clean_{dtype}_16"].chunks is not None
 
 
+def test_a_data_set_sorting_first_that_appears_later_keeps_the_records_right(tmp_path):
+    """``causal_*`` sorts before ``clean_*``: first written in the second round, the ids of the
+    records already written move with it."""
+    rng = np.random.default_rng(0)
+    rounds = [_round(i, rng) for i in range(3)]
+    extra = rng.standard_normal((2, 5, 16)).astype(np.float32)
+    rounds[1].tensors.append(Tensor(layer=0, array=extra, dtype="float32",
+                                    kind=schema.KIND_CAUSAL))
+    w = DumpWriter(str(tmp_path / "a.h5"), {}, ["b.0", "b.1", "b.2"])
+    for r in rounds:
+        w.submit(r)
+    with DumpReader(w.close()) as rd:
+        assert rd.data_names == ["causal_float32_16", "clean_float32_16"]
+        for i, r in enumerate(rounds):
+            for t in r.tensors:
+                (rec,) = [x for x in rd.select(t.layer, kind=t.kind) if x["round"] == i]
+                np.testing.assert_array_equal(rd.read(rec), t.array)
+
+
 def test_bf16_codec_is_exact_for_every_bit_pattern():
     bits = np.arange(2**16, dtype=np.uint32).astype(np.uint16)
     f = schema.bf16_bits_to_float32(bits)

@@ -26,7 +26,7 @@ import openpyxl
 import pytest
 
 from srdd_dump.capture.config import DumpConfig
-from srdd_dump.capture.launch import CHILD_ENV, child_env
+from srdd_dump.capture.launch import CHILD_ENV, EAGER_ENV, child_env
 from srdd_dump.format import schema as s
 from srdd_dump.format.reader import DumpReader, find_dump_files
 
@@ -396,11 +396,13 @@ def test_every_variable_passed_to_the_child_is_documented(tmp_path):
     env = child_env(DumpConfig(dump_path=str(tmp_path)), str(tmp_path))
     changed = {k for k, v in env.items() if os.environ.get(k) != v}
     assert changed == set(CHILD_ENV)
+    env = child_env(DumpConfig(dump_path=str(tmp_path)), str(tmp_path), eager=True)
+    assert {k for k, v in env.items() if os.environ.get(k) != v} == changed | set(EAGER_ENV)
     with open(os.path.join(ROOT, "docs", "cli.md"), encoding="utf-8") as fh:
         doc = fh.read()
     section = doc.split("### Environment passed to the command")[1].split("\n### ")[0]
     documented = set(re.findall(r"^\| `([A-Z_]+)` \|", section, flags=re.M))
-    assert documented == set(CHILD_ENV)
+    assert documented == set(CHILD_ENV) | set(EAGER_ENV)
 
 
 def test_exec_arguments_are_never_expanded(tmp_path):

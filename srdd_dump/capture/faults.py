@@ -51,7 +51,8 @@ router's logits and re-decides the top-k from them (softmax top-k; the weights n
 when the model's were), so a router fault changes the routing as it would on a device.
 
 The random streams of faults come from their own seeded generators: they never touch the user's
-global RNG.
+global RNG. On a serving-engine block (``(hidden_states, residual)``, capture/serving.py) ``h``
+is the stream hidden + residual, and the block returns ``(fault(h), 0)``.
 """
 
 from __future__ import annotations
@@ -62,6 +63,8 @@ import torch
 from torch import nn
 
 from ..errors import UserError
+from . import serving
+from .compiled import opaque
 from .discovery import find_moe_sites
 from .experts import routing_of
 from .faultspec import FaultSpec
@@ -234,9 +237,15 @@ class _Fault:
         as_int = x.contiguous().view(torch.int32) ^ flips.to(torch.int32)
         return as_int.view(torch.float32)
 
+    @opaque  # in a compiled model too: run eagerly, with fresh noise on every call
     def __call__(self, module: nn.Module, args: tuple, output: Any) -> Any:
         if isinstance(output, torch.Tensor):
             return map_local(output, self.corrupt) if self.applies(output) else output
+        stream = serving.stream_output(module, output)
+        if stream is not None:  # a serving block: the fault is on the stream the pair carries
+            if not self.applies(stream):
+                return output
+            return self.corrupt(stream), torch.zeros_like(output[1])
         if isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor):
             if not self.applies(output[0]):
                 return output

@@ -24,6 +24,15 @@ from ..format import schema
 from ..format.writer import DumpWriter, Round, Tensor, describe_error
 from ..version import __version__
 from . import config as cfg
+from . import serving
+from .compiled import (
+    EAGER_HINT,
+    called_from_compiled,
+    explain_partial,
+    explain_silence,
+    opaque,
+    skip_hook_frames,
+)
 from .config import DumpConfig
 from .discovery import (
     CORE,
@@ -48,6 +57,8 @@ from .probes import (
     ProbeSpec,
     first_tensor,
     layer_index,
+    module_output,
+    other_kernels,
     preserved_rng,
     probe_seed,
     run_probes,
@@ -107,6 +118,13 @@ class CaptureSession:
                 for module in around:
                     if any(m is site.module for m in module.modules()):
                         self._causal[id(module)] = False
+        # blocks of the (hidden_states, residual) convention; the inputs of modules that may
+        # overwrite them (a fused add + norm), copied before they run (serving.py)
+        self._serving = {id(m) for _, m in self.blocks if serving.is_serving_block(m)}
+        self._fused = {id(m) for m in (*(b for _, b in self.blocks),
+                                       *(site.module for site in self.sites))
+                       if serving.fuses_residual(m)}
+        self._frozen: dict[int, tuple[tuple, dict]] = {}
         self._pending: list[tuple[int, Site, torch.Tensor, tuple, dict]] = []
         # fused experts modules and the routing each was called with in this round
         self._experts = [site.module for site in self.sites if site.role == EXPERTS]
@@ -123,6 +141,8 @@ class CaptureSession:
             self._stats = StatsCollector(
                 schema.stat_columns(spec.sigmas, spec.draws, spec.dc, spec.repeats))
         self.batched_replays = 0
+        self.compiled_probes_dropped = 0
+        self._compiled_round = False  # this round runs as torch.compile'd code
         self.decode_replays_skipped = 0
         self.sequential_replays = 0
         self._replaying = False
@@ -140,6 +160,10 @@ class CaptureSession:
         self.sample = -1
         self.step = 0
         self.error: str | None = None
+        self.silence: str | None = None  # why nothing was captured (compiled.explain_silence)
+        self.model_calls = 0  # forwards of the model and of its first block the hooks saw
+        self.block_calls = 0
+        self._fired: set[tuple[int, int]] = set()  # (layer, site) whose hook ran in a round
         self.path: str | None = None
         self.writer: DumpWriter | None = None
         self._round: Round | None = None
@@ -153,6 +177,7 @@ class CaptureSession:
         self._autocast: str | None = None  # "" when the first model call ran without autocast
         self._handles: list[Any] = []
         self._closed = False
+        skip_hook_frames()
         self._install()
         atexit.register(self.close)
 
@@ -186,7 +211,7 @@ class CaptureSession:
                 continue
             hook = self._output_hook(site.layer, index, False)
             self._handles.append(site.module.register_forward_hook(hook, with_kwargs=True))
-            if site.role not in ROW_WISE:
+            if site.role not in ROW_WISE or id(site.module) in self._fused:
                 self._handles.append(site.module.register_forward_pre_hook(
                     self._on_module_call, with_kwargs=True))
 
@@ -198,6 +223,7 @@ class CaptureSession:
         except Exception as exc:  # capture must never break the user's program
             self._fail(describe_error(exc))
 
+    @opaque
     def _on_embedding(self, module: nn.Module, args: tuple) -> None:
         def grab() -> None:
             ids = args[0] if args else None
@@ -206,14 +232,21 @@ class CaptureSession:
 
         self._guard(grab)
 
+    @opaque
     def _on_module_call(self, module: nn.Module, args: tuple, kwargs: dict | None = None
                         ) -> None:
         """A decode step that will be probed: keep the layer's KV cache as it is before the
         call updates it, so the replays see what the device saw. (``kwargs`` is None when the
         session closed itself inside this very call: torch then calls the hook without.)"""
-        if self._round is None or self._rows is None or self.step == 0 or kwargs is None:
+        if self._round is None or self._rows is None or kwargs is None:
             return
-        self._guard(self._snapshot, module, args, kwargs)
+        if id(module) in self._fused:
+            self._guard(self._freeze, module, args, kwargs)
+        if self.step > 0:
+            self._guard(self._snapshot, module, args, kwargs)
+
+    def _freeze(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        self._frozen[id(module)] = serving.frozen_call(module, args, kwargs)
 
     def _snapshot(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         idx = self._layer_of(module)
@@ -226,7 +259,11 @@ class CaptureSession:
             self._cache_layer[key] = layer_index(module)
         return self._cache_layer[key]
 
+    @opaque
     def _on_model_call(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if not self._closed:
+            self.model_calls += 1
+
         def grab() -> None:
             mask = kwargs.get("attention_mask")
             self._attention_mask = (
@@ -236,17 +273,25 @@ class CaptureSession:
 
         self._guard(grab)
 
+    @opaque
     def _on_stack_input(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        self._guard(self._open_round, args, kwargs)
+        if not (self._closed or self._replaying):
+            self.block_calls += 1
+        self._guard(self._open_round, module, args, kwargs)
 
-    def _open_round(self, args: tuple, kwargs: dict) -> None:
-        hidden = first_tensor(args) if args else None
-        if hidden is None:
-            hidden = kwargs.get("hidden_states")
+    def _open_round(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if id(module) in self._serving:
+            hidden = serving.stream_input(module, args, kwargs)
+        else:
+            hidden = first_tensor(args) if args else None
+            if hidden is None:
+                hidden = kwargs.get("hidden_states")
         token_ids, self._token_ids = self._token_ids, None
+        self._compiled_round = called_from_compiled()
         self._round = None
         self._caches.clear()
         self._routing.clear()
+        self._frozen.clear()
         if not isinstance(hidden, torch.Tensor):
             return
         hidden = self._tp.local(hidden, "stack input")
@@ -348,9 +393,12 @@ class CaptureSession:
         return np.sort(rng.choice(pool, size=n, replace=False)) if n else pool[:0]
 
     def _output_hook(self, layer: int, site: int, last: bool):
+        @opaque
         def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
             if self._round is None:
                 return
+            if not self._replaying:
+                self._fired.add((layer, site))
             if site == schema.BLOCK_SITE:
                 self._guard(self._on_output, module, layer, site, args, kwargs, output, last)
             else:
@@ -369,8 +417,11 @@ class CaptureSession:
             self.site_errors += 1
 
     def _input_hook(self, layer: int, site: int):
+        @opaque
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
             if self._round is not None:
+                if not self._replaying:
+                    self._fired.add((layer, site))
                 self._guard(self._on_input, layer, site, args, kwargs)
 
         return hook
@@ -404,6 +455,7 @@ class CaptureSession:
         return t.dim() == 2 and r.batch == 1 and t.shape[0] == r.seq
 
     def _pending_hook(self, index: int):
+        @opaque
         def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
             def keep() -> None:
                 out = to_local(first_tensor(output))
@@ -438,7 +490,9 @@ class CaptureSession:
         return t.expand(r.batch, -1, -1) if t.shape[0] != r.batch else t
 
     def _on_output(self, module, layer, site, args, kwargs, output, last) -> None:
-        hidden = first_tensor(output)
+        hidden = module_output(module, output) if id(module) in self._serving \
+            else first_tensor(output)
+        args, kwargs = self._frozen.pop(id(module), (args, kwargs))
         if hidden is None:
             raise TypeError(f"{type(module).__name__} of layer {layer} returned no tensor")
         if site == schema.BLOCK_SITE:
@@ -516,7 +570,8 @@ class CaptureSession:
                 self.batched_replays += 1
             else:
                 self.sequential_replays += 1
-            self._add_probes(layer, site, outputs, self._positions, self._rows)
+            if self._keep_probes(module, outputs, hidden):
+                self._add_probes(layer, site, outputs, self._positions, self._rows)
         if self._host and self._tp.may_host_replay(module):
             self._host_record(module, layer, site, args, kwargs, cache)
 
@@ -533,12 +588,18 @@ class CaptureSession:
         rows = (self._positions, self._rows) if not self._tp.batched(module) else None
         x_rows = x if rows else kept(x, self._positions, self._rows)
         recorded = hidden if rows else kept(hidden, self._positions, self._rows)
+        extra = {}
+        residual, _ = serving.named_input(module, args, kwargs, serving.RESIDUAL)
+        if residual is not None and residual.shape == x.shape:  # a fused add + norm
+            extra[serving.RESIDUAL] = (residual if rows
+                                       else kept(residual, self._positions, self._rows))
         self._replaying = True
         try:
             if spec.sigmas or spec.dc or spec.repeats:
-                outputs, batched = run_probes(module, (x_rows,), {}, recorded, spec,
+                outputs, batched = run_probes(module, (x_rows,), extra, recorded, spec,
                                               self._seeds(layer, site))
-                self._add_probes(layer, site, outputs, *(rows or (None, None)))
+                if self._keep_probes(module, outputs, recorded):
+                    self._add_probes(layer, site, outputs, *(rows or (None, None)))
             if spec.scale and role == LINEAR:
                 with torch.no_grad(), preserved_rng(x.device):
                     for k, y in scale_replays(module, x_rows):
@@ -547,7 +608,23 @@ class CaptureSession:
         finally:
             self._replaying = False
         if self._host and self._tp.may_host_replay(module):
-            self._host_record(module, layer, site, (x_rows,), {}, None, rows=None)
+            self._host_record(module, layer, site, (x_rows,), extra, None, rows=None)
+
+    def _keep_probes(self, module, outputs, recorded) -> bool:
+        """In a round run as compiled code the replays run eagerly: a module's probe records
+        are left out when its eager re-runs agree with each other but not with its recorded
+        output (fused inductor kernels; the eager and aot_eager backends reproduce it): every
+        comparison with the recorded output would measure the compiler, not the device.
+        Re-runs that differ from each other are run-to-run noise, a finding: kept."""
+        if not self._compiled_round or not other_kernels(outputs, recorded):
+            return True
+        if not self.compiled_probes_dropped:
+            sys.stderr.write(
+                f"srdd-dump: note: {type(module).__name__} runs as torch.compile'd code that an "
+                "eager replay does not reproduce bit for bit: such modules are captured without "
+                f"probes; for the probes {EAGER_HINT}\n")
+        self.compiled_probes_dropped += 1
+        return False
 
     def _add_probes(self, layer, site, outputs, positions, rows) -> None:
         # a module's own call (rows given) of flattened tokens: as the round's shape first
@@ -733,6 +810,8 @@ class CaptureSession:
         if self._bar is not None:
             self._bar.close()
         if self.writer is not None:
+            silent = self._silent_sites()
+            partial = explain_partial(silent, len(self.blocks) + len(self.sites))
             try:
                 self.path = self.writer.close({
                     "error": self.error, "samples": self.sample + 1,
@@ -744,6 +823,8 @@ class CaptureSession:
                     "records_dropped": self.records_dropped,
                     "site_errors": self.site_errors,
                     **self._tp.status(),
+                    "sites_never_run": len(silent) if partial else 0,
+                    "compiled_probes_dropped": self.compiled_probes_dropped,
                     **({"stats_seconds": round(self._stats.seconds, 3)}
                        if self._stats is not None else {}),
                 })
@@ -756,8 +837,21 @@ class CaptureSession:
             elif self.path and not os.environ.get(cfg.ENV_CONFIG):
                 # under `srdd-dump --exec` the command itself lists every process's file
                 sys.stderr.write(f"srdd-dump: wrote {self.path}\n")
+            if partial:
+                sys.stderr.write(f"srdd-dump: warning: {partial}\n")
+        elif not self.error:
+            self.silence = explain_silence(self.model, self.model_calls, self.block_calls)
+            if self.silence and not os.environ.get(cfg.ENV_CONFIG):
+                sys.stderr.write(f"srdd-dump: warning: nothing captured: {self.silence}\n")
         atexit.unregister(self.close)
         return self.path
+
+    def _silent_sites(self) -> list[str]:
+        """Blocks and sites whose hooks never ran in a captured round."""
+        blocks = [name for i, name in enumerate(self.layer_names)
+                  if (i, schema.BLOCK_SITE) not in self._fired]
+        return blocks + [site.name for i, site in enumerate(self.sites)
+                         if site.role != ROTARY and (site.layer, i) not in self._fired]
 
     def __enter__(self) -> CaptureSession:
         return self

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .probes import FrozenCache, is_cache, replay_arguments
+from .probes import FrozenCache, is_cache, module_output, replay_arguments
 
 HOST = torch.device("cpu")
 # instance attributes that wrap a module's forward (accelerate's device_map / offload hooks)
@@ -73,7 +73,8 @@ def to_host64(value: Any) -> Any:
 
 def host_replay(module: nn.Module, args: tuple, kwargs: dict,
                 cache: FrozenCache | None = None) -> torch.Tensor:
-    """The module's first output tensor recomputed in float64 on the host (autocast off)."""
+    """The module's hidden-state output (``probes.module_output``) recomputed in float64 on
+    the host (autocast off)."""
     args, kwargs = replay_arguments(args, kwargs, cache)
     args = tuple(None if is_cache(a) and not isinstance(a, FrozenCache) else a for a in args)
     clone = host_copy(module)
@@ -85,10 +86,7 @@ def host_replay(module: nn.Module, args: tuple, kwargs: dict,
             out = clone(*to_host64(args), **to_host64(kwargs))
     finally:
         del clone
-    if isinstance(out, dict):
-        out = list(out.values())
-    if isinstance(out, (tuple, list)):
-        out = next((o for o in out if isinstance(o, torch.Tensor)), None)
+    out = module_output(module, out)
     if not isinstance(out, torch.Tensor):
         raise TypeError(f"{type(module).__name__} returned no tensor on the host replay")
     return out

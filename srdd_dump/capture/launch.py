@@ -23,6 +23,9 @@ EXIT_CAPTURE_FAILED = 3
 
 # Variables srdd-dump sets for the child (documented in docs/cli.md).
 CHILD_ENV = (ENV_CONFIG, ENV_STATUS_DIR, "PYTHONPATH")
+# --eager: torch.compile returns what it is given, so every block runs eagerly where the hooks
+# see it (torch/_dynamo/eval_frame.py reads it at each torch.compile call)
+EAGER_ENV = {"TORCHDYNAMO_DISABLE": "1"}
 
 
 @dataclass
@@ -65,10 +68,12 @@ def split_command(command: str) -> list[str]:
     return argv
 
 
-def child_env(config: DumpConfig, status_dir: str) -> dict[str, str]:
+def child_env(config: DumpConfig, status_dir: str, eager: bool = False) -> dict[str, str]:
     from .inject import SITE_DIR  # torch-free
 
     env = dict(os.environ)
+    if eager:
+        env.update(EAGER_ENV)
     env[ENV_CONFIG] = config.to_json()
     env[ENV_STATUS_DIR] = status_dir
     parts = [SITE_DIR]
@@ -78,11 +83,13 @@ def child_env(config: DumpConfig, status_dir: str) -> dict[str, str]:
     return env
 
 
-def run_exec(command: str, config: DumpConfig, min_free_gb: float = MIN_FREE_GB) -> ExecResult:
+def run_exec(command: str, config: DumpConfig, min_free_gb: float = MIN_FREE_GB,
+             eager: bool = False) -> ExecResult:
     """Run ``command`` (never through a shell), capturing in every Python process it starts,
     into a new run folder under ``config.dump_path`` (``new_run_folder``).
 
     ``min_free_gb`` > 0 refuses to start when the dump folder's file system has less free space.
+    ``eager``: torch.compile is turned off in the command (``EAGER_ENV``).
     """
     argv = split_command(command)
     check_free_space(config.dump_path, min_free_gb)
@@ -90,7 +97,7 @@ def run_exec(command: str, config: DumpConfig, min_free_gb: float = MIN_FREE_GB)
     config = replace(config, dump_path=run_dir, command=command)
     status_dir = tempfile.mkdtemp(prefix="srdd-status-")
     try:
-        returncode = _run_forwarding_signals(argv, child_env(config, status_dir))
+        returncode = _run_forwarding_signals(argv, child_env(config, status_dir, eager))
         result = _collect(returncode, status_dir, _partial_files(run_dir))
     finally:
         shutil.rmtree(status_dir, ignore_errors=True)
@@ -183,7 +190,11 @@ def _collect(returncode: int, status_dir: str, new_partials: set[str] | None = N
         )
     if not result.files and not result.problems:
         reasons = [st["no_blocks"] for st in statuses if st.get("no_blocks")]
-        if reasons:
+        silent = [f"pid {st['pid']}: nothing captured: {st['silence']}"
+                  for st in statuses if st.get("silence")]
+        if silent:
+            result.problems.extend(silent)
+        elif reasons:
             result.problems.append(reasons[0])
         elif not statuses:
             result.problems.append(
@@ -191,7 +202,14 @@ def _collect(returncode: int, status_dir: str, new_partials: set[str] | None = N
                 "srdd-dump loaded (is the command's python the one srdd-dump is installed in?)"
             )
         elif not any(st.get("model_seen") for st in statuses):
-            result.problems.append("no model with a block stack ran a forward in any process")
+            if any(st.get("compiled_out") for st in statuses):
+                result.problems.append(
+                    "no model forward was seen: the models run inside fullgraph=True "
+                    "torch.compile'd code, where srdd-dump's hooks cannot run; run eagerly: "
+                    "srdd-dump --eager")
+            else:
+                result.problems.append("no model with a block stack ran a forward in any "
+                                       "process")
         else:
             result.problems.append(
                 "no model forward with more than one token was captured (no prefill seen)"

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from ..format import schema
+from . import serving
 
 
 @dataclass
@@ -128,10 +129,22 @@ def replay_arguments(args: tuple, kwargs: dict, cache: FrozenCache | None = None
     return args, clean
 
 
-def hidden_input(args: tuple, kwargs: dict) -> tuple[torch.Tensor | None, Callable]:
-    """The hidden-state input of a call and a function that rebuilds the call with another."""
-    if args and isinstance(args[0], torch.Tensor):
-        return args[0], lambda x: ((x, *args[1:]), kwargs)
+def hidden_input(args: tuple, kwargs: dict, module: nn.Module | None = None
+                 ) -> tuple[torch.Tensor | None, Callable]:
+    """The hidden-state input of a call and a function that rebuilds the call with another:
+    a serving block's residual stream (serving.py), the parameter named ``hidden_states``, or
+    the first floating-point positional tensor (``positions`` may come first)."""
+    if module is not None:
+        if serving.is_serving_block(module):
+            x, rebuild = serving.stream_perturbation(module, args, kwargs)
+            if x is not None:
+                return x, rebuild
+        x, rebuild = serving.named_input(module, args, kwargs)
+        if x is not None:
+            return x, rebuild
+    for i, a in enumerate(args):
+        if isinstance(a, torch.Tensor) and a.is_floating_point():
+            return a, lambda x, i=i: ((*args[:i], x, *args[i + 1:]), kwargs)
     if isinstance(kwargs.get("hidden_states"), torch.Tensor):
         return kwargs["hidden_states"], lambda x: (args, {**kwargs, "hidden_states": x})
     return None, lambda x: (args, kwargs)
@@ -202,8 +215,17 @@ def _expand(value: Any, batch: int, copies: int) -> Any:
     return value
 
 
+def module_output(module: nn.Module, value: Any) -> torch.Tensor | None:
+    """The hidden-state output of a call: a serving block's residual stream, or the first
+    tensor."""
+    stream = serving.stream_output(module, value)
+    return stream if stream is not None else first_tensor(value)
+
+
 def _call(module: nn.Module, args: tuple, kwargs: dict) -> torch.Tensor:
-    out = first_tensor(module(*args, **kwargs))
+    if serving.fuses_residual(module):  # it may overwrite its inputs: each call its own copies
+        args, kwargs = serving.frozen_call(module, args, kwargs)
+    out = module_output(module, module(*args, **kwargs))
     if out is None:
         raise TypeError(f"{type(module).__name__} returned no tensor on replay")
     return out
@@ -225,13 +247,14 @@ def run_probes(
     ``cache``: the layer's KV cache before the recorded call (a decode step).
     """
     args, kwargs = replay_arguments(args, kwargs, cache)
-    x, rebuild = hidden_input(args, kwargs)
+    x, rebuild = hidden_input(args, kwargs, module)
     if x is None:
         raise TypeError(f"cannot find the hidden-state input of {type(module).__name__}")
     results: list[ProbeOutput] = []
     with torch.no_grad(), preserved_rng(x.device):
         perturbed = perturbed_inputs(x, spec, seeds, causal_cut)
-        batched = spec.batched and bool(perturbed) and x.dim() >= 2
+        batched = (spec.batched and bool(perturbed) and x.dim() >= 2
+                   and not serving.replays_alone(module))
         outputs = None
         if batched:
             outputs = _batched(module, x, rebuild, perturbed, recorded)
@@ -244,7 +267,21 @@ def run_probes(
         for t in range(spec.repeats):
             out = _call(module, *rebuild(x))
             results.append(ProbeOutput(schema.KIND_REPEAT, t, 0.0, 0, out, None))
+        if perturbed and not spec.repeats and serving.replays_alone(module):
+            _call(module, *rebuild(x))  # writes back the KV cache entries the call wrote
     return results, batched
+
+
+def other_kernels(outputs: list[ProbeOutput], recorded: torch.Tensor) -> bool:
+    """The unperturbed re-runs agree with each other bit for bit but not with the recorded
+    output: it came from other kernels (compiled code), not from run-to-run noise. True when
+    there is no re-run to tell."""
+    repeats = [p.output for p in outputs if p.kind == schema.KIND_REPEAT]
+    if not repeats:
+        return True
+    if all(torch.equal(out, recorded) for out in repeats):
+        return False
+    return all(torch.equal(out, repeats[0]) for out in repeats[1:])
 
 
 def _batched(module, x, rebuild, perturbed, recorded) -> list[torch.Tensor] | None:
@@ -256,10 +293,8 @@ def _batched(module, x, rebuild, perturbed, recorded) -> list[torch.Tensor] | No
     else:
         stacked = torch.cat([x] + [xp for *_, xp in perturbed], dim=0)
     args, kwargs = rebuild(stacked)
-    args = (args[0], *(_expand(a, batch, copies) for a in args[1:])) if args else args
-    kwargs = {
-        k: (v if k == "hidden_states" else _expand(v, batch, copies)) for k, v in kwargs.items()
-    }
+    args = tuple(a if a is stacked else _expand(a, batch, copies) for a in args)
+    kwargs = {k: (v if v is stacked else _expand(v, batch, copies)) for k, v in kwargs.items()}
     try:
         out = _call(module, args, kwargs)
     except Exception:

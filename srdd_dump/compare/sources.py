@@ -183,6 +183,10 @@ def capture_notes(source: str, status: dict) -> list[str]:
          "would communicate with the other ranks): those modules have clean data only"),
         ("tp_host_replays_skipped", "host replays of tensor-parallel modules were skipped "
          "(a float64 copy of one rank's shard is not the module): no float64 reference"),
+        ("compiled_probes_dropped", "module replays ran as torch.compile'd code that an eager "
+         "replay does not reproduce: those modules have no probe records there"),
+        ("sites_never_run", "blocks or sub-layers never ran their capture hooks (torch.compile'd "
+         "code compiled before the hooks were registered) and have no records"),
     ):
         n = status.get(key) if isinstance(status, dict) else None
         if isinstance(n, int) and n > 0:

@@ -174,8 +174,23 @@ class _H5File:
             ds.attrs[s.ATTR_DTYPE] = dtype
             # Ids follow the sorted order of names, as the reader sees them.
             names = sorted(list(group.keys()))
-            self.data_index = {n: i for i, n in enumerate(names)}
+            old, self.data_index = self.data_index, {n: i for i, n in enumerate(names)}
+            if any(self.data_index[n] != i for n, i in old.items()):
+                self._renumber_records(old)
         return group[name]
+
+    def _renumber_records(self, old: dict[str, int]) -> None:
+        """A data set whose name sorts before existing ones appeared after the first round
+        (a probe kind first seen later): the records written so far get the new ids."""
+        records = self.f[s.RECORDS]
+        if not records.shape[0]:
+            return
+        new_id = np.zeros(max(old.values()) + 1, dtype=np.int64)
+        for name, i in old.items():
+            new_id[i] = self.data_index[name]
+        table = records[:]
+        table["data"] = new_id[table["data"]]
+        records[:] = table
 
     def room_needed(self, r: Round) -> int:
         """Upper bound of the bytes writing ``r`` adds to the file, with ROOM_RESERVE."""

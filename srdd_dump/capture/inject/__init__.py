@@ -65,6 +65,12 @@ def _on_torch_imported() -> None:
         sys.stderr.write(f"srdd-dump: warning: capture not installed: {_state['error']}\n")
 
 
+def _compiled_out() -> bool:
+    """A hook was compiled out of a fullgraph=True graph (capture/compiled.py, if loaded)."""
+    compiled = sys.modules.get("srdd_dump.capture.compiled")
+    return bool(compiled is not None and compiled._state.get("compiled_out"))
+
+
 def _report_status() -> None:
     session = _state.get("session")
     if session is not None:
@@ -80,6 +86,8 @@ def _report_status() -> None:
         "error": getattr(session, "error", None) or _state.get("error"),
         "no_blocks": _state.get("no_blocks"),
         "model_seen": session is not None,
+        "silence": getattr(session, "silence", None),
+        "compiled_out": _compiled_out(),
     }
     try:
         with open(os.path.join(status_dir, f"{os.getpid()}.json"), "w") as fh:

@@ -7,6 +7,7 @@ import sys
 from torch import nn
 from torch.nn.modules.module import register_module_forward_pre_hook
 
+from ..compiled import opaque
 from ..discovery import NoBlocksFound
 
 
@@ -14,6 +15,7 @@ def watch_forwards(state: dict) -> None:
     seen: set[int] = set()
     handle = None
 
+    @opaque  # inside code torch.compile traces too: run eagerly, at a graph break
     def on_forward(module: nn.Module, args: tuple) -> None:
         if state.get("session") is not None or id(module) in seen:
             return

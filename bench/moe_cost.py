@@ -1,0 +1,71 @@
+"""Cost of the default scan on the upcycled SmolLM2-MoE (E=4, top-2; transformers' eager
+experts loop): the plain generation against the same generation under capture, interleaved.
+
+    python bench/moe_cost.py [--repeats 3] [--prompts 2] [--dense]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "fixtures"))
+sys.path.insert(0, HERE)
+
+from detect import NEW_TOKENS, prompt_ids  # noqa: E402
+
+from srdd_dump import DumpConfig, register_hook  # noqa: E402
+
+from moe_models import upcycle_smollm2  # noqa: E402
+
+
+def generate(model, ids) -> None:
+    with torch.no_grad():
+        for x in ids:
+            model.generate(x, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--prompts", type=int, default=2)
+    parser.add_argument("--dense", action="store_true", help="SmolLM2 itself, for comparison")
+    args = parser.parse_args()
+    if args.dense:
+        from smollm2 import load
+
+        model, tokenizer = load("float32")
+    else:
+        model, tokenizer = upcycle_smollm2(4, 2)
+        model.config._experts_implementation = "eager"
+    ids = prompt_ids(tokenizer, 0, n=args.prompts)
+    generate(model, ids[:1])  # warm-up
+    plain, captured, sizes = [], [], []
+    for _ in range(args.repeats):
+        t = time.perf_counter()
+        generate(model, ids)
+        plain.append(time.perf_counter() - t)
+        tmp = tempfile.mkdtemp(prefix="srdd-moe-cost-")
+        t = time.perf_counter()
+        with register_hook(model, DumpConfig(dump_path=tmp, samples=len(ids), progress=False)):
+            generate(model, ids)
+        captured.append(time.perf_counter() - t)
+        sizes.append(sum(os.path.getsize(os.path.join(tmp, f)) for f in os.listdir(tmp)))
+        shutil.rmtree(tmp)
+    p, c = statistics.median(plain), statistics.median(captured)
+    print(f"tokens per prompt: {[x.shape[1] for x in ids]}; {NEW_TOKENS} new tokens")
+    print(f"plain {p:.2f} s {[round(x, 2) for x in plain]}; captured {c:.2f} s "
+          f"{[round(x, 2) for x in captured]}; ratio {c / p:.2f}x; dump "
+          f"{statistics.median(sizes) / 1e6:.1f} MB")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,165 @@
+"""Capture and ``torch.compile``.
+
+Dynamo inlines a module's hooks into the code it compiles, and by default never looks at them
+again (``torch._dynamo.config.skip_nnmodule_hook_guards``): hooks present when the model is
+first traced are compiled in, hooks added later never run inside the compiled region.
+
+So every capture hook is :func:`opaque`: dynamo does not trace into it but calls it at a graph
+break, eagerly, with the real tensors, so capture records what the compiled model computed (at
+the cost of a graph break at each hook). Hooks registered after the model was compiled and run
+cannot be seen; :func:`explain_silence` words what the session then says instead of writing an
+empty dump.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from typing import Callable, TypeVar
+
+import torch
+from torch import nn
+
+F = TypeVar("F", bound=Callable)
+
+EAGER_HINT = ("run it eagerly: srdd-dump --eager, or TORCHDYNAMO_DISABLE=1 in the "
+              "environment (torch.compile then returns the model unchanged)")
+LATE_HINT = "register_hook before the compiled model's first call, or " + EAGER_HINT
+
+
+_state = {
+    "compiled_out": False,  # a hook was compiled out of a graph that allows no break
+    "from_compiled": False,  # the last hook was called at a graph break of compiled code
+}
+
+
+def _graph_breaks_allowed() -> bool:
+    """Whether the graph dynamo is tracing may break (not ``fullgraph=True``). Dynamo calls
+    this once while tracing and keeps the answer as a constant (``assume_constant_result``)."""
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        tx = InstructionTranslator.current_tx()
+        allowed = not (tx.one_graph or tx.error_on_graph_break)
+    except Exception:  # noqa: BLE001 (another torch: never break a graph then)
+        allowed = False
+    if not allowed:
+        _state["compiled_out"] = True
+    return allowed
+
+
+def opaque(fn: F) -> F:
+    """``fn`` as a hook dynamo never traces into: in a compiled graph it is called at a graph
+    break, eagerly, with the real tensors; in a graph that may not break (``fullgraph=True``,
+    as vLLM compiles) it does nothing, so the user's compile still succeeds."""
+    compiler = getattr(torch, "compiler", None)
+    if compiler is None or not hasattr(compiler, "disable"):
+        return fn
+    import torch._dynamo as dynamo
+
+    eager = compiler.disable(fn)
+    allowed = dynamo.assume_constant_result(_graph_breaks_allowed)
+
+    @functools.wraps(fn)
+    def hook(*args, **kwargs):
+        if compiler.is_compiling():  # tracing: constants, and no graph break before eager
+            if not allowed():
+                return None
+        else:  # running (after a graph break, this frame is never traced)
+            _state["from_compiled"] = _dynamo_active()
+        return eager(*args, **kwargs)
+
+    _HOOK_CODES.add(hook.__code__)
+    skip_hook_frames()
+    return hook  # type: ignore[return-value]
+
+
+_HOOK_CODES: set = set()
+
+
+def _dynamo_active() -> bool:
+    try:
+        from torch._C._dynamo.eval_frame import get_eval_frame_callback
+
+        return get_eval_frame_callback() not in (None, False)
+    except Exception:  # noqa: BLE001 (another torch)
+        return False
+
+
+def called_from_compiled() -> bool:
+    """The hook running now was called from torch.compile'd code (at a graph break)."""
+    return bool(_state["from_compiled"])
+
+
+def skip_hook_frames() -> None:
+    """Dynamo inlines the hooks into the frames it traces, but never compiles one as a frame
+    of its own (where it runs at a graph break): that would compile an empty graph per
+    argument type, up to the recompile limit, with a warning. (``torch._dynamo.reset()``
+    forgets this: each session says it again.)"""
+    try:
+        from torch._dynamo.eval_frame import skip_code
+
+        for code in _HOOK_CODES:
+            skip_code(code)
+    except Exception:  # noqa: BLE001 (another torch: only slower, and warnings)
+        pass
+
+
+def compiled_parts(model: nn.Module) -> list[str]:
+    """What of ``model`` is compiled: the model itself (``torch.compile(model)``), a module's
+    ``forward`` replaced by a compiled function, or ``module.compile()`` in place."""
+    found = []
+    for name, module in model.named_modules():
+        label = name or type(model).__name__
+        if hasattr(module, "_orig_mod") and hasattr(module, "dynamo_ctx"):
+            found.append(f"{label} (torch.compile)")
+        elif hasattr(module.__dict__.get("forward"), "_torchdynamo_orig_callable"):
+            found.append(f"{label}.forward (torch.compile)")
+        elif getattr(module, "_compiled_call_impl", None) is not None:
+            found.append(f"{label} (.compile())")
+    return found
+
+
+def frames_compiled() -> int:
+    """Frames dynamo has compiled in this process (0 when torch.compile was never used)."""
+    dynamo = sys.modules.get("torch._dynamo.utils")
+    if dynamo is None:
+        return 0
+    try:
+        return int(dynamo.counters["stats"]["unique_graphs"])
+    except Exception:  # noqa: BLE001 (a torch without these counters)
+        return 0
+
+
+def explain_silence(model: nn.Module, model_calls: int, block_calls: int) -> str | None:
+    """Why a session captured nothing, in one line; None when its blocks ran (only calls of
+    one token were seen) or nothing says the model ran at all."""
+    if block_calls:
+        return None
+    compiled = compiled_parts(model)
+    if _state["compiled_out"]:
+        return ("no block hook ran: the model is compiled with fullgraph=True (as vLLM "
+                "compiles it), where a hook cannot break the graph, so the hooks were "
+                f"compiled out; {EAGER_HINT}")
+    if compiled or frames_compiled():
+        where = f" ({', '.join(compiled[:2])})" if compiled else ""
+        return (f"no block hook ever fired: the blocks run as torch.compile'd code{where} "
+                f"compiled before the hooks were registered, where hooks cannot be seen; "
+                f"{LATE_HINT}")
+    if model_calls:
+        return (f"the model ran {model_calls} time{'s' if model_calls > 1 else ''} but none "
+                "of its blocks did (name them with --layers)")
+    return None
+
+
+def explain_partial(silent: list[str], total: int) -> str | None:
+    """Why some sites have no records, in one line, when compiled code explains it."""
+    if not silent or not frames_compiled():
+        return None
+    if _state["compiled_out"]:
+        why, hint = "compiled out of a fullgraph=True graph", EAGER_HINT
+    else:
+        why, hint = "in torch.compile'd code compiled before the hooks were registered", LATE_HINT
+    return (f"the hooks of {len(silent)} of {total} capture sites never ran ({silent[0]}"
+            f"{', ...' if len(silent) > 1 else ''}): {why}, so the dump has no records of "
+            f"them; {hint}")

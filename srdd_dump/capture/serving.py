@@ -1,0 +1,153 @@
+"""Serving-engine calling conventions (vLLM, SGLang, vLLM-Ascend), found by parameter name.
+
+A serving block is called ``block(positions, hidden_states, residual)`` and returns
+``(hidden_states, residual)``: the residual stream it represents is their sum (``residual`` is
+None on the first block; the model's final norm adds the last pair). Capture records that sum
+as the block's output and as the stack's input, and the probes perturb it by adding the
+perturbation to ``residual`` (to ``hidden_states`` on the first block), so the replay takes the
+code path the call took.
+
+Two things such engines do that a replay must respect:
+
+* a fused add + norm kernel overwrites its input tensors while it runs (vLLM's CUDA
+  ``fused_add_rms_norm``), and with them the block's, so the inputs of a module that takes
+  ``residual`` are copied before it runs, and every replay gets copies of its own;
+* a module that takes ``positions`` reads the batch's layout from the engine's forward context
+  and writes the KV cache of those positions in place, so it is replayed with exactly the
+  recorded shapes (never a stacked batch) and the last replay is an unperturbed one, which
+  writes back what the recorded call wrote.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+HIDDEN = "hidden_states"
+RESIDUAL = "residual"
+POSITIONS = "positions"
+
+_SIGNATURES: dict[Any, inspect.Signature | None] = {}
+
+
+def signature(module: nn.Module) -> inspect.Signature | None:
+    """The signature of the module's forward (None when it has none to read)."""
+    forward = getattr(module, "forward", None)
+    key = getattr(forward, "__func__", forward)
+    if key not in _SIGNATURES:
+        try:
+            _SIGNATURES[key] = inspect.signature(forward)
+        except (TypeError, ValueError):
+            _SIGNATURES[key] = None
+    return _SIGNATURES[key]
+
+
+def takes(module: nn.Module, name: str) -> bool:
+    sig = signature(module)
+    return sig is not None and name in sig.parameters
+
+
+def is_serving_block(module: nn.Module) -> bool:
+    """A block of the (hidden_states, residual) convention, by its forward's parameters."""
+    return takes(module, HIDDEN) and takes(module, RESIDUAL)
+
+
+def replays_alone(module: nn.Module) -> bool:
+    """The module takes the batch's token positions (a serving engine's block or attention)."""
+    return takes(module, POSITIONS)
+
+
+def _bound(module: nn.Module, args: tuple, kwargs: dict) -> dict[str, Any] | None:
+    sig = signature(module)
+    if sig is None:
+        return None
+    try:
+        return dict(sig.bind_partial(*args, **kwargs).arguments)
+    except TypeError:
+        return None
+
+
+def named_input(module: nn.Module, args: tuple, kwargs: dict, name: str = HIDDEN
+                ) -> tuple[torch.Tensor | None, Callable[[Any], tuple[tuple, dict]]]:
+    """The tensor passed as parameter ``name`` and a function rebuilding the call with another
+    value there; (None, ...) when the forward has no such parameter or it holds no tensor."""
+    sig = signature(module)
+    bound = _bound(module, args, kwargs)
+    if sig is None or bound is None or not isinstance(bound.get(name), torch.Tensor):
+        return None, lambda value: (args, kwargs)
+    index = list(sig.parameters).index(name)
+    if name not in kwargs and index < len(args):
+        return bound[name], lambda value: ((*args[:index], value, *args[index + 1:]), kwargs)
+    return bound[name], lambda value: (args, {**kwargs, name: value})
+
+
+def stream_input(module: nn.Module, args: tuple, kwargs: dict) -> torch.Tensor | None:
+    """hidden_states + residual of a serving block's call (hidden_states when residual is
+    None); None when the call does not have that shape."""
+    bound = _bound(module, args, kwargs)
+    if bound is None:
+        return None
+    hidden, residual = bound.get(HIDDEN), bound.get(RESIDUAL)
+    if not isinstance(hidden, torch.Tensor):
+        return None
+    if isinstance(residual, torch.Tensor) and residual.shape == hidden.shape:
+        return hidden + residual
+    return hidden if residual is None else None
+
+
+def stream_output(module: nn.Module, output: Any) -> torch.Tensor | None:
+    """hidden_states + residual of a serving block's output; None for any other output."""
+    if not (isinstance(output, (tuple, list)) and len(output) == 2):
+        return None
+    hidden, residual = output
+    if not (isinstance(hidden, torch.Tensor) and isinstance(residual, torch.Tensor)
+            and hidden.shape == residual.shape and is_serving_block(module)):
+        return None
+    return hidden + residual
+
+
+def fuses_residual(module: nn.Module) -> bool:
+    """A serving block, or a fused add + norm ``norm(x, residual)``: either may overwrite its
+    input tensors while it runs."""
+    return takes(module, RESIDUAL)
+
+
+def frozen_call(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """The call with copies of its hidden-state input (``hidden_states``, else the first
+    floating-point positional tensor) and of ``residual``: taken before a module that fuses
+    the residual add runs, and for each of its replays."""
+    hidden, rebuild = named_input(module, args, kwargs, HIDDEN)
+    if hidden is not None:
+        args, kwargs = rebuild(hidden.detach().clone())
+    else:
+        index = next((i for i, a in enumerate(args)
+                      if isinstance(a, torch.Tensor) and a.is_floating_point()), None)
+        if index is not None:
+            args = (*args[:index], args[index].detach().clone(), *args[index + 1:])
+    residual, rebuild = named_input(module, args, kwargs, RESIDUAL)
+    if residual is not None:
+        args, kwargs = rebuild(residual.detach().clone())
+    return args, kwargs
+
+
+def stream_perturbation(module: nn.Module, args: tuple, kwargs: dict
+                        ) -> tuple[torch.Tensor | None, Callable[[torch.Tensor], tuple]]:
+    """(the input stream x, rebuild): ``rebuild(x + d)`` is the call with ``d`` added to
+    residual (with hidden_states replaced by x + d when residual is None); ``rebuild(x)`` is
+    the recorded call itself."""
+    x = stream_input(module, args, kwargs)
+    if x is None:
+        return None, lambda value: (args, kwargs)
+    hidden, set_hidden = named_input(module, args, kwargs, HIDDEN)
+    residual, _ = named_input(module, args, kwargs, RESIDUAL)
+
+    def rebuild(xp: torch.Tensor) -> tuple[tuple, dict]:
+        if residual is None or xp is x:
+            return set_hidden(xp) if residual is None else (args, kwargs)
+        _, set_residual = named_input(module, args, kwargs, RESIDUAL)
+        return set_residual((residual.float() + (xp.float() - x.float())).to(residual.dtype))
+
+    return x, rebuild
