@@ -52,17 +52,18 @@ def opaque(fn: F) -> F:
     """``fn`` as a hook dynamo never traces into: in a compiled graph it is called at a graph
     break, eagerly, with the real tensors; in a graph that may not break (``fullgraph=True``,
     as vLLM compiles) it does nothing, so the user's compile still succeeds."""
-    compiler = getattr(torch, "compiler", None)
-    if compiler is None or not hasattr(compiler, "disable"):
-        return fn
-    import torch._dynamo as dynamo
+    try:  # torch without a working dynamo (torch 2.1 on Python 3.12): hooks as they are
+        import torch._dynamo as dynamo
 
-    eager = compiler.disable(fn)
-    allowed = dynamo.assume_constant_result(_graph_breaks_allowed)
+        eager = torch.compiler.disable(fn)
+        allowed = dynamo.assume_constant_result(_graph_breaks_allowed)
+        is_compiling = getattr(torch.compiler, "is_compiling", None) or dynamo.is_compiling
+    except Exception:  # noqa: BLE001
+        return fn
 
     @functools.wraps(fn)
     def hook(*args, **kwargs):
-        if compiler.is_compiling():  # tracing: constants, and no graph break before eager
+        if is_compiling():  # tracing: constants, and no graph break before eager
             if not allowed():
                 return None
         else:  # running (after a graph break, this frame is never traced)
