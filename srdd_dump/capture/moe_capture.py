@@ -9,7 +9,7 @@ replays on the probe rows routed to it.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 from torch import nn
@@ -22,14 +22,11 @@ from .probes import ProbeOutput, run_probes
 from .reductions import ProbeRows
 from .tensors import _TORCH_TO_LOGICAL, kept, to_host
 
-if TYPE_CHECKING:
-    from .hooks import CaptureSession
-
 
 class ExpertCapture:
     """The slots and per-expert records of every fused experts module of one session."""
 
-    def __init__(self, session: CaptureSession):
+    def __init__(self, session: Any):  # the hooks.CaptureSession it belongs to
         self.s = session
         # site index of a fused experts module -> (its slots site, its expert sites by index)
         self.sites: dict[int, tuple[int, dict[int, int]]] = {}
