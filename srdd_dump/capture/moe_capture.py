@@ -9,6 +9,7 @@ replays on the probe rows routed to it.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -99,8 +100,14 @@ class ExpertCapture:
         x = kept(s._as_round(hidden), s._positions, s._rows)
         index = kept(s._as_round(routing.index), s._positions, s._rows)[0]
         recorded = kept(s._as_round(slots), s._positions, s._rows)
-        outputs, _ = run_probes(SlotReplay(module, index), (x,), {}, recorded, spec,
-                                s._seeds(layer, slots_site))
+        outputs, _ = run_probes(SlotReplay(module, index), (x,), {}, recorded,
+                                replace(spec, repeats=0), s._seeds(layer, slots_site))
+        # repeats are compared with the clean slots: they re-run the clean call's rows, so each
+        # expert sees the same tokens (its GEMM's rounding depends on how many it gets)
+        for t in range(spec.repeats):
+            again = slot_outputs(module, hidden, routing.index)
+            outputs.append(ProbeOutput(schema.KIND_REPEAT, t, 0.0, 0,
+                                       kept(s._as_round(again), s._positions, s._rows), None))
         if bias_free(module):
             # zero rows in the same call as the probe rows: a per-call statistic (a range)
             # sees the real rows too
