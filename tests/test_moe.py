@@ -62,6 +62,38 @@ def test_sites_of_every_moe_layer(arch):
                                                          for e in range(4)}
 
 
+def test_expert_parallel_experts_are_captured_as_their_sum():
+    """A rank holding 2 of the router's 4 experts (transformers' expert parallelism sets the
+    module's num_experts to its own count): router and sum only, no call of the experts."""
+    model = build("mixtral", layers=2)
+    for module in experts_modules(model).values():
+        module.num_experts = 2
+    roles = {s.role for s in find_moe_sites(find_blocks(model))}
+    assert roles == {"router", "experts"}
+
+
+def test_experts_called_by_parameter_name():
+    class Swapped(torch.nn.Module):  # (hidden, weights, indices): another engine's order
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(3, 4, 4))
+
+        def forward(self, x, routing_weights, expert_indices):
+            out = torch.zeros_like(x)
+            for j in range(expert_indices.shape[1]):
+                w = self.w[expert_indices[:, j]]
+                out += routing_weights[:, j:j + 1] * torch.einsum("th,toh->to", x, w)
+            return out
+
+    experts = Swapped()
+    x = torch.randn(5, 4)
+    index = torch.tensor([[0, 2], [1, 0], [2, 1], [0, 1], [2, 0]])
+    weights = torch.rand(5, 2)
+    slots = slot_outputs(experts, x, index).reshape(5, 2, 4)
+    assert torch.allclose((slots * weights.unsqueeze(-1)).sum(1), experts(x, weights, index),
+                          atol=1e-6)
+
+
 def test_slot_outputs_are_each_experts_own_output():
     model = build("mixtral", layers=2)
     experts = experts_modules(model)["model.layers.0.mlp.experts"]
@@ -149,7 +181,9 @@ def test_router_statistics():
     assert np.array_equal(got_index, index) and weights.shape == (3, 2)
     assert np.allclose(margin, 0.2)
     logits = np.log(np.array([[0.5, 0.3, 0.2], [0.4, 0.4, 0.2]]))
-    assert np.allclose(topk_margin(logits, 1), [0.2, 0.0])
+    assert np.allclose(topk_margin(logits, np.array([[0], [1]])), [0.2, 0.0])
+    # a router that chose by another score (DeepSeek's bias): negative
+    assert np.allclose(topk_margin(logits, np.array([[2], [2]])), [-0.3, -0.2])
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -163,7 +197,8 @@ def test_capture_is_transparent_and_healthy_runs_clean(tmp_path, arch):
     assert (result.layers["verdict"] != "FAULT").all(), result.headlines
     experts = result.sites[result.sites["role"] == "expert"]
     assert set(experts["expert"].dropna().astype(int)) == {0, 1, 2, 3}
-    assert (experts["tokens"] > 0).all() and (experts["topk_margin"] >= 0).all()
+    # the margin is negative where the router ranks by another score (DeepSeek's groups)
+    assert (experts["tokens"] > 0).all() and np.isfinite(experts["topk_margin"]).all()
 
 
 @pytest.mark.parametrize("case,label,store", [

@@ -38,14 +38,18 @@ def tokens_per_expert(index: np.ndarray, experts: int) -> np.ndarray:
     return np.bincount(flat, minlength=experts)
 
 
-def topk_margin(logits: np.ndarray, k: int) -> np.ndarray:
-    """Per token, the router's probability of its k-th expert minus that of the next one
-    (softmax of the logits): how close the token was to another routing."""
+def topk_margin(logits: np.ndarray, index: np.ndarray) -> np.ndarray:
+    """Per token, the router's softmax probability of the least likely expert it was sent to
+    minus that of the most likely one it was not: how close it came to another routing
+    (negative when the router chose by another score, e.g. DeepSeek's corrected, grouped one)."""
     x = np.asarray(logits, dtype=np.float64).reshape(-1, logits.shape[-1])
-    if k >= x.shape[1] or not x.size:
-        return np.full(x.shape[0], np.nan)
     x = x - x.max(axis=1, keepdims=True)
     p = np.exp(x)
     p /= p.sum(axis=1, keepdims=True)
-    top = -np.sort(-p, axis=1)
-    return top[:, k - 1] - top[:, k]
+    chosen = np.zeros(p.shape, dtype=bool)
+    rows = np.arange(len(p))[:, None]
+    ok = (index >= 0) & (index < p.shape[1])
+    chosen[np.broadcast_to(rows, index.shape)[ok], index[ok]] = True
+    if chosen.all(axis=1).any():
+        return np.full(len(p), np.nan)
+    return np.where(chosen, p, 1.0).min(axis=1) - np.where(chosen, 0.0, p).max(axis=1)

@@ -153,11 +153,12 @@ def fused_experts(module: nn.Module) -> int:
 
 
 def _router(moe: nn.Module, experts: int) -> tuple[str, nn.Module] | None:
-    """The router of an MoE block: the child whose weight has one row per expert."""
+    """The router of an MoE block: the child whose weight has one row per expert of the model
+    (a multiple of the experts module's own count under expert parallelism)."""
     for name, child in moe.named_children():
         weight = getattr(child, "weight", None)
-        if (isinstance(weight, torch.Tensor) and weight.dim() == 2
-                and weight.shape[0] == experts and fused_experts(child) == 0):
+        if (isinstance(weight, torch.Tensor) and weight.dim() == 2 and weight.shape[0] > 1
+                and weight.shape[0] % experts == 0 and fused_experts(child) == 0):
             return name, child
     return None
 
@@ -178,6 +179,11 @@ def find_moe_sites(blocks: list[tuple[str, nn.Module]]) -> list[Site]:
                 sites.append(Site(index, f"{block_name}.{parent}.{router[0]}", router[1], ROUTER))
             full = f"{block_name}.{name}"
             sites.append(Site(index, full, module, EXPERTS))
+            if router is not None and router[1].weight.shape[0] != n:
+                # expert parallelism: this rank holds n of the router's experts and its
+                # experts call communicates; re-running it from one rank's capture could
+                # hang the others, so its experts are captured as their sum only
+                continue
             sites.append(Site(index, f"{full}.slots", module, EXPERT_SLOTS))
             sites += [Site(index, f"{full}.{e}", module, EXPERT, e) for e in range(n)]
     return sites

@@ -12,6 +12,7 @@ out of range (an expert-parallel "not on this rank" slot) gives zeros and is nev
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, NamedTuple
@@ -42,9 +43,26 @@ def routing_of(args: tuple, kwargs: dict) -> tuple[torch.Tensor, Routing] | None
     return hidden, Routing(index, weights)
 
 
-def call_routed(experts: nn.Module, hidden: torch.Tensor, routing: Routing) -> torch.Tensor:
-    """``experts`` called like the model calls it (positional hidden, index, weights)."""
-    return experts(hidden, routing.index, routing.weights)
+def _names(forward: Any) -> tuple[str, str, str] | None:
+    """(hidden, index, weights) parameter names of a fused experts forward."""
+    try:
+        params = list(inspect.signature(forward).parameters)
+    except (TypeError, ValueError):
+        return None
+    index = next((p for p in params[1:] if "index" in p or "indices" in p), None)
+    weights = next((p for p in params[1:] if "weight" in p), None)
+    return (params[0], index, weights) if index and weights else None
+
+
+def call_experts(forward: Any, hidden: torch.Tensor, index: torch.Tensor,
+                 weights: torch.Tensor) -> torch.Tensor:
+    """``forward`` (a fused experts module, or its ``forward`` to bypass hooks) called with its
+    arguments by name, whatever their order; positionally (hidden, index, weights) when the
+    names are not found."""
+    names = _names(getattr(forward, "forward", forward))
+    if names is None:
+        return forward(hidden, index, weights)
+    return forward(**{names[0]: hidden, names[1]: index, names[2]: weights})
 
 
 def slot_outputs(experts: nn.Module, hidden: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -57,18 +75,25 @@ def slot_outputs(experts: nn.Module, hidden: torch.Tensor, index: torch.Tensor) 
     flat = hidden.reshape(copies * tokens, width)
     slots = index.repeat(copies, 1).reshape(-1, 1)
     ones = torch.ones(slots.shape, dtype=hidden.dtype, device=hidden.device)
-    out = experts(flat.repeat_interleave(k, dim=0), slots, ones)
+    out = call_experts(experts, flat.repeat_interleave(k, dim=0), slots, ones)
     return out.reshape(*lead, tokens, k * width)
 
 
-def topk_margin(logits: torch.Tensor, k: int) -> torch.Tensor:
-    """(T,) per token, the router's softmax probability of its k-th expert minus that of the
-    next one: how close the token came to another routing (analysis.experts.topk_margin)."""
+def topk_margin(logits: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """(T,) per token, the router's softmax probability of the least likely expert it was sent
+    to minus that of the most likely one it was not (analysis.experts.topk_margin): how close
+    it came to another routing. Negative when the router chose by another score (a score
+    correction bias, a group limit: DeepSeek)."""
     p = torch.softmax(logits.detach().float().reshape(-1, logits.shape[-1]), dim=-1)
-    if k >= p.shape[-1]:
+    chosen = torch.zeros_like(p, dtype=torch.bool)
+    index = index.to(p.device).long()
+    ok = (index >= 0) & (index < p.shape[-1])
+    chosen.scatter_(1, torch.where(ok, index, 0), ok)
+    if bool(chosen.all(dim=1).any()):
         return torch.full(p.shape[:1], float("nan"), device=p.device)
-    top = torch.topk(p, k + 1, dim=-1).values
-    return top[:, k - 1] - top[:, k]
+    low = torch.where(chosen, p, torch.ones_like(p)).amin(dim=1)
+    high = torch.where(chosen, torch.zeros_like(p), p).amax(dim=1)
+    return low - high
 
 
 def bias_free(experts: nn.Module) -> bool:
@@ -115,12 +140,16 @@ def pinned_routing(modules: list[nn.Module], recorded: dict[int, Routing]) -> It
         found = routing_of(args, kwargs)
         if routing is None or found is None:
             return None
-        hidden, _ = found
+        hidden, now = found
         tokens = routing.index.shape[0]
         if tokens == 0 or hidden.shape[0] % tokens:
             return None
         copies = hidden.shape[0] // tokens
-        return (hidden, routing.index.repeat(copies, 1), routing.weights.repeat(copies, 1)), {}
+        swap = {id(now.index): routing.index.repeat(copies, 1),
+                id(now.weights): routing.weights.repeat(copies, 1)}
+        # the same call, by position and name, with only the routing tensors replaced
+        return (tuple(swap.get(id(a), a) for a in args),
+                {k: swap.get(id(v), v) for k, v in kwargs.items()})
 
     handles = [m.register_forward_pre_hook(pre_hook, with_kwargs=True, prepend=True)
                for m in modules]

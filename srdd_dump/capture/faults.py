@@ -66,7 +66,7 @@ from ..errors import UserError
 from . import serving
 from .compiled import opaque
 from .discovery import find_moe_sites
-from .experts import routing_of
+from .experts import call_experts, routing_of
 from .faultspec import FaultSpec
 from .parallel import env_rank, map_local
 
@@ -295,8 +295,8 @@ class _ExpertFault(_Fault):
             x = hidden[tokens]
             one = torch.full((x.shape[0], 1), self.expert, dtype=routing.index.dtype,
                              device=x.device)
-            clean = module.forward(x, one, torch.ones(one.shape, dtype=x.dtype,
-                                                      device=x.device))
+            clean = call_experts(module.forward, x, one,  # forward: no hooks, no recursion
+                                 torch.ones(one.shape, dtype=x.dtype, device=x.device))
             weight = (routing.weights[tokens] * hit[tokens]).sum(dim=1, keepdim=True)
             delta = (self.corrupt(clean).to(clean.dtype) - clean) * weight.to(clean.dtype)
         out = output.clone()

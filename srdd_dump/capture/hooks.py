@@ -130,6 +130,9 @@ class CaptureSession:
         self._experts = [site.module for site in self.sites if site.role == EXPERTS]
         self._routing: dict[int, Routing] = {}
         self._moe = ExpertCapture(self) if self._experts else None
+        if self._moe is not None and len(self._moe.sites) < len(self._experts):
+            sys.stderr.write("srdd-dump: note: experts split over ranks (expert parallelism): "
+                             "each MoE layer's experts are captured as their sum only\n")
         self.host_replays = 0
         self.host_replays_failed = 0
         self.records_dropped = 0

@@ -63,9 +63,8 @@ class ExpertCapture:
         s = self.s
         slots_site, expert_sites = self.sites[site]
         logits = self.logits.pop(self.router_of.get(site, -1), None)
-        k = routing.index.shape[-1]
         if logits is not None and logits.numel() == hidden.shape[0] * logits.shape[-1]:
-            margin = topk_margin(logits, k).unsqueeze(-1)
+            margin = topk_margin(logits, routing.index).unsqueeze(-1)
         else:
             margin = torch.full((hidden.shape[0], 1), float("nan"), device=hidden.device)
         s._replaying = True
