@@ -13,9 +13,15 @@ import torch
 
 from srdd_dump import DumpConfig, register_hook
 from srdd_dump.analysis.experts import expert_rows as expert_rows_np
-from srdd_dump.analysis.experts import split_route, tokens_per_expert, topk_margin
+from srdd_dump.analysis.experts import split_route
 from srdd_dump.capture.discovery import find_blocks, find_moe_sites
-from srdd_dump.capture.experts import expert_rows, pinned_routing, routing_of, slot_outputs
+from srdd_dump.capture.experts import (
+    expert_rows,
+    pinned_routing,
+    routing_of,
+    slot_outputs,
+    topk_margin,
+)
 from srdd_dump.capture.faults import install_faults
 from srdd_dump.capture.faultspec import parse_fault
 from srdd_dump.compare import compare_path
@@ -174,16 +180,19 @@ def test_router_fault_changes_the_routing():
 
 
 def test_router_statistics():
-    index = np.array([[0, 1], [1, 2], [1, 9]])  # 9: a slot on another rank
-    assert tokens_per_expert(index, 4).tolist() == [1, 3, 1, 0]
+    index = np.array([[0, 1], [1, 2], [1, 9]])  # 9: out of range, never read
+    routed = [int(expert_rows_np(np.zeros((3, 2 * 4)), index, e)[1].sum()) for e in range(4)]
+    assert routed == [1, 3, 1, 0]
     route = np.concatenate([index, np.full((3, 2), 0.5), np.full((3, 1), 0.2)], axis=1)
     got_index, weights, margin = split_route(route[None])
     assert np.array_equal(got_index, index) and weights.shape == (3, 2)
     assert np.allclose(margin, 0.2)
-    logits = np.log(np.array([[0.5, 0.3, 0.2], [0.4, 0.4, 0.2]]))
-    assert np.allclose(topk_margin(logits, np.array([[0], [1]])), [0.2, 0.0])
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.2], [0.4, 0.4, 0.2]]))
+    assert torch.allclose(topk_margin(logits, torch.tensor([[0], [1]])),
+                          torch.tensor([0.2, 0.0]))
     # a router that chose by another score (DeepSeek's bias): negative
-    assert np.allclose(topk_margin(logits, np.array([[2], [2]])), [-0.3, -0.2])
+    assert torch.allclose(topk_margin(logits, torch.tensor([[2], [2]])),
+                          torch.tensor([-0.3, -0.2]))
 
 
 @pytest.mark.parametrize("arch", ARCHS)

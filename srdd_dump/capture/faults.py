@@ -322,9 +322,6 @@ class _RouterFault(_Fault):
             top = top / top.sum(dim=-1, keepdim=True)
         return bad, top.to(weights.dtype), chosen.to(index.dtype)
 
-    def applies(self, h: torch.Tensor) -> bool:
-        return True if self.spec.options.get("phase", "all") == "all" else super().applies(h)
-
 
 def install_faults(
     model: nn.Module, blocks: list[tuple[str, nn.Module]], specs: list[FaultSpec]

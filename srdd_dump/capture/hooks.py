@@ -14,6 +14,7 @@ import os
 import socket
 import sys
 import time
+from contextlib import nullcontext
 from typing import Any
 
 import numpy as np
@@ -46,7 +47,6 @@ from .discovery import (
     Site,
     find_blocks,
 )
-from .experts import Routing, pinned_routing, routing_of
 from .faults import install_faults
 from .host import host_replay
 from .identities import causal_cut, is_causal, scale_replays
@@ -126,11 +126,8 @@ class CaptureSession:
                        if serving.fuses_residual(m)}
         self._frozen: dict[int, tuple[tuple, dict]] = {}
         self._pending: list[tuple[int, Site, torch.Tensor, tuple, dict]] = []
-        # fused experts modules and the routing each was called with in this round
-        self._experts = [site.module for site in self.sites if site.role == EXPERTS]
-        self._routing: dict[int, Routing] = {}
-        self._moe = ExpertCapture(self) if self._experts else None
-        if self._moe is not None and len(self._moe.sites) < len(self._experts):
+        self._moe = ExpertCapture(self) if any(s.role == EXPERTS for s in self.sites) else None
+        if self._moe is not None and len(self._moe.sites) < len(self._moe.modules):
             sys.stderr.write("srdd-dump: note: experts split over ranks (expert parallelism): "
                              "each MoE layer's experts are captured as their sum only\n")
         self.host_replays = 0
@@ -293,7 +290,8 @@ class CaptureSession:
         self._compiled_round = called_from_compiled()
         self._round = None
         self._caches.clear()
-        self._routing.clear()
+        if self._moe is not None:
+            self._moe.open_round()
         self._frozen.clear()
         if not isinstance(hidden, torch.Tensor):
             return
@@ -518,10 +516,7 @@ class CaptureSession:
         finally:
             self._finish_site(layer, site)
         if role == EXPERTS:
-            found = routing_of(args, kwargs)
-            if found is not None:
-                self._routing[id(module)] = found[1]
-                self._moe.record(module, layer, site, found[0], found[1])
+            self._moe.record(module, layer, site, args, kwargs)
         if site == schema.BLOCK_SITE and self.step == 0:
             self._progress()
         if last:
@@ -557,7 +552,7 @@ class CaptureSession:
         if spec.sigmas or spec.dc or spec.repeats or cut is not None:
             self._replaying = True
             try:
-                with pinned_routing(self._experts, self._routing):
+                with self._moe.pinned() if self._moe is not None else nullcontext():
                     outputs, batched = run_probes(module, args, kwargs, hidden, spec,
                                                   self._seeds(layer, site), cache, cut)
             except Exception:
@@ -853,8 +848,10 @@ class CaptureSession:
         """Blocks and sites whose hooks never ran in a captured round."""
         blocks = [name for i, name in enumerate(self.layer_names)
                   if (i, schema.BLOCK_SITE) not in self._fired]
+        # a model-level rotary and the experts' slots and expert sites have no hook of their own
         return blocks + [site.name for i, site in enumerate(self.sites)
-                         if site.role != ROTARY and (site.layer, i) not in self._fired]
+                         if site.role not in (ROTARY, EXPERT_SLOTS, EXPERT)
+                         and (site.layer, i) not in self._fired]
 
     def __enter__(self) -> CaptureSession:
         return self

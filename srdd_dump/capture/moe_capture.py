@@ -17,8 +17,17 @@ from torch import nn
 
 from ..format import schema
 from ..format.writer import Tensor
-from .discovery import EXPERT, EXPERT_SLOTS, ROUTER
-from .experts import Routing, SlotReplay, bias_free, expert_rows, slot_outputs, topk_margin
+from .discovery import EXPERT, EXPERT_SLOTS, EXPERTS, ROUTER
+from .experts import (
+    Routing,
+    SlotReplay,
+    bias_free,
+    expert_rows,
+    pinned_routing,
+    routing_of,
+    slot_outputs,
+    topk_margin,
+)
 from .probes import ProbeOutput, run_probes
 from .reductions import ProbeRows
 from .tensors import _TORCH_TO_LOGICAL, kept, to_host
@@ -29,35 +38,49 @@ class ExpertCapture:
 
     def __init__(self, session: Any):  # the hooks.CaptureSession it belongs to
         self.s = session
-        # site index of a fused experts module -> (its slots site, its expert sites by index)
-        self.sites: dict[int, tuple[int, dict[int, int]]] = {}
-        by_name = {site.name: i for i, site in enumerate(session.sites)}
-        for i, site in enumerate(session.sites):
-            if site.role == EXPERT_SLOTS:
-                experts = by_name.get(site.name[: -len(".slots")])
-                if experts is not None:
-                    self.sites[experts] = (i, {})
-        for i, site in enumerate(session.sites):
+        sites = session.sites
+        # the experts module's own sites share its module; its router is the layer's router
+        index = {(id(site.module), site.role): i for i, site in enumerate(sites)}
+        routers = {site.layer: id(site.module) for site in sites if site.role == ROUTER}
+        members: dict[int, dict[int, int]] = {}
+        for j, site in enumerate(sites):
             if site.role == EXPERT:
-                owner = by_name.get(site.name.rsplit(".", 1)[0])
-                if owner in self.sites:
-                    self.sites[owner][1][site.expert] = i
-        # experts site -> its router site (the router's logits give each token's margin)
-        self.router_of = {}
-        for site in session.sites:
-            if site.role == ROUTER:
-                parent = site.name.rsplit(".", 1)[0]
-                owner = next((j for j in self.sites
-                              if session.sites[j].name.rsplit(".", 1)[0] == parent), None)
-                if owner is not None:
-                    self.router_of[owner] = id(site.module)
+                members.setdefault(id(site.module), {})[site.expert] = j
+        self.modules = [site.module for site in sites if site.role == EXPERTS]
+        # site index of a fused experts module -> (its slots site, its expert sites by index);
+        # none under expert parallelism (discovery gives it no slots)
+        self.sites: dict[int, tuple[int, dict[int, int]]] = {}
+        self.router_of: dict[int, int] = {}  # experts site -> its router module
+        for i, site in enumerate(sites):
+            if site.role != EXPERTS:
+                continue
+            if site.layer in routers:
+                self.router_of[i] = routers[site.layer]
+            slots = index.get((id(site.module), EXPERT_SLOTS))
+            if slots is not None:
+                self.sites[i] = (slots, members.get(id(site.module), {}))
         self.logits: dict[int, torch.Tensor] = {}  # router module -> its logits this round
+        self.routing: dict[int, Routing] = {}  # experts module -> its routing this round
+
+    def open_round(self) -> None:
+        self.logits.clear()
+        self.routing.clear()
+
+    def pinned(self):
+        """Routing held at this round's for a replay of a block or sub-block."""
+        return pinned_routing(self.modules, self.routing)
 
     def router_output(self, module: nn.Module, logits: torch.Tensor) -> None:
         self.logits[id(module)] = logits
 
-    def record(self, module: nn.Module, layer: int, site: int, hidden: torch.Tensor,
-               routing: Routing) -> None:
+    def record(self, module: nn.Module, layer: int, site: int, args: tuple, kwargs: dict
+               ) -> None:
+        """A fused experts call of a captured round: its routing, then its slots' records."""
+        found = routing_of(args, kwargs)
+        if found is None:
+            return
+        hidden, routing = found
+        self.routing[id(module)] = routing
         if site not in self.sites:
             return
         s = self.s

@@ -115,9 +115,9 @@ def read_signals(
     (``expert_sites``) the expert sites a slots site's records hold."""
     recs = reader.records
     # expert keys are read from their slots site's records
-    slots_of = {(k[0], e): ((k[0], slots), expert)
-                for slots, members in (experts or {}).items()
-                for k in keys for e, expert in members if k[1] == e}
+    owner = {e: (slots, expert) for slots, members in (experts or {}).items()
+             for e, expert in members}
+    slots_of = {k: ((k[0], owner[k[1]][0]), owner[k[1]][1]) for k in keys if k[1] in owner}
     by_round = {int(r["round"]): r for r in reader.rounds}
     role = role or (lambda layer, site: "")
     layers = {k: LayerSignals(k[0], k[1], module(*k), role=role(*k)) for k in keys}
