@@ -12,13 +12,14 @@ out of range (an expert-parallel "not on this rank" slot) gives zeros and is nev
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, NamedTuple
 
 import torch
 from torch import nn
+
+from .serving import signature
 
 
 class Routing(NamedTuple):
@@ -43,26 +44,28 @@ def routing_of(args: tuple, kwargs: dict) -> tuple[torch.Tensor, Routing] | None
     return hidden, Routing(index, weights)
 
 
-def _names(forward: Any) -> tuple[str, str, str] | None:
-    """(hidden, index, weights) parameter names of a fused experts forward."""
-    try:
-        params = list(inspect.signature(forward).parameters)
-    except (TypeError, ValueError):
+def _names(experts: nn.Module) -> tuple[str, str, str] | None:
+    """(hidden, index, weights) parameter names of a fused experts forward (its signature read
+    once: serving.signature caches it)."""
+    sig = signature(experts)
+    if sig is None:
         return None
+    params = list(sig.parameters)
     index = next((p for p in params[1:] if "index" in p or "indices" in p), None)
     weights = next((p for p in params[1:] if "weight" in p), None)
     return (params[0], index, weights) if index and weights else None
 
 
-def call_experts(forward: Any, hidden: torch.Tensor, index: torch.Tensor,
-                 weights: torch.Tensor) -> torch.Tensor:
-    """``forward`` (a fused experts module, or its ``forward`` to bypass hooks) called with its
-    arguments by name, whatever their order; positionally (hidden, index, weights) when the
-    names are not found."""
-    names = _names(getattr(forward, "forward", forward))
+def call_experts(experts: nn.Module, hidden: torch.Tensor, index: torch.Tensor,
+                 weights: torch.Tensor, hooks: bool = True) -> torch.Tensor:
+    """A fused experts module called with its arguments by name, whatever their order
+    (positionally (hidden, index, weights) when the names are not found); ``hooks=False``
+    calls its forward alone."""
+    call = experts if hooks else experts.forward
+    names = _names(experts)
     if names is None:
-        return forward(hidden, index, weights)
-    return forward(**{names[0]: hidden, names[1]: index, names[2]: weights})
+        return call(hidden, index, weights)
+    return call(**{names[0]: hidden, names[1]: index, names[2]: weights})
 
 
 def slot_outputs(experts: nn.Module, hidden: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

@@ -295,8 +295,9 @@ class _ExpertFault(_Fault):
             x = hidden[tokens]
             one = torch.full((x.shape[0], 1), self.expert, dtype=routing.index.dtype,
                              device=x.device)
-            clean = call_experts(module.forward, x, one,  # forward: no hooks, no recursion
-                                 torch.ones(one.shape, dtype=x.dtype, device=x.device))
+            clean = call_experts(module, x, one,  # its forward alone: no hooks, no recursion
+                                 torch.ones(one.shape, dtype=x.dtype, device=x.device),
+                                 hooks=False)
             weight = (routing.weights[tokens] * hit[tokens]).sum(dim=1, keepdim=True)
             delta = (self.corrupt(clean).to(clean.dtype) - clean) * weight.to(clean.dtype)
         out = output.clone()

@@ -52,7 +52,7 @@ from .host import host_replay
 from .identities import causal_cut, is_causal, scale_replays
 from .model_facts import autocast_dtype, float32_matmul, has_past, input_embedding, sites_of
 from .moe_capture import ExpertCapture
-from .parallel import TensorParallel, to_local
+from .parallel import TensorParallel, env_rank, to_local
 from .probes import (
     ProbeSpec,
     first_tensor,
@@ -70,7 +70,7 @@ from .tensors import _TORCH_TO_LOGICAL, kept, to_host
 
 
 def dump_file_name(dump_path: str) -> str:
-    rank = os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0"))
+    rank = env_rank()
     base = os.path.join(dump_path, f"srdd_rank{rank}_pid{os.getpid()}")
     path, n = base + schema.FILE_SUFFIX, 1
     while os.path.exists(path) or os.path.exists(path + schema.PARTIAL_SUFFIX):
@@ -765,7 +765,7 @@ class CaptureSession:
             "transformers_version": tf_version,
             "python_version": sys.version.split()[0],
             "host": socket.gethostname(),
-            "rank": int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")) or 0),
+            "rank": env_rank(),
             "local_rank": os.environ.get("LOCAL_RANK"),
             "world_size": os.environ.get("WORLD_SIZE"),
             "pid": os.getpid(),
