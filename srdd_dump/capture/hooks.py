@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from ..format import schema
+from ..format.coverage import Coverage
 from ..format.writer import DumpWriter, Round, Tensor, describe_error
 from ..version import __version__
 from . import config as cfg
@@ -92,6 +93,8 @@ class CaptureSession:
         self.layer_names = [name for name, _ in self.blocks]
         self.sites = sites_of(model, self.blocks, config)
         self.site_names = [site.name for site in self.sites]
+        self.coverage = Coverage()  # which evidence was asked for and which was got
+        self._expect_sites(config.granularity)
         self._tp = TensorParallel(model, [m for _, m in self.blocks]
                                   + [site.module for site in self.sites], config.tp_replays)
         probes = cfg.parse_probes(config.probes)
@@ -144,6 +147,7 @@ class CaptureSession:
         self.compiled_probes_dropped = 0
         self._compiled_round = False  # this round runs as torch.compile'd code
         self.decode_replays_skipped = 0
+        self.degraded: list[str] = []  # coverage.shortfalls() at close
         self.sequential_replays = 0
         self._replaying = False
         self._rows: torch.Tensor | None = None
@@ -180,6 +184,22 @@ class CaptureSession:
         skip_hook_frames()
         self._install()
         atexit.register(self.close)
+
+    def _expect_sites(self, granularity: str) -> None:
+        """A granularity asked for that found no module to capture is evidence missing."""
+        levels = {"sublayer": ("sub-layer sites", lambda s: s.role not in ROW_WISE,
+                               "no attention or MLP module found inside the blocks"),
+                  "op": ("operator sites", lambda s: s.role in ROW_WISE,
+                         "no linear, norm or activation module found inside the blocks")}
+        wanted = ["sublayer"] + (["op"] if granularity == "op" else [])
+        for level in wanted if granularity != "block" else []:
+            family, is_level, why = levels[level]
+            self.coverage.expect(family, len(self.blocks))
+            found = {s.layer for s in self.sites if is_level(s)}
+            for _ in found:
+                self.coverage.ran(family)
+            if not found:
+                self.coverage.failed(family, why)
 
     # -- hooks ----------------------------------------------------------------------------
     def _install(self) -> None:
@@ -516,7 +536,16 @@ class CaptureSession:
         finally:
             self._finish_site(layer, site)
         if role == EXPERTS:
-            self._moe.record(module, layer, site, args, kwargs)
+            family = self._family(site, "probes")
+            if self._rows is not None:
+                self.coverage.expect(family)
+            try:
+                self._moe.record(module, layer, site, args, kwargs)
+            except Exception as exc:
+                self.coverage.failed(family, describe_error(exc))
+                raise
+            if self._rows is not None:
+                self.coverage.ran(family)
         if site == schema.BLOCK_SITE and self.step == 0:
             self._progress()
         if last:
@@ -543,27 +572,35 @@ class CaptureSession:
             return
         idx = self._layer_of(module) if self.step > 0 else None
         cache = self._caches.get(idx) if idx is not None else None
-        if self.step > 0 and cache is None and has_past(args, kwargs):
-            return  # a decode step whose past cannot be reproduced: no replay, clean data only
         cut = None
         if self.probe_spec.causal and self.step == 0 and self._causal.get(id(module)):
             cut = causal_cut(hidden.shape[-2] if hidden.dim() >= 2 else 1,
                              probe_seed(self.config.seed, self.sample, 0xCA05A1))
+        family = self._family(site, "probes")
         if spec.sigmas or spec.dc or spec.repeats or cut is not None:
+            self.coverage.expect(family)
+            if self.step > 0 and cache is None and has_past(args, kwargs):
+                # a decode step whose past cannot be reproduced: no replay, clean data only
+                self.decode_replays_skipped += 1
+                self.coverage.failed(family, f"the KV cache of {type(module).__name__} could "
+                                     "not be copied (a cache layout srdd-dump does not know)")
+                return
             self._replaying = True
             try:
                 with self._moe.pinned() if self._moe is not None else nullcontext():
                     outputs, batched = run_probes(module, args, kwargs, hidden, spec,
                                                   self._seeds(layer, site), cache, cut)
-            except Exception:
+            except Exception as exc:
+                self.coverage.failed(family, describe_error(exc))
                 if self.step == 0:
                     raise
                 # a decode replay this module refuses (a cache layout not reproduced): its
-                # clean data is kept, the step is not probed
+                # clean data is kept, the step is not probed (and coverage says so)
                 self.decode_replays_skipped += 1
                 return
             finally:
                 self._replaying = False
+            self.coverage.ran(family)
             if batched:
                 self.batched_replays += 1
             else:
@@ -572,6 +609,14 @@ class CaptureSession:
                 self._add_probes(layer, site, outputs, self._positions, self._rows)
         if self._host and self._tp.may_host_replay(module):
             self._host_record(module, layer, site, args, kwargs, cache)
+
+    def _family(self, site: int, what: str) -> str:
+        """The coverage family of a site's evidence in this round: "decode block probes",
+        "prefill operator host replays"..."""
+        role = self.sites[site].role if site >= 0 else "block"
+        level = ("block" if role == "block" else "expert" if role == EXPERTS
+                 else "operator" if role in ROW_WISE else "sub-layer")
+        return f"{'prefill' if self.step == 0 else 'decode'} {level} {what}"
 
     def _probe_rows(self, module, layer, site, role, args, kwargs, hidden, spec) -> None:
         """A row-wise operator (linear, norm, activation) is probed on the probe rows of its
@@ -592,10 +637,17 @@ class CaptureSession:
             extra[serving.RESIDUAL] = (residual if rows
                                        else kept(residual, self._positions, self._rows))
         self._replaying = True
+        family = self._family(site, "probes")
         try:
             if spec.sigmas or spec.dc or spec.repeats:
-                outputs, batched = run_probes(module, (x_rows,), extra, recorded, spec,
-                                              self._seeds(layer, site))
+                self.coverage.expect(family)
+                try:
+                    outputs, batched = run_probes(module, (x_rows,), extra, recorded, spec,
+                                                  self._seeds(layer, site))
+                except Exception as exc:
+                    self.coverage.failed(family, describe_error(exc))
+                    raise
+                self.coverage.ran(family)
                 if self._keep_probes(module, outputs, recorded):
                     self._add_probes(layer, site, outputs, *(rows or (None, None)))
             if spec.scale and role == LINEAR:
@@ -653,12 +705,16 @@ class CaptureSession:
         of the round's probe rows (``rows=None``: the input already holds only those rows, or
         a model-level operator whose every kept row is stored). A module the host cannot
         replay is counted, never fatal."""
+        family = self._family(site, "host replays")
+        self.coverage.expect(family)
         try:
             out = host_replay(module, args, kwargs, cache)
-        except Exception:  # noqa: BLE001 (a device-only module, a cache layout not known)
+        except Exception as exc:  # noqa: BLE001 (a device-only module, a cache layout not known)
             self.host_replays_failed += 1
+            self.coverage.failed(family, describe_error(exc))
             return
         self.host_replays += 1
+        self.coverage.ran(family)
         site_role = self.sites[site].role if site >= 0 else "block"
         if rows == "round":
             out = kept(out, self._positions, self._rows)
@@ -793,6 +849,13 @@ class CaptureSession:
             h.remove()
         self._handles.clear()
 
+    def abandon(self) -> None:
+        """In a forked child: the hooks and the file are the parent's; stop without writing."""
+        self._closed = True
+        self.writer = None
+        self.remove()
+        atexit.unregister(self.close)
+
     def remove_faults(self) -> None:
         for h in self._fault_handles:
             h.remove()
@@ -823,6 +886,7 @@ class CaptureSession:
                     **self._tp.status(),
                     "sites_never_run": len(silent) if partial else 0,
                     "compiled_probes_dropped": self.compiled_probes_dropped,
+                    "coverage": self.coverage.as_dict(),
                     **({"stats_seconds": round(self._stats.seconds, 3)}
                        if self._stats is not None else {}),
                 })
@@ -837,6 +901,10 @@ class CaptureSession:
                 sys.stderr.write(f"srdd-dump: wrote {self.path}\n")
             if partial:
                 sys.stderr.write(f"srdd-dump: warning: {partial}\n")
+            self.degraded = self.coverage.shortfalls()
+            if not os.environ.get(cfg.ENV_CONFIG):  # under --exec the command says it once
+                for line in self.degraded:
+                    sys.stderr.write(f"srdd-dump: warning: evidence missing: {line}\n")
         elif not self.error:
             self.silence = explain_silence(self.model, self.model_calls, self.block_calls)
             if self.silence and not os.environ.get(cfg.ENV_CONFIG):

@@ -34,6 +34,8 @@ class ExecResult:
     run_dir: str = ""  # the run's own folder under -o
     files: list[str] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)  # why capture failed, one line each
+    # evidence the options asked for that some process did not get (coverage.py), one line each
+    degraded: list[str] = field(default_factory=list)
 
     @property
     def exit_code(self) -> int:
@@ -181,6 +183,7 @@ def _collect(returncode: int, status_dir: str, new_partials: set[str] | None = N
             result.files.append(file)
         if st.get("error"):
             result.problems.append(f"pid {st['pid']}: capture failed: {st['error']}")
+    result.degraded = _degraded(statuses)
     reported = {os.path.abspath(f) for f in result.files}
     for path in sorted((new_partials or set()) - reported):
         # its process died before finishing it (SIGKILL, out of memory, os._exit)
@@ -216,3 +219,15 @@ def _collect(returncode: int, status_dir: str, new_partials: set[str] | None = N
             )
     return result
 
+
+
+def _degraded(statuses: list[dict]) -> list[str]:
+    """Each process's missing-evidence lines, one per line text (the processes named)."""
+    pids: dict[str, list] = {}
+    for st in statuses:
+        lines = st.get("degraded")
+        for line in lines if isinstance(lines, list) else []:
+            pids.setdefault(str(line), []).append(st.get("pid"))
+    if len(statuses) == 1:
+        return list(pids)
+    return [f"{line} (pid {', '.join(str(p) for p in who)})" for line, who in pids.items()]

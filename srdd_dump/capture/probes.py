@@ -67,7 +67,9 @@ class FrozenCache:
     def __init__(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor):
         self.layer_idx, self.keys, self.values = layer_idx, keys, values
 
-    def update(self, key_states, value_states, layer_idx=None, cache_kwargs=None):
+    def update(self, key_states, value_states, *args, **kwargs):
+        # whatever else the library passes (layer index, cache_kwargs=, kwargs=...) is about
+        # where to store the new entries, which a frozen cache never does
         keys, values = self.keys, self.values
         if keys.shape[0] != key_states.shape[0]:  # a batched replay of stacked copies
             reps = key_states.shape[0] // max(1, keys.shape[0])

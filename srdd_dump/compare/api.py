@@ -43,6 +43,8 @@ def compare_path(path: str, *, jobs: int | None = 1, progress: bool | None = Non
         result = reference_free.finish(path, files, tasks, results)
         result.notes = ([found.note] if found.note else []) + [
             note for f in files if f.usable for note in f.capture_notes]
+        result.missing_evidence = [line for f in files if f.usable
+                                   for line in f.missing_evidence]
         if result.layers.empty:
             raise no_usable_file(list(result.files["reason"]), path, under=True)
         result.consistency = _consistency(files, None, jobs, show)

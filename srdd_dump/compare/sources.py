@@ -16,6 +16,7 @@ import numpy as np
 from ..errors import UserError, first_line
 from ..format import schema as s
 from ..format.blocks import clean_block_records
+from ..format.coverage import partial_lines, shortfall_lines
 from ..format.reader import DumpError, DumpReader, find_dump_files
 from .readers import open_reader
 
@@ -44,6 +45,8 @@ class DumpFile:
     site_roles: list[str] = field(default_factory=list)  # linear, norm, ... (older dumps: none)
     device: str = ""  # the device type the model ran on (cpu, cuda, npu), "" when unknown
     capture_notes: list[str] = field(default_factory=list)  # what capture could not record
+    # evidence families the capture options asked for and did not get (format/coverage.py)
+    missing_evidence: list[str] = field(default_factory=list)
     rounds: np.ndarray = field(default_factory=lambda: np.zeros(0, s.ROUND_DTYPE))
     records: np.ndarray = field(default_factory=lambda: np.zeros(0, s.RECORD_DTYPE))
     clean_blocks: dict[tuple[int, int], int] = field(default_factory=dict)  # (round, layer) ->
@@ -177,8 +180,6 @@ def capture_notes(source: str, status: dict) -> list[str]:
         ("records_dropped", "outputs were not shaped like the round's tokens (routed experts, "
          "per-head tensors) and were left out"),
         ("site_errors", "sub-layer or operator captures failed and were skipped"),
-        ("decode_replays_skipped", "decode steps could not be replayed (a KV cache layout "
-         "not reproduced): their clean data is kept"),
         ("tp_replays_skipped", "replays of tensor-parallel modules were skipped (a replay "
          "would communicate with the other ranks): those modules have clean data only"),
         ("tp_host_replays_skipped", "host replays of tensor-parallel modules were skipped "
@@ -191,11 +192,28 @@ def capture_notes(source: str, status: dict) -> list[str]:
         n = status.get(key) if isinstance(status, dict) else None
         if isinstance(n, int) and n > 0:
             notes.append(f"{source}: {n} {what}")
+    if isinstance(status, dict):
+        notes += [f"{source}: {line}" for line in partial_lines(status.get("coverage"))]
     stopped = status.get("tp_lockstep_stopped") if isinstance(status, dict) else None
     if stopped:
         notes.append(f"{source}: lockstep replays stopped ({stopped}); the tensor-parallel "
                      "modules' later rounds have clean data only")
     return notes
+
+
+def missing_evidence(source: str, status: dict) -> list[str]:
+    """What the verdicts of a file cannot rest on: the evidence families its capture asked
+    for and got on too few calls (``coverage`` in its status), one line per cause. A file
+    written before coverage was recorded: its skipped decode replays, if any."""
+    if not isinstance(status, dict):
+        return []
+    if isinstance(status.get("coverage"), dict):
+        return [f"{source}: {line}" for line in shortfall_lines(status["coverage"])]
+    skipped = status.get("decode_replays_skipped")
+    if isinstance(skipped, int) and skipped > 0:
+        return [f"{source}: decode steps not probed on {skipped} calls (a KV cache layout "
+                "not reproduced)"]
+    return []
 
 
 def inspect(path: str, source: str) -> DumpFile:
@@ -212,6 +230,7 @@ def inspect(path: str, source: str) -> DumpFile:
     f.site_roles = [str(r) for r in roles] if isinstance(roles, list) else []
     f.device = str(reader.meta.get("device") or "").split(":")[0]
     f.capture_notes = capture_notes(source, reader.status)
+    f.missing_evidence = missing_evidence(source, reader.status)
     tp = reader.meta.get("tensor_parallel")
     sharded = tp.get("sharded_sites") if isinstance(tp, dict) else None
     if isinstance(sharded, dict) and sharded:

@@ -58,6 +58,14 @@ def _summary(xw: pd.ExcelWriter, result: CompareResult) -> None:
         cell = ws.cell(row=row, column=1, value=escape_formula(line))
         cell.font = Font(bold=True)
         row += 1
+    if result.missing_evidence:
+        row += 1
+        ws.cell(row=row, column=1, value="evidence missing from these verdicts").font = Font(
+            bold=True)
+        row += 1
+        for line in result.missing_evidence:
+            ws.cell(row=row, column=1, value=escape_formula(line))
+            row += 1
     row += 1
     counts = result.layers["verdict"].value_counts()
     for verdict in VERDICT_ORDER:

@@ -25,6 +25,10 @@ def diagnosis_text(result: CompareResult, written: list[str] | None = None,
     report path."""
     layers, files = result.layers, result.files
     lines = list(result.headlines)
+    if result.missing_evidence:
+        lines.append("evidence missing from these verdicts (the capture asked for it and did "
+                     "not get it):")
+        lines.extend(f"  {line}" for line in result.missing_evidence)
     status = files["status"].value_counts()
     n_ok, n_inc, n_skip = (int(status.get(k, 0)) for k in (OK, INCOMPLETE, SKIPPED))
     lines.append(

@@ -10,6 +10,7 @@ This module must stay importable without torch.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import importlib.abc
 import importlib.util
 import json
@@ -29,6 +30,7 @@ def install() -> None:
         return
     _state["config"] = config
     atexit.register(_report_status)
+    os.register_at_fork(after_in_child=_after_fork_in_child)
     if "torch" in sys.modules:
         _on_torch_imported()
     else:
@@ -36,23 +38,44 @@ def install() -> None:
 
 
 class _TorchWatcher(importlib.abc.MetaPathFinder):
-    """Runs _on_torch_imported right after ``import torch`` finishes, without importing it."""
+    """Runs _on_torch_imported right after ``import torch`` finishes, without importing it.
+
+    It stays first on ``sys.meta_path`` until torch has actually been imported: libraries probe
+    for torch with ``importlib.util.find_spec("torch")`` long before they import it
+    (transformers' import_utils, vLLM's env_override), and a probe must not use it up. Every
+    spec it hands out, to a probe or to the import itself, carries the wrapped loader; only
+    the one whose module is executed ends the watch."""
 
     def find_spec(self, name, path=None, target=None):
-        if name != "torch":
+        if name != "torch" or "torch" in sys.modules:
             return None
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec("torch")
+        spec = _spec_from_finders_after(self, name, path, target)
         if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
             return spec
         original = spec.loader.exec_module
 
         def exec_module(module):
             original(module)
+            with contextlib.suppress(ValueError):
+                sys.meta_path.remove(self)
             _on_torch_imported()
 
         spec.loader.exec_module = exec_module
         return spec
+
+
+def _spec_from_finders_after(watcher, name, path, target):
+    """What the import system would find without ``watcher`` (never recursing into it)."""
+    meta_path = list(sys.meta_path)
+    start = meta_path.index(watcher) + 1 if watcher in meta_path else 0
+    for finder in meta_path[start:]:
+        find_spec = getattr(finder, "find_spec", None)
+        if find_spec is None:
+            continue
+        spec = find_spec(name, path, target)
+        if spec is not None:
+            return spec
+    return None
 
 
 def _on_torch_imported() -> None:
@@ -65,6 +88,27 @@ def _on_torch_imported() -> None:
         sys.stderr.write(f"srdd-dump: warning: capture not installed: {_state['error']}\n")
 
 
+def _after_fork_in_child() -> None:
+    """A forked child (multiprocessing fork or forkserver, os.fork) reports for itself: it ends
+    with os._exit, past atexit, so its report runs among multiprocessing's exit finalizers; a
+    session inherited from the parent is the parent's (its file, its hooks): dropped here, and
+    the child's own first model forward starts its own."""
+    _state["reported"] = False
+    _state["session"], inherited = None, _state.get("session")
+    if inherited is not None:
+        inherited.abandon()
+        _on_torch_imported()
+    mp_util = sys.modules.get("multiprocessing.util")
+    if mp_util is not None:  # run after multiprocessing clears the parent's finalizers
+        mp_util.register_after_fork(_report_status, _register_exit_finalizer)
+
+
+def _register_exit_finalizer(_obj) -> None:
+    mp_util = sys.modules.get("multiprocessing.util")
+    if mp_util is not None:
+        mp_util.Finalize(None, _report_status, exitpriority=100)
+
+
 def _compiled_out() -> bool:
     """A hook was compiled out of a fullgraph=True graph (capture/compiled.py, if loaded)."""
     compiled = sys.modules.get("srdd_dump.capture.compiled")
@@ -72,6 +116,9 @@ def _compiled_out() -> bool:
 
 
 def _report_status() -> None:
+    if _state.get("reported"):
+        return
+    _state["reported"] = True
     session = _state.get("session")
     if session is not None:
         session.close()
@@ -88,6 +135,7 @@ def _report_status() -> None:
         "model_seen": session is not None,
         "silence": getattr(session, "silence", None),
         "compiled_out": _compiled_out(),
+        "degraded": getattr(session, "degraded", []),
     }
     try:
         with open(os.path.join(status_dir, f"{os.getpid()}.json"), "w") as fh:

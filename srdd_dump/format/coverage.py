@@ -1,0 +1,86 @@
+"""Which evidence a capture asked for and which it got: a probe family that ran on none (or on
+too few) of the calls where it should have run is reported, never lost silently.
+
+A *family* is one kind of evidence in one phase, e.g. ``"decode block probes"``. The session
+calls :meth:`Coverage.expect` where the options ask for it, then :meth:`Coverage.ran` or
+:meth:`Coverage.failed` (the first failure's text is kept). :meth:`Coverage.shortfalls` turns
+the families under :data:`MIN_FRACTION` into one line each, written by ``srdd-dump`` at the end
+and stored in the dump's status (``coverage``) for ``srdd-compare``. Torch-free.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# a family that ran on less than this share of the calls where it should have run is reported
+MIN_FRACTION = 0.5
+
+
+@dataclass
+class Family:
+    expected: int = 0
+    done: int = 0
+    first_error: str | None = None
+
+    def as_dict(self) -> dict:
+        return {"expected": self.expected, "done": self.done, "first_error": self.first_error}
+
+
+class Coverage:
+    """Counts per evidence family (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self.families: dict[str, Family] = {}
+
+    def expect(self, family: str, n: int = 1) -> None:
+        self.families.setdefault(family, Family()).expected += n
+
+    def ran(self, family: str) -> None:
+        self.families.setdefault(family, Family()).done += 1
+
+    def failed(self, family: str, why: str) -> None:
+        entry = self.families.setdefault(family, Family())
+        if entry.first_error is None:
+            entry.first_error = first_line(why)
+
+    def as_dict(self) -> dict[str, dict]:
+        return {name: f.as_dict() for name, f in sorted(self.families.items())}
+
+    def shortfalls(self) -> list[str]:
+        return shortfall_lines(self.as_dict())
+
+
+def shortfall_lines(coverage: dict, min_fraction: float = MIN_FRACTION) -> list[str]:
+    """The families (``Coverage.as_dict``, as stored in a dump's status) that ran on fewer than
+    ``min_fraction`` of the calls where they should have run: one line per cause, e.g.
+    ``decode block probes (0 of 48 calls), decode sub-layer probes (0 of 96 calls): TypeError:
+    ...``."""
+    by_cause: dict[str, list[str]] = {}
+    for name, entry in sorted(coverage.items() if isinstance(coverage, dict) else ()):
+        if not isinstance(entry, dict):
+            continue
+        expected, done = int(entry.get("expected") or 0), int(entry.get("done") or 0)
+        if expected <= 0 or done >= min_fraction * expected:
+            continue
+        cause = str(entry.get("first_error") or "no error was raised")
+        by_cause.setdefault(cause, []).append(f"{name} ({done} of {expected} calls)")
+    return [f"{', '.join(families)}: {cause}" for cause, families in by_cause.items()]
+
+
+def partial_lines(coverage: dict, min_fraction: float = MIN_FRACTION) -> list[str]:
+    """The families that ran on some but not all of their calls, yet on at least
+    ``min_fraction`` of them (below it, ``shortfall_lines`` reports them)."""
+    lines = []
+    for name, entry in sorted(coverage.items() if isinstance(coverage, dict) else ()):
+        if not isinstance(entry, dict):
+            continue
+        expected, done = int(entry.get("expected") or 0), int(entry.get("done") or 0)
+        if min_fraction * expected <= done < expected:
+            why = f": {entry['first_error']}" if entry.get("first_error") else ""
+            lines.append(f"{name} ran on {done} of {expected} calls{why}")
+    return lines
+
+
+def first_line(text: str, limit: int = 200) -> str:
+    line = str(text).strip().splitlines()[0] if str(text).strip() else str(text)
+    return line if len(line) <= limit else line[: limit - 3] + "..."
