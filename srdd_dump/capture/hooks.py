@@ -37,6 +37,7 @@ from .compiled import (
 )
 from .config import DumpConfig
 from .discovery import (
+    ATTENTION_NAMES,
     CORE,
     EXPERT,
     EXPERT_SLOTS,
@@ -45,6 +46,7 @@ from .discovery import (
     ROTARY,
     ROUTER,
     ROW_WISE,
+    SUBLAYER,
     Site,
     find_blocks,
 )
@@ -94,6 +96,8 @@ class CaptureSession:
         self.sites = sites_of(model, self.blocks, config)
         self.site_names = [site.name for site in self.sites]
         self.coverage = Coverage()  # which evidence was asked for and which was got
+        self._levels = {-1: "block", **{i: evidence_level(site)
+                                        for i, site in enumerate(self.sites)}}
         self._expect_sites(config.granularity)
         self._tp = TensorParallel(model, [m for _, m in self.blocks]
                                   + [site.module for site in self.sites], config.tp_replays)
@@ -613,10 +617,7 @@ class CaptureSession:
     def _family(self, site: int, what: str) -> str:
         """The coverage family of a site's evidence in this round: "decode block probes",
         "prefill operator host replays"..."""
-        role = self.sites[site].role if site >= 0 else "block"
-        level = ("block" if role == "block" else "expert" if role == EXPERTS
-                 else "operator" if role in ROW_WISE else "sub-layer")
-        return f"{'prefill' if self.step == 0 else 'decode'} {level} {what}"
+        return f"{'prefill' if self.step == 0 else 'decode'} {self._levels[site]} {what}"
 
     def _probe_rows(self, module, layer, site, role, args, kwargs, hidden, spec) -> None:
         """A row-wise operator (linear, norm, activation) is probed on the probe rows of its
@@ -927,6 +928,17 @@ class CaptureSession:
     def __exit__(self, *exc) -> None:
         self.close()
         self.remove_faults()
+
+
+def evidence_level(site: Site) -> str:
+    """What a site is, in the coverage families' words: attention, MLP, operator, expert..."""
+    if site.role == EXPERTS:
+        return "expert"
+    if site.role in ROW_WISE:
+        return "operator"
+    if site.role == SUBLAYER:
+        return "attention" if site.name.rsplit(".", 1)[-1] in ATTENTION_NAMES else "MLP"
+    return "sub-layer"
 
 
 def register_hook(model: nn.Module, config: DumpConfig | None = None) -> CaptureSession:
