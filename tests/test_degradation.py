@@ -128,7 +128,7 @@ def test_a_granularity_that_finds_nothing_is_reported(granularity, family, tmp_p
     with register_hook(model, config) as session, torch.no_grad():
         model(torch.randn(1, 5, 16))
     (line,) = [d for d in session.degraded if family in d]
-    assert f"{family} (0 of 3 calls)" in line and "found inside the blocks" in line
+    assert f"{family} (0 of 3 blocks)" in line and "found inside the blocks" in line
     assert "evidence missing" in capsys.readouterr().err
     assert DumpConfig().granularity == "sublayer"  # so the default asks for sub-layers
 
@@ -168,3 +168,16 @@ def test_exec_ends_with_the_missing_evidence_line(tmp_path):
     screen = res.stdout
     assert "evidence missing from these verdicts" in screen
     assert "decode block probes (0 of 8 calls)" in screen
+
+
+def test_a_library_outside_the_tested_range_is_named():
+    from srdd_dump.capture.versions import TESTED, untested, version_tuple
+
+    oldest, newest = TESTED["transformers"]
+    assert version_tuple("4.57.0.dev0") == (4, 57, 0) and version_tuple("5.24.0rc1") == (5, 24, 0)
+    assert untested("transformers", oldest) is None and untested("transformers", newest) is None
+    major, minor = version_tuple(newest)[:2]
+    note = untested("transformers", f"{major}.{minor + 1}.0")
+    assert note.startswith(f"transformers {major}.{minor + 1}.0 is newer than the newest tested")
+    assert "older than the oldest tested" in untested("transformers", "4.0.0")
+    assert untested("transformers", None) is None and untested("numpy", "0.1") is None

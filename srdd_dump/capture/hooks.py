@@ -70,6 +70,7 @@ from .probes import (
 from .reductions import ProbeRows
 from .stats_store import StatsCollector
 from .tensors import _TORCH_TO_LOGICAL, kept, to_host
+from .versions import loaded_version, untested_notes
 
 
 def dump_file_name(dump_path: str) -> str:
@@ -152,6 +153,10 @@ class CaptureSession:
         self._compiled_round = False  # this round runs as torch.compile'd code
         self.decode_replays_skipped = 0
         self.degraded: list[str] = []  # coverage.shortfalls() at close
+        self.version_notes = untested_notes()  # libraries outside the tested range
+        if self.version_notes and not os.environ.get(cfg.ENV_CONFIG):
+            for note in self.version_notes:  # under --exec the command says it once
+                sys.stderr.write(f"srdd-dump: note: {note}\n")
         self.sequential_replays = 0
         self._replaying = False
         self._rows: torch.Tensor | None = None
@@ -793,12 +798,7 @@ class CaptureSession:
         param = next(self.model.parameters(), None)
         model_config = getattr(self.model, "config", None)
         to_dict = getattr(model_config, "to_dict", None)
-        try:
-            import transformers
-
-            tf_version = transformers.__version__
-        except Exception:
-            tf_version = None
+        tf_version = loaded_version("transformers")  # never imported here: not the user's
         dtypes = {t.layer: t.dtype for t in first.tensors}
         for row in first.stats:
             dtypes.setdefault(row.layer, schema.DTYPE_CODES[row.dtype])
@@ -888,6 +888,7 @@ class CaptureSession:
                     "sites_never_run": len(silent) if partial else 0,
                     "compiled_probes_dropped": self.compiled_probes_dropped,
                     "coverage": self.coverage.as_dict(),
+                    "untested_versions": self.version_notes,
                     **({"stats_seconds": round(self._stats.seconds, 3)}
                        if self._stats is not None else {}),
                 })

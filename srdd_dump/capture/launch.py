@@ -36,6 +36,7 @@ class ExecResult:
     problems: list[str] = field(default_factory=list)  # why capture failed, one line each
     # evidence the options asked for that some process did not get (coverage.py), one line each
     degraded: list[str] = field(default_factory=list)
+    untested_versions: list[str] = field(default_factory=list)  # capture/versions.py
 
     @property
     def exit_code(self) -> int:
@@ -184,6 +185,8 @@ def _collect(returncode: int, status_dir: str, new_partials: set[str] | None = N
         if st.get("error"):
             result.problems.append(f"pid {st['pid']}: capture failed: {st['error']}")
     result.degraded = _degraded(statuses)
+    result.untested_versions = list(dict.fromkeys(
+        note for st in statuses for note in st.get("untested_versions") or []))
     reported = {os.path.abspath(f) for f in result.files}
     for path in sorted((new_partials or set()) - reported):
         # its process died before finishing it (SIGKILL, out of memory, os._exit)

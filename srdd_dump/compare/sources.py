@@ -194,6 +194,8 @@ def capture_notes(source: str, status: dict) -> list[str]:
             notes.append(f"{source}: {n} {what}")
     if isinstance(status, dict):
         notes += [f"{source}: {line}" for line in partial_lines(status.get("coverage"))]
+        untested = status.get("untested_versions")
+        notes += [f"{source}: {n}" for n in untested or [] if isinstance(n, str)]
     stopped = status.get("tp_lockstep_stopped") if isinstance(status, dict) else None
     if stopped:
         notes.append(f"{source}: lockstep replays stopped ({stopped}); the tensor-parallel "

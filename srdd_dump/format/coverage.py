@@ -63,7 +63,7 @@ def shortfall_lines(coverage: dict, min_fraction: float = MIN_FRACTION) -> list[
         if expected <= 0 or done >= min_fraction * expected:
             continue
         cause = str(entry.get("first_error") or "no error was raised")
-        by_cause.setdefault(cause, []).append(f"{name} ({done} of {expected} calls)")
+        by_cause.setdefault(cause, []).append(f"{name} ({done} of {expected} {_unit(name)})")
     return [f"{', '.join(families)}: {cause}" for cause, families in by_cause.items()]
 
 
@@ -77,8 +77,12 @@ def partial_lines(coverage: dict, min_fraction: float = MIN_FRACTION) -> list[st
         expected, done = int(entry.get("expected") or 0), int(entry.get("done") or 0)
         if min_fraction * expected <= done < expected:
             why = f": {entry['first_error']}" if entry.get("first_error") else ""
-            lines.append(f"{name} ran on {done} of {expected} calls{why}")
+            lines.append(f"{name} ran on {done} of {expected} {_unit(name)}{why}")
     return lines
+
+
+def _unit(family: str) -> str:
+    return "blocks" if family.endswith(" sites") else "calls"
 
 
 def first_line(text: str, limit: int = 200) -> str:

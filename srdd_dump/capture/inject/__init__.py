@@ -136,6 +136,7 @@ def _report_status() -> None:
         "silence": getattr(session, "silence", None),
         "compiled_out": _compiled_out(),
         "degraded": getattr(session, "degraded", []),
+        "untested_versions": getattr(session, "version_notes", []),
     }
     try:
         with open(os.path.join(status_dir, f"{os.getpid()}.json"), "w") as fh:

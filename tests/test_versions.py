@@ -1,0 +1,34 @@
+"""The tested transformers range is stated once in each place that needs it, and each test
+environment of `make test` runs the end of the range it claims."""
+
+from __future__ import annotations
+
+import os
+import re
+
+import pytest
+
+from srdd_dump.capture.versions import TESTED
+
+from capture_utils import ROOT
+
+
+def _read(name: str) -> str:
+    with open(os.path.join(ROOT, name), encoding="utf-8") as fh:
+        return fh.read()
+
+
+def test_pyproject_and_makefile_state_the_tested_range():
+    oldest, newest = TESTED["transformers"]
+    assert f'"transformers>={oldest},<={newest}"' in _read("pyproject.toml")
+    assert re.search(rf"^TRANSFORMERS_OLDEST := {re.escape(oldest)}$", _read("Makefile"), re.M)
+
+
+def test_this_environment_runs_the_end_of_the_range_it_claims():
+    end = os.environ.get("SRDD_TEST_TRANSFORMERS")
+    if end is None:
+        pytest.skip("SRDD_TEST_TRANSFORMERS is set by `make test` only")
+    import transformers
+
+    oldest, newest = TESTED["transformers"]
+    assert transformers.__version__ == {"oldest": oldest, "newest": newest}[end]
