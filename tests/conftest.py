@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import pytest
 
-
 # Modules that exercise capture against the installed transformers: `make test` runs them again
 # in .venv-oldest, on the oldest transformers of the tested range (srdd_dump/capture/versions.py).
 # Left out there: test_moe*, test_tensor_parallel (fused experts and DistributedConfig are
