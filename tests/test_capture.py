@@ -185,3 +185,38 @@ def test_hooks_are_removed_when_done(tmp_path):
     with DumpReader(s.path) as r:
         assert r.complete and len(r.rounds) == 1
         assert r.select(0, kind=schema.KIND_CLEAN).shape == (1,)
+
+
+@pytest.mark.parametrize("arch", ["llama", "mixtral"])
+def test_replays_add_nothing_to_the_outputs_the_model_collects(arch, tmp_path):
+    """transformers records hidden states, attentions and router logits with forward hooks:
+    the probe replays inside the call must not lengthen those tuples or change aux_loss."""
+    if arch == "mixtral":
+        from moe_models import build as build_moe
+
+        model = build_moe("mixtral")
+    else:
+        model = build(arch)
+    model.config._attn_implementation = "eager"  # attentions are returned by eager only
+    ids = torch.randint(0, 128, (1, 9), generator=torch.Generator().manual_seed(5))
+    asked = dict(output_hidden_states=True, output_attentions=True)
+    if arch == "mixtral":
+        asked["output_router_logits"] = True
+
+    def run():
+        with torch.no_grad():
+            return model(input_ids=ids, **asked)
+
+    plain = run()
+    with register_hook(model, DumpConfig(dump_path=str(tmp_path), samples=1)) as session:
+        captured = run()
+    with DumpReader(session.path) as r:
+        assert len(r.select(kind=schema.KIND_GAIN, layer=None, site=None)) > 0  # replays ran
+    for key in ("hidden_states", "attentions", "router_logits"):
+        if getattr(plain, key, None) is None:
+            continue
+        assert len(getattr(captured, key)) == len(getattr(plain, key)), key
+        for a, b in zip(getattr(plain, key), getattr(captured, key)):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+    if getattr(plain, "aux_loss", None) is not None:
+        assert float(captured.aux_loss) == float(plain.aux_loss)

@@ -62,6 +62,7 @@ from .probes import (
     layer_index,
     module_output,
     other_kernels,
+    outside_output_recording,
     preserved_rng,
     probe_seed,
     run_probes,
@@ -541,7 +542,8 @@ class CaptureSession:
         self._add(layer, site, hidden)
         try:
             if self._rows is not None:
-                self._probe(module, layer, site, args, kwargs, hidden)
+                with outside_output_recording():
+                    self._probe(module, layer, site, args, kwargs, hidden)
         finally:
             self._finish_site(layer, site)
         if role == EXPERTS:
@@ -549,7 +551,8 @@ class CaptureSession:
             if self._rows is not None:
                 self.coverage.expect(family)
             try:
-                self._moe.record(module, layer, site, args, kwargs)
+                with outside_output_recording():
+                    self._moe.record(module, layer, site, args, kwargs)
             except Exception as exc:
                 self.coverage.failed(family, describe_error(exc))
                 raise

@@ -16,6 +16,7 @@ input is replayed on its own and the reference is the recorded output itself.
 from __future__ import annotations
 
 import contextlib
+import sys
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -170,6 +171,24 @@ def preserved_rng(device: torch.device):
     devices = [] if device.type == "cpu" else [device.index or 0]
     with torch.random.fork_rng(devices=devices, device_type=device.type):
         yield
+
+
+@contextlib.contextmanager
+def outside_output_recording():
+    """Replays add nothing to the outputs the model call is collecting: transformers >= 5 records
+    ``hidden_states``, ``attentions`` and ``router_logits`` through forward hooks that append to
+    the call's active collector (``utils/output_capturing._active_collector``), so a replay
+    inside the call would lengthen the user's tuples and change an MoE ``aux_loss``."""
+    recording = sys.modules.get("transformers.utils.output_capturing")
+    collector = getattr(recording, "_active_collector", None)
+    if collector is None or not hasattr(collector, "set"):
+        yield
+        return
+    token = collector.set(None)
+    try:
+        yield
+    finally:
+        collector.reset(token)
 
 
 def _row_std(x: torch.Tensor) -> torch.Tensor:
