@@ -290,6 +290,24 @@ def test_tf32_matmuls_are_recorded_and_judged_at_their_precision(tmp_path):
     assert inspect(path, "x").compute_dtype == "float16"
 
 
+def test_tf32_set_through_the_new_precision_api_is_recorded():
+    """torch >= 2.9: once ``fp32_precision`` is set, the legacy getters raise; the setting is
+    still read (was recorded as "highest" while TF32 was on)."""
+    from srdd_dump.capture.model_facts import float32_matmul
+
+    matmul = torch.backends.cuda.matmul
+    if not hasattr(matmul, "fp32_precision"):
+        pytest.skip("this torch has no fp32_precision API")
+    before = matmul.fp32_precision
+    try:
+        matmul.fp32_precision = "tf32"
+        assert float32_matmul() == "high"
+        matmul.fp32_precision = "ieee"
+        assert float32_matmul() == "highest"
+    finally:
+        matmul.fp32_precision = before
+
+
 @pytest.mark.integration
 def test_the_hunt_options_do_not_change_what_the_model_computes(tmp_path):
     """Operator probes, identity replays and host replays run beside the user's forward:

@@ -50,13 +50,13 @@ def float32_matmul() -> str:
     or "medium" (bf16), from torch's setting and the CUDA / NPU TF32 / HF32 switches."""
     try:
         precision = torch.get_float32_matmul_precision()
-    except Exception:  # noqa: BLE001
-        precision = "highest"
+    except Exception:  # noqa: BLE001 (torch >= 2.9 raises once its new API was used)
+        precision = _fp32_precision() or "highest"
     switches = []
     try:
         switches.append(bool(torch.backends.cuda.matmul.allow_tf32))
-    except Exception:  # noqa: BLE001
-        pass
+    except Exception:  # noqa: BLE001 (the same)
+        switches.append(_fp32_precision() == "high")
     npu = getattr(torch, "npu", None)
     try:
         switches.append(bool(npu.matmul.allow_hf32))  # torch_npu
@@ -65,6 +65,19 @@ def float32_matmul() -> str:
     if precision == "highest" and any(switches):
         return "high"
     return precision
+
+
+def _fp32_precision() -> str | None:
+    """torch >= 2.9's per-backend setting (``torch.backends.cuda.matmul.fp32_precision``, else
+    the generic ``torch.backends.fp32_precision``) in the words of float32_matmul: "high" for
+    tf32, "highest" for ieee; None when neither says."""
+    try:
+        value = torch.backends.cuda.matmul.fp32_precision
+        if value == "none":
+            value = torch.backends.fp32_precision
+    except Exception:  # noqa: BLE001 (an older torch)
+        return None
+    return {"tf32": "high", "ieee": "highest"}.get(str(value))
 
 
 def input_embedding(model: nn.Module) -> nn.Module | None:
