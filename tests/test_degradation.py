@@ -41,8 +41,8 @@ def test_shortfalls_group_families_by_cause():
         cov.ran("prefill MLP probes")
     cov.failed("prefill MLP probes", "RuntimeError: one module refused")
     assert cov.shortfalls() == [
-        "decode attention probes (0 of 4 calls), decode block probes (0 of 4 calls): "
-        "TypeError: update() got an unexpected keyword"]
+        "decode steps not probed: decode attention probes (0 of 4 calls), decode block probes "
+        "(0 of 4 calls): TypeError: update() got an unexpected keyword"]
     assert partial_lines(cov.as_dict()) == [
         "prefill MLP probes ran on 3 of 4 calls: RuntimeError: one module refused"]
     assert shortfall_lines({}) == [] and shortfall_lines(None) == []
@@ -59,8 +59,8 @@ def test_a_broken_decode_probe_is_reported_by_both_commands(tmp_path, monkeypatc
         _generate(model)
         _generate(model, 1)
     err = capsys.readouterr().err
-    assert ("evidence missing: decode attention probes (0 of 16 calls), decode block probes "
-            "(0 of 16 calls)") in err
+    assert ("evidence missing: decode steps not probed: decode attention probes (0 of 16 "
+            "calls), decode block probes (0 of 16 calls)") in err
     assert "decode replay broken on purpose" in err
     assert err.count("broken on purpose") == 1  # the cause once, not once per family
     assert not any(line.startswith("prefill") for line in session.degraded)

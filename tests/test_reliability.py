@@ -217,7 +217,7 @@ def _check_capture_stopped(code: int, out: str, err: str, cause: str) -> None:
     assert "finished" in out  # the program ran to its end
     assert "Traceback" not in err and "Exception ignored" not in err
     # the toy's blocks hold no attention or MLP: the evidence line says so, apart
-    assert "evidence missing: sub-layer sites" in err, err
+    assert "evidence missing: not captured: sub-layer sites" in err, err
     warnings = [line for line in err.splitlines()
                 if "warning:" in line and "evidence missing" not in line]
     assert len(warnings) == 1 and "capture turned off" in warnings[0], err

@@ -64,7 +64,23 @@ def shortfall_lines(coverage: dict, min_fraction: float = MIN_FRACTION) -> list[
             continue
         cause = str(entry.get("first_error") or "no error was raised")
         by_cause.setdefault(cause, []).append(f"{name} ({done} of {expected} {_unit(name)})")
-    return [f"{', '.join(families)}: {cause}" for cause, families in by_cause.items()]
+    return [f"{_what_is_missing(families)}: {', '.join(families)}: {cause}"
+            for cause, families in by_cause.items()]
+
+
+def _what_is_missing(families: list[str]) -> str:
+    """"decode steps not probed", "sub-layers not captured"...: what a line's families share."""
+    names = [f.split(" (")[0] for f in families]
+    if all(n.endswith(" probes") for n in names):
+        phases = {n.split()[0] for n in names}
+        if phases == {"decode"}:
+            return "decode steps not probed"
+        return "prefill not probed" if phases == {"prefill"} else "not probed"
+    if all(n.endswith(" host replays") for n in names):
+        return "no float64 host reference"
+    if all(n.endswith(" sites") for n in names):
+        return "not captured"
+    return "not obtained"
 
 
 def partial_lines(coverage: dict, min_fraction: float = MIN_FRACTION) -> list[str]:
