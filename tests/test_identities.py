@@ -301,11 +301,18 @@ def test_tf32_set_through_the_new_precision_api_is_recorded():
     before = matmul.fp32_precision
     try:
         matmul.fp32_precision = "tf32"
-        assert float32_matmul() == "high"
+        assert float32_matmul("cuda") == "high"
         matmul.fp32_precision = "ieee"
-        assert float32_matmul() == "highest"
+        assert float32_matmul("cuda") == "highest"
     finally:
         matmul.fp32_precision = before
+    onednn = torch.backends.mkldnn.matmul
+    before = onednn.fp32_precision
+    try:
+        onednn.fp32_precision = "bf16"  # CPU matmuls in bf16
+        assert float32_matmul("cpu") == "medium"
+    finally:
+        onednn.fp32_precision = before
 
 
 @pytest.mark.integration

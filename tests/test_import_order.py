@@ -174,3 +174,39 @@ def test_torchrun_children(tmp_path):
     files, _ = _dump(tmp_path, f"{torchrun} --standalone --nproc_per_node 2 {script}")
     _assert_captured(files, n_files=2)
     assert sorted(os.path.basename(f)[:10] for f in files) == ["srdd_rank0", "srdd_rank1"]
+
+
+def test_a_plain_fork_child_leaves_the_parents_file_intact(tmp_path):
+    # the child exits normally (atexit, the HDF5 library's close at exit) while the parent's
+    # file is open and the parent writes more rounds afterwards
+    script = _script(tmp_path, "infer.py", """
+        from transformers import LlamaConfig, LlamaForCausalLM
+        import os
+        import sys
+        import time
+        import torch
+
+        torch.set_num_threads(1)
+        torch.manual_seed(0)
+        config = LlamaConfig(vocab_size=128, hidden_size=64, num_attention_heads=4,
+                             num_hidden_layers=3, intermediate_size=128,
+                             num_key_value_heads=2, max_position_embeddings=256)
+        model = LlamaForCausalLM(config).eval()
+        with torch.no_grad():
+            model(input_ids=torch.randint(0, 128, (1, 9)))
+            pid = os.fork()
+            if pid == 0:
+                time.sleep(3)  # exits after the parent wrote the next rounds
+                sys.exit(0)
+            for _ in range(2):
+                model(input_ids=torch.randint(0, 128, (1, 9)))
+            time.sleep(1)  # the parent's writer thread has written them
+            os.waitpid(pid, 0)
+    """)
+    files, _ = _dump(tmp_path, f"{sys.executable} {script}", "--samples", "3")
+    (path,) = files
+    with DumpReader(path) as r:
+        assert r.complete and r.n_samples == 3 and len(r.rounds) == 3
+        for layer in range(3):
+            assert len(r.select(layer)) == 3
+            assert r.read(r.select(layer)[-1]).std() > 0

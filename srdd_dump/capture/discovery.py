@@ -87,6 +87,7 @@ def _nothing_found(model: nn.Module) -> str:
 
 SUBLAYER_NAMES = ("self_attn", "attn", "attention", "self_attention", "mlp", "feed_forward", "ffn")
 ATTENTION_NAMES = ("self_attn", "attn", "attention", "self_attention")
+MLP_NAMES = ("mlp", "feed_forward", "ffn")
 
 # Site roles (docs/method.md says which probes and identities each gets).
 SUBLAYER = "sublayer"  # an attention or MLP sub-block

@@ -43,6 +43,7 @@ from .discovery import (
     EXPERT_SLOTS,
     EXPERTS,
     LINEAR,
+    MLP_NAMES,
     ROTARY,
     ROUTER,
     ROW_WISE,
@@ -197,7 +198,7 @@ class CaptureSession:
 
     def _expect_sites(self, granularity: str) -> None:
         """A granularity asked for that found no module to capture is evidence missing."""
-        levels = {"sublayer": ("sub-layer sites", lambda s: s.role not in ROW_WISE,
+        levels = {"sublayer": ("sub-layer sites", lambda s: s.role == SUBLAYER,
                                "no attention or MLP module found inside the blocks"),
                   "op": ("operator sites", lambda s: s.role in ROW_WISE,
                          "no linear, norm or activation module found inside the blocks")}
@@ -547,17 +548,11 @@ class CaptureSession:
         finally:
             self._finish_site(layer, site)
         if role == EXPERTS:
-            family = self._family(site, "probes")
-            if self._rows is not None:
-                self.coverage.expect(family)
-            try:
-                with outside_output_recording():
-                    self._moe.record(module, layer, site, args, kwargs)
-            except Exception as exc:
-                self.coverage.failed(family, describe_error(exc))
-                raise
-            if self._rows is not None:
-                self.coverage.ran(family)
+            spec = self.probe_spec
+            probed = self._rows is not None and bool(spec.sigmas or spec.dc or spec.repeats)
+            with (self.coverage.attempt(self._family(site, "probes")) if probed
+                  else nullcontext()), outside_output_recording():
+                self._moe.record(module, layer, site, args, kwargs)
         if site == schema.BLOCK_SITE and self.step == 0:
             self._progress()
         if last:
@@ -588,22 +583,26 @@ class CaptureSession:
         if self.probe_spec.causal and self.step == 0 and self._causal.get(id(module)):
             cut = causal_cut(hidden.shape[-2] if hidden.dim() >= 2 else 1,
                              probe_seed(self.config.seed, self.sample, 0xCA05A1))
-        family = self._family(site, "probes")
-        if spec.sigmas or spec.dc or spec.repeats or cut is not None:
-            self.coverage.expect(family)
-            if self.step > 0 and cache is None and has_past(args, kwargs):
-                # a decode step whose past cannot be reproduced: no replay, clean data only
-                self.decode_replays_skipped += 1
+        families = [self._family(site, "probes")] if (
+            spec.sigmas or spec.dc or spec.repeats or cut is not None) else []
+        host = self._host and self._tp.may_host_replay(module)
+        families += [self._family(site, "host replays")] if host else []
+        if self.step > 0 and cache is None and has_past(args, kwargs):
+            # a decode step whose past cannot be reproduced: no replay, clean data only
+            self.decode_replays_skipped += 1
+            for family in families:
+                self.coverage.expect(family)
                 self.coverage.failed(family, f"the KV cache of {type(module).__name__} could "
                                      "not be copied (a cache layout srdd-dump does not know)")
-                return
+            return
+        if families and families[0].endswith(" probes"):
             self._replaying = True
             try:
-                with self._moe.pinned() if self._moe is not None else nullcontext():
+                with self.coverage.attempt(families[0]), (
+                        self._moe.pinned() if self._moe is not None else nullcontext()):
                     outputs, batched = run_probes(module, args, kwargs, hidden, spec,
                                                   self._seeds(layer, site), cache, cut)
-            except Exception as exc:
-                self.coverage.failed(family, describe_error(exc))
+            except Exception:
                 if self.step == 0:
                     raise
                 # a decode replay this module refuses (a cache layout not reproduced): its
@@ -612,14 +611,13 @@ class CaptureSession:
                 return
             finally:
                 self._replaying = False
-            self.coverage.ran(family)
             if batched:
                 self.batched_replays += 1
             else:
                 self.sequential_replays += 1
             if self._keep_probes(module, outputs, hidden):
                 self._add_probes(layer, site, outputs, self._positions, self._rows)
-        if self._host and self._tp.may_host_replay(module):
+        if host:
             self._host_record(module, layer, site, args, kwargs, cache)
 
     def _family(self, site: int, what: str) -> str:
@@ -634,6 +632,10 @@ class CaptureSession:
         if isinstance(x, torch.Tensor) and role == ROUTER:
             x = self._as_round(x)
         if not isinstance(x, torch.Tensor) or x.shape[:-1] != hidden.shape[:-1]:
+            family = self._family(site, "probes")
+            self.coverage.expect(family)
+            self.coverage.failed(family, f"the input of {type(module).__name__} is not shaped "
+                                 "like its output's tokens")
             return
         # a tensor-parallel module is replayed on its whole recorded input (an all-reduce's
         # rounding depends on the buffer's shape), the probe rows taken from its outputs
@@ -646,17 +648,11 @@ class CaptureSession:
             extra[serving.RESIDUAL] = (residual if rows
                                        else kept(residual, self._positions, self._rows))
         self._replaying = True
-        family = self._family(site, "probes")
         try:
             if spec.sigmas or spec.dc or spec.repeats:
-                self.coverage.expect(family)
-                try:
+                with self.coverage.attempt(self._family(site, "probes")):
                     outputs, batched = run_probes(module, (x_rows,), extra, recorded, spec,
                                                   self._seeds(layer, site))
-                except Exception as exc:
-                    self.coverage.failed(family, describe_error(exc))
-                    raise
-                self.coverage.ran(family)
                 if self._keep_probes(module, outputs, recorded):
                     self._add_probes(layer, site, outputs, *(rows or (None, None)))
             if spec.scale and role == LINEAR:
@@ -714,16 +710,13 @@ class CaptureSession:
         of the round's probe rows (``rows=None``: the input already holds only those rows, or
         a model-level operator whose every kept row is stored). A module the host cannot
         replay is counted, never fatal."""
-        family = self._family(site, "host replays")
-        self.coverage.expect(family)
         try:
-            out = host_replay(module, args, kwargs, cache)
-        except Exception as exc:  # noqa: BLE001 (a device-only module, a cache layout not known)
+            with self.coverage.attempt(self._family(site, "host replays")):
+                out = host_replay(module, args, kwargs, cache)
+        except Exception:  # noqa: BLE001 (a device-only module, a cache layout not known)
             self.host_replays_failed += 1
-            self.coverage.failed(family, describe_error(exc))
             return
         self.host_replays += 1
-        self.coverage.ran(family)
         site_role = self.sites[site].role if site >= 0 else "block"
         if rows == "round":
             out = kept(out, self._positions, self._rows)
@@ -818,7 +811,7 @@ class CaptureSession:
             "autocast_dtype": self._autocast or None,
             # fp32 matmuls in a shorter format (TF32 / HF32 / bf16 passes): the compare judges
             # rounding by it
-            "float32_matmul": float32_matmul(),
+            "float32_matmul": float32_matmul(param.device.type if param is not None else "cpu"),
             "hidden_width": self._width,
             "device": str(param.device) if param is not None else "cpu",
             "torch_version": torch.__version__,
@@ -854,10 +847,13 @@ class CaptureSession:
         self._handles.clear()
 
     def abandon(self) -> None:
-        """In a forked child: the hooks and the file are the parent's; stop without writing."""
+        """In a forked child: the hooks, the injected faults and the file are the parent's;
+        stop without writing (keep the session referenced: nothing of it may be freed)."""
         self._closed = True
-        self.writer = None
+        if self.writer is not None:
+            self.writer.forget_after_fork()
         self.remove()
+        self.remove_faults()
         atexit.unregister(self.close)
 
     def remove_faults(self) -> None:
@@ -940,8 +936,11 @@ def evidence_level(site: Site) -> str:
         return "expert"
     if site.role in ROW_WISE:
         return "operator"
-    if site.role == SUBLAYER:
-        return "attention" if site.name.rsplit(".", 1)[-1] in ATTENTION_NAMES else "MLP"
+    last = site.name.rsplit(".", 1)[-1]
+    if site.role == SUBLAYER and last in ATTENTION_NAMES:
+        return "attention"
+    if site.role == SUBLAYER and last in MLP_NAMES:
+        return "MLP"
     return "sub-layer"
 
 

@@ -208,7 +208,13 @@ def _collect(returncode: int, status_dir: str, new_partials: set[str] | None = N
                 "srdd-dump loaded (is the command's python the one srdd-dump is installed in?)"
             )
         elif not any(st.get("model_seen") for st in statuses):
-            if any(st.get("compiled_out") for st in statuses):
+            unwatched = [st["pid"] for st in statuses if st.get("torch_unwatched")]
+            if unwatched:
+                result.problems.append(
+                    f"pid {unwatched[0]}: torch was imported past srdd-dump's import hook (an "
+                    "import hook of the program found it first), so capture never attached; "
+                    "use srdd_dump.register_hook in the program")
+            elif any(st.get("compiled_out") for st in statuses):
                 result.problems.append(
                     "no model forward was seen: the models run inside fullgraph=True "
                     "torch.compile'd code, where srdd-dump's hooks cannot run; run eagerly: "
@@ -223,7 +229,6 @@ def _collect(returncode: int, status_dir: str, new_partials: set[str] | None = N
     return result
 
 
-
 def _degraded(statuses: list[dict]) -> list[str]:
     """Each process's missing-evidence lines, one per line text (the processes named)."""
     pids: dict[str, list] = {}
@@ -231,6 +236,6 @@ def _degraded(statuses: list[dict]) -> list[str]:
         lines = st.get("degraded")
         for line in lines if isinstance(lines, list) else []:
             pids.setdefault(str(line), []).append(st.get("pid"))
-    if len(statuses) == 1:
+    if sum(1 for st in statuses if st.get("model_seen")) <= 1:
         return list(pids)
     return [f"{line} (pid {', '.join(str(p) for p in who)})" for line, who in pids.items()]

@@ -45,18 +45,18 @@ def autocast_dtype(model: nn.Module) -> str:
         return ""
 
 
-def float32_matmul() -> str:
+def float32_matmul(device_type: str = "cuda") -> str:
     """The precision fp32 matmuls run in: "highest", "high" (TF32 / HF32: a 10-bit mantissa)
     or "medium" (bf16), from torch's setting and the CUDA / NPU TF32 / HF32 switches."""
     try:
         precision = torch.get_float32_matmul_precision()
     except Exception:  # noqa: BLE001 (torch >= 2.9 raises once its new API was used)
-        precision = _fp32_precision() or "highest"
+        precision = _fp32_precision(device_type) or "highest"
     switches = []
     try:
         switches.append(bool(torch.backends.cuda.matmul.allow_tf32))
     except Exception:  # noqa: BLE001 (the same)
-        switches.append(_fp32_precision() == "high")
+        switches.append(_fp32_precision(device_type) == "high")
     npu = getattr(torch, "npu", None)
     try:
         switches.append(bool(npu.matmul.allow_hf32))  # torch_npu
@@ -67,17 +67,18 @@ def float32_matmul() -> str:
     return precision
 
 
-def _fp32_precision() -> str | None:
-    """torch >= 2.9's per-backend setting (``torch.backends.cuda.matmul.fp32_precision``, else
-    the generic ``torch.backends.fp32_precision``) in the words of float32_matmul: "high" for
-    tf32, "highest" for ieee; None when neither says."""
+def _fp32_precision(device_type: str) -> str | None:
+    """torch >= 2.9's per-backend setting (the device's matmul backend: oneDNN on the CPU,
+    else cuBLAS; "none" defers to ``torch.backends.fp32_precision``) in the words of
+    float32_matmul: "high" for tf32, "medium" for bf16, "highest" for ieee; None when unset."""
     try:
-        value = torch.backends.cuda.matmul.fp32_precision
+        backend = torch.backends.mkldnn if device_type == "cpu" else torch.backends.cuda
+        value = backend.matmul.fp32_precision
         if value == "none":
             value = torch.backends.fp32_precision
     except Exception:  # noqa: BLE001 (an older torch)
         return None
-    return {"tf32": "high", "ieee": "highest"}.get(str(value))
+    return {"tf32": "high", "bf16": "medium", "ieee": "highest"}.get(str(value))
 
 
 def input_embedding(model: nn.Module) -> nn.Module | None:

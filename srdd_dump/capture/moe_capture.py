@@ -77,8 +77,9 @@ class ExpertCapture:
                ) -> None:
         """A fused experts call of a captured round: its routing, then its slots' records."""
         found = routing_of(args, kwargs)
-        if found is None:
-            return
+        if found is None:  # counted (site_errors, coverage) by the session
+            raise TypeError(f"the routing arguments of {type(module).__name__} (token indices "
+                            "and weights) were not found in its call")
         hidden, routing = found
         self.routing[id(module)] = routing
         if site not in self.sites:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -174,7 +175,7 @@ def preserved_rng(device: torch.device):
 
 
 @contextlib.contextmanager
-def outside_output_recording():
+def outside_output_recording() -> Iterator[None]:
     """Replays add nothing to the outputs the model call is collecting: transformers >= 5 records
     ``hidden_states``, ``attentions`` and ``router_logits`` through forward hooks that append to
     the call's active collector (``utils/output_capturing._active_collector``), so a replay
@@ -183,6 +184,13 @@ def outside_output_recording():
     collector = getattr(recording, "_active_collector", None)
     if collector is None or not hasattr(collector, "set"):
         yield
+        return
+    if getattr(collector, "compiling", False):  # a compiled model call: a plain global
+        held, collector.global_var = collector.global_var, None
+        try:
+            yield
+        finally:
+            collector.global_var = held
         return
     token = collector.set(None)
     try:

@@ -130,8 +130,6 @@ class BaselineResult:
     summary: BaselineSummary
     thresholds: object  # analysis.tolerance.Thresholds used
     notes: list[str] = field(default_factory=list)  # e.g. which run of a folder was compared
-    # evidence the capture asked for and did not get: the verdicts cannot rest on it
-    missing_evidence: list[str] = field(default_factory=list)
 
     @property
     def skipped_reasons(self) -> list[str]:

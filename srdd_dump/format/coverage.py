@@ -10,7 +10,11 @@ and stored in the dump's status (``coverage``) for ``srdd-compare``. Torch-free.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
+
+from ..errors import first_line
 
 # a family that ran on less than this share of the calls where it should have run is reported
 MIN_FRACTION = 0.5
@@ -41,7 +45,19 @@ class Coverage:
     def failed(self, family: str, why: str) -> None:
         entry = self.families.setdefault(family, Family())
         if entry.first_error is None:
-            entry.first_error = first_line(why)
+            entry.first_error = _shortened(first_line(why))
+
+    @contextlib.contextmanager
+    def attempt(self, family: str) -> Iterator[None]:
+        """``expect``, then ``ran`` when the block ends, or ``failed`` with its exception
+        (re-raised)."""
+        self.expect(family)
+        try:
+            yield
+        except Exception as exc:
+            self.failed(family, f"{type(exc).__name__}: {exc}")
+            raise
+        self.ran(family)
 
     def as_dict(self) -> dict[str, dict]:
         return {name: f.as_dict() for name, f in sorted(self.families.items())}
@@ -101,6 +117,5 @@ def _unit(family: str) -> str:
     return "blocks" if family.endswith(" sites") else "calls"
 
 
-def first_line(text: str, limit: int = 200) -> str:
-    line = str(text).strip().splitlines()[0] if str(text).strip() else str(text)
+def _shortened(line: str, limit: int = 200) -> str:
     return line if len(line) <= limit else line[: limit - 3] + "..."

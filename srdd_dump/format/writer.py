@@ -123,6 +123,7 @@ class _H5File:
         self._check_room(ROOM_RESERVE, 0)
         self.f = h5py.File(partial_path, "w")
         try:
+            self._fd = self.f.id.get_vfd_handle()  # read once: see detach
             self._create(meta, layers, sites)
             if stat_columns:
                 self._create_stats(stat_columns)
@@ -315,9 +316,8 @@ class _H5File:
         as the last successful flush left it. Call it before any handle of the file is freed.
         """
         try:
-            fd = self.f.id.get_vfd_handle()
             null = os.open(os.devnull, os.O_RDWR)
-            os.dup2(null, fd)
+            os.dup2(null, self._fd)  # no h5py call: in a forked child its lock may be held
             os.close(null)
         except Exception:
             pass
@@ -358,6 +358,14 @@ class DumpWriter:
         self._thread = threading.Thread(target=self._run, name="srdd-dump-writer", daemon=True)
         self._thread.start()
         self._closed = False
+
+    def forget_after_fork(self) -> None:
+        """In a forked child: the file and the writer thread are the parent's. This process's
+        descriptor of the file is pointed at /dev/null, so nothing it frees or closes (the
+        HDF5 library's own close at exit included) writes into the parent's file; keep the
+        writer referenced, never closed."""
+        self._closed = True
+        self._file.detach()
 
     def _run(self) -> None:
         while True:

@@ -16,6 +16,7 @@ import importlib.util
 import json
 import os
 import sys
+from typing import Callable
 
 from ..config import ENV_STATUS_DIR, DumpConfig
 
@@ -26,7 +27,7 @@ _state: dict = {"config": None, "session": None, "no_blocks": None, "error": Non
 
 def install() -> None:
     config = DumpConfig.from_env()
-    if config is None:
+    if config is None or _state["config"] is not None:  # once per process
         return
     _state["config"] = config
     atexit.register(_report_status)
@@ -34,34 +35,54 @@ def install() -> None:
     if "torch" in sys.modules:
         _on_torch_imported()
     else:
-        sys.meta_path.insert(0, _TorchWatcher())
+        sys.meta_path.insert(0, ImportWatcher("torch", lambda: _on_torch_imported()))
 
 
-class _TorchWatcher(importlib.abc.MetaPathFinder):
-    """Runs _on_torch_imported right after ``import torch`` finishes, without importing it.
+class ImportWatcher(importlib.abc.MetaPathFinder):
+    """Calls ``then()`` right after ``import <name>`` finishes (torch: _on_torch_imported),
+    without importing it.
 
     It stays first on ``sys.meta_path`` until torch has actually been imported: libraries probe
     for torch with ``importlib.util.find_spec("torch")`` long before they import it
     (transformers' import_utils, vLLM's env_override), and a probe must not use it up. Every
-    spec it hands out, to a probe or to the import itself, carries the wrapped loader; only
-    the one whose module is executed ends the watch."""
+    spec it hands out carries a loader that tells, once the module itself has run."""
+
+    def __init__(self, name: str, then: Callable[[], None]):
+        self.name, self.then = name, then
 
     def find_spec(self, name, path=None, target=None):
-        if name != "torch" or "torch" in sys.modules:
+        if name != self.name or name in sys.modules:
             return None
-        spec = _spec_from_finders_after(self, name, path, target)
-        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+        try:
+            spec = _spec_from_finders_after(self, name, path, target)
+            if spec is not None and hasattr(getattr(spec, "loader", None), "exec_module"):
+                spec.loader = _TellingLoader(spec.loader, self)
             return spec
-        original = spec.loader.exec_module
+        except Exception:  # noqa: BLE001 (the import goes on without the watcher)
+            return None
 
-        def exec_module(module):
-            original(module)
-            with contextlib.suppress(ValueError):
-                sys.meta_path.remove(self)
-            _on_torch_imported()
 
-        spec.loader.exec_module = exec_module
-        return spec
+class _TellingLoader(importlib.abc.Loader):
+    """Runs the module with its own loader, then tells the watcher's ``then``. The module keeps
+    the real loader in ``__loader__`` and ``__spec__.loader`` (importlib.resources reads them)."""
+
+    def __init__(self, loader, watcher: ImportWatcher):
+        self._loader, self._watcher = loader, watcher
+
+    def create_module(self, spec):
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module) -> None:
+        module.__loader__ = self._loader
+        if getattr(module, "__spec__", None) is not None:
+            module.__spec__.loader = self._loader
+        self._loader.exec_module(module)
+        with contextlib.suppress(ValueError):
+            sys.meta_path.remove(self._watcher)
+        self._watcher.then()
+
+    def __getattr__(self, name):
+        return getattr(self._loader, name)
 
 
 def _spec_from_finders_after(watcher, name, path, target):
@@ -79,6 +100,9 @@ def _spec_from_finders_after(watcher, name, path, target):
 
 
 def _on_torch_imported() -> None:
+    if _state.get("watching"):
+        return
+    _state["watching"] = True
     try:
         from .attach import watch_forwards
 
@@ -90,13 +114,17 @@ def _on_torch_imported() -> None:
 
 def _after_fork_in_child() -> None:
     """A forked child (multiprocessing fork or forkserver, os.fork) reports for itself: it ends
-    with os._exit, past atexit, so its report runs among multiprocessing's exit finalizers; a
-    session inherited from the parent is the parent's (its file, its hooks): dropped here, and
-    the child's own first model forward starts its own."""
+    with os._exit, past atexit, so its report runs among multiprocessing's exit finalizers. A
+    session inherited from the parent is the parent's (its file, its hooks, its faults): it is
+    abandoned (kept referenced, never closed) and the child's first model forward starts its
+    own."""
     _state["reported"] = False
-    _state["session"], inherited = None, _state.get("session")
+    inherited = _state.get("session")
     if inherited is not None:
+        _state["session"] = None
+        _state.setdefault("abandoned", []).append(inherited)
         inherited.abandon()
+        _state["watching"] = False
         _on_torch_imported()
     mp_util = sys.modules.get("multiprocessing.util")
     if mp_util is not None:  # run after multiprocessing clears the parent's finalizers
@@ -136,6 +164,8 @@ def _report_status() -> None:
         "silence": getattr(session, "silence", None),
         "compiled_out": _compiled_out(),
         "degraded": getattr(session, "degraded", []),
+        # torch was imported but the watcher never saw it (an import hook placed before it)
+        "torch_unwatched": "torch" in sys.modules and not _state.get("watching"),
         "untested_versions": getattr(session, "version_notes", []),
     }
     try:
