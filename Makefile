@@ -55,7 +55,7 @@ test-oldest: install-oldest
 	SRDD_TEST_TRANSFORMERS=oldest PATH="$(BIN_OLDEST):$$PATH" $(PY_OLDEST) -m pytest -q -m capture
 
 lint: install
-	$(BIN)/ruff check srdd_dump cli tests fixtures bench
+	$(BIN)/ruff check srdd_dump cli tests fixtures bench .ci
 
 clean:
 	rm -rf $(DEMO) build *.egg-info .pytest_cache

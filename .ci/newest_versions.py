@@ -10,7 +10,7 @@ from srdd_dump.capture.versions import TESTED, version_tuple
 for name, (_, newest) in TESTED.items():
     try:
         out = subprocess.run([sys.executable, "-m", "pip", "index", "versions", name],
-                             capture_output=True, text=True, timeout=60).stdout
+                             capture_output=True, text=True, timeout=20).stdout
     except (OSError, subprocess.SubprocessError):
         continue
     first = out.splitlines()[0] if out.strip() else ""

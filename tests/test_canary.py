@@ -17,7 +17,7 @@ from srdd_dump.format.reader import DumpReader, find_dump_files
 
 from capture_utils import FIXTURES, run_cli
 
-pytestmark = [pytest.mark.slow, pytest.mark.integration]
+pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.capture]
 
 ATTENTION = ("self_attn", "attn", "attention", "self_attention")
 

@@ -14,7 +14,7 @@ from srdd_dump.format.reader import DumpReader
 
 from tiny_models import ARCHS, blocks_path, build
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.capture]
 
 
 def _reference_outputs(model, blocks, ids):

@@ -20,6 +20,8 @@ from srdd_dump.report.terminal import diagnosis_text
 from capture_utils import FIXTURES, run_cli
 from tiny_models import build
 
+pytestmark = pytest.mark.capture
+
 
 def _generate(model, seed: int = 0) -> None:
     ids = torch.randint(0, 128, (1, 9), generator=torch.Generator().manual_seed(seed))

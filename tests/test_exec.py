@@ -13,7 +13,7 @@ from srdd_dump.format.reader import DumpReader, find_dump_files
 
 from capture_utils import FIXTURES, py, run_cli
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.capture]
 
 
 def _write(path, text):

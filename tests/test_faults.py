@@ -14,7 +14,7 @@ from srdd_dump.format.reader import DumpReader
 
 from tiny_models import build
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.capture]
 
 IDS = torch.randint(0, 128, (1, 16), generator=torch.Generator().manual_seed(0))
 OPTIONS = {"saturation": ",m=0.5", "bitflip": ",rate=0.05,bits=exponent", "spike": ",m=20",

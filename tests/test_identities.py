@@ -29,6 +29,8 @@ from srdd_dump.compare import compare_path
 
 from tiny_models import ARCHS, build
 
+pytestmark = pytest.mark.capture
+
 RNG = np.random.default_rng(0)
 
 

@@ -20,7 +20,7 @@ from srdd_dump.format.reader import DumpReader, find_dump_files
 
 from capture_utils import run_cli
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.capture]
 
 # The model part of every script: transformers first, torch after it, a tiny Llama generating.
 MODEL_CODE = """

@@ -14,6 +14,8 @@ import pytest
 
 from srdd_dump.capture.inject import ImportWatcher
 
+pytestmark = pytest.mark.capture
+
 
 @pytest.fixture
 def stand_in(tmp_path, monkeypatch):

@@ -12,7 +12,7 @@ from srdd_dump.format.reader import DumpReader
 
 from tiny_models import ARCHS, build
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.capture]
 
 
 def _dump(model, tmp_path, ids, **cfg):

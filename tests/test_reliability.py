@@ -35,7 +35,7 @@ from dumpfactory import baseline_written as compare_baseline
 from dumpfactory import compare_written as compare_path
 from dumpfactory import normal_rounds, write_dump
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.capture]
 
 LOOP = textwrap.dedent(f"""
     import os, sys, time

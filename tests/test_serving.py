@@ -17,7 +17,7 @@ from srdd_dump.format.schema import KIND_MASK
 
 from tiny_models import build
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.capture]
 LAYERS = 6
 
 

@@ -25,7 +25,7 @@ from capture_utils import FIXTURES, py, run_cli
 from serving_model import RMSNorm, from_hf, generate, tiny
 from tiny_models import build
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.capture]
 LAYERS = 6
 
 

@@ -13,7 +13,7 @@ from srdd_dump.format.reader import DumpReader, find_dump_files
 
 from capture_utils import py, run_cli
 
-pytestmark = [pytest.mark.slow, pytest.mark.integration]
+pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.capture]
 
 
 @pytest.fixture(scope="module")

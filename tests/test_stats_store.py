@@ -27,6 +27,8 @@ from srdd_dump.format.reader import DumpError, DumpReader
 from capture_utils import py, run_cli
 from tiny_models import build
 
+pytestmark = pytest.mark.capture
+
 SIGMAS, DRAWS, DC, REPEATS = (0.1, 0.01), 2, (1.0,), 2
 COLUMNS = s.stat_columns(SIGMAS, DRAWS, DC, REPEATS)
 

@@ -12,6 +12,8 @@ from srdd_dump.capture.versions import TESTED
 
 from capture_utils import ROOT
 
+pytestmark = pytest.mark.capture
+
 
 def _read(name: str) -> str:
     with open(os.path.join(ROOT, name), encoding="utf-8") as fh:
