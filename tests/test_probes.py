@@ -137,3 +137,38 @@ def test_probes_none_captures_only(tmp_path):
     with DumpReader(session.path) as r:
         assert set(r.records["kind"].tolist()) == {s.KIND_CLEAN}
         assert r.rounds[0]["prow_len"] == 0
+
+
+def test_a_sublayer_taking_residual_is_perturbed_on_its_hidden_states(tmp_path):
+    """HF Bloom's attention and MLP take ``(hidden_states, residual)`` for a fused add: they are
+    not serving blocks, and a probe that went into the residual only passed through them, so
+    their gain read exactly 1 whatever the sub-layer did."""
+    import transformers as tf
+
+    from srdd_dump import DumpConfig, register_hook
+    from srdd_dump.capture.probes import hidden_input
+    from srdd_dump.format import schema
+    from srdd_dump.format.reader import DumpReader
+
+    torch.manual_seed(0)
+    config = tf.BloomConfig(vocab_size=128, hidden_size=32, n_layer=2, n_head=4)
+    model = tf.BloomForCausalLM(config).eval()
+    mlp = model.transformer.h[0].mlp
+    h, r = torch.randn(1, 5, 32), torch.randn(1, 5, 32)
+    x, rebuild = hidden_input((h, r), {}, mlp)
+    assert x is h
+    args, _ = rebuild(h + 1)
+    assert torch.equal(args[1], r)  # the residual is left as it was
+
+    with register_hook(model, DumpConfig(dump_path=str(tmp_path), samples=1,
+                                         store="full")) as session, torch.no_grad():
+        model(input_ids=torch.randint(0, 128, (1, 12)))
+    with DumpReader(session.path) as reader:
+        site = reader.sites.index("transformer.h.0.mlp")
+        (ref,) = reader.select(0, kind=schema.KIND_REPLAY, site=site)
+        reference = reader.read(ref).astype(np.float64)
+        for rec in reader.select(0, kind=schema.KIND_GAIN, site=site):
+            delta = reader.read(rec).astype(np.float64) - reference
+            rms = float(np.sqrt((delta ** 2).mean()))
+            # a pass-through would give back the perturbation's own size
+            assert abs(rms / float(rec["pert_rms"]) - 1) > 0.01

@@ -601,7 +601,8 @@ class CaptureSession:
                 with self.coverage.attempt(families[0]), (
                         self._moe.pinned() if self._moe is not None else nullcontext()):
                     outputs, batched = run_probes(module, args, kwargs, hidden, spec,
-                                                  self._seeds(layer, site), cache, cut)
+                                                  self._seeds(layer, site), cache, cut,
+                                                  stream=id(module) in self._serving)
             except Exception:
                 if self.step == 0:
                     raise

@@ -133,13 +133,16 @@ def replay_arguments(args: tuple, kwargs: dict, cache: FrozenCache | None = None
     return args, clean
 
 
-def hidden_input(args: tuple, kwargs: dict, module: nn.Module | None = None
-                 ) -> tuple[torch.Tensor | None, Callable]:
+def hidden_input(args: tuple, kwargs: dict, module: nn.Module | None = None,
+                 stream: bool = False) -> tuple[torch.Tensor | None, Callable]:
     """The hidden-state input of a call and a function that rebuilds the call with another:
-    a serving block's residual stream (serving.py), the parameter named ``hidden_states``, or
-    the first floating-point positional tensor (``positions`` may come first)."""
+    the residual stream of a serving block (``stream``: a block of the session's stack that
+    returns ``(hidden_states, residual)``; serving.py), the parameter named ``hidden_states``,
+    or the first floating-point positional tensor (``positions`` may come first). A sub-layer
+    that merely takes ``residual`` for its fused add (HF Bloom's and MPT's attention and MLP)
+    is perturbed on its ``hidden_states``: the residual only passes through it."""
     if module is not None:
-        if serving.is_serving_block(module):
+        if stream and serving.is_serving_block(module):
             x, rebuild = serving.stream_perturbation(module, args, kwargs)
             if x is not None:
                 return x, rebuild
@@ -269,14 +272,16 @@ def run_probes(
     seeds: Callable[[int, int], int],
     cache: FrozenCache | None = None,
     causal_cut: int | None = None,
+    stream: bool = False,
 ) -> tuple[list[ProbeOutput], bool]:
     """Replay ``module`` on perturbed copies of its input; returns (outputs, batched?).
 
     The first output is the reference (KIND_REPLAY) the perturbed outputs are compared with.
-    ``cache``: the layer's KV cache before the recorded call (a decode step).
+    ``cache``: the layer's KV cache before the recorded call (a decode step). ``stream``: the
+    module is a serving block of the stack (``hidden_input``).
     """
     args, kwargs = replay_arguments(args, kwargs, cache)
-    x, rebuild = hidden_input(args, kwargs, module)
+    x, rebuild = hidden_input(args, kwargs, module, stream)
     if x is None:
         raise TypeError(f"cannot find the hidden-state input of {type(module).__name__}")
     results: list[ProbeOutput] = []
