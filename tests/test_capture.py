@@ -156,12 +156,12 @@ def test_a_failing_hook_turns_capture_off_but_inference_goes_on(tmp_path, monkey
     session = register_hook(model, DumpConfig(dump_path=str(tmp_path)))
     with torch.no_grad():
         model(input_ids=ids)  # one good sample
-    import srdd_dump.capture.hooks as hooks
+    import srdd_dump.capture.sinks as sinks
 
     def boom(*a, **k):
         raise RuntimeError("device copy failed")
 
-    monkeypatch.setattr(hooks, "to_host", boom)
+    monkeypatch.setattr(sinks, "to_host", boom)
     with torch.no_grad():
         got = model(input_ids=ids).logits
         again = model(input_ids=ids).logits

@@ -14,7 +14,7 @@ import os
 import socket
 import sys
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import numpy as np
@@ -23,7 +23,7 @@ from torch import nn
 
 from ..format import schema
 from ..format.coverage import Coverage
-from ..format.writer import DumpWriter, Round, Tensor, describe_error
+from ..format.writer import DumpWriter, Round, describe_error
 from ..version import __version__
 from . import config as cfg
 from . import serving
@@ -69,9 +69,9 @@ from .probes import (
     run_probes,
     snapshot_cache,
 )
-from .reductions import ProbeRows
-from .stats_store import StatsCollector
-from .tensors import _TORCH_TO_LOGICAL, kept, to_host
+from .rounds import RoundContext
+from .sinks import make_sink
+from .tensors import kept
 from .versions import loaded_version, untested_notes
 
 
@@ -136,20 +136,17 @@ class CaptureSession:
                        if serving.fuses_residual(m)}
         self._frozen: dict[int, tuple[tuple, dict]] = {}
         self._pending: list[tuple[int, Site, torch.Tensor, tuple, dict]] = []
-        self._moe = ExpertCapture(self) if any(s.role == EXPERTS for s in self.sites) else None
-        if self._moe is not None and len(self._moe.sites) < len(self._moe.modules):
-            sys.stderr.write("srdd-dump: note: experts split over ranks (expert parallelism): "
-                             "each MoE layer's experts are captured as their sum only\n")
         self.host_replays = 0
         self.host_replays_failed = 0
         self.records_dropped = 0
         self.site_errors = 0
         self._store = cfg.parse_store(config.store)
-        self._stats = None
-        if self._store.kind == "stats":
-            spec = self.probe_spec
-            self._stats = StatsCollector(
-                schema.stat_columns(spec.sigmas, spec.draws, spec.dc, spec.repeats))
+        self._sink = make_sink(self._store, self.probe_spec, config.seed)
+        self._moe = (ExpertCapture(self.sites, self._sink, self.probe_spec)
+                     if any(s.role == EXPERTS for s in self.sites) else None)
+        if self._moe is not None and len(self._moe.sites) < len(self._moe.modules):
+            sys.stderr.write("srdd-dump: note: experts split over ranks (expert parallelism): "
+                             "each MoE layer's experts are captured as their sum only\n")
         self.batched_replays = 0
         self.compiled_probes_dropped = 0
         self._compiled_round = False  # this round runs as torch.compile'd code
@@ -161,8 +158,6 @@ class CaptureSession:
                 sys.stderr.write(f"srdd-dump: note: {note}\n")
         self.sequential_replays = 0
         self._replaying = False
-        self._rows: torch.Tensor | None = None
-        self._sample_rows: torch.Tensor | None = None  # --store stats: block rows stored
         self._width = 0
         self._bar = None
         self._fault_handles, self.faults = install_faults(
@@ -181,8 +176,7 @@ class CaptureSession:
         self._fired: set[tuple[int, int]] = set()  # (layer, site) whose hook ran in a round
         self.path: str | None = None
         self.writer: DumpWriter | None = None
-        self._round: Round | None = None
-        self._positions: torch.Tensor | None = None
+        self._ctx: RoundContext | None = None  # the round being captured
         self._token_ids: torch.Tensor | None = None
         self._attention_mask: torch.Tensor | None = None  # (batch, past + seq) of the model call
         # cache layer -> its KV cache before this decode step (one copy for the block and its
@@ -211,6 +205,18 @@ class CaptureSession:
                 self.coverage.ran(family)
             if not found:
                 self.coverage.failed(family, why)
+
+    @property
+    def _round(self) -> Round | None:
+        return self._ctx.round if self._ctx is not None else None
+
+    @property
+    def _positions(self) -> torch.Tensor | None:
+        return self._ctx.positions if self._ctx is not None else None
+
+    @property
+    def _rows(self) -> torch.Tensor | None:
+        return self._ctx.rows if self._ctx is not None else None
 
     # -- hooks ----------------------------------------------------------------------------
     def _install(self) -> None:
@@ -319,7 +325,7 @@ class CaptureSession:
                 hidden = kwargs.get("hidden_states")
         token_ids, self._token_ids = self._token_ids, None
         self._compiled_round = called_from_compiled()
-        self._round = None
+        self._ctx = None
         self._caches.clear()
         if self._moe is not None:
             self._moe.open_round()
@@ -345,29 +351,26 @@ class CaptureSession:
         positions = cfg.token_positions(self._tokens, seq)
         if not positions:
             return
-        self._positions = (
-            None if len(positions) == seq else torch.tensor(positions, dtype=torch.long)
-        )
         ids = None
         if token_ids is not None and token_ids.shape[-1] == seq:
             ids = token_ids.detach().to("cpu").reshape(batch, seq).numpy()
         keep = self._kept_rows(batch, seq, positions)
         probe_rows = self._choose_probe_rows(batch, len(positions), hidden.shape[-1], keep)
-        self._rows = None if probe_rows is None else torch.from_numpy(probe_rows.astype(np.int64))
-        self._sample_rows = None
-        if self._stats is not None:  # the stored rows are the row sample, not the probe rows
-            probe_rows = self._choose_sample_rows(batch, len(positions), keep)
-            self._sample_rows = torch.from_numpy(probe_rows.astype(np.int64))
-            self._stats.open_round(keep, positions, batch, self._rows)
-        self._round = Round(
-            sample=self.sample, step=self.step, batch=batch, seq=seq,
-            positions=np.asarray(positions), token_ids=ids, time=time.time(),
-            probe_rows=probe_rows,
+        self._ctx = RoundContext(
+            round=Round(
+                sample=self.sample, step=self.step, batch=batch, seq=seq,
+                positions=np.asarray(positions), token_ids=ids, time=time.time(),
+                probe_rows=self._sink.round_rows(probe_rows, keep, batch, len(positions),
+                                                 self.sample, self.step),
+            ),
+            positions=(None if len(positions) == seq
+                       else torch.tensor(positions, dtype=torch.long)),
+            rows=None if probe_rows is None else torch.from_numpy(probe_rows.astype(np.int64)),
+            seed=self.config.seed,
         )
+        self._sink.open_round(self._ctx, keep)
         self._add(schema.STACK_INPUT, schema.BLOCK_SITE, hidden)
         self._finish_site(schema.STACK_INPUT, schema.BLOCK_SITE)
-        if keep is not None and self._stats is None:
-            self._add_mask(keep)
         self._add_pending()
 
     def _kept_rows(self, batch: int, seq: int, positions: list[int]) -> np.ndarray | None:
@@ -378,12 +381,6 @@ class CaptureSession:
             return None
         keep = (mask[:, -seq:].detach().to("cpu")[:, positions] != 0).numpy()
         return None if keep.all() else keep
-
-    def _add_mask(self, keep: np.ndarray) -> None:
-        """The excluded rows as a KIND_MASK record (docs/dump-format.md)."""
-        array = keep.astype(np.float32).reshape(*keep.shape, 1)
-        self._round.tensors.append(Tensor(layer=schema.STACK_INPUT, site=schema.BLOCK_SITE,
-                                          array=array, dtype="float32", kind=schema.KIND_MASK))
 
     def _choose_probe_rows(self, batch: int, ntok: int, width: int,
                            keep: np.ndarray | None = None) -> np.ndarray | None:
@@ -411,18 +408,6 @@ class CaptureSession:
         live = rng.choice(rest[:n_live], size=min(n_extra, n_live), replace=False)
         pad = rest[n_live:][: n_extra - live.size]
         return np.sort(np.concatenate([first[:k], live, pad]))
-
-    def _choose_sample_rows(self, batch: int, ntok: int, keep: np.ndarray | None) -> np.ndarray:
-        """--store stats: the seeded rows of every block output kept for the baseline mode,
-        attended rows only while there are any (the same rows in a GPU and an NPU run of the
-        same prompts and seed)."""
-        n_rows = batch * ntok
-        attended = np.ones(n_rows, dtype=bool) if keep is None else keep.reshape(-1)
-        pool = np.flatnonzero(attended) if attended.any() else np.arange(n_rows)
-        rng = np.random.default_rng(probe_seed(self.config.seed, self.sample, self.step,
-                                               0x5A3B1E))
-        n = min(self._store.rows, pool.size)
-        return np.sort(rng.choice(pool, size=n, replace=False)) if n else pool[:0]
 
     def _output_hook(self, layer: int, site: int, last: bool):
         @opaque
@@ -463,28 +448,11 @@ class CaptureSession:
         if isinstance(hidden, torch.Tensor):
             s = self.sites[site]
             hidden = self._tp.local(hidden, s.name, s.role, s.module, self._width)
-            if self._token_shaped(hidden):
+            if self._ctx.token_shaped(hidden):
                 self._add(layer, site, hidden)
                 self._finish_site(layer, site)
             else:
                 self.records_dropped += 1
-
-    def _as_round(self, t: torch.Tensor) -> torch.Tensor:
-        """A flattened token list (batch * seq, width), as a router or fused experts module
-        gets it, as the round's (batch, seq, width)."""
-        r = self._round
-        if t.dim() == 2 and r.batch > 1 and t.shape[0] == r.batch * r.seq:
-            return t.reshape(r.batch, r.seq, t.shape[-1])
-        return t
-
-    def _token_shaped(self, t: torch.Tensor) -> bool:
-        """(batch, seq, width) of the round, or (seq, width) for a batch of one: a tensor of
-        token rows. Experts that see only their routed tokens, per-head outputs (batch, seq,
-        heads, dim) and flattened token lists are not."""
-        r = self._round
-        if t.dim() == 3:
-            return tuple(t.shape[:2]) == (r.batch, r.seq)
-        return t.dim() == 2 and r.batch == 1 and t.shape[0] == r.seq
 
     def _pending_hook(self, index: int):
         @opaque
@@ -536,8 +504,8 @@ class CaptureSession:
         if role in (EXPERTS, ROUTER):
             if role == ROUTER and self._moe is not None:
                 self._moe.router_output(module, hidden)
-            hidden = self._as_round(hidden)
-        if site != schema.BLOCK_SITE and not self._token_shaped(hidden):
+            hidden = self._ctx.as_round(hidden)
+        if site != schema.BLOCK_SITE and not self._ctx.token_shaped(hidden):
             self.records_dropped += 1
             return
         self._add(layer, site, hidden)
@@ -551,18 +519,12 @@ class CaptureSession:
             spec = self.probe_spec
             probed = self._rows is not None and bool(spec.sigmas or spec.dc or spec.repeats)
             with (self.coverage.attempt(self._family(site, "probes")) if probed
-                  else nullcontext()), outside_output_recording():
-                self._moe.record(module, layer, site, args, kwargs)
+                  else nullcontext()), outside_output_recording(), self._replays():
+                self._moe.record(module, layer, site, args, kwargs, self._ctx)
         if site == schema.BLOCK_SITE and self.step == 0:
             self._progress()
         if last:
             self._submit()
-
-    def _seeds(self, layer: int, site: int):
-        def seeds(kind: int, probe: int) -> int:
-            return probe_seed(self.config.seed, self.sample, layer + 1, site + 1, kind, probe)
-
-        return seeds
 
     def _probe(self, module, layer, site, args, kwargs, hidden) -> None:
         if not self._tp.may_replay(module):
@@ -601,7 +563,7 @@ class CaptureSession:
                 with self.coverage.attempt(families[0]), (
                         self._moe.pinned() if self._moe is not None else nullcontext()):
                     outputs, batched = run_probes(module, args, kwargs, hidden, spec,
-                                                  self._seeds(layer, site), cache, cut,
+                                                  self._ctx.seeds(layer, site), cache, cut,
                                                   stream=id(module) in self._serving)
             except Exception:
                 if self.step == 0:
@@ -617,9 +579,19 @@ class CaptureSession:
             else:
                 self.sequential_replays += 1
             if self._keep_probes(module, outputs, hidden):
-                self._add_probes(layer, site, outputs, self._positions, self._rows)
+                self._sink.probe_outputs(self._ctx, layer, site, outputs,
+                                         (self._positions, self._rows))
         if host:
             self._host_record(module, layer, site, args, kwargs, cache)
+
+    @contextmanager
+    def _replays(self):
+        """The session's own hooks ignore the calls made inside (replays)."""
+        self._replaying = True
+        try:
+            yield
+        finally:
+            self._replaying = False
 
     def _family(self, site: int, what: str) -> str:
         """The coverage family of a site's evidence in this round: "decode block probes",
@@ -631,7 +603,7 @@ class CaptureSession:
         input alone: each output row depends on its input row only."""
         x = to_local(first_tensor(args) if args else kwargs.get("hidden_states"))
         if isinstance(x, torch.Tensor) and role == ROUTER:
-            x = self._as_round(x)
+            x = self._ctx.as_round(x)
         if not isinstance(x, torch.Tensor) or x.shape[:-1] != hidden.shape[:-1]:
             family = self._family(site, "probes")
             self.coverage.expect(family)
@@ -653,9 +625,9 @@ class CaptureSession:
             if spec.sigmas or spec.dc or spec.repeats:
                 with self.coverage.attempt(self._family(site, "probes")):
                     outputs, batched = run_probes(module, (x_rows,), extra, recorded, spec,
-                                                  self._seeds(layer, site))
+                                                  self._ctx.seeds(layer, site))
                 if self._keep_probes(module, outputs, recorded):
-                    self._add_probes(layer, site, outputs, *(rows or (None, None)))
+                    self._sink.probe_outputs(self._ctx, layer, site, outputs, rows)
             if spec.scale and role == LINEAR:
                 with torch.no_grad(), preserved_rng(x.device):
                     for k, y in scale_replays(module, x_rows):
@@ -682,29 +654,10 @@ class CaptureSession:
         self.compiled_probes_dropped += 1
         return False
 
-    def _add_probes(self, layer, site, outputs, positions, rows) -> None:
-        # a module's own call (rows given) of flattened tokens: as the round's shape first
-        shape = self._as_round if rows is not None else (lambda t: t)
-        for p in outputs:
-            rms = 0.0
-            if p.perturbation is not None:
-                d = kept(shape(p.perturbation), positions, rows).double()
-                rms = float(d.pow(2).mean().sqrt())
-            self._append(layer, site, kept(shape(p.output), positions, rows), p.kind,
-                         p.probe, p.param, p.seed, rms)
-
     def _append(self, layer, site, rows_tensor, kind, probe=0, param=0.0, seed=0, pert_rms=0.0,
                 subset=True) -> None:
-        if self._stats is not None:
-            data = rows_tensor.detach().reshape(-1, rows_tensor.shape[-1])
-            self._stats.probe(layer, site, ProbeRows(schema.KIND_NAMES[kind], float(param),
-                                                     int(probe), float(pert_rms), data, subset))
-            return
-        array, logical = to_host(rows_tensor, None)
-        self._round.tensors.append(Tensor(
-            layer=layer, site=site, array=array, dtype=logical, kind=kind, probe=probe,
-            param=float(param), seed=seed, pert_rms=pert_rms, subset=subset,
-        ))
+        self._sink.probe(self._ctx, layer, site, rows_tensor, kind, probe, param, seed, pert_rms,
+                         subset)
 
     def _host_record(self, module, layer, site, args, kwargs, cache, rows="round") -> None:
         """The float64 host replay of ``module`` on its recorded input, as a KIND_HOST record
@@ -745,33 +698,20 @@ class CaptureSession:
 
     # -- rounds ---------------------------------------------------------------------------
     def _add(self, layer: int, site: int, hidden: torch.Tensor) -> None:
-        if self._stats is not None:
-            t = kept(hidden, self._positions)
-            self._stats.clean(layer, site, t, _TORCH_TO_LOGICAL.get(t.dtype, "float32"))
-            if site == schema.BLOCK_SITE and self._sample_rows is not None \
-                    and self._sample_rows.numel():
-                array, logical = to_host(hidden, self._positions, self._sample_rows)
-                self._round.tensors.append(Tensor(layer=layer, site=site, array=array,
-                                                  dtype=logical, subset=True))
-            return
-        array, logical = to_host(hidden, self._positions)
-        self._round.tensors.append(Tensor(layer=layer, site=site, array=array, dtype=logical))
+        self._sink.clean(self._ctx, layer, site, hidden)
 
     def _finish_site(self, layer: int, site: int) -> None:
-        """--store stats: the site's outputs of the round, reduced to its stats row."""
-        if self._stats is not None and self._round is not None:
-            row = self._stats.finish(layer, site)
-            if row is not None:
-                self._round.stats.append(row)
+        if self._ctx is not None:
+            self._sink.finish_site(self._ctx, layer, site)
 
     def _submit(self) -> None:
-        r, self._round = self._round, None
+        r, self._ctx = self._ctx.round, None
         self._drop_misshapen(r)
         if self.writer is None:
             self.path = dump_file_name(self.config.dump_path)
             self.writer = DumpWriter(
                 self.path, self._meta(r), self.layer_names, self.site_names,
-                stat_columns=self._stats.columns if self._stats is not None else None)
+                stat_columns=self._sink.stat_columns)
         if self.writer.error:
             self._fail(f"cannot write {self.writer.path}: {self.writer.error}")
             return
@@ -889,8 +829,7 @@ class CaptureSession:
                     "compiled_probes_dropped": self.compiled_probes_dropped,
                     "coverage": self.coverage.as_dict(),
                     "untested_versions": self.version_notes,
-                    **({"stats_seconds": round(self._stats.seconds, 3)}
-                       if self._stats is not None else {}),
+                    **self._sink.status(),
                 })
             except Exception as exc:  # runs at exit too: never a traceback in the user's program
                 self.path = self.writer.partial_path
