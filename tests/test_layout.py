@@ -137,3 +137,42 @@ def test_the_dump_and_analysis_agree_on_the_block_site():
     from srdd_dump.format.schema import BLOCK_SITE as SCHEMA_BLOCK_SITE
 
     assert BLOCK_SITE == SCHEMA_BLOCK_SITE  # analysis may not import the format: a copy
+
+
+def _private_members() -> dict[str, set[str]]:
+    """Module -> the private names it defines: module-level functions, classes and globals,
+    and the methods and ``self._x`` attributes of its classes."""
+    defined: dict[str, set[str]] = {}
+    for module, path in MODULES.items():
+        tree = ast.parse(open(path, encoding="utf-8").read(), path)
+        names = defined.setdefault(module, set())
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names.add(node.name)
+            elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) \
+                    and node.value.id == "self" and isinstance(node.ctx, ast.Store):
+                names.add(node.attr)
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                names.add(node.id)
+        defined[module] = {n for n in names if n.startswith("_") and not n.startswith("__")}
+    return defined
+
+
+def test_no_private_member_of_the_project_is_used_from_another_module():
+    """``obj._name`` where ``obj`` is not ``self`` or ``cls`` and ``_name`` is private to
+    another module of the project: a dependency the import graph cannot show."""
+    defined = _private_members()
+    wrong = []
+    for module, path in MODULES.items():
+        others = set().union(*(names for m, names in defined.items() if m != module))
+        mine = defined[module]
+        tree = ast.parse(open(path, encoding="utf-8").read(), path)
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Attribute) or not node.attr.startswith("_") \
+                    or node.attr.startswith("__"):
+                continue
+            if isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
+                continue
+            if node.attr in others and node.attr not in mine:
+                wrong.append(f"{module}:{node.lineno} uses {ast.unparse(node)}")
+    assert not wrong, "\n".join(sorted(wrong))

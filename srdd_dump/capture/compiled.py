@@ -132,6 +132,11 @@ def frames_compiled() -> int:
         return 0
 
 
+def hooks_compiled_out() -> bool:
+    """A hook was compiled out of a fullgraph=True graph in this process."""
+    return bool(_state["compiled_out"])
+
+
 def explain_silence(model: nn.Module, model_calls: int, block_calls: int) -> str | None:
     """Why a session captured nothing, in one line; None when its blocks ran (only calls of
     one token were seen) or nothing says the model ran at all."""

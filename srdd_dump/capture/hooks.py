@@ -221,7 +221,7 @@ class CaptureSession:
     # -- hooks ----------------------------------------------------------------------------
     def _install(self) -> None:
         self._handles.append(
-            self.model.register_forward_pre_hook(self._on_model_call, with_kwargs=True))
+            self.model.register_forward_pre_hook(self.on_model_call, with_kwargs=True))
         embed = input_embedding(self.model)
         if embed is not None:
             self._handles.append(embed.register_forward_pre_hook(self._on_embedding))
@@ -297,7 +297,9 @@ class CaptureSession:
         return self._cache_layer[key]
 
     @opaque
-    def _on_model_call(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+    def on_model_call(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        """The model's own pre-hook (the forward watcher calls it for the call during which
+        the session was made): counts the call, keeps its attention mask."""
         if not self._closed:
             self.model_calls += 1
 

@@ -140,7 +140,7 @@ def _register_exit_finalizer(_obj) -> None:
 def _compiled_out() -> bool:
     """A hook was compiled out of a fullgraph=True graph (capture/compiled.py, if loaded)."""
     compiled = sys.modules.get("srdd_dump.capture.compiled")
-    return bool(compiled is not None and compiled._state.get("compiled_out"))
+    return bool(compiled is not None and compiled.hooks_compiled_out())
 
 
 def _report_status() -> None:

@@ -27,7 +27,7 @@ def watch_forwards(state: dict) -> None:
             state["session"] = session = CaptureSession(module, state["config"])
             # this very call started before the session's own pre-hook existed: it gets the
             # call's keyword arguments (the attention mask of a padded prefill) here
-            session._on_model_call(module, args, _call_kwargs(module))
+            session.on_model_call(module, args, _call_kwargs(module))
         except NoBlocksFound as exc:
             # Remember why, and never look at this module or its children again.
             state["no_blocks"] = str(exc)
