@@ -10,6 +10,7 @@ import math
 
 import numpy as np
 
+from ..vocabulary import PILEUP_BINS, TIE_CANDIDATES, TIE_MIN_LEVELS
 from .sums import dot, total
 
 
@@ -36,7 +37,7 @@ def fraction(mask: np.ndarray) -> float:
     return np.count_nonzero(mask) / mask.size if mask.size else float("nan")
 
 
-def pileup(x: np.ndarray, bins: int = 100) -> float:
+def pileup(x: np.ndarray, bins: int = PILEUP_BINS) -> float:
     """Edge-bin pile-up of ``np.histogram(x, bins)`` (``x``: finite values, 1-D).
 
     Only bins 0, 2, 3 and -4, -3, -1 are used. Each is counted by comparing ``x`` with numpy's
@@ -107,7 +108,6 @@ def unique_rows(rows: np.ndarray) -> np.ndarray:
     return rows if distinct_rows(rows) else np.unique(rows, axis=0)
 
 
-TIE_MIN_LEVELS = 16  # quantisation steps a channel must span before its extreme's ties count
 
 
 def _near_copies(rows: np.ndarray, tied: np.ndarray) -> bool:
@@ -136,7 +136,7 @@ def _levels(col: np.ndarray, top: float, bottom: float) -> float:
     return abs(top - bottom) / step if step > 0 else float("inf")
 
 
-def ties(rows: np.ndarray, candidates: int = 8) -> tuple[float, float]:
+def ties(rows: np.ndarray, candidates: int = TIE_CANDIDATES) -> tuple[float, float]:
     """(count, excess) of the channel whose exact maximum (if > 0) or minimum (if < 0) is
     shared by the most tokens, judged by excess.
 

@@ -25,6 +25,17 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..vocabulary import (
+    ACTIVATION,
+    BLOCK,
+    CLIPPING,
+    CORE,
+    EXPERT,
+    LINEAR,
+    NORM,
+    ROTARY,
+    SUBLAYER,
+)
 from .identities import CLIP, OFFSET, OTHER, ZERO
 from .signals import BLOCK_SITE, LOW_BITS, PREFILL, Signals
 from .tolerance import DEFAULT_LIMITS, tolerance_dtype
@@ -87,15 +98,15 @@ SCALE_WORDS = {
 }
 # Roles whose clean statistics are not evidence: a rotary embedding's cos/sin repeat by design,
 # a ReLU-like activation has exact zeros and a clip as its healthy output.
-NO_STATISTICS = ("rotary", "act_clip")
+NO_STATISTICS = (ROTARY, CLIPPING)
 # Ties at a channel's extreme are healthy at an attention core (its rows are convex
 # combinations of value rows: a head that puts all its weight on one token returns that token's
 # values exactly; the same makes a core channel constant over the tokens) and at an activation
 # (SiLU and GELU have a global minimum that many tokens reach in fp16/bf16).
-NO_TIES = ("core", "act")
+NO_TIES = (CORE, ACTIVATION)
 # Roles judged against the other layers (relative evidence): blocks and sub-blocks only; an
 # operator's offset varies by design (biases), the identities and the host replay judge it.
-RELATIVE_ROLES = ("", "block", "sublayer")
+RELATIVE_ROLES = ("", BLOCK, SUBLAYER)
 
 
 @dataclass
@@ -192,7 +203,7 @@ def _exact_evidence(sig: Signals, dtype: str, instab_median: float, compute_dtyp
                  and input_zeros >= 0.5 * sig.zero_frac)
         # a normalisation or an activation maps an exact 0 of its input to 0: such zeros are
         # its input's, judged where they are made
-        if not (moved and sig.role in ("norm", "act")):
+        if not (moved and sig.role in (NORM, ACTIVATION)):
             ev.append(Evidence("DEAD_ZONE", zeros / zero_limit,
                                f"{sig.zero_frac:.2%} exact zeros in {where}{extra}",
                                inheritable=bool(moved)))
@@ -202,7 +213,7 @@ def _exact_evidence(sig: Signals, dtype: str, instab_median: float, compute_dtyp
         ev.append(Evidence("SAT_SOURCE", flat / flat_limit,
                            f"{sig.flat_value:.2%} of non-zero elements in {where} do not move "
                            "under a dc shift of the input (clipped)"))
-    if sig.stuck > STUCK_FRAC and sig.role != "core":
+    if sig.stuck > STUCK_FRAC and sig.role != CORE:
         ev.append(Evidence("STUCK", 1.0 + 100 * sig.stuck,
                            f"{sig.stuck:.1%} of channels constant over every token in {where}"))
     ties = TIES.get(dtype, 4)
@@ -255,7 +266,7 @@ def _identity_evidence(sig: Signals, where: str, dtype: str) -> list[Evidence]:
     scale = lower_bound(sig.scale_broken, sig.scale_n) if sig.scale_n else 0.0
     if jitter > 0 and not sig.scale_size > JITTER_MARGIN * jitter:
         scale = 0.0
-    if scale > SUSPECT_RATIO * SCALE_BROKEN and sig.role == "expert":
+    if scale > SUSPECT_RATIO * SCALE_BROKEN and sig.role == EXPERT:
         pattern = sig.scale_pattern
         what = {OFFSET: " (a fixed offset added)", OTHER: " (values that vary by row)"}
         ev.append(Evidence(
@@ -357,13 +368,13 @@ def diagnose(signals: list[Signals], dtype: str, n_layers: int, compute_dtype: s
     # an activation's input is a linear operator's output of its layer (gate_proj, c_fc, ...)
     linear_zeros: dict[tuple[int, str], float] = {}
     for g in signals:
-        if g.role == "linear" and np.isfinite(g.zero_frac):
+        if g.role == LINEAR and np.isfinite(g.zero_frac):
             key = (g.layer, g.phase)
             linear_zeros[key] = max(linear_zeros.get(key, 0.0), g.zero_frac)
     signals = [g for g in signals if g.layer >= 0]
 
     def input_zeros(sig: Signals) -> float:
-        if sig.role == "act":
+        if sig.role == ACTIVATION:
             return linear_zeros.get((sig.layer, sig.phase), 0.0)
         return block_zeros.get((sig.layer - 1, sig.phase), 0.0)
 

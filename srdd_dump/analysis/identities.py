@@ -16,6 +16,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from ..vocabulary import CHANNEL_FLOOR
 from .metrics import compare_arrays
 
 # finfo of each logical dtype: the normal range an element must stay in, with margin
@@ -137,7 +138,6 @@ def relative_distance(device: np.ndarray, host: np.ndarray) -> float:
     return math.sqrt(stats.dd / stats.gg)
 
 
-CHANNEL_FLOOR = 0.1  # channels judged alone: rms at least this x the median channel's
 
 
 def channel_distance(device: np.ndarray, host: np.ndarray) -> float:

@@ -14,6 +14,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from ..vocabulary import DC_LOW, EXPERT, LOW_BITS_MASK
 from . import array_stats as st
 from .identities import (
     causal_check,
@@ -31,7 +32,6 @@ DECODE = "decode"  # one-token rounds after a prefill (other kernels on most dev
 # 16 (bf16-precision values), bf16 4 (fp8 e4m3 precision: 3 mantissa bits of bf16's 7), fp16 3
 # (bf16 precision: 7 of fp16's 10). Masks on the float32 bits the reader gives back.
 LOW_BITS = {"float32": 16, "bfloat16": 4, "float16": 3}
-LOW_BITS_MASK = {"float32": 0xFFFF, "bfloat16": 0xF << 16, "float16": 0x7 << 13}
 
 
 class Probe(NamedTuple):
@@ -257,7 +257,7 @@ def _probes(out: RoundStats, clean_rows: np.ndarray, probes: list[Probe]) -> Non
             d_ok = d[ok]
             fractions = (dead[ok], (flat & ref_zero)[ok], (flat & ~ref_zero)[ok])
         med = st.median(d_ok)
-        low = st.fraction(d_ok < 0.15 * med) if med > 0 else 1.0
+        low = st.fraction(d_ok < DC_LOW * med) if med > 0 else 1.0
         out.dc.append((*(st.fraction(f) for f in fractions), d_ok.size, low))
     scale = None
     diffs: list[np.ndarray] = []
@@ -369,7 +369,7 @@ class LayerSignals:
         sig.n_values = int(moments.count)
         sig.nan_count, sig.inf_count = int(moments.nan_count), int(moments.inf_count)
         sig.pileup = st.nanmax(acc["pileup"])
-        if self.sig.role == "expert":
+        if self.sig.role == EXPERT:
             rows = np.asarray(acc["rows"], dtype=np.float64)
             sig.tokens = float(np.nansum(rows)) if np.isfinite(rows).any() else float("nan")
             sig.topk_margin = med(acc["margin"])

@@ -10,6 +10,20 @@ import torch
 from torch import nn
 
 from ..errors import UserError
+from ..vocabulary import (  # noqa: F401 (the roles, read from here by the capture modules)
+    ACTIVATION,
+    CLIPPING,
+    CORE,
+    EXPERT,
+    EXPERT_SLOTS,
+    EXPERTS,
+    LINEAR,
+    NORM,
+    ROTARY,
+    ROUTER,
+    ROW_WISE,
+    SUBLAYER,
+)
 
 
 class NoBlocksFound(UserError):
@@ -89,22 +103,6 @@ SUBLAYER_NAMES = ("self_attn", "attn", "attention", "self_attention", "mlp", "fe
 ATTENTION_NAMES = ("self_attn", "attn", "attention", "self_attention")
 MLP_NAMES = ("mlp", "feed_forward", "ffn")
 
-# Site roles (docs/method.md says which probes and identities each gets).
-SUBLAYER = "sublayer"  # an attention or MLP sub-block
-LINEAR = "linear"  # nn.Linear and GPT-2's Conv1D: y(2^k x) = 2^k y(x), row by row
-NORM = "norm"  # LayerNorm, RMSNorm, ...: row by row
-ACTIVATION = "act"  # element-wise activation modules
-CLIPPING = "act_clip"  # ReLU-like activations: exact zeros and a clip are their healthy output
-CORE = "core"  # the attention core: the input of the attention's output projection
-ROTARY = "rotary"  # the rotary position embedding (cos/sin), often one module for the model
-# Mixture of experts (docs/method.md, "Experts"): the router's logits, the fused experts
-# module's summed output, the routed experts' own outputs (one record per token slot: the
-# "slots" site) and one virtual site per expert, whose rows are the tokens routed to it.
-ROUTER = "router"
-EXPERTS = "experts"
-EXPERT_SLOTS = "expert_slots"
-EXPERT = "expert"
-ROW_WISE = (LINEAR, NORM, ACTIVATION, CLIPPING, ROUTER)
 _CLIPPING_CLASSES = ("ReLU", "ReLU6", "Hardtanh", "Hardsigmoid", "Hardswish", "Threshold",
                      "ReLUSquaredActivation", "ReLUActivation")
 

@@ -19,13 +19,16 @@ import numpy as np
 import torch
 
 from ..format import schema as s
+from ..vocabulary import (
+    CHANNEL_FLOOR,
+    DC_LOW,
+    LOW_BITS_MASK,
+    PILEUP_BINS,
+    TIE_CANDIDATES,
+    TIE_MIN_LEVELS,
+)
 
-LOW_BITS_MASK = {"float32": 0xFFFF, "bfloat16": 0xF << 16, "float16": 0x7 << 13}
 NAN = float("nan")
-TIE_CANDIDATES = 8
-TIE_MIN_LEVELS = 16
-CHANNEL_FLOOR = 0.1
-PILEUP_BINS = 100
 _RANGE = {
     "float64": (np.finfo(np.float64).tiny, np.finfo(np.float64).max),
     "float32": (np.finfo(np.float32).tiny, np.finfo(np.float32).max),
@@ -546,7 +549,7 @@ def _probes(out: dict, clean: torch.Tensor, probes: list[ProbeRows], acc: torch.
             d_ok, dead, flat, flat_zero = d[ok], dead[ok], flat[ok], flat_zero[ok]
         med = _median(d_ok)
         counts = torch.stack([dead.sum(), flat.sum(), flat_zero.sum(),
-                              (d_ok < 0.15 * med).sum()]).tolist()
+                              (d_ok < DC_LOW * med).sum()]).tolist()
         size = d_ok.numel()
         low = counts[3] / size if med > 0 else 1.0
         values = (counts[0] / size, counts[2] / size, (counts[1] - counts[2]) / size, size, low)

@@ -15,6 +15,7 @@ from ..analysis.diagnosis import LayerVerdict, diagnose, headline, site_verdicts
 from ..analysis.signals import DECODE, PREFILL, Signals, set_kurtosis_change
 from ..analysis.verdicts import NORMAL, VERDICT_ORDER
 from ..format import schema as s
+from ..vocabulary import EXPERT, NORM
 from .results import (
     FILE_COLUMNS,
     LAYER_COLUMNS,
@@ -33,7 +34,7 @@ def plan(files: list[DumpFile], jobs: int) -> list[SignalTask]:
         if not f.usable:
             continue
         table = f.records if f.stats_index is None else f.stats_index
-        keys = with_experts(present_keys(table, stack_input="norm" in f.site_roles),
+        keys = with_experts(present_keys(table, stack_input=NORM in f.site_roles),
                             expert_sites(f.sites, f.site_roles))
         parts = chunks(table, keys, jobs) if jobs > 1 and len(keys) > 1 else [keys]
         tasks += [SignalTask(n, f.path, part, f.layers, f.sites, f.site_roles)
@@ -91,7 +92,7 @@ def _diagnose_file(f: DumpFile, signals: list[Signals]) -> tuple[list[dict], lis
     verdicts = diagnose(signals, f.hidden_dtype, n_layers=max(len(f.layers), max(blocks) + 1),
                         compute_dtype=f.compute_dtype)
     experts = {name: int(name.rsplit(".", 1)[1])
-               for name, role in zip(f.sites, f.site_roles) if role == "expert"}
+               for name, role in zip(f.sites, f.site_roles) if role == EXPERT}
     rows = []
     for v in verdicts:
         if v.layer in blocks:
@@ -138,7 +139,7 @@ def site_row(source: str, sig: Signals, rank: int | None = None, pid: int | None
     score, verdict, labels = judged or (0.0, NORMAL, "")
     row.update(source=source, rank=rank, pid=pid, score=round(score, 4), verdict=verdict,
                diagnosis=labels,
-               expert=int(sig.module.rsplit(".", 1)[1]) if sig.role == "expert" else None)
+               expert=int(sig.module.rsplit(".", 1)[1]) if sig.role == EXPERT else None)
     return row
 
 

@@ -18,6 +18,7 @@ from ..analysis.signals import DECODE, LayerSignals, Probe, Signals
 from ..errors import first_line
 from ..format import schema as s
 from ..format.reader import DumpReader
+from ..vocabulary import EXPERT, SUBLAYER
 from .readers import READ_ERRORS, open_reader
 from .stats_rows import StatsLayout
 
@@ -45,7 +46,7 @@ def run_task(task: SignalTask) -> list[Signals] | str:
     def role(layer: int, site: int) -> str:
         if site == s.BLOCK_SITE:
             return "block"
-        return task.roles[site] if 0 <= site < len(task.roles) else "sublayer"
+        return task.roles[site] if 0 <= site < len(task.roles) else SUBLAYER
 
     try:
         return read_signals(open_reader(task.path), task.keys, module, role,
@@ -85,7 +86,7 @@ def expert_sites(sites: list[str], roles: list[str]) -> dict[int, list[tuple[int
     by_name = {name: i for i, name in enumerate(sites)}
     out: dict[int, list[tuple[int, int]]] = {}
     for i, (name, role) in enumerate(zip(sites, roles)):
-        if role == "expert":
+        if role == EXPERT:
             owner, _, expert = name.rpartition(".")
             slots = by_name.get(owner + ".slots")
             if slots is not None and expert.isdigit():

@@ -1,0 +1,32 @@
+"""The words and numbers both sides of a dump share: the site roles (the capture writes them in
+a dump's ``site_roles``; discovery, hooks, host replay, faults and the diagnosis read them) and
+the tuning constants of the statistics computed on both sides (capture/reductions.py in torch
+for ``--store stats``, analysis/ in numpy). Defined once here: every package may import it."""
+
+# -- site roles (docs/method.md says which probes and identities each gets) -----------------
+BLOCK = "block"  # a block of the stack (its records have site -1)
+SUBLAYER = "sublayer"  # an attention or MLP sub-block
+LINEAR = "linear"  # nn.Linear and GPT-2's Conv1D: y(2^k x) = 2^k y(x), row by row
+NORM = "norm"  # LayerNorm, RMSNorm, ...: row by row
+ACTIVATION = "act"  # element-wise activation modules
+CLIPPING = "act_clip"  # ReLU-like activations: exact zeros and a clip are their healthy output
+CORE = "core"  # the attention core: the input of the attention's output projection
+ROTARY = "rotary"  # the rotary position embedding (cos/sin), often one module for the model
+# Mixture of experts (docs/method.md, "Experts"): the router's logits, the fused experts
+# module's summed output, the routed experts' own outputs (one record per token slot: the
+# "slots" site) and one virtual site per expert, whose rows are the tokens routed to it.
+ROUTER = "router"
+EXPERTS = "experts"
+EXPERT_SLOTS = "expert_slots"
+EXPERT = "expert"
+ROW_WISE = (LINEAR, NORM, ACTIVATION, CLIPPING, ROUTER)  # each output row from its input row
+
+# -- statistics constants ---------------------------------------------------------------------
+# Masks of the low mantissa bits that a value of each dtype rarely has all zero, on the float32
+# bits (analysis/signals.py explains the bit counts).
+LOW_BITS_MASK = {"float32": 0xFFFF, "bfloat16": 0xF << 16, "float16": 0x7 << 13}
+TIE_CANDIDATES = 8  # channels looked at for ties at their extreme
+TIE_MIN_LEVELS = 16  # quantisation steps a channel must span before its extreme's ties count
+CHANNEL_FLOOR = 0.1  # channels judged alone: rms at least this x the median channel's
+PILEUP_BINS = 100  # histogram bins of the edge pile-up
+DC_LOW = 0.15  # a dc response under this x the median response counts as low
