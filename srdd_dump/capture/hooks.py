@@ -25,6 +25,7 @@ from ..format import schema
 from ..format.coverage import Coverage
 from ..format.writer import DumpWriter, Round, describe_error
 from ..version import __version__
+from ..vocabulary import BLOCK
 from . import config as cfg
 from . import serving
 from .compiled import (
@@ -38,7 +39,6 @@ from .compiled import (
 from .config import DumpConfig
 from .discovery import (
     ATTENTION_NAMES,
-    CORE,
     EXPERT,
     EXPERT_SLOTS,
     EXPERTS,
@@ -69,6 +69,7 @@ from .probes import (
     run_probes,
     snapshot_cache,
 )
+from .roles import INPUT, OUTPUT, PENDING, ROLE_CAPTURE, ROWS, WHOLE, role_capture
 from .rounds import RoundContext
 from .sinks import make_sink
 from .tensors import kept
@@ -235,22 +236,21 @@ class CaptureSession:
             self._handles.append(
                 block.register_forward_pre_hook(self._on_module_call, with_kwargs=True))
         for index, site in enumerate(self.sites):
-            if site.role in (EXPERT_SLOTS, EXPERT):  # recorded by their experts site's hook
-                continue
-            if site.role == CORE:  # the attention core's output is its output projection's input
-                self._handles.append(site.module.register_forward_pre_hook(
+            how = role_capture(site.role, site.name.startswith(
+                self.layer_names[site.layer] + "."))
+            module = site.module
+            if how.hook == INPUT:  # the attention core: its output projection's input
+                self._handles.append(module.register_forward_pre_hook(
                     self._input_hook(site.layer, index), with_kwargs=True))
-                continue
-            if site.role == ROTARY and not site.name.startswith(
-                    self.layer_names[site.layer] + "."):  # model-level: runs before the blocks
-                self._handles.append(site.module.register_forward_hook(
+            elif how.hook == PENDING:
+                self._handles.append(module.register_forward_hook(
                     self._pending_hook(index), with_kwargs=True))
-                continue
-            hook = self._output_hook(site.layer, index, False)
-            self._handles.append(site.module.register_forward_hook(hook, with_kwargs=True))
-            if site.role not in ROW_WISE or id(site.module) in self._fused:
-                self._handles.append(site.module.register_forward_pre_hook(
-                    self._on_module_call, with_kwargs=True))
+            elif how.hook == OUTPUT:
+                hook = self._output_hook(site.layer, index, False)
+                self._handles.append(module.register_forward_hook(hook, with_kwargs=True))
+                if how.pre_call or id(module) in self._fused:
+                    self._handles.append(module.register_forward_pre_hook(
+                        self._on_module_call, with_kwargs=True))
 
     def _guard(self, fn, *args) -> None:
         if self._closed or self._replaying:
@@ -502,7 +502,7 @@ class CaptureSession:
         else:
             s = self.sites[site]
             hidden = self._tp.local(hidden, s.name, s.role, s.module, self._width)
-        role = self.sites[site].role if site >= 0 else "block"
+        role = self.sites[site].role if site >= 0 else BLOCK
         if role in (EXPERTS, ROUTER):
             if role == ROUTER and self._moe is not None:
                 self._moe.router_output(module, hidden)
@@ -534,12 +534,14 @@ class CaptureSession:
         spec = self.probe_spec
         if not self._tp.batched(module):
             spec = dataclasses.replace(spec, batched=False)
-        role = self.sites[site].role if site >= 0 else "block"
-        if role in ROW_WISE:
+        role = self.sites[site].role if site >= 0 else BLOCK
+        replay = ROLE_CAPTURE[role].replay
+        if replay == ROWS:
             self._probe_rows(module, layer, site, role, args, kwargs, hidden, spec)
             return
-        if role == EXPERTS:
-            # each expert is probed on its own (moe_capture), the sum within its MLP block
+        if replay != WHOLE:
+            # experts: each expert is probed on its own (moe_capture), the sum within its
+            # MLP block
             return
         idx = self._layer_of(module) if self.step > 0 else None
         cache = self._caches.get(idx) if idx is not None else None
@@ -673,7 +675,7 @@ class CaptureSession:
             self.host_replays_failed += 1
             return
         self.host_replays += 1
-        site_role = self.sites[site].role if site >= 0 else "block"
+        site_role = self.sites[site].role if site >= 0 else BLOCK
         if rows == "round":
             out = kept(out, self._positions, self._rows)
             subset = True
