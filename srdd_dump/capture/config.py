@@ -14,6 +14,18 @@ ENV_CONFIG = "SRDD_DUMP_CONFIG"  # JSON DumpConfig handed to every child Python 
 ENV_STATUS_DIR = "SRDD_DUMP_STATUS_DIR"  # where child processes report how capture went
 
 
+@dataclass(frozen=True)
+class ParsedOptions:
+    """DumpConfig's text options, parsed once (DumpConfig.parsed)."""
+
+    steps: list | None  # parse_steps: inclusive (first, last) ranges; None = every step
+    last_step: float  # the last step kept (inf: no end)
+    probe_steps: list | None
+    tokens: object  # parse_tokens
+    probes: frozenset  # parse_probes
+    store: StoreSpec
+
+
 @dataclass
 class DumpConfig:
     """Capture settings, in the spirit of msit's ``DumpConfig``.
@@ -69,11 +81,7 @@ class DumpConfig:
     def __post_init__(self) -> None:
         if self.samples < 1:
             raise UserError(f"samples must be at least 1, got {self.samples}")
-        parse_steps(self.steps)
-        parse_steps(self.probe_steps)
-        parse_tokens(self.tokens)
-        parse_probes(self.probes)
-        parse_store(self.store)
+        self.parsed()
         if self.granularity not in GRANULARITIES:
             raise UserError(f"granularity must be one of {', '.join(GRANULARITIES)}, "
                             f"got {self.granularity!r}")
@@ -88,6 +96,14 @@ class DumpConfig:
         if self.draws < 0 or self.repeats < 0:
             raise UserError("draws and repeats must be >= 0")
         self.faults()
+
+    def parsed(self) -> ParsedOptions:
+        """The text options parsed (UserError names a bad one): what a session reads."""
+        steps = parse_steps(self.steps)
+        return ParsedOptions(
+            steps=steps, last_step=last_step(steps), probe_steps=parse_steps(self.probe_steps),
+            tokens=parse_tokens(self.tokens), probes=frozenset(parse_probes(self.probes)),
+            store=parse_store(self.store))
 
     def faults(self) -> list[FaultSpec]:
         """The ``inject`` specs parsed (the simulator's faults); UserError names a bad one."""

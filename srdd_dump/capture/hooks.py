@@ -105,7 +105,8 @@ class CaptureSession:
         self._expect_sites(config.granularity)
         self._tp = TensorParallel(model, [m for _, m in self.blocks]
                                   + [site.module for site in self.sites], config.tp_replays)
-        probes = cfg.parse_probes(config.probes)
+        self.options = options = config.parsed()  # the text options, parsed once
+        probes = options.probes
         self.probe_spec = ProbeSpec(
             sigmas=tuple(config.sigmas) if "gain" in probes else (),
             draws=config.draws,
@@ -141,7 +142,7 @@ class CaptureSession:
         self.host_replays_failed = 0
         self.records_dropped = 0
         self.site_errors = 0
-        self._store = cfg.parse_store(config.store)
+        self._store = options.store
         self._sink = make_sink(self._store, self.probe_spec, config.seed)
         self._moe = (ExpertCapture(self.sites, self._sink, self.probe_spec)
                      if any(s.role == EXPERTS for s in self.sites) else None)
@@ -164,10 +165,10 @@ class CaptureSession:
         self._fault_handles, self.faults = install_faults(
             model, self.blocks, config.faults()
         )
-        self._steps = cfg.parse_steps(config.steps)
-        self._probe_steps = cfg.parse_steps(config.probe_steps)
-        self._last_step = cfg.last_step(self._steps)
-        self._tokens = cfg.parse_tokens(config.tokens)
+        self._steps = options.steps
+        self._probe_steps = options.probe_steps
+        self._last_step = options.last_step
+        self._tokens = options.tokens
         self.sample = -1
         self.step = 0
         self.error: str | None = None
