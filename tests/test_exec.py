@@ -92,7 +92,7 @@ def test_model_without_blocks_is_explained(tmp_path):
 def test_capture_failure_gives_nonzero_exit_after_the_command(tmp_path):
     script = _write(tmp_path / "bad.py", (
         f"import sys; sys.path.insert(0, {FIXTURES!r})\n"
-        "import torch\nimport srdd_dump.capture.hooks as h\nfrom tiny_models import build\n"
+        "import torch\nimport srdd_dump.capture.sinks as h\nfrom tiny_models import build\n"
         "def boom(*a, **k): raise RuntimeError('simulated capture bug')\n"
         "h.to_host = boom\n"
         "m = build('gpt2')\n"

@@ -309,7 +309,7 @@ def test_free_space_gate_runs_before_the_command(tmp_path):
 def test_capture_error_mid_run_keeps_the_rounds_before(tmp_path):
     broken_hook = (
         "import torch\n"  # first: importing the hooks before torch defeats --exec's injection
-        "import srdd_dump.capture.hooks as h\n"
+        "import srdd_dump.capture.sinks as h\n"
         "_real, _calls = h.to_host, [0]\n"
         "def to_host(*a, **k):\n"
         "    _calls[0] += 1\n"
