@@ -8,12 +8,20 @@ from collections.abc import Sequence
 from ..analysis.signals import Signals, set_kurtosis_change
 from ..analysis.tolerance import Thresholds
 from ..errors import UserError
-from . import baseline as baseline_mode
-from . import consistency as consistency_mode
-from . import consistency_task, reference_free
+
+# the modes' modules by their own names, never through the package (its __init__ re-exports
+# this module's functions: importing it here would be an import circle)
+from .baseline import finish as finish_baseline
+from .baseline import pair_files, prepare, store_notes
+from .baseline import plan as plan_baseline
 from .baseline_task import run_task as run_row_task
+from .consistency import finish as finish_consistency
+from .consistency import plan as plan_consistency
+from .consistency_task import run_task as run_consistency_task
 from .pipeline import check_jobs, default_jobs, scan
 from .readers import close_readers
+from .reference_free import finish as finish_reference_free
+from .reference_free import plan as plan_reference_free
 from .results import BaselineResult, CompareResult, ConsistencyResult
 from .signal_reader import run_task as run_signal_task
 from .sources import DumpFile, find_sources, inspect, no_usable_file
@@ -38,9 +46,9 @@ def compare_path(path: str, *, jobs: int | None = 1, progress: bool | None = Non
         files = found.files
         jobs = default_jobs(files) if jobs is None else jobs
         check_jobs(jobs)
-        tasks = reference_free.plan(files, jobs)
+        tasks = plan_reference_free(files, jobs)
         results = scan(run_signal_task, tasks, jobs, progress=show, desc="reference-free")
-        result = reference_free.finish(path, files, tasks, results)
+        result = finish_reference_free(path, files, tasks, results)
         result.notes = ([found.note] if found.note else []) + [
             note for f in files if f.usable for note in f.capture_notes]
         result.missing_evidence = [line for f in files if f.usable
@@ -61,7 +69,7 @@ def file_signals(path: str, *, jobs: int = 1) -> list[Signals]:
         f = inspect(path, path)
         if not f.usable:
             raise UserError(f.reason)
-        tasks = reference_free.plan([f], jobs)
+        tasks = plan_reference_free([f], jobs)
         parts = scan(run_signal_task, tasks, jobs)
     finally:
         close_readers()
@@ -102,15 +110,15 @@ def _compare_baseline(target_path, baseline_path, thresholds, jobs, progress, ru
         notes += [found.note] if found.note else []
     jobs = default_jobs(sides[0] + sides[1]) if jobs is None else jobs
     check_jobs(jobs)
-    mine, golden = baseline_mode.prepare(*sides)
-    notes += baseline_mode.store_notes(mine + golden)
+    mine, golden = prepare(*sides)
+    notes += store_notes(mine + golden)
     for side, path, option in ((mine, target_path, ""), (golden, baseline_path, "--baseline ")):
         if not any(f.usable for f in side):
             raise no_usable_file([f.reason for f in side], path, option)
-    pairs = baseline_mode.pair_files(mine, golden)
-    tasks = baseline_mode.plan(pairs, thresholds)
+    pairs = pair_files(mine, golden)
+    tasks = plan_baseline(pairs, thresholds)
     parts = scan(run_row_task, tasks, jobs, progress=_show(progress), desc="baseline")
-    result = baseline_mode.finish(target_path, baseline_path, mine, golden, thresholds, parts,
+    result = finish_baseline(target_path, baseline_path, mine, golden, thresholds, parts,
                                   same_device=_same_device(pairs))
     result.notes = notes
     return result
@@ -139,11 +147,11 @@ def check_consistency(
 
 def _consistency(files: list[DumpFile], thresholds: Thresholds | None, jobs: int,
                  show: bool) -> ConsistencyResult | None:
-    tasks, groups, tolerance = consistency_mode.plan(files, thresholds)
+    tasks, groups, tolerance = plan_consistency(files, thresholds)
     if not groups:
         return None
-    parts = scan(consistency_task.run_task, tasks, jobs, progress=show, desc="consistency")
-    return consistency_mode.finish(tasks, groups, tolerance, parts)
+    parts = scan(run_consistency_task, tasks, jobs, progress=show, desc="consistency")
+    return finish_consistency(tasks, groups, tolerance, parts)
 
 
 def _show(progress: bool | None) -> bool:
