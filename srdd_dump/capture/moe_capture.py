@@ -1,11 +1,7 @@
-"""What a capture session records of a fused experts call (docs/dump-format.md, "Experts").
-
-Full store: at the experts' ``slots`` site, the routing of every kept token (KIND_ROUTE:
-the k expert indices, then their k weights) and every token slot's own expert output
-(clean, width k * H), and on the probe rows the slots' probe replays with the routing held
-fixed. Stats store: one row per expert, reduced over the tokens routed to it, with its probe
-replays on the probe rows routed to it.
-"""
+"""A fused experts call of a captured round (docs/dump-format.md, "Experts"): its routing, each
+token slot's own expert output, and on the probe rows the slots' probe replays with the routing
+held fixed, handed to the record sink (sinks.py: the tensors and the routing as records, or one
+stats row per expert over the tokens routed to it)."""
 
 from __future__ import annotations
 
