@@ -563,9 +563,8 @@ class CaptureSession:
                                      "not be copied (a cache layout srdd-dump does not know)")
             return
         if families and families[0].endswith(" probes"):
-            self._replaying = True
             try:
-                with self.coverage.attempt(families[0]), (
+                with self._replays(), self.coverage.attempt(families[0]), (
                         self._moe.pinned() if self._moe is not None else nullcontext()):
                     outputs, batched = run_probes(module, args, kwargs, hidden, spec,
                                                   self._ctx.seeds(layer, site), cache, cut,
@@ -577,8 +576,6 @@ class CaptureSession:
                 # clean data is kept, the step is not probed (and coverage says so)
                 self.decode_replays_skipped += 1
                 return
-            finally:
-                self._replaying = False
             if batched:
                 self.batched_replays += 1
             else:
@@ -625,8 +622,7 @@ class CaptureSession:
         if residual is not None and residual.shape == x.shape:  # a fused add + norm
             extra[serving.RESIDUAL] = (residual if rows
                                        else kept(residual, self._positions, self._rows))
-        self._replaying = True
-        try:
+        with self._replays():
             if spec.sigmas or spec.dc or spec.repeats:
                 with self.coverage.attempt(self._family(site, "probes")):
                     outputs, batched = run_probes(module, (x_rows,), extra, recorded, spec,
@@ -637,9 +633,8 @@ class CaptureSession:
                 with torch.no_grad(), preserved_rng(x.device):
                     for k, y in scale_replays(module, x_rows):
                         y = kept(y, *rows) if rows else y
-                        self._append(layer, site, y, schema.KIND_SCALE, probe=k, param=k)
-        finally:
-            self._replaying = False
+                        self._sink.probe(self._ctx, layer, site, y, schema.KIND_SCALE,
+                                         probe=k, param=k)
         if self._host and self._tp.may_host_replay(module):
             self._host_record(module, layer, site, (x_rows,), extra, None, rows=None)
 
@@ -658,11 +653,6 @@ class CaptureSession:
                 f"probes; for the probes {EAGER_HINT}\n")
         self.compiled_probes_dropped += 1
         return False
-
-    def _append(self, layer, site, rows_tensor, kind, probe=0, param=0.0, seed=0, pert_rms=0.0,
-                subset=True) -> None:
-        self._sink.probe(self._ctx, layer, site, rows_tensor, kind, probe, param, seed, pert_rms,
-                         subset)
 
     def _host_record(self, module, layer, site, args, kwargs, cache, rows="round") -> None:
         """The float64 host replay of ``module`` on its recorded input, as a KIND_HOST record
@@ -687,7 +677,7 @@ class CaptureSession:
             out, subset = kept(out, self._positions), False
         else:
             out, subset = kept(out, None), True
-        self._append(layer, site, out, schema.KIND_HOST, subset=subset)
+        self._sink.probe(self._ctx, layer, site, out, schema.KIND_HOST, subset=subset)
 
     def _progress(self) -> None:
         if self._bar is None:
