@@ -95,10 +95,10 @@ def test_inductor_compiled_module_is_captured_without_false_probes(tmp_path):
             got = [cm(ids).logits for ids in PROMPTS]
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=0.05, atol=0.05)
-    assert session.compiled_probes_dropped > 0
+    assert session.replays.compiled_dropped > 0
     with DumpReader(session.path) as r:
         assert len(r.rounds) == 2 and set(r.records["layer"]) == {-1, 0, 1, 2, 3, 4, 5}
-        assert r.status["compiled_probes_dropped"] == session.compiled_probes_dropped
+        assert r.status["compiled_probes_dropped"] == session.replays.compiled_dropped
     result = compare_path(str(tmp_path), progress=False)
     assert FAULT not in set(result.layers["verdict"]), result.layers[["layer", "evidence"]]
     assert any("torch.compile'd code that an eager replay" in n for n in result.notes)

@@ -197,7 +197,7 @@ def test_probes_without_repeats_leave_the_kv_cache_as_the_call_wrote_it(tmp_path
     with register_hook(model, DumpConfig(dump_path=str(tmp_path), probes="gain,dc",
                                          progress=False)) as session:
         captured, caches = run()
-    assert session.sequential_replays > 0 and session.batched_replays > 0  # the mlp batches
+    assert session.replays.sequential > 0 and session.replays.batched > 0  # the mlp batches
     assert captured.equal(plain)
     assert all(a.equal(b) for a, b in zip(caches, plain_caches))
 

@@ -63,6 +63,7 @@ import torch
 from torch import nn
 
 from ..errors import UserError
+from ..vocabulary import EXPERT, EXPERTS, ROUTER
 from . import serving
 from .compiled import opaque
 from .discovery import find_moe_sites
@@ -98,13 +99,13 @@ def fault_site(blocks: list[tuple[str, nn.Module]], model: nn.Module, spec: Faul
 
 def _moe_site(name: str, block: nn.Module, spec: FaultSpec) -> tuple[str, nn.Module]:
     sites = find_moe_sites([(name, block)])
-    role = "router" if spec.site == "router" else "experts"
+    role = ROUTER if spec.site == "router" else EXPERTS
     found = next((site for site in sites if site.role == role), None)
     if found is None:
         raise UserError(f"--inject: {name} has no {role} (site={spec.site} needs a fused "
                         "mixture-of-experts module)")
-    if role == "experts":
-        count = sum(1 for site in sites if site.role == "expert" and site.module is found.module)
+    if role == EXPERTS:
+        count = sum(1 for site in sites if site.role == EXPERT and site.module is found.module)
         expert = spec.site.split(":", 1)[1]
         if not expert.isdigit() or int(expert) >= count:
             raise UserError(f"--inject: site={spec.site}: expert must be 0..{count - 1}")

@@ -5,6 +5,7 @@ stats row per expert over the tokens routed to it)."""
 
 from __future__ import annotations
 
+import sys
 from dataclasses import replace
 
 import torch
@@ -54,6 +55,17 @@ class ExpertCapture:
                 self.sites[i] = (slots, members.get(id(site.module), {}))
         self.logits: dict[int, torch.Tensor] = {}  # router module -> its logits this round
         self.routing: dict[int, Routing] = {}  # experts module -> its routing this round
+
+    @classmethod
+    def of(cls, sites: list[Site], sink: RecordSink, spec: ProbeSpec) -> ExpertCapture | None:
+        """The session's experts capture; None for a model without fused experts."""
+        if not any(site.role == EXPERTS for site in sites):
+            return None
+        capture = cls(sites, sink, spec)
+        if len(capture.sites) < len(capture.modules):
+            sys.stderr.write("srdd-dump: note: experts split over ranks (expert parallelism): "
+                             "each MoE layer's experts are captured as their sum only\n")
+        return capture
 
     def open_round(self) -> None:
         self.logits.clear()

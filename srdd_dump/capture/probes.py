@@ -41,6 +41,20 @@ class ProbeSpec:
     scale: bool = False  # the scale identity of linear operators (identities.scale_replays)
     causal: bool = False  # the causality copy of causal attentions and blocks
 
+    @classmethod
+    def of(cls, config: Any) -> ProbeSpec:
+        """The probes a ``DumpConfig`` asks for (``--probes`` picks the kinds)."""
+        probes = config.parsed().probes
+        return cls(
+            sigmas=tuple(config.sigmas) if "gain" in probes else (),
+            draws=config.draws,
+            dc=tuple(config.dc) if "dc" in probes else (),
+            repeats=config.repeats if "repeat" in probes else 0,
+            batched=config.batch_probes,
+            scale="scale" in probes,
+            causal="causal" in probes,
+        )
+
 
 @dataclass
 class ProbeOutput:

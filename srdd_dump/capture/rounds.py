@@ -4,12 +4,16 @@ the record sink (sinks.py), the replays and the experts capture, instead of itse
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Callable
 
+import numpy as np
 import torch
 
 from ..format.writer import Round
+from . import config as cfg
+from .config import DumpConfig
 from .probes import probe_seed
 
 
@@ -19,6 +23,7 @@ class RoundContext:
     positions: torch.Tensor | None  # kept token positions (None: every position)
     rows: torch.Tensor | None  # probe rows of the flattened kept rows (None: not probed)
     seed: int  # the session's seed (DumpConfig.seed)
+    keep: np.ndarray | None = None  # (batch, kept positions), False at padding; None: all
 
     @property
     def sample(self) -> int:
@@ -53,6 +58,15 @@ class RoundContext:
             return tuple(t.shape[:2]) == (r.batch, r.seq)
         return t.dim() == 2 and r.batch == 1 and t.shape[0] == r.seq
 
+    def round_shaped(self, t: torch.Tensor) -> torch.Tensor | None:
+        """A model-level table (batch 1 or the round's, the round's tokens) as the round's
+        (batch, seq, width): a batch-1 table (position ids shared by the batch) is repeated, as
+        every record of a round has its shape (docs/dump-format.md). None: another shape."""
+        r = self.round
+        if t.dim() != 3 or t.shape[1] != r.seq or t.shape[0] not in (1, r.batch):
+            return None
+        return t.expand(r.batch, -1, -1) if t.shape[0] != r.batch else t
+
     def seeds(self, layer: int, site: int) -> Callable[[int, int], int]:
         """The seed of each (probe kind, probe) of a site this round."""
 
@@ -60,3 +74,102 @@ class RoundContext:
             return probe_seed(self.seed, self.sample, layer + 1, site + 1, kind, probe)
 
         return seeds
+
+
+class RoundPlanner:
+    """Which forwards of the model become captured rounds, and their rows. A forward of more
+    than one token starts a sample (its prefill, step 0); a one-token forward is the next decode
+    step of the current sample. The options pick the samples, steps and token positions kept,
+    and which of those rounds are probed (and on which rows)."""
+
+    def __init__(self, config: DumpConfig, probing: bool):
+        self.config, self.options = config, config.parsed()
+        self.probing = probing  # probes or host replays asked for
+        self.sample, self.step = -1, 0
+
+    def advance(self, seq: int) -> bool:
+        """Count a forward of ``seq`` tokens; False once everything asked for is captured."""
+        if seq > 1:
+            self.sample, self.step = self.sample + 1, 0
+        elif self.sample >= 0:
+            self.step += 1
+        samples = self.config.samples
+        return not (self.sample >= samples
+                    or (self.sample == samples - 1 and self.step > self.options.last_step))
+
+    def open(self, batch: int, seq: int, width: int, token_ids: torch.Tensor | None,
+             mask: torch.Tensor | None, sample_rows: Callable) -> RoundContext | None:
+        """The context of this forward's round; None when it is not captured. ``mask``: the
+        model call's 2-D attention mask; ``sample_rows``: the sink's ``round_rows``."""
+        if self.sample < 0 or not cfg.step_selected(self.options.steps, self.step):
+            return None
+        positions = cfg.token_positions(self.options.tokens, seq)
+        if not positions:
+            return None
+        ids = None
+        if token_ids is not None and token_ids.shape[-1] == seq:
+            ids = token_ids.detach().to("cpu").reshape(batch, seq).numpy()
+        keep = attended_rows(mask, batch, seq, positions)
+        rows = None
+        if (self.probing and self.sample < self.config.probe_samples
+                and cfg.step_selected(self.options.probe_steps, self.step)):
+            rows = probe_rows(batch, len(positions), width, keep, self.options.store.elements,
+                              probe_seed(self.config.seed, self.sample, 0x5EED))
+        return RoundContext(
+            round=Round(
+                sample=self.sample, step=self.step, batch=batch, seq=seq,
+                positions=np.asarray(positions), token_ids=ids, time=time.time(),
+                probe_rows=sample_rows(rows, keep, batch, len(positions), self.sample,
+                                       self.step)),
+            positions=(None if len(positions) == seq
+                       else torch.tensor(positions, dtype=torch.long)),
+            rows=None if rows is None else torch.from_numpy(rows.astype(np.int64)),
+            seed=self.config.seed, keep=keep,
+        )
+
+
+def attended_rows(mask: torch.Tensor | None, batch: int, seq: int, positions: list[int]
+                  ) -> np.ndarray | None:
+    """(batch, kept positions): False where the model call's 2-D attention mask excludes the
+    row (padding); None when every kept row is attended (or the mask is not the round's)."""
+    if mask is None or mask.shape[0] != batch or mask.shape[-1] < seq:
+        return None
+    keep = (mask[:, -seq:].detach().to("cpu")[:, positions] != 0).numpy()
+    return None if keep.all() else keep
+
+
+def probe_rows(batch: int, ntok: int, width: int, keep: np.ndarray | None,
+               elements: int | None, seed: int) -> np.ndarray:
+    """The rows of a round kept for its probe records (about ``elements`` values; None:
+    every row): the first attended token of every sequence, where attention-sink tokens carry
+    the largest activations (and range faults act first), and seeded-random other attended
+    rows (``keep``: the attention mask's rows; padding is never chosen while attended rows
+    are left). A decode step (one token per sequence) is probed whole this way too."""
+    n_rows = batch * ntok
+    if elements is None:
+        return np.arange(n_rows)
+    k = min(n_rows, -(-elements // max(1, width)))
+    attended = np.ones(n_rows, dtype=bool) if keep is None else keep.reshape(-1)
+    starts = np.arange(batch) * ntok
+    offset = np.argmax(attended.reshape(batch, ntok), axis=1)  # first attended row
+    first = (starts + offset)[attended.reshape(batch, ntok).any(axis=1)]
+    rest = np.setdiff1d(np.arange(n_rows), first)
+    rest = np.concatenate([rest[attended[rest]], rest[~attended[rest]]])  # padding last
+    rng = np.random.default_rng(seed)
+    n_extra = max(0, k - min(k, first.size))
+    n_live = int(attended[rest].sum())
+    live = rng.choice(rest[:n_live], size=min(n_extra, n_live), replace=False)
+    pad = rest[n_live:][: n_extra - live.size]
+    return np.sort(np.concatenate([first[:k], live, pad]))
+
+
+def drop_misshapen(r: Round) -> int:
+    """Every record of a round has the round's shape (readers reject a file otherwise): an
+    output of another shape (a module called on other rows) is left out. Returns how many."""
+    ntok = len(r.positions)
+    rows = None if r.probe_rows is None else len(r.probe_rows)
+    keep = [t for t in r.tensors
+            if t.array.ndim == 3 and t.array.shape[:2] == ((1, rows) if t.subset
+                                                           else (r.batch, ntok))]
+    dropped, r.tensors = len(r.tensors) - len(keep), keep
+    return dropped

@@ -33,8 +33,8 @@ class RecordSink:
         """The rows of a round that its row-subset records hold (``Round.probe_rows``)."""
         return probe_rows
 
-    def open_round(self, ctx: RoundContext, keep: np.ndarray | None) -> None:
-        """``keep``: (batch, kept positions), False at padding; None when every row counts."""
+    def open_round(self, ctx: RoundContext) -> None:
+        """A round opens (``ctx.keep``: its rows, False at padding; None when all count)."""
 
     def clean(self, ctx: RoundContext, layer: int, site: int, hidden: torch.Tensor) -> None:
         raise NotImplementedError
@@ -79,7 +79,8 @@ class RecordSink:
 class TensorSink(RecordSink):
     """``sample:N`` and ``full``: the tensors themselves."""
 
-    def open_round(self, ctx: RoundContext, keep: np.ndarray | None) -> None:
+    def open_round(self, ctx: RoundContext) -> None:
+        keep = ctx.keep
         if keep is not None:  # the excluded rows as a KIND_MASK record (docs/dump-format.md)
             array = keep.astype(np.float32).reshape(*keep.shape, 1)
             ctx.round.tensors.append(Tensor(layer=schema.STACK_INPUT, site=schema.BLOCK_SITE,
@@ -134,10 +135,10 @@ class StatsSink(RecordSink):
         n = min(self._rows_kept, pool.size)
         return np.sort(rng.choice(pool, size=n, replace=False)) if n else pool[:0]
 
-    def open_round(self, ctx: RoundContext, keep: np.ndarray | None) -> None:
+    def open_round(self, ctx: RoundContext) -> None:
         rows = ctx.round.probe_rows
         self._sample_rows = None if rows is None else torch.from_numpy(rows.astype(np.int64))
-        self.collector.open_round(keep, ctx.round.positions, ctx.round.batch, ctx.rows)
+        self.collector.open_round(ctx.keep, ctx.round.positions, ctx.round.batch, ctx.rows)
 
     def clean(self, ctx: RoundContext, layer: int, site: int, hidden: torch.Tensor) -> None:
         t = kept(hidden, ctx.positions)

@@ -13,3 +13,26 @@ def terminal_delivers_to_child() -> bool:
         return os.tcgetpgrp(sys.stdin.fileno()) == os.getpgrp()
     except (OSError, ValueError, AttributeError):
         return False
+
+
+class LazyBar:
+    """A tqdm progress bar on stderr, made at its first update, only when stderr is a
+    terminal (and ``enabled``)."""
+
+    def __init__(self, total: int, desc: str, unit: str, enabled: bool = True):
+        self.total, self.desc, self.unit, self.enabled = total, desc, unit, enabled
+        self._bar = None
+
+    def update(self, n: int = 1) -> None:
+        if self._bar is None:
+            if not (self.enabled and sys.stderr.isatty()):
+                return
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=self.total, desc=self.desc, unit=self.unit, file=sys.stderr,
+                             leave=False)
+        self._bar.update(n)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()

@@ -157,7 +157,7 @@ def _report_status() -> None:
         "pid": os.getpid(),
         "argv": sys.argv,
         "file": getattr(session, "path", None),
-        "samples": (session.sample + 1) if session is not None else 0,
+        "samples": session.samples if session is not None else 0,
         "error": getattr(session, "error", None) or _state.get("error"),
         "no_blocks": _state.get("no_blocks"),
         "model_seen": session is not None,

@@ -1,0 +1,279 @@
+"""The replays of a captured round: each site re-run on its own recorded call, perturbed (the
+probes), and with ``--reference host`` in float64 on the host. How a site is replayed follows
+its role (roles.py): the whole module, its probe rows alone (row-wise operators), each expert
+through the fused call, or not at all. The outputs go to the round's record sink (sinks.py);
+what was asked for and what ran goes to the coverage (format/coverage.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from ..format import schema
+from ..format.coverage import Coverage
+from ..vocabulary import BLOCK, EXPERTS, LINEAR, ROTARY, ROUTER
+from . import serving
+from .compiled import EAGER_HINT
+from .discovery import Site
+from .evidence import family
+from .host import host_replay
+from .identities import causal_cut, is_causal, scale_replays
+from .model_facts import has_past
+from .moe_capture import ExpertCapture
+from .parallel import TensorParallel, to_local
+from .probes import (
+    ProbeSpec,
+    first_tensor,
+    layer_index,
+    other_kernels,
+    outside_output_recording,
+    preserved_rng,
+    probe_seed,
+    run_probes,
+    snapshot_cache,
+)
+from .roles import EXPERT_CALLS, NO_REPLAY, ROLE_CAPTURE, ROWS, WHOLE
+from .rounds import RoundContext
+from .sinks import RecordSink
+from .tensors import kept
+
+Replay = Callable[..., None]
+
+
+class Replays:
+    """The replays of one session's blocks and sites."""
+
+    def __init__(self, blocks: list[nn.Module], sites: list[Site], spec: ProbeSpec,
+                 sink: RecordSink, coverage: Coverage, tp: TensorParallel, *, host: bool,
+                 serving_blocks: set[int], moe: ExpertCapture | None, levels: dict[int, str]):
+        self.sites, self.spec, self.sink, self.coverage, self.tp = sites, spec, sink, coverage, tp
+        self.host, self.serving, self.moe, self.levels = host, serving_blocks, moe, levels
+        self.causal = causal_modules(blocks, sites)
+        self.active = False  # a replay is running: the session's hooks ignore its calls
+        self.compiled_round = False  # this round runs as torch.compile'd code
+        self.caches: dict[int, Any] = {}  # cache layer -> its KV cache before this decode step
+        self._cache_layer: dict[int, int | None] = {}  # id(module) -> the cache layer it uses
+        self.batched = self.sequential = 0
+        self.decode_skipped = 0
+        self.host_done = self.host_failed = 0
+        self.compiled_dropped = 0
+        self._by_kind: dict[str, Replay] = {
+            WHOLE: self._whole, ROWS: self._rows, EXPERT_CALLS: self._experts,
+            NO_REPLAY: lambda *_: None,
+        }
+
+    def status(self) -> dict:
+        return {"batched_replays": self.batched, "sequential_replays": self.sequential,
+                "decode_replays_skipped": self.decode_skipped, "host_replays": self.host_done,
+                "host_replays_failed": self.host_failed,
+                "compiled_probes_dropped": self.compiled_dropped}
+
+    def open_round(self, compiled: bool) -> None:
+        self.caches.clear()
+        self.compiled_round = compiled
+
+    @contextmanager
+    def running(self) -> Iterator[None]:
+        """The session's own hooks ignore the calls made inside."""
+        self.active = True
+        try:
+            yield
+        finally:
+            self.active = False
+
+    def keep_cache(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        """Before a decode step's call updates it: the KV cache the module reads (one copy for
+        a block and its attention), so that its replays see what the device saw."""
+        idx = self._layer_of(module)
+        if idx is not None and idx not in self.caches:
+            self.caches[idx] = snapshot_cache(idx, args, kwargs)
+
+    def _layer_of(self, module: nn.Module) -> int | None:
+        key = id(module)
+        if key not in self._cache_layer:
+            self._cache_layer[key] = layer_index(module)
+        return self._cache_layer[key]
+
+    def replay(self, module: nn.Module, layer: int, site: int, args: tuple, kwargs: dict,
+               hidden: torch.Tensor, ctx: RoundContext) -> None:
+        """The replays of a site's call of this round, by its role; a fused experts call
+        records its slots and routing even when the round is not probed."""
+        role = self.sites[site].role if site >= 0 else BLOCK
+        kind = ROLE_CAPTURE[role].replay
+        if not ctx.probed and kind != EXPERT_CALLS:
+            return
+        with outside_output_recording():
+            self._by_kind[kind](module, layer, site, role, args, kwargs, hidden, ctx)
+
+    def _family(self, ctx: RoundContext, site: int, what: str) -> str:
+        return family(ctx.phase, self.levels[site], what)
+
+    def _whole(self, module, layer, site, role, args, kwargs, hidden, ctx) -> None:
+        """The module re-run on its whole recorded call (a decode step with its KV cache as it
+        was before the call)."""
+        if not self.tp.may_replay(module):
+            return  # its replay could communicate (tensor parallel): parallel.py says why
+        spec = self._spec(module)
+        decode = ctx.step > 0
+        idx = self._layer_of(module) if decode else None
+        cache = self.caches.get(idx) if idx is not None else None
+        cut = None
+        if spec.causal and not decode and self.causal.get(id(module)):
+            cut = causal_cut(hidden.shape[-2] if hidden.dim() >= 2 else 1,
+                             probe_seed(ctx.seed, ctx.sample, 0xCA05A1))
+        probes = self._family(ctx, site, "probes") if (
+            spec.sigmas or spec.dc or spec.repeats or cut is not None) else None
+        host = self.host and self.tp.may_host_replay(module)
+        if decode and cache is None and has_past(args, kwargs):
+            # a decode step whose past cannot be reproduced: no replay, clean data only
+            self.decode_skipped += 1
+            for name in filter(None, (probes, host and self._family(ctx, site, "host replays"))):
+                self.coverage.expect(name)
+                self.coverage.failed(name, f"the KV cache of {type(module).__name__} could "
+                                     "not be copied (a cache layout srdd-dump does not know)")
+            return
+        if probes:
+            try:
+                with self.running(), self.coverage.attempt(probes), (
+                        self.moe.pinned() if self.moe is not None else nullcontext()):
+                    outputs, batched = run_probes(module, args, kwargs, hidden, spec,
+                                                  ctx.seeds(layer, site), cache, cut,
+                                                  stream=id(module) in self.serving)
+            except Exception:
+                if not decode:
+                    raise
+                # a decode replay this module refuses (a cache layout not reproduced): its
+                # clean data is kept, the step is not probed (and coverage says so)
+                self.decode_skipped += 1
+                return
+            if batched:
+                self.batched += 1
+            else:
+                self.sequential += 1
+            if self._keep_probes(module, outputs, hidden):
+                self.sink.probe_outputs(ctx, layer, site, outputs, (ctx.positions, ctx.rows))
+        if host:
+            self.host_record(module, layer, site, args, kwargs, cache, ctx)
+
+    def _rows(self, module, layer, site, role, args, kwargs, hidden, ctx) -> None:
+        """A row-wise operator (linear, norm, activation) re-run on the probe rows of its input
+        alone: each output row depends on its input row only."""
+        if not self.tp.may_replay(module):
+            return
+        spec = self._spec(module)
+        x = to_local(first_tensor(args) if args else kwargs.get("hidden_states"))
+        if isinstance(x, torch.Tensor) and role == ROUTER:
+            x = ctx.as_round(x)
+        if not isinstance(x, torch.Tensor) or x.shape[:-1] != hidden.shape[:-1]:
+            name = self._family(ctx, site, "probes")
+            self.coverage.expect(name)
+            self.coverage.failed(name, f"the input of {type(module).__name__} is not shaped "
+                                 "like its output's tokens")
+            return
+        # a tensor-parallel module is replayed on its whole recorded input (an all-reduce's
+        # rounding depends on the buffer's shape), the probe rows taken from its outputs
+        rows = (ctx.positions, ctx.rows) if not self.tp.batched(module) else None
+        x_rows = x if rows else kept(x, ctx.positions, ctx.rows)
+        recorded = hidden if rows else kept(hidden, ctx.positions, ctx.rows)
+        extra = {}
+        residual, _ = serving.named_input(module, args, kwargs, serving.RESIDUAL)
+        if residual is not None and residual.shape == x.shape:  # a fused add + norm
+            extra[serving.RESIDUAL] = (residual if rows
+                                       else kept(residual, ctx.positions, ctx.rows))
+        with self.running():
+            if spec.sigmas or spec.dc or spec.repeats:
+                with self.coverage.attempt(self._family(ctx, site, "probes")):
+                    outputs, _ = run_probes(module, (x_rows,), extra, recorded, spec,
+                                            ctx.seeds(layer, site))
+                if self._keep_probes(module, outputs, recorded):
+                    self.sink.probe_outputs(ctx, layer, site, outputs, rows)
+            if spec.scale and role == LINEAR:
+                with torch.no_grad(), preserved_rng(x.device):
+                    for k, y in scale_replays(module, x_rows):
+                        y = kept(y, *rows) if rows else y
+                        self.sink.probe(ctx, layer, site, y, schema.KIND_SCALE,
+                                        probe=k, param=k)
+        if self.host and self.tp.may_host_replay(module):
+            self.host_record(module, layer, site, (x_rows,), extra, None, ctx, rows=None)
+
+    def _experts(self, module, layer, site, role, args, kwargs, hidden, ctx) -> None:
+        """A fused experts call: the routing, each token slot's own expert output and, on the
+        probe rows, each expert probed on its own (moe_capture.py). The experts module's own
+        records are complete first (the sum within its MLP block is probed there)."""
+        self.sink.finish_site(ctx, layer, site)
+        spec = self.spec
+        probed = ctx.probed and bool(spec.sigmas or spec.dc or spec.repeats)
+        with (self.coverage.attempt(self._family(ctx, site, "probes")) if probed
+              else nullcontext()), self.running():
+            self.moe.record(module, layer, site, args, kwargs, ctx)
+
+    def _spec(self, module: nn.Module) -> ProbeSpec:
+        """A tensor-parallel module whose replays cannot be batched runs them one by one."""
+        if self.tp.batched(module):
+            return self.spec
+        return dataclasses.replace(self.spec, batched=False)
+
+    def _keep_probes(self, module, outputs, recorded) -> bool:
+        """In a round run as compiled code the replays run eagerly: a module's probe records
+        are left out when its eager re-runs agree with each other but not with its recorded
+        output (fused inductor kernels; the eager and aot_eager backends reproduce it): every
+        comparison with the recorded output would measure the compiler, not the device.
+        Re-runs that differ from each other are run-to-run noise, a finding: kept."""
+        if not self.compiled_round or not other_kernels(outputs, recorded):
+            return True
+        if not self.compiled_dropped:
+            sys.stderr.write(
+                f"srdd-dump: note: {type(module).__name__} runs as torch.compile'd code that an "
+                "eager replay does not reproduce bit for bit: such modules are captured without "
+                f"probes; for the probes {EAGER_HINT}\n")
+        self.compiled_dropped += 1
+        return False
+
+    def host_record(self, module: nn.Module, layer: int, site: int, args: tuple, kwargs: dict,
+                    cache: Any, ctx: RoundContext, rows: str | None = "round") -> None:
+        """The float64 host replay of ``module`` on its recorded input, as a KIND_HOST record
+        of the round's probe rows (``rows=None``: the input already holds only those rows, or
+        a model-level operator whose every kept row is stored). A module the host cannot
+        replay is counted, never fatal."""
+        try:
+            with self.coverage.attempt(self._family(ctx, site, "host replays")):
+                out = host_replay(module, args, kwargs, cache)
+        except Exception:  # noqa: BLE001 (a device-only module, a cache layout not known)
+            self.host_failed += 1
+            return
+        self.host_done += 1
+        role = self.sites[site].role if site >= 0 else BLOCK
+        if rows == "round":
+            out = kept(out, ctx.positions, ctx.rows)
+            subset = True
+        elif role == ROTARY:
+            out = ctx.round_shaped(out)
+            if out is None:
+                return
+            out, subset = kept(out, ctx.positions), False
+        else:
+            out, subset = kept(out, None), True
+        self.sink.probe(ctx, layer, site, out, schema.KIND_HOST, subset=subset)
+
+
+def causal_modules(blocks: list[nn.Module], sites: list[Site]) -> dict[int, bool]:
+    """id(module) -> whether its replays may be held to bit-exact causality. A block or
+    sub-block with fused experts is not: a grouped expert GEMM's rounding of a row depends on
+    its place in its expert's group (its attention still is)."""
+    causal = {id(m): is_causal(m) for m in blocks}
+    causal.update({id(site.module): is_causal(site.module) for site in sites})
+    for site in sites:
+        if site.role == EXPERTS:
+            around = [blocks[site.layer]] + [
+                other.module for other in sites if other.layer == site.layer]
+            for module in around:
+                if any(m is site.module for m in module.modules()):
+                    causal[id(module)] = False
+    return causal
