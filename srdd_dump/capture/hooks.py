@@ -13,16 +13,17 @@ import os
 import sys
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
 from ..format import schema
 from ..format.coverage import Coverage
-from ..format.writer import describe_error
+from ..format.writer import Round, describe_error
 from ..runtime.terminal import LazyBar
 from ..vocabulary import BLOCK, EXPERTS, ROUTER
 from . import config as cfg
-from . import serving
+from . import requests, serving
 from .compiled import (
     called_from_compiled,
     explain_partial,
@@ -41,7 +42,7 @@ from .parallel import TensorParallel, to_local
 from .probes import ProbeSpec, first_tensor, module_output
 from .replays import Replays
 from .roles import INPUT, OUTPUT, PENDING, role_capture
-from .rounds import RoundContext, RoundPlanner, drop_misshapen
+from .rounds import RoundContext, RoundPlanner, drop_misshapen, split_round
 from .sinks import make_sink
 from .versions import untested_notes
 
@@ -66,6 +67,7 @@ class CaptureSession:
         self._tp = TensorParallel(model, [m for _, m in self.blocks]
                                   + [site.module for site in self.sites], config.tp_replays)
         self.probe_spec = ProbeSpec.of(config)
+        self._requests = requests.RequestTracker()  # a serving engine's requests
         self._rounds = RoundPlanner(config, bool(options.probes) or config.reference == "host")
         # blocks of the (hidden_states, residual) convention; the inputs of modules that may
         # overwrite them (a fused add + norm), copied before they run (serving.py)
@@ -110,8 +112,9 @@ class CaptureSession:
 
     @property
     def samples(self) -> int:
-        """Samples (prefill forwards) seen so far."""
-        return self._rounds.sample + 1
+        """Samples seen so far: prefill forwards, or a serving engine's requests (the first
+        --samples of them are captured)."""
+        return max(self._rounds.sample + 1, min(self._requests.requests, self.config.samples))
 
     # -- hooks ----------------------------------------------------------------------------
     def _install(self) -> None:
@@ -209,29 +212,52 @@ class CaptureSession:
             if hidden is None:
                 hidden = kwargs.get("hidden_states")
         token_ids, self._token_ids = self._token_ids, None
+        mask, self._attention_mask = self._attention_mask, None
         self.replays.open_round(called_from_compiled())
         self._ctx = None
         if self._moe is not None:
             self._moe.open_round()
         self._frozen.clear()
-        if not isinstance(hidden, torch.Tensor):
-            return
+        layout = requests.engine_batch() if id(module) in self._serving else None
+        if layout == requests.DUMMY or not isinstance(hidden, torch.Tensor):
+            return  # an engine's dummy, profile or warm-up forward is never a sample
         hidden = self._tp.local(hidden, "stack input")
         self._width = int(hidden.shape[-1])
         batch = hidden.shape[0] if hidden.dim() >= 3 else 1
         seq = hidden.shape[-2] if hidden.dim() >= 2 else 1
-        if not self._rounds.advance(seq):
-            self.close()  # everything asked for is captured: stop paying for hooks
-            return
-        mask, self._attention_mask = self._attention_mask, None
-        self._ctx = self._rounds.open(batch, seq, self._width, token_ids, mask,
-                                      self._sink.round_rows)
+        positions = (requests.flat_positions(
+            serving.named_input(module, args, kwargs, serving.POSITIONS)[0])
+            if isinstance(layout, requests.BatchLayout) else None)
+        if positions is not None and positions.size >= int(layout.starts[-1]) \
+                and self._sink.splits_rounds:
+            self._ctx = self._open_requests(layout, positions, seq, token_ids)
+        else:
+            if positions is not None:  # a serving batch the store cannot split
+                self.coverage.expect("request samples")
+                self.coverage.failed("request samples", "--store stats reduces a whole "
+                                     "forward: its requests are not told apart")
+            if not self._rounds.advance(seq):
+                self.close()  # everything asked for is captured: stop paying for hooks
+                return
+            self._ctx = self._rounds.open(batch, seq, self._width, token_ids, mask,
+                                          self._sink.round_rows)
         if self._ctx is None:
             return
         self._sink.open_round(self._ctx)
         self._add(schema.STACK_INPUT, schema.BLOCK_SITE, hidden)
         self._finish_site(schema.STACK_INPUT, schema.BLOCK_SITE)
         self._add_pending()
+
+    def _open_requests(self, layout: requests.BatchLayout, positions: np.ndarray, seq: int,
+                       token_ids: torch.Tensor | None) -> RoundContext | None:
+        """A serving engine's flat forward: its requests, each a sample of its own."""
+        segments = self._requests.split(layout, positions)
+        if self._requests.requests >= self.config.samples and all(
+                s.sample < 0 or s.sample >= self.config.samples for s in segments):
+            self.close()  # the first --samples requests are done: stop paying for hooks
+            return None
+        return self._rounds.open_requests(segments, seq, self._width, token_ids,
+                                          self._sink.round_rows)
 
     def _output_hook(self, layer: int, site: int, last: bool):
         @opaque
@@ -341,8 +367,15 @@ class CaptureSession:
             self._sink.finish_site(self._ctx, layer, site)
 
     def _submit(self) -> None:
-        r, self._ctx = self._ctx.round, None
+        ctx, self._ctx = self._ctx, None
+        r = ctx.round
         self.records_dropped += drop_misshapen(r)
+        for part in (split_round(r, ctx.segments, self.options.tokens) if ctx.segments
+                     else [r]):
+            if not self._closed:
+                self._write(part)
+
+    def _write(self, r: Round) -> None:
         error = self.output.submit(
             r, lambda: dump_meta(self.model, self.layer_names, self.blocks[0][1], self.config,
                                  r, width=self._width, autocast=self._autocast,

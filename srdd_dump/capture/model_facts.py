@@ -82,6 +82,7 @@ def _fp32_precision(device_type: str) -> str | None:
 
 
 def input_embedding(model: nn.Module) -> nn.Module | None:
+    """The module that turns token ids into the first hidden states."""
     get = getattr(model, "get_input_embeddings", None)
     if callable(get):
         try:
@@ -90,4 +91,7 @@ def input_embedding(model: nn.Module) -> nn.Module | None:
                 return module
         except Exception:
             pass
-    return next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
+    # nn.Embedding, or an engine's own (vLLM's VocabParallelEmbedding): the token table
+    return next((m for m in model.modules() if isinstance(m, nn.Embedding) or (
+        type(m).__name__.endswith("Embedding") and isinstance(
+            getattr(m, "num_embeddings", None), int))), None)

@@ -4,6 +4,7 @@ the record sink (sinks.py), the replays and the experts capture, instead of itse
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -24,6 +25,9 @@ class RoundContext:
     rows: torch.Tensor | None  # probe rows of the flattened kept rows (None: not probed)
     seed: int  # the session's seed (DumpConfig.seed)
     keep: np.ndarray | None = None  # (batch, kept positions), False at padding; None: all
+    # a serving engine's flat batch: the requests' segments kept, each a round of its own
+    # (split_round); None for a (batch, seq) forward
+    segments: list | None = None
 
     @property
     def sample(self) -> int:
@@ -126,6 +130,74 @@ class RoundPlanner:
             rows=None if rows is None else torch.from_numpy(rows.astype(np.int64)),
             seed=self.config.seed, keep=keep,
         )
+
+    def open_requests(self, segments: list, n_tokens: int, width: int,
+                      token_ids: torch.Tensor | None, sample_rows: Callable
+                      ) -> RoundContext | None:
+        """The context of a serving engine's flat forward (requests.Segment each): captured
+        when one of its requests is a sample and step the options select; its probe rows are
+        the first token of every probed request and seeded others of those requests."""
+        opts, config = self.options, self.config
+        chosen = [s for s in segments
+                  if 0 <= s.sample < config.samples and s.step >= 0
+                  and cfg.step_selected(opts.steps, s.step)]
+        if not chosen:
+            return None
+        probed = [s for s in chosen if self.probing and s.sample < config.probe_samples
+                  and cfg.step_selected(opts.probe_steps, s.step)]
+        rows = None
+        if probed:
+            keep = np.zeros(n_tokens, dtype=bool)
+            for s in probed:
+                keep[s.start:s.stop] = True
+            firsts = np.array([s.start for s in probed])
+            budget = (n_tokens if opts.store.elements is None
+                      else max(len(firsts), -(-opts.store.elements // max(1, width))))
+            rest = np.setdiff1d(np.flatnonzero(keep), firsts)
+            rng = np.random.default_rng(probe_seed(config.seed, probed[0].sample, 0x5EED))
+            extra = rng.choice(rest, size=min(rest.size, budget - len(firsts)), replace=False)
+            rows = np.sort(np.concatenate([firsts, extra])).astype(np.int64)
+        ids = None
+        if token_ids is not None and token_ids.numel() == n_tokens:
+            ids = token_ids.detach().to("cpu").reshape(1, n_tokens).numpy()
+        return RoundContext(
+            round=Round(sample=chosen[0].sample, step=chosen[0].step, batch=1, seq=n_tokens,
+                        positions=np.arange(n_tokens), token_ids=ids, time=time.time(),
+                        probe_rows=sample_rows(rows, None, 1, n_tokens, chosen[0].sample,
+                                               chosen[0].step)),
+            positions=None,
+            rows=None if rows is None else torch.from_numpy(rows),
+            seed=config.seed, segments=chosen,
+        )
+
+
+def split_round(r: Round, segments: list, tokens: object) -> list[Round]:
+    """A serving engine's flat forward as one round per request segment: its rows of every
+    record, its real positions (``tokens``: the --tokens choice, applied per request) and
+    its token ids; its probe rows renumbered within it."""
+    out = []
+    rows = r.probe_rows
+    for seg in segments:
+        keep = np.asarray(cfg.token_positions(tokens, seg.stop - seg.start), dtype=np.int64)
+        if keep.size == 0:
+            continue
+        flat = seg.start + keep
+        index = {int(f): k for k, f in enumerate(flat)}
+        mine = (np.array([k for k, row in enumerate(rows) if int(row) in index], dtype=np.int64)
+                if rows is not None else None)
+        part = Round(sample=seg.sample, step=seg.step, batch=1, seq=seg.stop - seg.start,
+                     positions=np.asarray(seg.positions)[keep],
+                     token_ids=None if r.token_ids is None else r.token_ids[:, flat],
+                     probe_rows=(None if mine is None or mine.size == 0
+                                 else np.array([index[int(rows[k])] for k in mine])),
+                     time=r.time)
+        for t in r.tensors:
+            if not t.subset:
+                part.tensors.append(dataclasses.replace(t, array=t.array[:, flat]))
+            elif part.probe_rows is not None:
+                part.tensors.append(dataclasses.replace(t, array=t.array[:, mine]))
+        out.append(part)
+    return out
 
 
 def attended_rows(mask: torch.Tensor | None, batch: int, seq: int, positions: list[int]

@@ -27,6 +27,7 @@ class RecordSink:
     """The interface (and the parts every store shares)."""
 
     stat_columns: list[str] | None = None  # the dump's stats table, when the store has one
+    splits_rounds = True  # a round's records can be cut into per-request rounds afterwards
 
     def round_rows(self, probe_rows: np.ndarray | None, keep: np.ndarray | None, batch: int,
                    ntok: int, sample: int, step: int) -> np.ndarray | None:
@@ -116,6 +117,8 @@ class TensorSink(RecordSink):
 class StatsSink(RecordSink):
     """``stats[:R]``: each site's outputs reduced on the device to its stats row, and R seeded
     rows of every block output (the baseline mode compares those)."""
+
+    splits_rounds = False  # a stats row reduces every token of the round
 
     def __init__(self, store: StoreSpec, spec: ProbeSpec, seed: int):
         self.collector = StatsCollector(
