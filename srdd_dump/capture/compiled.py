@@ -20,6 +20,8 @@ from typing import Callable, TypeVar
 import torch
 from torch import nn
 
+from .config import LAYERS_HINT
+
 F = TypeVar("F", bound=Callable)
 
 EAGER_HINT = ("run it eagerly: srdd-dump --eager, or TORCHDYNAMO_DISABLE=1 in the "
@@ -154,7 +156,7 @@ def explain_silence(model: nn.Module, model_calls: int, block_calls: int) -> str
                 f"{LATE_HINT}")
     if model_calls:
         return (f"the model ran {model_calls} time{'s' if model_calls > 1 else ''} but none "
-                "of its blocks did (name them with --layers)")
+                f"of its blocks did {LAYERS_HINT}")
     return None
 
 

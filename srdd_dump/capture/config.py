@@ -11,6 +11,9 @@ from ..errors import UserError
 from .faultspec import FaultSpec, parse_fault
 
 ENV_CONFIG = "SRDD_DUMP_CONFIG"  # JSON DumpConfig handed to every child Python process
+# the end of the line a session gives when the model ran and none of its blocks did: under
+# --exec, a command that failed gets its own line instead (launch.py)
+LAYERS_HINT = "(name them with --layers)"
 ENV_STATUS_DIR = "SRDD_DUMP_STATUS_DIR"  # where child processes report how capture went
 
 

@@ -18,9 +18,14 @@ from torch import nn
 SCALE_POWERS = (1, 3)
 
 
+DECODER_ATTENTION = "decoder"  # vLLM's AttentionType.DECODER (a str enum): causal attention
+
+
 def is_causal(module: nn.Module) -> bool:
-    """An attention (or a block holding one) that declares itself causal (``is_causal``)."""
-    return any(getattr(m, "is_causal", None) is True for m in module.modules())
+    """An attention (or a block holding one) that declares itself causal: ``is_causal`` (HF)
+    or a decoder ``attn_type`` (vLLM's attention layer)."""
+    return any(getattr(m, "is_causal", None) is True
+               or getattr(m, "attn_type", None) == DECODER_ATTENTION for m in module.modules())
 
 
 def scale_replays(module: nn.Module, x: torch.Tensor, powers=SCALE_POWERS

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, replace
 from ..errors import UserError
 from ..format import schema
 from ..runtime.terminal import terminal_delivers_to_child
-from .config import ENV_CONFIG, ENV_STATUS_DIR, DumpConfig
+from .config import ENV_CONFIG, ENV_STATUS_DIR, LAYERS_HINT, DumpConfig
 from .diskspace import MIN_FREE_GB, check_free_space
 
 EXIT_CAPTURE_FAILED = 3
@@ -24,8 +24,10 @@ EXIT_CAPTURE_FAILED = 3
 # Variables srdd-dump sets for the child (documented in docs/cli.md).
 CHILD_ENV = (ENV_CONFIG, ENV_STATUS_DIR, "PYTHONPATH")
 # --eager: torch.compile returns what it is given, so every block runs eagerly where the hooks
-# see it (torch/_dynamo/eval_frame.py reads it at each torch.compile call)
-EAGER_ENV = {"TORCHDYNAMO_DISABLE": "1"}
+# see it (torch/_dynamo/eval_frame.py reads it at each torch.compile call). vLLM ahead-of-time
+# compiles its model by default (torch >= 2.10), which fails on an uncompiled callable: it is
+# told not to (vllm/envs.py, VLLM_USE_AOT_COMPILE); other programs ignore the variable.
+EAGER_ENV = {"TORCHDYNAMO_DISABLE": "1", "VLLM_USE_AOT_COMPILE": "0"}
 
 
 @dataclass
@@ -196,7 +198,10 @@ def _collect(returncode: int, status_dir: str, new_partials: set[str] | None = N
         )
     if not result.files and not result.problems:
         reasons = [st["no_blocks"] for st in statuses if st.get("no_blocks")]
-        silent = [f"pid {st['pid']}: nothing captured: {st['silence']}"
+        silent = [f"pid {st['pid']}: nothing captured: "
+                  + (st["silence"] if returncode == 0 or LAYERS_HINT not in st["silence"] else
+                     f"the command failed (exit code {returncode}) after the model was called "
+                     "and before any of its blocks ran: see the command's own error above")
                   for st in statuses if st.get("silence")]
         if silent:
             result.problems.extend(silent)

@@ -1,0 +1,114 @@
+"""A serving engine's flat batch split into its requests (capture/requests.py, rounds.py), on
+plain tensors: the engine's forward context is a stand-in module with vLLM's names."""
+
+from __future__ import annotations
+
+import sys
+import types
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from srdd_dump.capture.config import DumpConfig
+from srdd_dump.capture.requests import DUMMY, BatchLayout, RequestTracker, engine_batch
+from srdd_dump.capture.rounds import RoundPlanner, split_round
+from srdd_dump.capture.sinks import RecordSink
+from srdd_dump.format import schema
+from srdd_dump.format.writer import Round, Tensor
+
+pytestmark = pytest.mark.capture
+
+BLOCK = 4
+
+
+def _layout(requests: list[tuple[list[int], list[int]]]) -> tuple[BatchLayout, np.ndarray]:
+    """[(positions, cache blocks)] of each request in one forward, as the engine lays it out."""
+    lengths = [len(p) for p, _ in requests]
+    positions = np.concatenate([p for p, _ in requests]).astype(np.int64)
+    width = max(len(b) for _, b in requests)
+    table = np.zeros((len(requests), width), dtype=np.int64)
+    for i, (_, blocks) in enumerate(requests):
+        table[i, :len(blocks)] = blocks
+    slots = np.concatenate([[blocks[q // BLOCK] * BLOCK + q % BLOCK for q in p]
+                            for p, blocks in requests])
+    starts = np.concatenate([[0], np.cumsum(lengths)])
+    return BatchLayout(starts=starts, slots=slots, block_table=table), positions
+
+
+def test_requests_keep_their_sample_across_steps_whatever_their_order_in_the_batch():
+    tracker = RequestTracker()
+    # two prompts of 4 tokens (the same length: their next positions tie)
+    prefill = _layout([(list(range(4)), [7]), (list(range(4)), [3])])
+    segments = tracker.split(*prefill)
+    assert [(s.sample, s.step, s.start, s.stop) for s in segments] == [(0, 0, 0, 4),
+                                                                         (1, 0, 4, 8)]
+    # the engine runs them in the other order for the next token (each in a new block)
+    decode = _layout([([4], [3, 9]), ([4], [7, 5])])
+    assert [(s.sample, s.step) for s in tracker.split(*decode)] == [(1, 1), (0, 1)]
+    decode = _layout([([5], [7, 5]), ([5], [3, 9])])
+    assert [(s.sample, s.step) for s in tracker.split(*decode)] == [(0, 2), (1, 2)]
+    # a new request joins a batch of decode steps
+    mixed = _layout([([6], [7, 5]), (list(range(3)), [11])])
+    assert [(s.sample, s.step) for s in tracker.split(*mixed)] == [(0, 3), (2, 0)]
+    assert tracker.requests == 3 and tracker.unmatched == 0
+
+
+def test_a_call_that_continues_nothing_known_is_not_a_sample():
+    tracker = RequestTracker()
+    (segment,) = tracker.split(*_layout([([9], [2, 4, 6])]))
+    assert (segment.sample, segment.step) == (-1, -1) and tracker.unmatched == 1
+
+
+def test_the_planner_captures_the_requests_the_options_select():
+    tracker = RequestTracker()
+    segments = tracker.split(*_layout([(list(range(5)), [0, 1]), (list(range(3)), [2]),
+                                       (list(range(2)), [4])]))
+    planner = RoundPlanner(DumpConfig(samples=2, store="sample:16", probe_samples=1),
+                           probing=True)
+    ctx = planner.open_requests(segments, 10, 8, torch.arange(10), RecordSink().round_rows)
+    assert [s.sample for s in ctx.segments] == [0, 1]  # the third request is past --samples
+    rows = ctx.rows.tolist()
+    assert 0 in rows and all(r < 5 for r in rows)  # probed: the first request only
+    assert ctx.round.token_ids.tolist() == [list(range(10))]
+
+
+def test_a_flat_round_becomes_one_round_per_request():
+    tracker = RequestTracker()
+    segments = tracker.split(*_layout([(list(range(4)), [0]), (list(range(3)), [1])]))
+    flat = np.arange(7 * 2, dtype=np.float32).reshape(1, 7, 2)
+    r = Round(sample=0, step=0, batch=1, seq=7, positions=np.arange(7),
+              token_ids=np.arange(100, 107).reshape(1, 7), probe_rows=np.array([0, 4, 6]))
+    r.tensors = [Tensor(layer=0, site=-1, array=flat, dtype="float32"),
+                 Tensor(layer=0, site=-1, array=flat[:, [0, 4, 6]], dtype="float32",
+                        kind=schema.KIND_GAIN, subset=True)]
+    first, second = split_round(r, segments, DumpConfig().parsed().tokens)
+    assert (first.sample, first.seq, second.sample, second.seq) == (0, 4, 1, 3)
+    assert second.positions.tolist() == [0, 1, 2]
+    assert second.token_ids.tolist() == [[104, 105, 106]]
+    assert np.array_equal(second.tensors[0].array, flat[:, 4:7])
+    assert first.probe_rows.tolist() == [0] and second.probe_rows.tolist() == [0, 2]
+    assert np.array_equal(second.tensors[1].array, flat[:, [4, 6]])
+    # --tokens applies within each request
+    last, = split_round(r, segments[1:], DumpConfig(tokens="-1:").parsed().tokens)
+    assert last.positions.tolist() == [2] and last.probe_rows.tolist() == [0]
+    assert np.array_equal(last.tensors[0].array, flat[:, [6]])
+
+
+def test_the_engine_batch_is_read_from_the_forward_context(monkeypatch):
+    state = {"context": None}
+    fake = types.ModuleType("vllm.forward_context")
+    fake.is_forward_context_available = lambda: state["context"] is not None
+    fake.get_forward_context = lambda: state["context"]
+    monkeypatch.setitem(sys.modules, "vllm.forward_context", fake)
+    assert engine_batch() is None  # outside a forward
+    state["context"] = SimpleNamespace(attn_metadata=None)
+    assert engine_batch() == DUMMY  # a dummy or profile run
+    meta = SimpleNamespace(query_start_loc=torch.tensor([0, 3, 5, 5]), num_actual_tokens=5,
+                           slot_mapping=torch.arange(8), block_table=torch.zeros(3, 2))
+    state["context"] = SimpleNamespace(attn_metadata={"model.layers.0.self_attn.attn": meta})
+    layout = engine_batch()
+    assert layout.starts.tolist() == [0, 3, 5, 5] and layout.n_requests == 3
+    monkeypatch.delitem(sys.modules, "vllm.forward_context")
+    assert engine_batch() is None  # no engine
