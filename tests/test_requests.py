@@ -112,3 +112,12 @@ def test_the_engine_batch_is_read_from_the_forward_context(monkeypatch):
     assert layout.starts.tolist() == [0, 3, 5, 5] and layout.n_requests == 3
     monkeypatch.delitem(sys.modules, "vllm.forward_context")
     assert engine_batch() is None  # no engine
+
+
+def test_a_finished_requests_blocks_given_to_a_new_one_do_not_confuse_them():
+    tracker = RequestTracker()
+    tracker.split(*_layout([(list(range(7)), [1, 2])]))  # request 0 ends after its prefill
+    tracker.split(*_layout([(list(range(5)), [1, 2])]))  # request 1 gets its blocks
+    # at its third step, request 1 is where request 0 ended: next position 7, block 2
+    steps = [tracker.split(*_layout([([5 + k], [1, 2, 3])]))[0] for k in range(3)]
+    assert [(s.sample, s.step) for s in steps] == [(1, 1), (1, 2), (1, 3)]

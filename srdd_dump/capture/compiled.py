@@ -139,6 +139,14 @@ def hooks_compiled_out() -> bool:
     return bool(_state["compiled_out"])
 
 
+def eager_hint() -> str:
+    """How to run the model eagerly; in a vLLM process, vLLM's own switch first."""
+    if "vllm" in sys.modules:
+        return ("run vLLM eagerly: LLM(..., enforce_eager=True), or vllm serve "
+                "--enforce-eager (srdd-dump --eager also turns its compilation off)")
+    return EAGER_HINT
+
+
 def explain_silence(model: nn.Module, model_calls: int, block_calls: int) -> str | None:
     """Why a session captured nothing, in one line; None when its blocks ran (only calls of
     one token were seen) or nothing says the model ran at all."""
@@ -148,7 +156,7 @@ def explain_silence(model: nn.Module, model_calls: int, block_calls: int) -> str
     if _state["compiled_out"]:
         return ("no block hook ran: the model is compiled with fullgraph=True (as vLLM "
                 "compiles it), where a hook cannot break the graph, so the hooks were "
-                f"compiled out; {EAGER_HINT}")
+                f"compiled out; {eager_hint()}")
     if compiled or frames_compiled():
         where = f" ({', '.join(compiled[:2])})" if compiled else ""
         return (f"no block hook ever fired: the blocks run as torch.compile'd code{where} "
@@ -165,7 +173,7 @@ def explain_partial(silent: list[str], total: int) -> str | None:
     if not silent or not frames_compiled():
         return None
     if _state["compiled_out"]:
-        why, hint = "compiled out of a fullgraph=True graph", EAGER_HINT
+        why, hint = "compiled out of a fullgraph=True graph", eager_hint()
     else:
         why, hint = "in torch.compile'd code compiled before the hooks were registered", LATE_HINT
     return (f"the hooks of {len(silent)} of {total} capture sites never ran ({silent[0]}"

@@ -6,7 +6,9 @@ from __future__ import annotations
 import os
 import socket
 import sys
+import threading
 import time
+from typing import Callable
 
 import torch
 from torch import nn
@@ -51,9 +53,49 @@ class DumpOutput:
             self.writer.error = self.writer.error or describe_error(exc)
         return f"cannot write {self.path}: {self.writer.error}" if self.writer.error else None
 
+    def finish_file(self, status: dict) -> str | None:
+        """Finish the file now; the next round opens a new one. Returns close's answer."""
+        error = self.close(status)
+        if not error:
+            self.writer = None
+        return error
+
     def forget_after_fork(self) -> None:
         if self.writer is not None:
             self.writer.forget_after_fork()
+
+
+# A serving engine is stopped by killing its workers (vLLM: SIGKILL to the process tree), so a
+# file still open then would never be finished: after this long without a forward, the file is
+# finished, and a later request starts the next one.
+IDLE_FINISH_SECONDS = 2.0
+
+
+class IdleFinish:
+    """Calls ``finish`` once the engine has been idle ``seconds`` after the last ``touch``."""
+
+    def __init__(self, finish: Callable[[], None], seconds: float = IDLE_FINISH_SECONDS):
+        self.finish, self.seconds = finish, seconds
+        self._last: float | None = None
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+
+    def touch(self) -> None:
+        self._last = time.monotonic()
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._watch, name="srdd-idle-finish",
+                                            daemon=True)
+            self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _watch(self) -> None:
+        while not self._stop.wait(self.seconds / 4):
+            last = self._last
+            if last is not None and time.monotonic() - last >= self.seconds:
+                self._last = None
+                self.finish()
 
 
 def dump_file_name(dump_path: str) -> str:

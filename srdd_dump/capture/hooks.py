@@ -11,6 +11,7 @@ from __future__ import annotations
 import atexit
 import os
 import sys
+import threading
 from typing import Any
 
 import numpy as np
@@ -33,7 +34,7 @@ from .compiled import (
 )
 from .config import DumpConfig
 from .discovery import Site, find_blocks
-from .dump_file import DumpOutput, dump_meta
+from .dump_file import DumpOutput, IdleFinish, dump_meta
 from .evidence import expect_sites, levels_of, never_run
 from .faults import install_faults
 from .model_facts import autocast_dtype, input_embedding, sites_of
@@ -100,6 +101,8 @@ class CaptureSession:
         self.block_calls = 0
         self._fired: set[tuple[int, int]] = set()  # (layer, site) whose hook ran in a round
         self.output = DumpOutput(config.dump_path)
+        self._lock = threading.RLock()  # the hooks' thread and the idle finish
+        self._idle = IdleFinish(self._finish_idle_file)
         self._ctx: RoundContext | None = None  # the round being captured
         self._token_ids: torch.Tensor | None = None
         self._attention_mask: torch.Tensor | None = None  # (batch, past + seq) of the model call
@@ -202,7 +205,8 @@ class CaptureSession:
     def _on_stack_input(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if not (self._closed or self.replays.active):
             self.block_calls += 1
-        self._guard(self._open_round, module, args, kwargs)
+        with self._lock:
+            self._guard(self._open_round, module, args, kwargs)
 
     def _open_round(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if id(module) in self._serving:
@@ -367,7 +371,13 @@ class CaptureSession:
             self._sink.finish_site(self._ctx, layer, site)
 
     def _submit(self) -> None:
-        ctx, self._ctx = self._ctx, None
+        with self._lock:
+            ctx, self._ctx = self._ctx, None
+            self._submit_round(ctx)
+        if ctx.segments:
+            self._idle.touch()
+
+    def _submit_round(self, ctx: RoundContext) -> None:
         r = ctx.round
         self.records_dropped += drop_misshapen(r)
         for part in (split_round(r, ctx.segments, self.options.tokens) if ctx.segments
@@ -384,6 +394,30 @@ class CaptureSession:
             self.layer_names, self.site_names, self._sink.stat_columns)
         if error:
             self._fail(error)
+
+    def _finish_idle_file(self) -> None:
+        """The serving engine has been idle: finish the file (dump_file.IdleFinish)."""
+        with self._lock:
+            if self._closed or self._ctx is not None or self.output.writer is None:
+                return
+            try:
+                error = self.output.finish_file(self._status())
+            except Exception as exc:  # noqa: BLE001 (a thread of the user's process)
+                error = describe_error(exc)
+            if error and not self.error:
+                self.error = error
+
+    def _status(self) -> dict:
+        silent = never_run(self.layer_names, self.sites, self._fired)
+        partial = explain_partial(silent, len(self.blocks) + len(self.sites))
+        return {
+            "error": self.error, "samples": self.samples, "requests": self._requests.requests,
+            **self.replays.status(), "records_dropped": self.records_dropped,
+            "site_errors": self.site_errors, **self._tp.status(),
+            "sites_never_run": len(silent) if partial else 0,
+            "coverage": self.coverage.as_dict(), "untested_versions": self.version_notes,
+            **self._sink.status(),
+        }
 
     @property
     def path(self) -> str | None:
@@ -418,22 +452,21 @@ class CaptureSession:
 
     def close(self) -> str | None:
         """Remove the hooks and finalise the dump file. Returns its path (None if empty)."""
+        with self._lock:
+            return self._close()
+
+    def _close(self) -> str | None:
         if self._closed:
             return self.path
         self._closed = True
+        self._idle.stop()
         self.remove()
         self._pending = []  # device tensors of a model-level operator
         self._bar.close()
         if self.output.writer is not None:
             silent = never_run(self.layer_names, self.sites, self._fired)
             partial = explain_partial(silent, len(self.blocks) + len(self.sites))
-            error = self.output.close({
-                "error": self.error, "samples": self.samples, **self.replays.status(),
-                "records_dropped": self.records_dropped, "site_errors": self.site_errors,
-                **self._tp.status(), "sites_never_run": len(silent) if partial else 0,
-                "coverage": self.coverage.as_dict(), "untested_versions": self.version_notes,
-                **self._sink.status(),
-            })
+            error = self.output.close(self._status())
             if error and not self.error:
                 self.error = error
                 sys.stderr.write(f"srdd-dump: warning: capture stopped: {self.error}\n")

@@ -103,7 +103,8 @@ def run_exec(command: str, config: DumpConfig, min_free_gb: float = MIN_FREE_GB,
     status_dir = tempfile.mkdtemp(prefix="srdd-status-")
     try:
         returncode = _run_forwarding_signals(argv, child_env(config, status_dir, eager))
-        result = _collect(returncode, status_dir, _partial_files(run_dir))
+        result = _collect(returncode, status_dir, _partial_files(run_dir),
+                          _finished_files(run_dir))
     finally:
         shutil.rmtree(status_dir, ignore_errors=True)
         with contextlib.suppress(OSError):
@@ -166,7 +167,17 @@ def _partial_files(dump_path: str) -> set[str]:
     return {os.path.abspath(os.path.join(dump_path, n)) for n in names if n.endswith(suffix)}
 
 
-def _collect(returncode: int, status_dir: str, new_partials: set[str] | None = None) -> ExecResult:
+def _finished_files(dump_path: str) -> set[str]:
+    try:
+        names = os.listdir(dump_path)
+    except OSError:
+        return set()
+    return {os.path.abspath(os.path.join(dump_path, n)) for n in names
+            if n.endswith(schema.FILE_SUFFIX)}
+
+
+def _collect(returncode: int, status_dir: str, new_partials: set[str] | None = None,
+             run_files: set[str] = frozenset()) -> ExecResult:
     """What the processes reported; ``new_partials``: unfinished dump files of this run."""
     result = ExecResult(returncode=returncode)
     statuses = []
@@ -190,6 +201,11 @@ def _collect(returncode: int, status_dir: str, new_partials: set[str] | None = N
     result.untested_versions = list(dict.fromkeys(
         note for st in statuses for note in st.get("untested_versions") or []))
     reported = {os.path.abspath(f) for f in result.files}
+    for path in sorted(run_files - reported):
+        # finished by its process, which was then killed before it could report (a serving
+        # engine's worker: dump_file.IdleFinish)
+        result.files.append(path)
+        reported.add(path)
     for path in sorted((new_partials or set()) - reported):
         # its process died before finishing it (SIGKILL, out of memory, os._exit)
         result.problems.append(

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 DUMMY = "dummy"  # engine_batch(): a forward of the engine without attention metadata
+MAX_LIVE = 4096  # requests remembered (finished ones are not told apart from live ones)
 BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 
 
@@ -104,6 +105,7 @@ class RequestTracker:
                 req = _Live(self.requests, 0, None)
                 self.requests += 1
                 self.live.append(req)
+                del self.live[:-MAX_LIVE]
                 step = 0
             else:
                 req = self._match(layout, i, first, block, taken)
@@ -123,9 +125,11 @@ class RequestTracker:
     def _match(self, layout: BatchLayout, i: int, first: int, block: int | None,
                taken: set[int]) -> _Live | None:
         """The live request whose next token is this call's first: the one whose last token
-        lies in the cache block this call's row holds for position ``first - 1``."""
+        lies in the cache block this call's row holds for position ``first - 1``; of two, the
+        later (the engine reuses a finished request's blocks)."""
         previous = _block_of(layout, i, first - 1, block)
-        candidates = [r for r in self.live if r.next_position == first and id(r) not in taken]
+        candidates = [r for r in reversed(self.live)
+                      if r.next_position == first and id(r) not in taken]
         exact = [r for r in candidates if previous is not None and r.last_block == previous]
         found = (exact or candidates or [None])[0]
         return found
