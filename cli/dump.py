@@ -118,6 +118,10 @@ def dump(
         typer.echo(f"srdd-dump: run folder {result.run_dir} ({len(result.files)} file"
                    f"{'s' if len(result.files) > 1 else ''}); compare it with: "
                    f"srdd-compare {result.run_dir}", err=True)
+    if result.requests:
+        typer.echo(f"srdd-dump: {result.requests} request{'s' if result.requests > 1 else ''} "
+                   f"seen by the serving engine; the first {min(result.requests, samples)} "
+                   "captured, one sample each", err=True)
     for note in result.untested_versions:
         typer.echo(f"srdd-dump: note: {note}", err=True)
     for line in result.degraded:

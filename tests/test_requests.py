@@ -121,3 +121,16 @@ def test_a_finished_requests_blocks_given_to_a_new_one_do_not_confuse_them():
     # at its third step, request 1 is where request 0 ended: next position 7, block 2
     steps = [tracker.split(*_layout([([5 + k], [1, 2, 3])]))[0] for k in range(3)]
     assert [(s.sample, s.step) for s in steps] == [(1, 1), (1, 2), (1, 3)]
+
+
+def test_a_causality_cut_is_read_within_its_request():
+    tracker = RequestTracker()
+    segments = tracker.split(*_layout([(list(range(4)), [0]), (list(range(3)), [1])]))
+    r = Round(sample=0, step=0, batch=1, seq=7, positions=np.arange(7),
+              probe_rows=np.array([0, 4, 6]))
+    r.tensors = [Tensor(layer=0, site=-1, array=np.zeros((1, 7, 2)), dtype="float32"),
+                 Tensor(layer=0, site=-1, array=np.zeros((1, 3, 2)), dtype="float32",
+                        kind=schema.KIND_CAUSAL, param=5.0, subset=True)]
+    first, second = split_round(r, segments, DumpConfig().parsed().tokens)
+    assert first.tensors[1].param == 4.0  # the first request was not perturbed: all its rows
+    assert second.tensors[1].param == 1.0  # flat row 5 is the second request's position 1

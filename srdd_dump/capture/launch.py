@@ -39,6 +39,7 @@ class ExecResult:
     # evidence the options asked for that some process did not get (coverage.py), one line each
     degraded: list[str] = field(default_factory=list)
     untested_versions: list[str] = field(default_factory=list)  # capture/versions.py
+    requests: int = 0  # a serving engine's requests the files say were seen
 
     @property
     def exit_code(self) -> int:
@@ -167,6 +168,17 @@ def _partial_files(dump_path: str) -> set[str]:
     return {os.path.abspath(os.path.join(dump_path, n)) for n in names if n.endswith(suffix)}
 
 
+def _requests_seen(path: str) -> int:
+    """The serving engine's requests a dump file's status counts (0: none, or unreadable)."""
+    from ..format.reader import DumpReader
+
+    try:
+        with DumpReader(path) as reader:
+            return int(reader.status.get("requests") or 0)
+    except Exception:  # noqa: BLE001 (a file srdd-compare will report on)
+        return 0
+
+
 def _finished_files(dump_path: str) -> set[str]:
     try:
         names = os.listdir(dump_path)
@@ -197,6 +209,7 @@ def _collect(returncode: int, status_dir: str, new_partials: set[str] | None = N
             result.files.append(file)
         if st.get("error"):
             result.problems.append(f"pid {st['pid']}: capture failed: {st['error']}")
+    result.requests = sum(_requests_seen(path) for path in result.files)
     result.degraded = _degraded(statuses)
     result.untested_versions = list(dict.fromkeys(
         note for st in statuses for note in st.get("untested_versions") or []))

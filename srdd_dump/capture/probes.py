@@ -225,10 +225,11 @@ CAUSAL_SIGMA = 1.0  # noise added to the tokens after the cut, in token stds
 
 def perturbed_inputs(
     x: torch.Tensor, spec: ProbeSpec, seeds: Callable[[int, int], int],
-    causal_cut: int | None = None,
+    causal_cut: int | None = None, causal_stop: int | None = None,
 ) -> list[tuple[int, int, float, int, torch.Tensor]]:
     """[(kind, probe, param, seed, x + delta)] for every gain draw and dc constant, and with
-    ``causal_cut`` a copy whose tokens at and after that position carry noise."""
+    ``causal_cut`` a copy whose tokens at and after that position carry noise (up to
+    ``causal_stop``: the end of one request in a serving engine's flat batch)."""
     std = _row_std(x)
     out = []
     probe = 0
@@ -247,8 +248,12 @@ def perturbed_inputs(
         gen = torch.Generator().manual_seed(seed)
         eps = torch.randn(x.shape, generator=gen, dtype=torch.float32).to(x.device)
         eps[..., :causal_cut, :] = 0
+        if causal_stop is not None:
+            eps[..., causal_stop:, :] = 0
         xp = (x.float() + CAUSAL_SIGMA * std * eps).to(x.dtype)
         xp[..., :causal_cut, :] = x[..., :causal_cut, :]  # bit-identical before the cut
+        if causal_stop is not None:  # and after the request
+            xp[..., causal_stop:, :] = x[..., causal_stop:, :]
         out.append((schema.KIND_CAUSAL, 0, float(causal_cut), seed, xp))
     return out
 
@@ -287,6 +292,7 @@ def run_probes(
     cache: FrozenCache | None = None,
     causal_cut: int | None = None,
     stream: bool = False,
+    causal_stop: int | None = None,
 ) -> tuple[list[ProbeOutput], bool]:
     """Replay ``module`` on perturbed copies of its input; returns (outputs, batched?).
 
@@ -300,7 +306,7 @@ def run_probes(
         raise TypeError(f"cannot find the hidden-state input of {type(module).__name__}")
     results: list[ProbeOutput] = []
     with torch.no_grad(), preserved_rng(x.device):
-        perturbed = perturbed_inputs(x, spec, seeds, causal_cut)
+        perturbed = perturbed_inputs(x, spec, seeds, causal_cut, causal_stop)
         batched = (spec.batched and bool(perturbed) and x.dim() >= 2
                    and not serving.replays_alone(module))
         outputs = None

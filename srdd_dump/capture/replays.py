@@ -124,10 +124,9 @@ class Replays:
         decode = ctx.step > 0
         idx = self._layer_of(module) if decode else None
         cache = self.caches.get(idx) if idx is not None else None
-        cut = None
+        cut = stop = None
         if spec.causal and not decode and self.causal.get(id(module)):
-            cut = causal_cut(hidden.shape[-2] if hidden.dim() >= 2 else 1,
-                             probe_seed(ctx.seed, ctx.sample, 0xCA05A1))
+            cut, stop = self._cut(hidden, ctx)
         probes = self._family(ctx, site, "probes") if (
             spec.sigmas or spec.dc or spec.repeats or cut is not None) else None
         host = self.host and self.tp.may_host_replay(module)
@@ -145,7 +144,8 @@ class Replays:
                         self.moe.pinned() if self.moe is not None else nullcontext()):
                     outputs, batched = run_probes(module, args, kwargs, hidden, spec,
                                                   ctx.seeds(layer, site), cache, cut,
-                                                  stream=id(module) in self.serving)
+                                                  stream=id(module) in self.serving,
+                                                  causal_stop=stop)
             except Exception:
                 if not decode:
                     raise
@@ -161,6 +161,20 @@ class Replays:
                 self.sink.probe_outputs(ctx, layer, site, outputs, (ctx.positions, ctx.rows))
         if host:
             self.host_record(module, layer, site, args, kwargs, cache, ctx)
+
+    @staticmethod
+    def _cut(hidden: torch.Tensor, ctx: RoundContext) -> tuple[int | None, int | None]:
+        """The causality probe's first perturbed row, and the row it stops at: in a serving
+        engine's flat batch, inside the last captured prefill (the other requests' rows stay
+        as they were: a change there would test batch independence, not causality)."""
+        seed = probe_seed(ctx.seed, ctx.sample, 0xCA05A1)
+        if ctx.segments is None:
+            return causal_cut(hidden.shape[-2] if hidden.dim() >= 2 else 1, seed), None
+        prefills = [s for s in ctx.segments if s.step == 0 and s.stop - s.start >= 2]
+        if not prefills:
+            return None, None
+        seg = prefills[-1]
+        return seg.start + causal_cut(seg.stop - seg.start, seed), seg.stop
 
     def _rows(self, module, layer, site, role, args, kwargs, hidden, ctx) -> None:
         """A row-wise operator (linear, norm, activation) re-run on the probe rows of its input

