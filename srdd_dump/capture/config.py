@@ -14,6 +14,9 @@ ENV_CONFIG = "SRDD_DUMP_CONFIG"  # JSON DumpConfig handed to every child Python 
 # the end of the line a session gives when the model ran and none of its blocks did: under
 # --exec, a command that failed gets its own line instead (launch.py)
 LAYERS_HINT = "(name them with --layers)"
+# created in the status folder by srdd-dump when it is sent SIGINT or SIGTERM: every capturing
+# process then finishes its file (dump_file.FileWatch)
+FINISH_REQUEST = "finish"
 ENV_STATUS_DIR = "SRDD_DUMP_STATUS_DIR"  # where child processes report how capture went
 
 

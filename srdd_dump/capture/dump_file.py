@@ -71,31 +71,40 @@ class DumpOutput:
 IDLE_FINISH_SECONDS = 2.0
 
 
-class IdleFinish:
-    """Calls ``finish`` once the engine has been idle ``seconds`` after the last ``touch``."""
+class FileWatch:
+    """A thread of the capturing process that finishes its file: ``idle()`` once the engine
+    has been idle ``seconds`` after the last ``touch``, ``now()`` as soon as srdd-dump asks
+    (``request``: a file that appears when srdd-dump is sent SIGINT or SIGTERM)."""
 
-    def __init__(self, finish: Callable[[], None], seconds: float = IDLE_FINISH_SECONDS):
-        self.finish, self.seconds = finish, seconds
+    def __init__(self, idle: Callable[[], None], now: Callable[[], None],
+                 request: str | None, seconds: float = IDLE_FINISH_SECONDS):
+        self.idle, self.now, self.request, self.seconds = idle, now, request, seconds
         self._last: float | None = None
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
 
-    def touch(self) -> None:
-        self._last = time.monotonic()
+    def start(self) -> None:
         if self._thread is None:
-            self._thread = threading.Thread(target=self._watch, name="srdd-idle-finish",
+            self._thread = threading.Thread(target=self._watch, name="srdd-file-watch",
                                             daemon=True)
             self._thread.start()
+
+    def touch(self) -> None:
+        self._last = time.monotonic()
+        self.start()
 
     def stop(self) -> None:
         self._stop.set()
 
     def _watch(self) -> None:
-        while not self._stop.wait(self.seconds / 4):
+        while not self._stop.wait(0.2):
+            if self.request and os.path.exists(self.request):
+                self.now()
+                return
             last = self._last
             if last is not None and time.monotonic() - last >= self.seconds:
                 self._last = None
-                self.finish()
+                self.idle()
 
 
 def dump_file_name(dump_path: str) -> str:

@@ -34,7 +34,7 @@ from .compiled import (
 )
 from .config import DumpConfig
 from .discovery import Site, find_blocks
-from .dump_file import DumpOutput, IdleFinish, dump_meta
+from .dump_file import DumpOutput, FileWatch, dump_meta
 from .evidence import expect_sites, levels_of, never_run
 from .faults import install_faults
 from .model_facts import autocast_dtype, input_embedding, sites_of
@@ -102,7 +102,9 @@ class CaptureSession:
         self._fired: set[tuple[int, int]] = set()  # (layer, site) whose hook ran in a round
         self.output = DumpOutput(config.dump_path)
         self._lock = threading.RLock()  # the hooks' thread and the idle finish
-        self._idle = IdleFinish(self._finish_idle_file)
+        status_dir = os.environ.get(cfg.ENV_STATUS_DIR)
+        self._watch = FileWatch(self._finish_idle_file, self.close, status_dir and os.path.join(
+            status_dir, cfg.FINISH_REQUEST))
         self._ctx: RoundContext | None = None  # the round being captured
         self._token_ids: torch.Tensor | None = None
         self._attention_mask: torch.Tensor | None = None  # (batch, past + seq) of the model call
@@ -373,9 +375,13 @@ class CaptureSession:
     def _submit(self) -> None:
         with self._lock:
             ctx, self._ctx = self._ctx, None
+            if self._closed:
+                return  # closed by the file watch while the round ran
             self._submit_round(ctx)
         if ctx.segments:
-            self._idle.touch()
+            self._watch.touch()
+        else:
+            self._watch.start()
 
     def _submit_round(self, ctx: RoundContext) -> None:
         r = ctx.round
@@ -459,7 +465,7 @@ class CaptureSession:
         if self._closed:
             return self.path
         self._closed = True
-        self._idle.stop()
+        self._watch.stop()
         self.remove()
         self._pending = []  # device tensors of a model-level operator
         self._bar.close()

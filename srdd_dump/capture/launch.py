@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, replace
 from ..errors import UserError
 from ..format import schema
 from ..runtime.terminal import terminal_delivers_to_child
-from .config import ENV_CONFIG, ENV_STATUS_DIR, LAYERS_HINT, DumpConfig
+from .config import ENV_CONFIG, ENV_STATUS_DIR, FINISH_REQUEST, LAYERS_HINT, DumpConfig
 from .diskspace import MIN_FREE_GB, check_free_space
 
 EXIT_CAPTURE_FAILED = 3
@@ -103,7 +103,8 @@ def run_exec(command: str, config: DumpConfig, min_free_gb: float = MIN_FREE_GB,
     config = replace(config, dump_path=run_dir, command=command)
     status_dir = tempfile.mkdtemp(prefix="srdd-status-")
     try:
-        returncode = _run_forwarding_signals(argv, child_env(config, status_dir, eager))
+        returncode = _run_forwarding_signals(argv, child_env(config, status_dir, eager),
+                                             status_dir, run_dir)
         result = _collect(returncode, status_dir, _partial_files(run_dir),
                           _finished_files(run_dir))
     finally:
@@ -131,13 +132,18 @@ def new_run_folder(output: str) -> str:
                             f"({exc.strerror})") from None
 
 
-def _run_forwarding_signals(argv: list[str], env: dict[str, str]) -> int:
+def _run_forwarding_signals(argv: list[str], env: dict[str, str], status_dir: str = "",
+                            run_dir: str = "") -> int:
     """Run and wait for the child; pass SIGINT/SIGTERM on so it can finish its dump file. The
-    handlers are in place before the child starts, so no signal is lost in between."""
+    handlers are in place before the child starts, so no signal is lost in between. Before a
+    signal is passed on, the capturing processes are asked to finish their files
+    (dump_file.FileWatch) and given up to FINISH_WAIT_SECONDS: a serving engine kills its
+    workers with SIGKILL when stopped."""
     procs: list[subprocess.Popen] = []
     pending: list[int] = []
 
     def forward(signum, frame):
+        _finish_files(status_dir, run_dir)
         if signum == signal.SIGINT and terminal_delivers_to_child():
             return  # Ctrl-C at a terminal already reached the child's process group
         if not procs:
@@ -157,6 +163,20 @@ def _run_forwarding_signals(argv: list[str], env: dict[str, str]) -> int:
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
+
+
+FINISH_WAIT_SECONDS = 5.0
+
+
+def _finish_files(status_dir: str, run_dir: str) -> None:
+    """Ask every capturing process to finish its file; wait until none is left unfinished."""
+    if not status_dir:
+        return
+    with contextlib.suppress(OSError):
+        open(os.path.join(status_dir, FINISH_REQUEST), "w").close()
+    deadline = time.monotonic() + FINISH_WAIT_SECONDS
+    while _partial_files(run_dir) and time.monotonic() < deadline:
+        time.sleep(0.1)
 
 
 def _partial_files(dump_path: str) -> set[str]:
