@@ -188,15 +188,16 @@ def _partial_files(dump_path: str) -> set[str]:
     return {os.path.abspath(os.path.join(dump_path, n)) for n in names if n.endswith(suffix)}
 
 
-def _requests_seen(path: str) -> int:
-    """The serving engine's requests a dump file's status counts (0: none, or unreadable)."""
+def _requests_seen(path: str) -> tuple[int, int]:
+    """(pid, the serving engine's requests the file's status counts: 0 when none or
+    unreadable)."""
     from ..format.reader import DumpReader
 
     try:
         with DumpReader(path) as reader:
-            return int(reader.status.get("requests") or 0)
+            return int(reader.meta.get("pid") or 0), int(reader.status.get("requests") or 0)
     except Exception:  # noqa: BLE001 (a file srdd-compare will report on)
-        return 0
+        return 0, 0
 
 
 def _finished_files(dump_path: str) -> set[str]:
@@ -229,16 +230,20 @@ def _collect(returncode: int, status_dir: str, new_partials: set[str] | None = N
             result.files.append(file)
         if st.get("error"):
             result.problems.append(f"pid {st['pid']}: capture failed: {st['error']}")
-    result.requests = sum(_requests_seen(path) for path in result.files)
     result.degraded = _degraded(statuses)
     result.untested_versions = list(dict.fromkeys(
         note for st in statuses for note in st.get("untested_versions") or []))
     reported = {os.path.abspath(f) for f in result.files}
     for path in sorted(run_files - reported):
         # finished by its process, which was then killed before it could report (a serving
-        # engine's worker: dump_file.IdleFinish)
+        # engine's worker: dump_file.FileWatch)
         result.files.append(path)
         reported.add(path)
+    seen: dict[int, int] = {}  # a process's files count its requests cumulatively
+    for path in result.files:
+        pid, n = _requests_seen(path)
+        seen[pid] = max(seen.get(pid, 0), n)
+    result.requests = sum(seen.values())
     for path in sorted((new_partials or set()) - reported):
         # its process died before finishing it (SIGKILL, out of memory, os._exit)
         result.problems.append(
