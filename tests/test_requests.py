@@ -62,16 +62,21 @@ def test_a_call_that_continues_nothing_known_is_not_a_sample():
 
 
 def test_the_planner_captures_the_requests_the_options_select():
-    tracker = RequestTracker()
-    segments = tracker.split(*_layout([(list(range(5)), [0, 1]), (list(range(3)), [2]),
-                                       (list(range(2)), [4])]))
     planner = RoundPlanner(DumpConfig(samples=2, store="sample:16", probe_samples=1),
                            probing=True)
-    ctx = planner.open_requests(segments, 10, 8, torch.arange(10), RecordSink().round_rows)
+    layout = _layout([(list(range(5)), [0, 1]), (list(range(3)), [2]), (list(range(2)), [4])])
+    ctx = planner.open_requests(*layout, 10, 8, torch.arange(10), RecordSink().round_rows)
     assert [s.sample for s in ctx.segments] == [0, 1]  # the third request is past --samples
     rows = ctx.rows.tolist()
     assert 0 in rows and all(r < 5 for r in rows)  # probed: the first request only
     assert ctx.round.token_ids.tolist() == [list(range(10))]
+    assert planner.samples_seen == 2
+    # a later forward with only requests past --samples: everything asked for is captured
+    later = _layout([([5], [0, 1, 5]), ([3], [2, 6])])
+    ctx = planner.open_requests(*later, 2, 8, None, RecordSink().round_rows)
+    assert ctx is not None and ctx != RoundPlanner.DONE  # requests 0 and 1 still decode
+    done = _layout([(list(range(4)), [9])])
+    assert planner.open_requests(*done, 4, 8, None, RecordSink().round_rows) == RoundPlanner.DONE
 
 
 def test_a_flat_round_becomes_one_round_per_request():

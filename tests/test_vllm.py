@@ -112,7 +112,7 @@ def test_offline_bf16_single_process_fault_is_named(tmp_path):
 
 
 def test_eager_option_runs_a_compiled_engine_eagerly(tmp_path):
-    run, _ = _dump(tmp_path, "eager", f"python infer_vllm.py --prompts 2 --new-tokens 3 "
+    run, _ = _dump(tmp_path, "eager", "python infer_vllm.py --prompts 2 --new-tokens 3 "
                    "--compiled", "--eager")
     assert {r[0] for r in _rounds(run)} == {0, 1}
 

@@ -14,7 +14,6 @@ import sys
 import threading
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -68,7 +67,6 @@ class CaptureSession:
         self._tp = TensorParallel(model, [m for _, m in self.blocks]
                                   + [site.module for site in self.sites], config.tp_replays)
         self.probe_spec = ProbeSpec.of(config)
-        self._requests = requests.RequestTracker()  # a serving engine's requests
         self._rounds = RoundPlanner(config, bool(options.probes) or config.reference == "host")
         # blocks of the (hidden_states, residual) convention; the inputs of modules that may
         # overwrite them (a fused add + norm), copied before they run (serving.py)
@@ -119,7 +117,7 @@ class CaptureSession:
     def samples(self) -> int:
         """Samples seen so far: prefill forwards, or a serving engine's requests (the first
         --samples of them are captured)."""
-        return max(self._rounds.sample + 1, min(self._requests.requests, self.config.samples))
+        return self._rounds.samples_seen
 
     # -- hooks ----------------------------------------------------------------------------
     def _install(self) -> None:
@@ -236,7 +234,12 @@ class CaptureSession:
             if isinstance(layout, requests.BatchLayout) else None)
         if positions is not None and positions.size >= int(layout.starts[-1]) \
                 and self._sink.splits_rounds:
-            self._ctx = self._open_requests(layout, positions, seq, token_ids)
+            self._ctx = self._rounds.open_requests(layout, positions, seq, self._width,
+                                                   token_ids, self._sink.round_rows)
+            if self._ctx is RoundPlanner.DONE:
+                self._ctx = None
+                self.close()  # the first --samples requests are done: stop paying for hooks
+                return
         else:
             if positions is not None:  # a serving batch the store cannot split
                 self.coverage.expect("request samples")
@@ -253,17 +256,6 @@ class CaptureSession:
         self._add(schema.STACK_INPUT, schema.BLOCK_SITE, hidden)
         self._finish_site(schema.STACK_INPUT, schema.BLOCK_SITE)
         self._add_pending()
-
-    def _open_requests(self, layout: requests.BatchLayout, positions: np.ndarray, seq: int,
-                       token_ids: torch.Tensor | None) -> RoundContext | None:
-        """A serving engine's flat forward: its requests, each a sample of its own."""
-        segments = self._requests.split(layout, positions)
-        if self._requests.requests >= self.config.samples and all(
-                s.sample < 0 or s.sample >= self.config.samples for s in segments):
-            self.close()  # the first --samples requests are done: stop paying for hooks
-            return None
-        return self._rounds.open_requests(segments, seq, self._width, token_ids,
-                                          self._sink.round_rows)
 
     def _output_hook(self, layer: int, site: int, last: bool):
         @opaque
@@ -417,7 +409,8 @@ class CaptureSession:
         silent = never_run(self.layer_names, self.sites, self._fired)
         partial = explain_partial(silent, len(self.blocks) + len(self.sites))
         return {
-            "error": self.error, "samples": self.samples, "requests": self._requests.requests,
+            "error": self.error, "samples": self.samples,
+            "requests": self._rounds.requests.requests,
             **self.replays.status(), "records_dropped": self.records_dropped,
             "site_errors": self.site_errors, **self._tp.status(),
             "sites_never_run": len(silent) if partial else 0,

@@ -17,6 +17,7 @@ from ..format.writer import Round
 from . import config as cfg
 from .config import DumpConfig
 from .probes import probe_seed
+from .requests import BatchLayout, RequestTracker
 
 
 @dataclass
@@ -87,10 +88,18 @@ class RoundPlanner:
     step of the current sample. The options pick the samples, steps and token positions kept,
     and which of those rounds are probed (and on which rows)."""
 
+    DONE = "done"  # open_requests: the requests asked for are all captured
+
     def __init__(self, config: DumpConfig, probing: bool):
         self.config, self.options = config, config.parsed()
         self.probing = probing  # probes or host replays asked for
         self.sample, self.step = -1, 0
+        self.requests = RequestTracker()  # a serving engine's requests
+
+    @property
+    def samples_seen(self) -> int:
+        """Prefill forwards, or a serving engine's requests up to --samples."""
+        return max(self.sample + 1, min(self.requests.requests, self.config.samples))
 
     def advance(self, seq: int) -> bool:
         """Count a forward of ``seq`` tokens; False once everything asked for is captured."""
@@ -132,13 +141,18 @@ class RoundPlanner:
             seed=self.config.seed, keep=keep,
         )
 
-    def open_requests(self, segments: list, n_tokens: int, width: int,
-                      token_ids: torch.Tensor | None, sample_rows: Callable
-                      ) -> RoundContext | None:
-        """The context of a serving engine's flat forward (requests.Segment each): captured
-        when one of its requests is a sample and step the options select; its probe rows are
-        the first token of every probed request and seeded others of those requests."""
+    def open_requests(self, layout: BatchLayout, positions: np.ndarray, n_tokens: int,
+                      width: int, token_ids: torch.Tensor | None, sample_rows: Callable
+                      ) -> RoundContext | str | None:
+        """The context of a serving engine's flat forward, split into its requests (one
+        requests.Segment each): captured when one of its requests is a sample and step the
+        options select; its probe rows are the first token of every probed request and seeded
+        others of those requests. DONE once the first --samples requests are past."""
         opts, config = self.options, self.config
+        segments = self.requests.split(layout, positions)
+        if self.requests.requests >= config.samples and all(
+                s.sample < 0 or s.sample >= config.samples for s in segments):
+            return self.DONE
         chosen = [s for s in segments
                   if 0 <= s.sample < config.samples and s.step >= 0
                   and cfg.step_selected(opts.steps, s.step)]
