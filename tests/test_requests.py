@@ -139,3 +139,13 @@ def test_a_causality_cut_is_read_within_its_request():
     first, second = split_round(r, segments, DumpConfig().parsed().tokens)
     assert first.tensors[1].param == 4.0  # the first request was not perturbed: all its rows
     assert second.tensors[1].param == 1.0  # flat row 5 is the second request's position 1
+
+
+def test_a_vllm_batch_without_its_layout_is_reported_not_guessed(monkeypatch):
+    from srdd_dump.capture.requests import read_batch
+
+    positions = torch.arange(6)
+    assert read_batch(positions) == (None, None, None)  # no engine: a flat single sequence
+    monkeypatch.setitem(sys.modules, "vllm", types.ModuleType("vllm"))
+    layout, flat, why = read_batch(positions)  # vLLM, but no forward context to split by
+    assert layout is None and flat is None and "forward context" in why

@@ -55,6 +55,17 @@ def _rounds(run: str) -> list[tuple[int, int, list[int], list[int]]]:
             for x in r.rounds)
 
 
+def _kinds(run: str) -> dict[str, int]:
+    """How many records of each kind the run's file holds."""
+    from srdd_dump.format import schema
+    from srdd_dump.format.reader import DumpReader
+
+    (path,) = glob.glob(os.path.join(run, "*.h5"))
+    with DumpReader(path) as r:
+        kinds, counts = np.unique(r.records["kind"], return_counts=True)
+    return {schema.KIND_NAMES[int(k)]: int(n) for k, n in zip(kinds, counts)}
+
+
 def _compare(run: str, *options: str) -> str:
     proc = run_cli("srdd-compare", run, "-o", os.path.join(run, "report.csv"), *options)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -100,6 +111,7 @@ def test_offline_one_sample_per_request_and_the_hf_baseline_passes(tmp_path, hf_
         assert pos == [len(prefills[s][2]) + step - 1]  # the real position of the new token
     text = _compare(run)
     assert "0 FAULT" in text
+    assert _kinds(run)["causal"] > 0  # vLLM's attention is checked for causality
     text = _compare(run, "--baseline", hf)
     assert f"({len(rounds)} compared rounds)" in text and " 0 FAIL, 0 N/A" in text, text
 
@@ -123,7 +135,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _complete(port: int, model: str, prompt: str) -> str:
+def _complete(port: int, model: str, prompt: list[int]) -> str:
     req = urllib.request.Request(
         f"http://127.0.0.1:{port}/v1/completions",
         data=json.dumps({"model": model, "prompt": prompt, "max_tokens": NEW_TOKENS,
@@ -134,9 +146,11 @@ def _complete(port: int, model: str, prompt: str) -> str:
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_serve_captures_the_requests_and_finishes_its_file_on_sigint(tmp_path, dtype):
+def test_serve_captures_the_requests_and_finishes_its_file_on_sigint(tmp_path, dtype, hf_run):
     sys.path.insert(0, FIXTURES)
-    from smollm2 import chat_prompts, engine_checkpoint
+    from transformers import AutoTokenizer
+
+    from smollm2 import chat_ids, chat_prompts, engine_checkpoint
 
     model, port = engine_checkpoint(), _free_port()
     server = (f"python -m vllm.entrypoints.openai.api_server --model {model} --port {port} "
@@ -157,7 +171,10 @@ def test_serve_captures_the_requests_and_finishes_its_file_on_sigint(tmp_path, d
             except OSError:
                 assert proc.poll() is None and time.monotonic() < deadline, "no server"
                 time.sleep(1)
-        answers = [_complete(port, model, p) for p in chat_prompts(0, PROMPTS)]
+        tokenizer = AutoTokenizer.from_pretrained(model)
+        # the prompts as token ids, as the Hugging Face run reads them (the golden side)
+        answers = [_complete(port, model, chat_ids(tokenizer, p)[0].tolist())
+                   for p in chat_prompts(0, PROMPTS)]
         assert all(answers)
     finally:
         proc.send_signal(signal.SIGINT)
@@ -170,3 +187,6 @@ def test_serve_captures_the_requests_and_finishes_its_file_on_sigint(tmp_path, d
     assert sorted({r[0] for r in rounds}) == list(range(PROMPTS))
     assert all(np.diff(r[2]).tolist() == [1] * (len(r[2]) - 1) for r in rounds)
     assert _top(run) == ("FAULT", 10)
+    if dtype == "float32":  # against the healthy Hugging Face run: the first divergence
+        text = _compare(run, "--baseline", hf_run[0])
+        assert "layer 10 (model.layers.10) introduced the error" in text, text

@@ -222,18 +222,18 @@ class CaptureSession:
         if self._moe is not None:
             self._moe.open_round()
         self._frozen.clear()
-        layout = requests.engine_batch() if id(module) in self._serving else None
+        layout, positions, unsplit = (requests.read_batch(serving.named_input(
+            module, args, kwargs, serving.POSITIONS)[0]) if id(module) in self._serving
+            else (None, None, None))
         if layout == requests.DUMMY or not isinstance(hidden, torch.Tensor):
             return  # an engine's dummy, profile or warm-up forward is never a sample
         hidden = self._tp.local(hidden, "stack input")
         self._width = int(hidden.shape[-1])
         batch = hidden.shape[0] if hidden.dim() >= 3 else 1
         seq = hidden.shape[-2] if hidden.dim() >= 2 else 1
-        positions = (requests.flat_positions(
-            serving.named_input(module, args, kwargs, serving.POSITIONS)[0])
-            if isinstance(layout, requests.BatchLayout) else None)
-        if positions is not None and positions.size >= int(layout.starts[-1]) \
-                and self._sink.splits_rounds:
+        if positions is not None and not self._sink.splits_rounds:
+            unsplit = "--store stats reduces a whole forward: its requests are not told apart"
+        if positions is not None and not unsplit:
             self._ctx = self._rounds.open_requests(layout, positions, seq, self._width,
                                                    token_ids, self._sink.round_rows)
             if self._ctx is RoundPlanner.DONE:
@@ -241,10 +241,9 @@ class CaptureSession:
                 self.close()  # the first --samples requests are done: stop paying for hooks
                 return
         else:
-            if positions is not None:  # a serving batch the store cannot split
+            if unsplit:  # a serving batch written as one sample
                 self.coverage.expect("request samples")
-                self.coverage.failed("request samples", "--store stats reduces a whole "
-                                     "forward: its requests are not told apart")
+                self.coverage.failed("request samples", unsplit)
             if not self._rounds.advance(seq):
                 self.close()  # everything asked for is captured: stop paying for hooks
                 return

@@ -159,6 +159,23 @@ def _block_of(layout: BatchLayout, i: int, position: int, block: int | None) -> 
     return int(layout.block_table[i, col]) if col < layout.block_table.shape[1] else None
 
 
+def read_batch(positions: Any) -> tuple[BatchLayout | str | None, np.ndarray | None,
+                                         str | None]:
+    """A serving block's forward as (layout, flat positions, why it cannot be split): layout
+    DUMMY for an engine's dummy run; (None, None, None) outside an engine; a reason when a vLLM
+    block's flat batch has no layout to split it by (a vLLM this code does not know)."""
+    layout, flat = engine_batch(), flat_positions(positions)
+    if layout == DUMMY:
+        return DUMMY, None, None
+    if isinstance(layout, BatchLayout) and flat is not None \
+            and flat.size >= int(layout.starts[-1]):
+        return layout, flat, None
+    if "vllm" in sys.modules and flat is not None:
+        return None, None, ("vLLM's forward context did not give the batch's requests "
+                            "(query_start_loc): each forward is written as one sample")
+    return None, None, None
+
+
 def flat_positions(value: Any) -> np.ndarray | None:
     """A forward's positions tensor (tokens,) as numpy; None when it is not one."""
     if isinstance(value, torch.Tensor) and value.dim() == 1 and not value.is_floating_point():
