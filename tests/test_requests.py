@@ -149,3 +149,14 @@ def test_a_vllm_batch_without_its_layout_is_reported_not_guessed(monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm", types.ModuleType("vllm"))
     layout, flat, why = read_batch(positions)  # vLLM, but no forward context to split by
     assert layout is None and flat is None and "forward context" in why
+
+
+def test_calls_that_are_not_captured_are_counted():
+    planner = RoundPlanner(DumpConfig(samples=4), probing=False)
+    rows = RecordSink().round_rows
+    planner.open_requests(*_layout([(list(range(4)), [0, 1])]), 4, 8, None, rows)
+    # the rest of a prompt chunked over two forwards, and a call nobody began
+    planner.open_requests(*_layout([([4, 5, 6], [0, 1]), ([9], [7, 8, 9])]), 4, 8, None, rows)
+    assert planner.request_calls[0] is None
+    assert "chunked prefill" in planner.request_calls[1]
+    assert "continues no request" in planner.request_calls[2]

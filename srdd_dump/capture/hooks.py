@@ -236,6 +236,13 @@ class CaptureSession:
         if positions is not None and not unsplit:
             self._ctx = self._rounds.open_requests(layout, positions, seq, self._width,
                                                    token_ids, self._sink.round_rows)
+            calls, self._rounds.request_calls = self._rounds.request_calls, []
+            for why in calls:
+                self.coverage.expect("request samples")
+                if why is None:
+                    self.coverage.ran("request samples")
+                else:
+                    self.coverage.failed("request samples", why)
             if self._ctx is RoundPlanner.DONE:
                 self._ctx = None
                 self.close()  # the first --samples requests are done: stop paying for hooks

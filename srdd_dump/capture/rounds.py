@@ -95,6 +95,9 @@ class RoundPlanner:
         self.probing = probing  # probes or host replays asked for
         self.sample, self.step = -1, 0
         self.requests = RequestTracker()  # a serving engine's requests
+        # request calls within --samples, each captured (None) or why not (coverage: the
+        # session counts them in the "request samples" family)
+        self.request_calls: list[str | None] = []
 
     @property
     def samples_seen(self) -> int:
@@ -153,6 +156,14 @@ class RoundPlanner:
         if self.requests.requests >= config.samples and all(
                 s.sample < 0 or s.sample >= config.samples for s in segments):
             return self.DONE
+        for s in segments:
+            if s.sample < 0:
+                self.request_calls.append(
+                    "a call that continues no request seen (a request begun before capture)")
+            elif s.sample < config.samples:
+                self.request_calls.append(None if s.step >= 0 else (
+                    "a prompt split over forwards (chunked prefill): its later chunks are "
+                    "not captured"))
         chosen = [s for s in segments
                   if 0 <= s.sample < config.samples and s.step >= 0
                   and cfg.step_selected(opts.steps, s.step)]
