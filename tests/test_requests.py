@@ -71,6 +71,9 @@ def test_the_planner_captures_the_requests_the_options_select():
     assert 0 in rows and all(r < 5 for r in rows)  # probed: the first request only
     assert ctx.round.token_ids.tolist() == [list(range(10))]
     assert planner.samples_seen == 2
+    tokens = RoundPlanner(DumpConfig(tokens="-1:"), probing=False)
+    ctx = tokens.open_requests(*layout, 10, 8, None, RecordSink().round_rows)
+    assert [s.kept.tolist() for s in ctx.segments] == [[4], [7], [9]]  # per request
     # a later forward with only requests past --samples: everything asked for is captured
     later = _layout([([5], [0, 1, 5]), ([3], [2, 6])])
     ctx = planner.open_requests(*later, 2, 8, None, RecordSink().round_rows)
@@ -88,15 +91,16 @@ def test_a_flat_round_becomes_one_round_per_request():
     r.tensors = [Tensor(layer=0, site=-1, array=flat, dtype="float32"),
                  Tensor(layer=0, site=-1, array=flat[:, [0, 4, 6]], dtype="float32",
                         kind=schema.KIND_GAIN, subset=True)]
-    first, second = split_round(r, segments, DumpConfig().parsed().tokens)
+    first, second = split_round(r, segments)
     assert (first.sample, first.seq, second.sample, second.seq) == (0, 4, 1, 3)
     assert second.positions.tolist() == [0, 1, 2]
     assert second.token_ids.tolist() == [[104, 105, 106]]
     assert np.array_equal(second.tensors[0].array, flat[:, 4:7])
     assert first.probe_rows.tolist() == [0] and second.probe_rows.tolist() == [0, 2]
     assert np.array_equal(second.tensors[1].array, flat[:, [4, 6]])
-    # --tokens applies within each request
-    last, = split_round(r, segments[1:], DumpConfig(tokens="-1:").parsed().tokens)
+    # --tokens applies within each request (the planner keeps its last token: flat row 6)
+    segments[1].kept = np.array([6])
+    last, = split_round(r, segments[1:])
     assert last.positions.tolist() == [2] and last.probe_rows.tolist() == [0]
     assert np.array_equal(last.tensors[0].array, flat[:, [6]])
 
@@ -136,7 +140,7 @@ def test_a_causality_cut_is_read_within_its_request():
     r.tensors = [Tensor(layer=0, site=-1, array=np.zeros((1, 7, 2)), dtype="float32"),
                  Tensor(layer=0, site=-1, array=np.zeros((1, 3, 2)), dtype="float32",
                         kind=schema.KIND_CAUSAL, param=5.0, subset=True)]
-    first, second = split_round(r, segments, DumpConfig().parsed().tokens)
+    first, second = split_round(r, segments)
     assert first.tensors[1].param == 4.0  # the first request was not perturbed: all its rows
     assert second.tensors[1].param == 1.0  # flat row 5 is the second request's position 1
 
@@ -160,3 +164,36 @@ def test_calls_that_are_not_captured_are_counted():
     assert planner.request_calls[0] is None
     assert "chunked prefill" in planner.request_calls[1]
     assert "continues no request" in planner.request_calls[2]
+
+
+def test_the_stats_store_reduces_each_request_as_if_it_ran_alone():
+    from srdd_dump.capture.probes import ProbeSpec
+    from srdd_dump.capture.rounds import RoundContext
+    from srdd_dump.capture.sinks import make_sink
+
+    spec = ProbeSpec(sigmas=(0.1,), draws=1, dc=(), repeats=0, batched=True)
+    store = DumpConfig(store="stats").parsed().store
+    planner = RoundPlanner(DumpConfig(store="stats"), probing=True)
+    layout = _layout([(list(range(5)), [0, 1]), (list(range(4)), [2])])
+    torch.manual_seed(0)
+    hidden = torch.randn(1, 9, 8)
+    gain = hidden * 1.01
+    flat_sink = make_sink(store, spec, 0)
+    ctx = planner.open_requests(*layout, 9, 8, None, flat_sink.round_rows)
+    flat_sink.open_round(ctx)
+    flat_sink.clean(ctx, 0, -1, hidden)
+    flat_sink.probe(ctx, 0, -1, gain[:, ctx.rows], schema.KIND_GAIN, 0, 0.1, 1, 0.1)
+    flat_sink.finish_site(ctx, 0, -1)
+    for seg in ctx.segments:
+        alone = make_sink(store, spec, 0)
+        rows = ctx.rows[(ctx.rows >= seg.start) & (ctx.rows < seg.stop)]
+        own = RoundContext(
+            round=Round(sample=seg.sample, step=0, batch=1, seq=seg.stop - seg.start,
+                        positions=seg.positions, probe_rows=None),
+            positions=None, rows=rows - seg.start, seed=0)
+        alone.open_round(own)
+        alone.clean(own, 0, -1, hidden[:, seg.start:seg.stop])
+        alone.probe(own, 0, -1, gain[:, rows], schema.KIND_GAIN, 0, 0.1, 1, 0.1)
+        alone.finish_site(own, 0, -1)
+        (want,), (got,) = own.round.stats, seg.stats
+        assert np.array_equal(want.values, got.values, equal_nan=True)

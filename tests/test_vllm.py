@@ -145,8 +145,9 @@ def _complete(port: int, model: str, prompt: list[int]) -> str:
         return json.load(answer)["choices"][0]["text"]
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_serve_captures_the_requests_and_finishes_its_file_on_sigint(tmp_path, dtype, hf_run):
+@pytest.mark.parametrize("dtype,store", [("float32", "sample:32768"), ("bfloat16", "stats")])
+def test_serve_captures_the_requests_and_finishes_its_file_on_sigint(tmp_path, dtype, store,
+                                                                     hf_run):
     sys.path.insert(0, FIXTURES)
     from transformers import AutoTokenizer
 
@@ -160,7 +161,7 @@ def test_serve_captures_the_requests_and_finishes_its_file_on_sigint(tmp_path, d
                + os.environ.get("PATH", ""))
     proc = subprocess.Popen(
         [sys.executable, "-m", "srdd_dump.cli.dump", "--exec", server, "-o", str(tmp_path),
-         "-q", "--inject", FAULT], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+         "-q", "--inject", FAULT, "--store", store], cwd=ROOT, env=env, stdout=subprocess.PIPE,
         stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 600

@@ -231,8 +231,6 @@ class CaptureSession:
         self._width = int(hidden.shape[-1])
         batch = hidden.shape[0] if hidden.dim() >= 3 else 1
         seq = hidden.shape[-2] if hidden.dim() >= 2 else 1
-        if positions is not None and not self._sink.splits_rounds:
-            unsplit = "--store stats reduces a whole forward: its requests are not told apart"
         if positions is not None and not unsplit:
             self._ctx = self._rounds.open_requests(layout, positions, seq, self._width,
                                                    token_ids, self._sink.round_rows)
@@ -384,7 +382,7 @@ class CaptureSession:
     def _submit_round(self, ctx: RoundContext) -> None:
         r = ctx.round
         self.records_dropped += drop_misshapen(r)
-        for part in (split_round(r, ctx.segments, self.options.tokens) if ctx.segments
+        for part in (split_round(r, ctx.segments) if ctx.segments
                      else [r]):
             if not self._closed:
                 self._write(part)

@@ -72,6 +72,11 @@ class Segment:
     positions: np.ndarray  # the tokens' positions in their request
     sample: int  # the request's number, in the order the engine first ran them (-1: unknown)
     step: int  # 0: its prefill; n: its n-th decode step
+    kept: np.ndarray | None = None  # flat rows kept (--tokens within the request)
+    stats: list = field(default_factory=list)  # its stats rows (--store stats: sinks.py)
+
+    def kept_rows(self) -> np.ndarray:
+        return self.kept if self.kept is not None else np.arange(self.start, self.stop)
 
 
 @dataclass

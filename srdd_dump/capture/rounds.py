@@ -166,7 +166,11 @@ class RoundPlanner:
                     "not captured"))
         chosen = [s for s in segments
                   if 0 <= s.sample < config.samples and s.step >= 0
-                  and cfg.step_selected(opts.steps, s.step)]
+                  and cfg.step_selected(opts.steps, s.step)
+                  and cfg.token_positions(opts.tokens, s.stop - s.start)]
+        for s in chosen:
+            s.kept = s.start + np.asarray(cfg.token_positions(opts.tokens, s.stop - s.start),
+                                          dtype=np.int64)
         if not chosen:
             return None
         probed = [s for s in chosen if self.probing and s.sample < config.probe_samples
@@ -186,28 +190,29 @@ class RoundPlanner:
         ids = None
         if token_ids is not None and token_ids.numel() == n_tokens:
             ids = token_ids.detach().to("cpu").reshape(1, n_tokens).numpy()
+        # a forward holding a prefill is replayed as one (its causality probe runs)
+        lead = min(chosen, key=lambda s: s.step)
         return RoundContext(
-            round=Round(sample=chosen[0].sample, step=chosen[0].step, batch=1, seq=n_tokens,
+            round=Round(sample=lead.sample, step=lead.step, batch=1, seq=n_tokens,
                         positions=np.arange(n_tokens), token_ids=ids, time=time.time(),
-                        probe_rows=sample_rows(rows, None, 1, n_tokens, chosen[0].sample,
-                                               chosen[0].step)),
+                        probe_rows=sample_rows(rows, None, 1, n_tokens, lead.sample,
+                                               lead.step)),
             positions=None,
             rows=None if rows is None else torch.from_numpy(rows),
             seed=config.seed, segments=chosen,
         )
 
 
-def split_round(r: Round, segments: list, tokens: object) -> list[Round]:
+def split_round(r: Round, segments: list) -> list[Round]:
     """A serving engine's flat forward as one round per request segment: its rows of every
-    record, its real positions (``tokens``: the --tokens choice, applied per request) and
-    its token ids; its probe rows renumbered within it."""
+    record (its kept rows: --tokens applied per request), its real positions and token ids,
+    its probe rows renumbered within it, and its stats rows (the sink reduced each request
+    apart)."""
     out = []
     rows = r.probe_rows
     for seg in segments:
-        keep = np.asarray(cfg.token_positions(tokens, seg.stop - seg.start), dtype=np.int64)
-        if keep.size == 0:
-            continue
-        flat = seg.start + keep
+        flat = seg.kept_rows()
+        keep = flat - seg.start
         index = {int(f): k for k, f in enumerate(flat)}
         mine = (np.array([k for k, row in enumerate(rows) if int(row) in index], dtype=np.int64)
                 if rows is not None else None)
@@ -216,24 +221,24 @@ def split_round(r: Round, segments: list, tokens: object) -> list[Round]:
                      token_ids=None if r.token_ids is None else r.token_ids[:, flat],
                      probe_rows=(None if mine is None or mine.size == 0
                                  else np.array([index[int(rows[k])] for k in mine])),
-                     time=r.time)
+                     time=r.time, stats=list(seg.stats))
         for t in r.tensors:
             if not t.subset:
                 part.tensors.append(dataclasses.replace(t, array=t.array[:, flat]))
             elif part.probe_rows is not None:
-                part.tensors.append(dataclasses.replace(t, array=t.array[:, mine],
-                                                        param=_local_param(t, seg)))
+                part.tensors.append(dataclasses.replace(
+                    t, array=t.array[:, mine], param=local_param(t.kind, t.param, seg)))
         out.append(part)
     return out
 
 
-def _local_param(t, seg) -> float:
+def local_param(kind: int, param: float, seg) -> float:
     """A record's param within one request: a causality probe's cut (a flat row of the batch)
     as that request's position; a request the cut is not in was not perturbed, so all its rows
     are before the cut."""
-    if t.kind != schema.KIND_CAUSAL:
-        return t.param
-    cut = int(t.param)
+    if kind != schema.KIND_CAUSAL:
+        return param
+    cut = int(param)
     if seg.start <= cut < seg.stop:
         return float(seg.positions[cut - seg.start])
     return float(int(np.max(seg.positions)) + 1)

@@ -18,7 +18,7 @@ from .config import StoreSpec
 from .experts import Routing, expert_rows
 from .probes import ProbeOutput, ProbeSpec, probe_seed
 from .reductions import ProbeRows
-from .rounds import RoundContext
+from .rounds import RoundContext, local_param
 from .stats_store import StatsCollector
 from .tensors import _TORCH_TO_LOGICAL, kept, to_host
 
@@ -27,7 +27,6 @@ class RecordSink:
     """The interface (and the parts every store shares)."""
 
     stat_columns: list[str] | None = None  # the dump's stats table, when the store has one
-    splits_rounds = True  # a round's records can be cut into per-request rounds afterwards
 
     def round_rows(self, probe_rows: np.ndarray | None, keep: np.ndarray | None, batch: int,
                    ntok: int, sample: int, step: int) -> np.ndarray | None:
@@ -116,9 +115,9 @@ class TensorSink(RecordSink):
 
 class StatsSink(RecordSink):
     """``stats[:R]``: each site's outputs reduced on the device to its stats row, and R seeded
-    rows of every block output (the baseline mode compares those)."""
-
-    splits_rounds = False  # a stats row reduces every token of the round
+    rows of every block output (the baseline mode compares those). A serving engine's flat
+    forward is reduced request by request (one collector each: ``ctx.segments``), each
+    request's rows going to its own segment for ``rounds.split_round``."""
 
     def __init__(self, store: StoreSpec, spec: ProbeSpec, seed: int):
         self.collector = StatsCollector(
@@ -126,6 +125,10 @@ class StatsSink(RecordSink):
         self.stat_columns = self.collector.columns
         self._rows_kept, self._seed = store.rows, seed
         self._sample_rows: torch.Tensor | None = None
+        self._columns = self.collector.columns
+        # a flat forward's requests: (segment, its collector, which of ctx.rows are its own)
+        self._parts: list[tuple] = []
+        self._seconds = 0.0  # the per-request collectors' time
 
     def round_rows(self, probe_rows, keep, batch, ntok, sample, step) -> np.ndarray:
         """The seeded rows of every block output kept for the baseline mode, attended rows
@@ -141,11 +144,35 @@ class StatsSink(RecordSink):
     def open_round(self, ctx: RoundContext) -> None:
         rows = ctx.round.probe_rows
         self._sample_rows = None if rows is None else torch.from_numpy(rows.astype(np.int64))
+        self._parts = []
+        if ctx.segments:
+            self._open_parts(ctx)
+            return
         self.collector.open_round(ctx.keep, ctx.round.positions, ctx.round.batch, ctx.rows)
+
+    def _open_parts(self, ctx: RoundContext) -> None:
+        flat_rows = None if ctx.rows is None else ctx.rows.numpy()
+        for seg in ctx.segments:
+            kept = seg.kept_rows()
+            collector = StatsCollector(self._columns)
+            mine = local = None
+            if flat_rows is not None:
+                mine = np.isin(flat_rows, kept)
+                local = torch.from_numpy(np.searchsorted(kept, flat_rows[mine]))
+            collector.open_round(None, np.asarray(seg.positions)[kept - seg.start], 1,
+                                 local if mine is not None and mine.any() else None)
+            self._parts.append((seg, collector, mine))
 
     def clean(self, ctx: RoundContext, layer: int, site: int, hidden: torch.Tensor) -> None:
         t = kept(hidden, ctx.positions)
-        self.collector.clean(layer, site, t, _logical(t.dtype))
+        if self._parts:
+            flat = t.reshape(-1, t.shape[-1])
+            for seg, collector, _ in self._parts:
+                rows = torch.from_numpy(seg.kept_rows()).to(flat.device)
+                collector.clean(layer, site, flat.index_select(0, rows).unsqueeze(0),
+                                _logical(t.dtype))
+        else:
+            self.collector.clean(layer, site, t, _logical(t.dtype))
         if site == schema.BLOCK_SITE and self._sample_rows is not None \
                 and self._sample_rows.numel():
             array, logical = to_host(hidden, ctx.positions, self._sample_rows)
@@ -155,8 +182,17 @@ class StatsSink(RecordSink):
     def probe(self, ctx, layer, site, rows, kind, probe=0, param=0.0, seed=0, pert_rms=0.0,
               subset=True) -> None:
         data = rows.detach().reshape(-1, rows.shape[-1])
-        self.collector.probe(layer, site, ProbeRows(schema.KIND_NAMES[kind], float(param),
-                                                    int(probe), float(pert_rms), data, subset))
+        if not self._parts:
+            self.collector.probe(layer, site, ProbeRows(schema.KIND_NAMES[kind], float(param),
+                                                        int(probe), float(pert_rms), data,
+                                                        subset))
+            return
+        for seg, collector, mine in self._parts:
+            if mine is not None and mine.any() and data.shape[0] == mine.size:
+                index = torch.from_numpy(np.flatnonzero(mine)).to(data.device)
+                collector.probe(layer, site, ProbeRows(
+                    schema.KIND_NAMES[kind], local_param(kind, float(param), seg), int(probe),
+                    float(pert_rms), data.index_select(0, index), subset))
 
     def experts(self, ctx, layer, slots_site, expert_sites, slots, routing, margin, probes,
                 rows_index) -> None:
@@ -193,12 +229,20 @@ class StatsSink(RecordSink):
             self.finish_site(ctx, layer, site)
 
     def finish_site(self, ctx: RoundContext, layer: int, site: int) -> None:
+        for seg, collector, _ in self._parts:
+            row = collector.finish(layer, site)
+            if row is not None:
+                seg.stats.append(row)
+            self._seconds += collector.seconds
+            collector.seconds = 0.0
+        if self._parts:
+            return
         row = self.collector.finish(layer, site)
         if row is not None:
             ctx.round.stats.append(row)
 
     def status(self) -> dict:
-        return {"stats_seconds": round(self.collector.seconds, 3)}
+        return {"stats_seconds": round(self.collector.seconds + self._seconds, 3)}
 
 
 def make_sink(store: StoreSpec, spec: ProbeSpec, seed: int) -> RecordSink:
