@@ -1,0 +1,131 @@
+"""msprobe (mindstudio-probe) PyTorch dumps, read as they are: the folders users already hold.
+
+Layout: ``<dump>/step{S}/rank{R}/`` (``proc{PID}`` when torch.distributed was not initialised)
+with ``dump.json`` (``{task, level, framework, data: {name: {input_args, input_kwargs, output,
+parameters}}}``), ``construct.json``, ``stack.json`` and, in tensor mode,
+``dump_tensor_data/*.pt`` (torch.save; read by ``torch_file.read_tensor``). A module's name is
+``Module.<module path>.<class>.forward.<call>``: the call counts the module's calls within the
+step (with HF generate in one start/stop/step: 0 is the prefill, n the n-th decode step). Each
+tensor entry holds ``dtype, shape, Max, Min, Mean, Norm`` and, in tensor mode, ``data_name``.
+Torch-free; nothing in a dump is executed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..errors import UserError
+from .torch_file import read_tensor
+
+MODULE_NAME = re.compile(r"^Module\.(?P<module>.+)\.(?P<cls>[A-Za-z_]\w*)\.forward\.(?P<call>\d+)$")
+RUN_FOLDER = re.compile(r"^(rank|proc)(\d+)$")
+STEP_FOLDER = re.compile(r"^step(\d+)$")
+
+
+@dataclass
+class ModuleCall:
+    """One module call's first output, as msprobe recorded it."""
+
+    module: str  # the module's path in the model: "model.layers.3.self_attn"
+    cls: str  # its class: "LlamaAttention"
+    call: int  # its call number within the step
+    output: dict  # the tensor entry: dtype, shape, Max, Min, Mean, Norm[, data_name]
+
+    @property
+    def has_tensor(self) -> bool:
+        return bool(self.output.get("data_name"))
+
+
+@dataclass
+class MsprobeRun:
+    """One ``step{S}/{rank|proc}{N}`` folder."""
+
+    path: str
+    step: int
+    rank: int | None  # None: a proc{PID} folder (no torch.distributed)
+    task: str
+    level: str
+    calls: list[ModuleCall] = field(default_factory=list)
+
+    def tensor(self, call: ModuleCall) -> np.ndarray:
+        """The saved output tensor of ``call`` (tensor mode), float32 for bfloat16."""
+        name = call.output.get("data_name")
+        if not name:
+            raise UserError(f"{self.path}: {call.module} call {call.call} has no saved tensor "
+                            f"(a {self.task} dump)")
+        return read_tensor(os.path.join(self.path, "dump_tensor_data", os.path.basename(name)))
+
+
+def is_msprobe_dump(path: str) -> bool:
+    """A folder holding msprobe's dump.json files (itself, or step/rank folders below it)."""
+    return bool(_dump_jsons(path))
+
+
+def read_msprobe(path: str) -> list[MsprobeRun]:
+    """Every step/rank run of an msprobe dump, by step then rank; UserError, one line, for a
+    folder that is not one or a dump.json that is damaged or foreign."""
+    runs = []
+    for step, rank, dump_json in _dump_jsons(path):
+        try:
+            with open(dump_json, encoding="utf-8") as fh:
+                doc = json.load(fh)
+        except (OSError, ValueError) as exc:
+            raise UserError(f"{dump_json}: cannot read it as msprobe's dump.json "
+                            f"({type(exc).__name__})") from None
+        if not isinstance(doc, dict) or not isinstance(doc.get("data"), dict):
+            raise UserError(f"{dump_json}: not an msprobe dump.json (no 'data' table)")
+        if doc.get("framework", "pytorch") != "pytorch":
+            raise UserError(f"{dump_json}: a {doc.get('framework')} dump; only PyTorch dumps "
+                            "are read")
+        run = MsprobeRun(path=os.path.dirname(dump_json), step=step, rank=rank,
+                         task=str(doc.get("task", "")), level=str(doc.get("level", "")))
+        for name, entry in doc["data"].items():
+            found = MODULE_NAME.match(name)
+            output = _first_tensor(entry.get("output") if isinstance(entry, dict) else None)
+            if found and output is not None:
+                run.calls.append(ModuleCall(found["module"], found["cls"], int(found["call"]),
+                                            output))
+        runs.append(run)
+    if not runs:
+        raise UserError(f"{path}: no msprobe dump.json found (step*/rank*/dump.json)")
+    return runs
+
+
+def _dump_jsons(path: str) -> list[tuple[int, int | None, str]]:
+    """(step, rank, dump.json) of each run under ``path``."""
+    if os.path.isfile(os.path.join(path, "dump.json")):
+        return [(0, None, os.path.join(path, "dump.json"))]
+    out = []
+    try:
+        steps = os.listdir(path)
+    except OSError:
+        return []
+    for step_name in sorted(steps):
+        step = STEP_FOLDER.match(step_name)
+        if not step:
+            continue
+        folder = os.path.join(path, step_name)
+        for run_name in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
+            run = RUN_FOLDER.match(run_name)
+            dump_json = os.path.join(folder, run_name, "dump.json")
+            if run and os.path.isfile(dump_json):
+                rank = int(run[2]) if run[1] == "rank" else None
+                out.append((int(step[1]), rank, dump_json))
+    return sorted(out, key=lambda t: (t[0], -1 if t[1] is None else t[1]))
+
+
+def _first_tensor(value) -> dict | None:
+    """The first tensor entry of an output (a tensor, or a list/tuple holding tensors)."""
+    if isinstance(value, dict) and value.get("type") == "torch.Tensor":
+        return value
+    if isinstance(value, list):
+        for item in value:
+            found = _first_tensor(item)
+            if found is not None:
+                return found
+    return None
