@@ -20,6 +20,9 @@ EXPERTS = "experts"
 EXPERT_SLOTS = "expert_slots"
 EXPERT = "expert"
 ROW_WISE = (LINEAR, NORM, ACTIVATION, CLIPPING, ROUTER)  # each output row from its input row
+# a block's sub-layers by their attribute name (capture's discovery, msprobe dumps' modules)
+ATTENTION_NAMES = ("self_attn", "attn", "attention", "self_attention")
+MLP_NAMES = ("mlp", "feed_forward", "ffn")
 
 # -- statistics constants ---------------------------------------------------------------------
 # Masks of the low mantissa bits that a value of each dtype rarely has all zero, on the float32

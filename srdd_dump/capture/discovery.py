@@ -12,12 +12,14 @@ from torch import nn
 from ..errors import UserError
 from ..vocabulary import (  # noqa: F401 (the roles, read from here by the capture modules)
     ACTIVATION,
+    ATTENTION_NAMES,
     CLIPPING,
     CORE,
     EXPERT,
     EXPERT_SLOTS,
     EXPERTS,
     LINEAR,
+    MLP_NAMES,
     NORM,
     ROTARY,
     ROUTER,
@@ -100,8 +102,6 @@ def _nothing_found(model: nn.Module) -> str:
 
 
 SUBLAYER_NAMES = ("self_attn", "attn", "attention", "self_attention", "mlp", "feed_forward", "ffn")
-ATTENTION_NAMES = ("self_attn", "attn", "attention", "self_attention")
-MLP_NAMES = ("mlp", "feed_forward", "ffn")
 
 _CLIPPING_CLASSES = ("ReLU", "ReLU6", "Hardtanh", "Hardsigmoid", "Hardswish", "Threshold",
                      "ReLUSquaredActivation", "ReLUActivation")

@@ -9,6 +9,8 @@ processes open their own.
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -17,6 +19,8 @@ from ..errors import UserError, first_line
 from ..format import schema as s
 from ..format.blocks import clean_block_records
 from ..format.coverage import partial_lines, shortfall_lines
+from ..format.from_msprobe import cache_folder, convert
+from ..format.msprobe import is_msprobe_dump
 from ..format.reader import DumpError, DumpReader, find_dump_files
 from .readers import open_reader
 
@@ -106,12 +110,30 @@ def find_sources(path: str, option: str = "", run: str | None = None) -> Sources
     ``option`` names the command-line option that gave the path, for messages."""
     if not os.path.exists(path):
         raise UserError(f"{option}{path}: no such file or directory")
+    if os.path.isdir(path) and not find_dump_files(path) and is_msprobe_dump(path):
+        path = msprobe_as_srdd(path)
     found = find_dump_files(path)
     if not found:
         raise UserError(f"{option}{path}: no dump files (*.h5 or *.h5.partial) found")
     root = path if os.path.isdir(path) else os.path.dirname(path)
     found, note = _choose_runs(path, root, found, option, run)
     return Sources([inspect(f, os.path.relpath(f, root) if root else f) for f in found], note)
+
+
+def msprobe_as_srdd(path: str) -> str:
+    """The folder of srdd files made from the msprobe dump at ``path`` (format/from_msprobe.py),
+    made once and kept in the temporary folder, named by the dump."""
+    root = os.path.join(tempfile.gettempdir(), "srdd-compare-msprobe")
+    folder = cache_folder(path, root)
+    if not find_dump_files(folder):
+        partial = folder + f".{os.getpid()}.tmp"
+        shutil.rmtree(partial, ignore_errors=True)
+        convert(path, partial)
+        try:
+            os.replace(partial, folder)
+        except OSError:  # another process made it meanwhile
+            shutil.rmtree(partial, ignore_errors=True)
+    return folder
 
 
 def _run_of(root: str, file: str) -> tuple[str, str]:
