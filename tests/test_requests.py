@@ -62,8 +62,8 @@ def test_a_call_that_continues_nothing_known_is_not_a_sample():
 
 
 def test_the_planner_captures_the_requests_the_options_select():
-    planner = RoundPlanner(DumpConfig(samples=2, store="sample:16", probe_samples=1),
-                           probing=True)
+    planner = RoundPlanner(DumpConfig(samples=2, store="sample:16", probe_samples=1,
+                                      tokens="all"), probing=True)
     layout = _layout([(list(range(5)), [0, 1]), (list(range(3)), [2]), (list(range(2)), [4])])
     ctx = planner.open_requests(*layout, 10, 8, torch.arange(10), RecordSink().round_rows)
     assert [s.sample for s in ctx.segments] == [0, 1]  # the third request is past --samples
@@ -71,9 +71,10 @@ def test_the_planner_captures_the_requests_the_options_select():
     assert 0 in rows and all(r < 5 for r in rows)  # probed: the first request only
     assert ctx.round.token_ids.tolist() == [list(range(10))]
     assert planner.samples_seen == 2
-    tokens = RoundPlanner(DumpConfig(tokens="-1:"), probing=False)
+    tokens = RoundPlanner(DumpConfig(tokens="-1:"), probing=True)
     ctx = tokens.open_requests(*layout, 10, 8, None, RecordSink().round_rows)
     assert [s.kept.tolist() for s in ctx.segments] == [[4], [7], [9]]  # per request
+    assert set(ctx.rows.tolist()) <= {4, 7, 9}  # probe rows among the kept rows
     # a later forward with only requests past --samples: everything asked for is captured
     later = _layout([([5], [0, 1, 5]), ([3], [2, 6])])
     ctx = planner.open_requests(*later, 2, 8, None, RecordSink().round_rows)
@@ -141,12 +142,16 @@ def test_a_causality_cut_is_read_within_its_request():
                  Tensor(layer=0, site=-1, array=np.zeros((1, 3, 2)), dtype="float32",
                         kind=schema.KIND_CAUSAL, param=5.0, subset=True)]
     first, second = split_round(r, segments)
-    assert first.tensors[1].param == 4.0  # the first request was not perturbed: all its rows
+    # the first request was not perturbed: its copy tests nothing and is left out
+    assert [t.kind for t in first.tensors] == [schema.KIND_CLEAN]
     assert second.tensors[1].param == 1.0  # flat row 5 is the second request's position 1
 
 
 def test_a_vllm_batch_without_its_layout_is_reported_not_guessed(monkeypatch):
     from srdd_dump.capture.requests import read_batch
+
+    monkeypatch.delitem(sys.modules, "vllm", raising=False)
+    monkeypatch.delitem(sys.modules, "vllm.forward_context", raising=False)
 
     positions = torch.arange(6)
     assert read_batch(positions) == (None, None, None)  # no engine: a flat single sequence
@@ -158,9 +163,9 @@ def test_a_vllm_batch_without_its_layout_is_reported_not_guessed(monkeypatch):
 def test_calls_that_are_not_captured_are_counted():
     planner = RoundPlanner(DumpConfig(samples=4), probing=False)
     rows = RecordSink().round_rows
-    planner.open_requests(*_layout([(list(range(4)), [0, 1])]), 4, 8, None, rows)
+    planner.open_requests(*_layout([(list(range(4)), [3, 4])]), 4, 8, None, rows)
     # the rest of a prompt chunked over two forwards, and a call nobody began
-    planner.open_requests(*_layout([([4, 5, 6], [0, 1]), ([9], [7, 8, 9])]), 4, 8, None, rows)
+    planner.open_requests(*_layout([([4, 5, 6], [3, 4]), ([9], [7, 8, 9])]), 4, 8, None, rows)
     assert planner.request_calls[0] is None
     assert "chunked prefill" in planner.request_calls[1]
     assert "continues no request" in planner.request_calls[2]
@@ -197,3 +202,68 @@ def test_the_stats_store_reduces_each_request_as_if_it_ran_alone():
         alone.finish_site(own, 0, -1)
         (want,), (got,) = own.round.stats, seg.stats
         assert np.array_equal(want.values, got.values, equal_nan=True)
+
+
+def test_a_request_continues_only_from_the_forward_before():
+    tracker = RequestTracker()
+    tracker.split(*_layout([(list(range(7)), [3, 4])]))  # request 0: ends here (7 tokens)
+    # request 1, a second turn past the prefix the engine cached (its one full block, 4
+    # tokens): it starts at 4, not where request 0 ended
+    (turn,) = tracker.split(*_layout([([4, 5, 6, 7, 8], [3, 6, 7])]))
+    assert (turn.sample, turn.step) == (1, 0)  # a new request, not request 0's chunk
+    (step,) = tracker.split(*_layout([([9], [3, 6, 7])]))
+    assert (step.sample, step.step) == (1, 1)
+    # a request missing from one forward (finished, preempted) continues nothing later
+    (gone,) = tracker.split(*_layout([([7], [3, 4])]))
+    assert (gone.sample, gone.step) == (-1, -1) and tracker.unmatched == 1
+
+
+def test_without_the_cache_layout_a_tie_is_not_guessed():
+    tracker = RequestTracker()
+    plain = BatchLayout(starts=np.array([0, 4, 8]), slots=None, block_table=None)
+    tracker.split(plain, np.array([0, 1, 2, 3, 0, 1, 2, 3]))
+    step = BatchLayout(starts=np.array([0, 1, 2]), slots=None, block_table=None)
+    segments = tracker.split(step, np.array([4, 4]))
+    assert [(s.sample, s.step) for s in segments] == [(-1, -1), (-1, -1)]
+    alone = RequestTracker()
+    alone.split(BatchLayout(starts=np.array([0, 4]), slots=None, block_table=None),
+                np.arange(4))
+    (one,) = alone.split(BatchLayout(starts=np.array([0, 1]), slots=None, block_table=None),
+                         np.array([4]))
+    assert (one.sample, one.step) == (0, 1)
+
+
+def test_metadata_without_request_starts_is_reported(monkeypatch):
+    from srdd_dump.capture.requests import read_batch
+
+    fake = types.ModuleType("vllm.forward_context")
+    fake.is_forward_context_available = lambda: True
+    fake.get_forward_context = lambda: SimpleNamespace(
+        attn_metadata={"layer": SimpleNamespace(seq_lens=torch.tensor([3]))})
+    monkeypatch.setitem(sys.modules, "vllm.forward_context", fake)
+    monkeypatch.setitem(sys.modules, "vllm", types.ModuleType("vllm"))
+    layout, flat, why = read_batch(torch.arange(3))
+    assert layout is None and "query_start_loc" in why  # not taken for a dummy run
+    # multimodal rotary positions (3, tokens): the text row
+    fake.get_forward_context = lambda: SimpleNamespace(attn_metadata={"layer": SimpleNamespace(
+        query_start_loc=torch.tensor([0, 3]), num_actual_tokens=3, slot_mapping=None,
+        block_table=None)})
+    layout, flat, why = read_batch(torch.arange(3).repeat(3, 1))
+    assert flat.tolist() == [0, 1, 2] and why is None
+
+
+def test_the_stats_stores_kept_rows_of_a_request_do_not_depend_on_its_batch():
+    from srdd_dump.capture.probes import ProbeSpec
+    from srdd_dump.capture.sinks import make_sink
+
+    spec = ProbeSpec(sigmas=(), draws=0, dc=(), repeats=0, batched=True)
+    sink = make_sink(DumpConfig(store="stats").parsed().store, spec, 0)
+    planner = RoundPlanner(DumpConfig(store="stats"), probing=False)
+    layout = _layout([(list(range(200)), list(range(3, 53))), ([7], [60, 61])])
+    planner.requests.split(*_layout([(list(range(7)), [60, 61])]))  # the decoding request
+    ctx = planner.open_requests(*layout, 201, 8, None, sink.round_rows)
+    for seg in ctx.segments:
+        rows = ctx.round.probe_rows
+        mine = rows[(rows >= seg.start) & (rows < seg.stop)] - seg.start
+        alone = sink.round_rows(None, None, 1, seg.stop - seg.start, seg.sample, seg.step)
+        assert mine.tolist() == sorted(alone.tolist()) and mine.size

@@ -97,14 +97,19 @@ class FileWatch:
         self._stop.set()
 
     def _watch(self) -> None:
-        while not self._stop.wait(0.2):
-            if self.request and os.path.exists(self.request):
-                self.now()
-                return
-            last = self._last
-            if last is not None and time.monotonic() - last >= self.seconds:
-                self._last = None
-                self.idle()
+        try:
+            while not self._stop.wait(0.2):
+                if self.request and os.path.exists(self.request):
+                    self.now()
+                    return
+                last = self._last
+                if last is not None and time.monotonic() - last >= self.seconds:
+                    self._last = None
+                    self.idle()
+        except Exception as exc:  # noqa: BLE001 (a thread in the user's program: never a
+            # traceback; the file stays .partial, which srdd-dump and srdd-compare report)
+            sys.stderr.write(f"srdd-dump: warning: cannot finish the dump file: "
+                             f"{describe_error(exc)}\n")
 
 
 def dump_file_name(dump_path: str) -> str:

@@ -465,11 +465,17 @@ class CaptureSession:
         self._watch.stop()
         self.remove()
         self._pending = []  # device tensors of a model-level operator
+        self._frozen.clear()  # and copies kept for the replays of an unfinished round
+        self.replays.caches.clear()
         self._bar.close()
         if self.output.writer is not None:
             silent = never_run(self.layer_names, self.sites, self._fired)
             partial = explain_partial(silent, len(self.blocks) + len(self.sites))
-            error = self.output.close(self._status())
+            try:
+                status = self._status()
+            except Exception as exc:  # noqa: BLE001 (runs at exit and in a thread too)
+                status = {"error": describe_error(exc), "samples": self.samples}
+            error = self.output.close(status)
             if error and not self.error:
                 self.error = error
                 sys.stderr.write(f"srdd-dump: warning: capture stopped: {self.error}\n")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -142,8 +143,12 @@ def _run_forwarding_signals(argv: list[str], env: dict[str, str], status_dir: st
     procs: list[subprocess.Popen] = []
     pending: list[int] = []
 
+    asked: list[bool] = []
+
     def forward(signum, frame):
-        _finish_files(status_dir, run_dir)
+        if not asked:  # the first signal only: a second one is passed on at once
+            asked.append(True)
+            _finish_files(status_dir, run_dir)
         if signum == signal.SIGINT and terminal_delivers_to_child():
             return  # Ctrl-C at a terminal already reached the child's process group
         if not procs:
@@ -169,14 +174,35 @@ FINISH_WAIT_SECONDS = 5.0
 
 
 def _finish_files(status_dir: str, run_dir: str) -> None:
-    """Ask every capturing process to finish its file; wait until none is left unfinished."""
+    """Ask every capturing process to finish its file; wait until no live process has one
+    left unfinished (FINISH_WAIT_SECONDS at most), then withdraw the request."""
     if not status_dir:
         return
+    request = os.path.join(status_dir, FINISH_REQUEST)
     with contextlib.suppress(OSError):
-        open(os.path.join(status_dir, FINISH_REQUEST), "w").close()
+        open(request, "w").close()
     deadline = time.monotonic() + FINISH_WAIT_SECONDS
-    while _partial_files(run_dir) and time.monotonic() < deadline:
+    while _unfinished(run_dir) and time.monotonic() < deadline:
         time.sleep(0.1)
+    with contextlib.suppress(OSError):
+        os.remove(request)
+
+
+def _unfinished(run_dir: str) -> list[str]:
+    """The .partial files of the run whose writing process is alive."""
+    out = []
+    for path in _partial_files(run_dir):
+        found = re.search(r"_pid(\d+)", os.path.basename(path))
+        if found is None:
+            continue
+        try:
+            os.kill(int(found[1]), 0)
+        except ProcessLookupError:
+            continue  # its process is gone: nothing will finish it
+        except OSError:
+            pass
+        out.append(path)
+    return out
 
 
 def _partial_files(dump_path: str) -> set[str]:

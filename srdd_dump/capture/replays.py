@@ -170,7 +170,8 @@ class Replays:
         seed = probe_seed(ctx.seed, ctx.sample, 0xCA05A1)
         if ctx.segments is None:
             return causal_cut(hidden.shape[-2] if hidden.dim() >= 2 else 1, seed), None
-        prefills = [s for s in ctx.segments if s.step == 0 and s.stop - s.start >= 2]
+        prefills = [s for s in ctx.segments
+                    if s.step == 0 and s.probed and s.stop - s.start >= 2]
         if not prefills:
             return None, None
         seg = prefills[-1]

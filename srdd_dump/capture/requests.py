@@ -19,7 +19,6 @@ import numpy as np
 import torch
 
 DUMMY = "dummy"  # engine_batch(): a forward of the engine without attention metadata
-MAX_LIVE = 4096  # requests remembered (finished ones are not told apart from live ones)
 BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 
 
@@ -38,7 +37,8 @@ class BatchLayout:
 
 def engine_batch() -> BatchLayout | str | None:
     """The layout of the forward running now, read from vLLM's forward context: None outside
-    such an engine, DUMMY for a forward without attention metadata."""
+    such an engine, DUMMY for a forward without attention metadata, a reason (str) when the
+    metadata does not say where each request starts."""
     module = sys.modules.get("vllm.forward_context")
     if module is None or not module.is_forward_context_available():
         return None
@@ -48,9 +48,11 @@ def engine_batch() -> BatchLayout | str | None:
         return None
     if isinstance(meta, dict):
         meta = next(iter(meta.values()), None)
+    if meta is None:
+        return DUMMY
     starts = getattr(meta, "query_start_loc", None)
     if not isinstance(starts, torch.Tensor):
-        return DUMMY
+        return f"{type(meta).__name__} (its attention backend's metadata) has no query_start_loc"
     n_tokens = getattr(meta, "num_actual_tokens", None)
     starts = starts.detach().to("cpu").numpy().astype(np.int64)
     if isinstance(n_tokens, int):
@@ -73,6 +75,7 @@ class Segment:
     sample: int  # the request's number, in the order the engine first ran them (-1: unknown)
     step: int  # 0: its prefill; n: its n-th decode step
     kept: np.ndarray | None = None  # flat rows kept (--tokens within the request)
+    probed: bool = False  # its rows are among the round's probe rows
     stats: list = field(default_factory=list)  # its stats rows (--store stats: sinks.py)
 
     def kept_rows(self) -> np.ndarray:
@@ -85,18 +88,28 @@ class _Live:
     next_position: int
     last_block: int | None
     step: int = 0
+    seen: int = 0  # the forward it was last in
 
 
 @dataclass
 class RequestTracker:
-    """Requests across forwards, numbered as samples in the order the engine first ran them."""
+    """Requests across forwards, numbered as samples in the order the engine first ran them.
+
+    An engine runs every running request in each step, so a request continues only from the
+    forward just before (one missing from it has finished or was preempted): then its next
+    position and the cache block of its last token must match. A call that continues no such
+    request is a new request when it holds more than one token (from position 0, or past a
+    prefix the engine had cached), else it is not captured and counted (``unmatched``)."""
 
     live: list[_Live] = field(default_factory=list)
     requests: int = 0  # requests seen
     unmatched: int = 0  # request calls that could not be tied to an earlier call
+    forwards: int = 0
 
     def split(self, layout: BatchLayout, positions: np.ndarray) -> list[Segment]:
         """The segments of one forward (``positions``: its flat positions tensor)."""
+        self.forwards += 1
+        self.live = [r for r in self.live if r.seen >= self.forwards - 1]
         block = _block_size(layout, positions)
         taken: set[int] = set()
         out = []
@@ -106,22 +119,23 @@ class RequestTracker:
                 continue
             pos = positions[a:b]
             first = int(pos[0])
-            if first == 0:
-                req = _Live(self.requests, 0, None)
+            req = None if first == 0 else self._match(layout, i, first, block, taken)
+            if req is None and (first == 0 or b - a > 1):
+                req = _Live(self.requests, first, None)
                 self.requests += 1
                 self.live.append(req)
-                del self.live[:-MAX_LIVE]
                 step = 0
-            else:
-                req = self._match(layout, i, first, block, taken)
-                if req is None:
-                    self.unmatched += 1
-                    out.append(Segment(a, b, pos, -1, -1))
-                    continue
-                # a later chunk of a prompt split over steps (chunked prefill) is not a step
-                req.step += 1 if b - a == 1 else 0
-                step = req.step if b - a == 1 else -1
+            elif req is None:
+                self.unmatched += 1
+                out.append(Segment(a, b, pos, -1, -1))
+                continue
+            elif b - a == 1:
+                req.step += 1
+                step = req.step
+            else:  # a later chunk of a prompt split over forwards (chunked prefill)
+                step = -1
             taken.add(id(req))
+            req.seen = self.forwards
             req.next_position = int(pos[-1]) + 1
             req.last_block = _block_of(layout, i, int(pos[-1]), block)
             out.append(Segment(a, b, pos, req.sample, step))
@@ -129,15 +143,15 @@ class RequestTracker:
 
     def _match(self, layout: BatchLayout, i: int, first: int, block: int | None,
                taken: set[int]) -> _Live | None:
-        """The live request whose next token is this call's first: the one whose last token
-        lies in the cache block this call's row holds for position ``first - 1``; of two, the
-        later (the engine reuses a finished request's blocks)."""
+        """The request of the last forward whose next token is this call's first and whose
+        last token lies in the cache block this call's row holds for position ``first - 1``;
+        without the cache layout, the only request whose next token it is (None: ambiguous)."""
+        candidates = [r for r in self.live if r.next_position == first and id(r) not in taken]
         previous = _block_of(layout, i, first - 1, block)
-        candidates = [r for r in reversed(self.live)
-                      if r.next_position == first and id(r) not in taken]
-        exact = [r for r in candidates if previous is not None and r.last_block == previous]
-        found = (exact or candidates or [None])[0]
-        return found
+        if previous is not None:
+            exact = [r for r in candidates if r.last_block == previous]
+            return exact[0] if len(exact) == 1 else None
+        return candidates[0] if len(candidates) == 1 else None
 
 
 def _block_size(layout: BatchLayout, positions: np.ndarray) -> int | None:
@@ -148,8 +162,8 @@ def _block_size(layout: BatchLayout, positions: np.ndarray) -> int | None:
     n = int(layout.starts[-1])
     rows = np.repeat(np.arange(layout.n_requests), np.diff(layout.starts))
     pos, slots = positions[:n], layout.slots[:n]
-    for size in BLOCK_SIZES:
-        col = pos // size
+    for size in reversed(BLOCK_SIZES):  # the largest that fits (a smaller one can only
+        col = pos // size                   # fit a table that starts at block 0)
         if (col >= layout.block_table.shape[1]).any():
             continue
         if np.array_equal(layout.block_table[rows, col] * size + pos % size, slots):
@@ -175,14 +189,21 @@ def read_batch(positions: Any) -> tuple[BatchLayout | str | None, np.ndarray | N
     if isinstance(layout, BatchLayout) and flat is not None \
             and flat.size >= int(layout.starts[-1]):
         return layout, flat, None
-    if "vllm" in sys.modules and flat is not None:
-        return None, None, ("vLLM's forward context did not give the batch's requests "
-                            "(query_start_loc): each forward is written as one sample")
+    if "vllm" in sys.modules and isinstance(positions, torch.Tensor):
+        why = layout if isinstance(layout, str) else (
+            "vLLM's forward context did not give the batch's requests (query_start_loc)"
+            if flat is not None else "the block's positions are not one position per token")
+        return None, None, f"{why}: each forward is written as one sample"
     return None, None, None
 
 
 def flat_positions(value: Any) -> np.ndarray | None:
-    """A forward's positions tensor (tokens,) as numpy; None when it is not one."""
-    if isinstance(value, torch.Tensor) and value.dim() == 1 and not value.is_floating_point():
+    """A forward's positions tensor (tokens,) as numpy (multimodal rotary's (3, tokens): its
+    first row, the text positions); None when it is not one."""
+    if not isinstance(value, torch.Tensor) or value.is_floating_point():
+        return None
+    if value.dim() == 2 and value.shape[0] <= 4:
+        value = value[0]
+    if value.dim() == 1:
         return value.detach().to("cpu").numpy().astype(np.int64)
     return None

@@ -176,14 +176,13 @@ class RoundPlanner:
         probed = [s for s in chosen if self.probing and s.sample < config.probe_samples
                   and cfg.step_selected(opts.probe_steps, s.step)]
         rows = None
-        if probed:
-            keep = np.zeros(n_tokens, dtype=bool)
-            for s in probed:
-                keep[s.start:s.stop] = True
-            firsts = np.array([s.start for s in probed])
+        for s in probed:
+            s.probed = True
+        if probed:  # among the kept rows of the probed requests
+            firsts = np.array([s.kept[0] for s in probed])
             budget = (n_tokens if opts.store.elements is None
                       else max(len(firsts), -(-opts.store.elements // max(1, width))))
-            rest = np.setdiff1d(np.flatnonzero(keep), firsts)
+            rest = np.setdiff1d(np.concatenate([s.kept for s in probed]), firsts)
             rng = np.random.default_rng(probe_seed(config.seed, probed[0].sample, 0x5EED))
             extra = rng.choice(rest, size=min(rest.size, budget - len(firsts)), replace=False)
             rows = np.sort(np.concatenate([firsts, extra])).astype(np.int64)
@@ -195,12 +194,27 @@ class RoundPlanner:
         return RoundContext(
             round=Round(sample=lead.sample, step=lead.step, batch=1, seq=n_tokens,
                         positions=np.arange(n_tokens), token_ids=ids, time=time.time(),
-                        probe_rows=sample_rows(rows, None, 1, n_tokens, lead.sample,
-                                               lead.step)),
+                        probe_rows=_rows_per_request(chosen, rows, sample_rows)),
             positions=None,
             rows=None if rows is None else torch.from_numpy(rows),
             seed=config.seed, segments=chosen,
         )
+
+
+def _rows_per_request(segments: list, rows: np.ndarray | None, sample_rows: Callable
+                      ) -> np.ndarray | None:
+    """The rows a flat round's row-subset records hold (``Round.probe_rows``), chosen by the
+    sink for each request over its own kept rows, as that request alone would have them."""
+    parts = []
+    for s in segments:
+        mine = None
+        if rows is not None:
+            mine = np.searchsorted(s.kept, rows[np.isin(rows, s.kept)])
+            mine = mine if mine.size else None
+        local = sample_rows(mine, None, 1, len(s.kept), s.sample, s.step)
+        if local is not None and len(local):
+            parts.append(s.kept[np.asarray(local, dtype=np.int64)])
+    return np.sort(np.concatenate(parts)) if parts else None
 
 
 def split_round(r: Round, segments: list) -> list[Round]:
@@ -226,22 +240,24 @@ def split_round(r: Round, segments: list) -> list[Round]:
             if not t.subset:
                 part.tensors.append(dataclasses.replace(t, array=t.array[:, flat]))
             elif part.probe_rows is not None:
-                part.tensors.append(dataclasses.replace(
-                    t, array=t.array[:, mine], param=local_param(t.kind, t.param, seg)))
+                param = local_param(t.kind, t.param, seg)
+                if param is not None:  # (None: a causality record of another request's cut)
+                    part.tensors.append(dataclasses.replace(t, array=t.array[:, mine],
+                                                            param=param))
         out.append(part)
     return out
 
 
-def local_param(kind: int, param: float, seg) -> float:
+def local_param(kind: int, param: float, seg) -> float | None:
     """A record's param within one request: a causality probe's cut (a flat row of the batch)
-    as that request's position; a request the cut is not in was not perturbed, so all its rows
-    are before the cut."""
+    as that request's position; None for a causality record of a request the cut is not in
+    (it was not perturbed: its copy would test nothing)."""
     if kind != schema.KIND_CAUSAL:
         return param
     cut = int(param)
     if seg.start <= cut < seg.stop:
         return float(seg.positions[cut - seg.start])
-    return float(int(np.max(seg.positions)) + 1)
+    return None
 
 
 def attended_rows(mask: torch.Tensor | None, batch: int, seq: int, positions: list[int]

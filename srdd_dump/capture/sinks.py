@@ -188,11 +188,13 @@ class StatsSink(RecordSink):
                                                         subset))
             return
         for seg, collector, mine in self._parts:
-            if mine is not None and mine.any() and data.shape[0] == mine.size:
+            local = local_param(kind, float(param), seg)
+            if mine is not None and mine.any() and data.shape[0] == mine.size \
+                    and local is not None:
                 index = torch.from_numpy(np.flatnonzero(mine)).to(data.device)
                 collector.probe(layer, site, ProbeRows(
-                    schema.KIND_NAMES[kind], local_param(kind, float(param), seg), int(probe),
-                    float(pert_rms), data.index_select(0, index), subset))
+                    schema.KIND_NAMES[kind], local, int(probe), float(pert_rms),
+                    data.index_select(0, index), subset))
 
     def experts(self, ctx, layer, slots_site, expert_sites, slots, routing, margin, probes,
                 rows_index) -> None:

@@ -2,15 +2,15 @@
 without unpickling arbitrary objects.
 
 The file is a zip: ``<name>/data.pkl`` is a pickle that rebuilds the tensor from storages held
-as ``<name>/data/<key>`` (raw little-endian bytes). The unpickler here knows only the names such
-a pickle uses (``torch._utils._rebuild_tensor_v2``, the typed storage classes, an empty
-``OrderedDict``) and refuses any other global, so a file cannot run code. bfloat16 is read as
+as ``<name>/data/<key>`` (raw little-endian bytes). No unpickler reads it: ``_load`` runs the
+few opcodes such a pickle uses (tuples, ints, strings, a persistent storage id, one call) and
+knows only the names it calls (``torch._utils._rebuild_tensor_v2``, the typed storage classes,
+an empty ``OrderedDict``); anything else is refused, so a file cannot run code. bfloat16 is read as
 its 16 bits and widened to float32 exactly.
 """
 
 from __future__ import annotations
 
-import pickle
 import zipfile
 from collections import OrderedDict
 
@@ -49,27 +49,110 @@ def _rebuild_tensor_v2(storage, offset, shape, stride, *rest):
     return _Rebuild(storage, offset, tuple(shape), tuple(stride))
 
 
-class _Unpickler(pickle.Unpickler):
-    def __init__(self, data: bytes, read_storage):
-        import io
+class RefusedPickle(ValueError):
+    """The pickle asks for something a saved tensor never holds."""
 
-        super().__init__(io.BytesIO(data))
-        self._read_storage = read_storage
 
-    def find_class(self, module: str, name: str):
-        if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
-            return _rebuild_tensor_v2
-        if (module, name) == ("collections", "OrderedDict"):
-            return OrderedDict
-        if module == "torch" and name in STORAGE_DTYPES:
-            return _Storage(name)
-        raise pickle.UnpicklingError(f"refused: {module}.{name} is not part of a saved tensor")
+def _load(data: bytes, read_storage):
+    """Run the pickle opcodes a saved tensor uses, and no others: no pickle module, no global
+    but ``ALLOWED``, nothing called but the tensor rebuild and an empty OrderedDict."""
+    stack: list = []
+    marks: list[int] = []
+    memo: dict[int, object] = {}
+    at = 0
 
-    def persistent_load(self, pid):
-        if not (isinstance(pid, tuple) and len(pid) >= 5 and pid[0] == "storage"):
-            raise pickle.UnpicklingError("refused: an unknown persistent object")
-        kind = pid[1].kind if isinstance(pid[1], _Storage) else str(pid[1])
-        return self._read_storage(str(pid[2]), kind, int(pid[4]))
+    def take(n: int) -> bytes:
+        nonlocal at
+        if at + n > len(data):
+            raise RefusedPickle("truncated")
+        chunk, at = data[at:at + n], at + n
+        return chunk
+
+    def line() -> str:
+        nonlocal at
+        end = data.find(b"\n", at)
+        if end < 0:
+            raise RefusedPickle("truncated")
+        text, at = data[at:end].decode("ascii"), end + 1
+        return text
+
+    def pop_mark() -> list:
+        start = marks.pop()
+        items = stack[start:]
+        del stack[start:]
+        return items
+
+    while True:
+        op = take(1)
+        if op == b"\x80":  # PROTO
+            take(1)
+        elif op == b"\x95":  # FRAME
+            take(8)
+        elif op == b"c":  # GLOBAL
+            stack.append(_global(line(), line()))
+        elif op == b"\x93":  # STACK_GLOBAL
+            name = stack.pop()
+            stack.append(_global(stack.pop(), name))
+        elif op in (b"q", b"r", b"\x94"):  # BINPUT, LONG_BINPUT, MEMOIZE
+            key = (take(1)[0] if op == b"q" else int.from_bytes(take(4), "little")
+                   if op == b"r" else len(memo))
+            memo[key] = stack[-1]
+        elif op in (b"h", b"j"):  # BINGET, LONG_BINGET
+            key = take(1)[0] if op == b"h" else int.from_bytes(take(4), "little")
+            stack.append(memo[key])
+        elif op == b"(":
+            marks.append(len(stack))
+        elif op in (b"X", b"\x8c"):  # BINUNICODE, SHORT_BINUNICODE
+            n = int.from_bytes(take(4 if op == b"X" else 1), "little")
+            stack.append(take(n).decode("utf-8"))
+        elif op in (b"K", b"M", b"J"):
+            size = {b"K": 1, b"M": 2, b"J": 4}[op]
+            stack.append(int.from_bytes(take(size), "little", signed=op == b"J"))
+        elif op == b"\x8a":  # LONG1
+            stack.append(int.from_bytes(take(take(1)[0]), "little", signed=True))
+        elif op == b"G":  # BINFLOAT
+            stack.append(float(np.frombuffer(take(8), dtype=">f8")[0]))
+        elif op == b"t":
+            stack.append(tuple(pop_mark()))
+        elif op == b")":
+            stack.append(())
+        elif op in (b"\x85", b"\x86", b"\x87"):  # TUPLE1..3
+            n = op[0] - 0x84
+            items = tuple(stack[-n:])
+            del stack[-n:]
+            stack.append(items)
+        elif op in (b"\x88", b"\x89", b"N"):
+            stack.append({b"\x88": True, b"\x89": False, b"N": None}[op])
+        elif op == b"}":
+            stack.append({})
+        elif op == b"]":
+            stack.append([])
+        elif op == b"Q":  # BINPERSID
+            stack.append(read_storage(stack.pop()))
+        elif op == b"R":  # REDUCE
+            args = stack.pop()
+            stack.append(stack.pop()(*args))
+        elif op == b".":
+            return stack.pop()
+        else:
+            raise RefusedPickle(f"refused: pickle opcode {op!r} is not part of a saved tensor")
+
+
+def _global(module: str, name: str):
+    if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
+        return _rebuild_tensor_v2
+    if (module, name) == ("collections", "OrderedDict"):
+        return lambda *args: OrderedDict()
+    if module == "torch" and name in STORAGE_DTYPES:
+        return _Storage(name)
+    raise RefusedPickle(f"refused: {module}.{name} is not part of a saved tensor")
+
+
+def _storage_of(pid, read_storage):
+    if not (isinstance(pid, tuple) and len(pid) >= 5 and pid[0] == "storage"):
+        raise RefusedPickle("refused: an unknown persistent object")
+    kind = pid[1].kind if isinstance(pid[1], _Storage) else str(pid[1])
+    return read_storage(str(pid[2]), kind, int(pid[4]))
 
 
 def read_tensor(path: str) -> np.ndarray:
@@ -93,11 +176,11 @@ def read_tensor(path: str) -> np.ndarray:
                     return (bits << 16).view(np.float32)
                 return np.frombuffer(raw, dtype=np.dtype(dtype).newbyteorder("<"), count=numel)
 
-            found = _Unpickler(archive.read(pkl), read_storage).load()
+            found = _load(archive.read(pkl), lambda pid: _storage_of(pid, read_storage))
     except UserError:
         raise
-    except (zipfile.BadZipFile, pickle.UnpicklingError, KeyError, ValueError, EOFError,
-            OSError) as exc:
+    except (zipfile.BadZipFile, KeyError, ValueError, EOFError, OSError, IndexError,
+            TypeError) as exc:
         raise UserError(f"{path}: cannot read it as a saved tensor ({exc})") from None
     if not isinstance(found, _Rebuild):
         raise UserError(f"{path}: holds no single tensor")
