@@ -398,7 +398,7 @@ class CaptureSession:
             self._fail(error)
 
     def _finish_idle_file(self) -> None:
-        """The serving engine has been idle: finish the file (dump_file.IdleFinish)."""
+        """The serving engine has been idle: finish the file (dump_file.FileWatch)."""
         with self._lock:
             if self._closed or self._ctx is not None or self.output.writer is None:
                 return

@@ -81,6 +81,12 @@ class Segment:
     def kept_rows(self) -> np.ndarray:
         return self.kept if self.kept is not None else np.arange(self.start, self.stop)
 
+    def own(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(which of the flat ``rows`` are this request's kept rows, their index among them)."""
+        kept = self.kept_rows()
+        mine = np.isin(rows, kept)
+        return mine, np.searchsorted(kept, rows[mine])
+
 
 @dataclass
 class _Live:
@@ -105,12 +111,13 @@ class RequestTracker:
     requests: int = 0  # requests seen
     unmatched: int = 0  # request calls that could not be tied to an earlier call
     forwards: int = 0
+    block: int | None = None  # the cache's block size, once inferred
 
     def split(self, layout: BatchLayout, positions: np.ndarray) -> list[Segment]:
         """The segments of one forward (``positions``: its flat positions tensor)."""
         self.forwards += 1
         self.live = [r for r in self.live if r.seen >= self.forwards - 1]
-        block = _block_size(layout, positions)
+        block = self.block = _block_size(layout, positions, self.block)
         taken: set[int] = set()
         out = []
         for i in range(layout.n_requests):
@@ -154,16 +161,19 @@ class RequestTracker:
         return candidates[0] if len(candidates) == 1 else None
 
 
-def _block_size(layout: BatchLayout, positions: np.ndarray) -> int | None:
+def _block_size(layout: BatchLayout, positions: np.ndarray, known: int | None = None
+                ) -> int | None:
     """The cache's block size: the one under which every token's slot is its row's block for
-    its position (inferred, as the metadata does not carry it)."""
+    its position (inferred, as the metadata does not carry it; ``known``, the size found
+    before, is tried first)."""
     if layout.slots is None or layout.block_table is None:
         return None
     n = int(layout.starts[-1])
     rows = np.repeat(np.arange(layout.n_requests), np.diff(layout.starts))
     pos, slots = positions[:n], layout.slots[:n]
-    for size in reversed(BLOCK_SIZES):  # the largest that fits (a smaller one can only
-        col = pos // size                   # fit a table that starts at block 0)
+    # the largest that fits: a smaller one can only fit a table that starts at block 0
+    for size in ([known] if known else []) + list(reversed(BLOCK_SIZES)):
+        col = pos // size
         if (col >= layout.block_table.shape[1]).any():
             continue
         if np.array_equal(layout.block_table[rows, col] * size + pos % size, slots):

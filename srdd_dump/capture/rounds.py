@@ -164,13 +164,14 @@ class RoundPlanner:
                 self.request_calls.append(None if s.step >= 0 else (
                     "a prompt split over forwards (chunked prefill): its later chunks are "
                     "not captured"))
-        chosen = [s for s in segments
-                  if 0 <= s.sample < config.samples and s.step >= 0
-                  and cfg.step_selected(opts.steps, s.step)
-                  and cfg.token_positions(opts.tokens, s.stop - s.start)]
-        for s in chosen:
-            s.kept = s.start + np.asarray(cfg.token_positions(opts.tokens, s.stop - s.start),
-                                          dtype=np.int64)
+        chosen = []
+        for s in segments:
+            if 0 <= s.sample < config.samples and s.step >= 0 \
+                    and cfg.step_selected(opts.steps, s.step):
+                kept = cfg.token_positions(opts.tokens, s.stop - s.start)
+                if kept:
+                    s.kept = s.start + np.asarray(kept, dtype=np.int64)
+                    chosen.append(s)
         if not chosen:
             return None
         probed = [s for s in chosen if self.probing and s.sample < config.probe_samples
@@ -209,7 +210,7 @@ def _rows_per_request(segments: list, rows: np.ndarray | None, sample_rows: Call
     for s in segments:
         mine = None
         if rows is not None:
-            mine = np.searchsorted(s.kept, rows[np.isin(rows, s.kept)])
+            mine = s.own(rows)[1]
             mine = mine if mine.size else None
         local = sample_rows(mine, None, 1, len(s.kept), s.sample, s.step)
         if local is not None and len(local):
@@ -227,14 +228,11 @@ def split_round(r: Round, segments: list) -> list[Round]:
     for seg in segments:
         flat = seg.kept_rows()
         keep = flat - seg.start
-        index = {int(f): k for k, f in enumerate(flat)}
-        mine = (np.array([k for k, row in enumerate(rows) if int(row) in index], dtype=np.int64)
-                if rows is not None else None)
+        mine, local = seg.own(rows) if rows is not None else (None, None)
         part = Round(sample=seg.sample, step=seg.step, batch=1, seq=seg.stop - seg.start,
                      positions=np.asarray(seg.positions)[keep],
                      token_ids=None if r.token_ids is None else r.token_ids[:, flat],
-                     probe_rows=(None if mine is None or mine.size == 0
-                                 else np.array([index[int(rows[k])] for k in mine])),
+                     probe_rows=None if local is None or local.size == 0 else local,
                      time=r.time, stats=list(seg.stats))
         for t in r.tensors:
             if not t.subset:

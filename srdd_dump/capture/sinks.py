@@ -126,7 +126,8 @@ class StatsSink(RecordSink):
         self._rows_kept, self._seed = store.rows, seed
         self._sample_rows: torch.Tensor | None = None
         self._columns = self.collector.columns
-        # a flat forward's requests: (segment, its collector, which of ctx.rows are its own)
+        # a flat forward's requests: (segment, its collector, which of ctx.rows are its own,
+        # its kept rows as an index)
         self._parts: list[tuple] = []
         self._seconds = 0.0  # the per-request collectors' time
 
@@ -157,20 +158,19 @@ class StatsSink(RecordSink):
             collector = StatsCollector(self._columns)
             mine = local = None
             if flat_rows is not None:
-                mine = np.isin(flat_rows, kept)
-                local = torch.from_numpy(np.searchsorted(kept, flat_rows[mine]))
+                mine, local = seg.own(flat_rows)
             collector.open_round(None, np.asarray(seg.positions)[kept - seg.start], 1,
-                                 local if mine is not None and mine.any() else None)
-            self._parts.append((seg, collector, mine))
+                                 torch.from_numpy(local) if local is not None and local.size
+                                 else None)
+            self._parts.append((seg, collector, mine, torch.from_numpy(kept)))
 
     def clean(self, ctx: RoundContext, layer: int, site: int, hidden: torch.Tensor) -> None:
         t = kept(hidden, ctx.positions)
         if self._parts:
             flat = t.reshape(-1, t.shape[-1])
-            for seg, collector, _ in self._parts:
-                rows = torch.from_numpy(seg.kept_rows()).to(flat.device)
-                collector.clean(layer, site, flat.index_select(0, rows).unsqueeze(0),
-                                _logical(t.dtype))
+            for _, collector, _, rows in self._parts:
+                collector.clean(layer, site, flat.index_select(0, rows.to(flat.device))
+                                .unsqueeze(0), _logical(t.dtype))
         else:
             self.collector.clean(layer, site, t, _logical(t.dtype))
         if site == schema.BLOCK_SITE and self._sample_rows is not None \
@@ -187,7 +187,7 @@ class StatsSink(RecordSink):
                                                         int(probe), float(pert_rms), data,
                                                         subset))
             return
-        for seg, collector, mine in self._parts:
+        for seg, collector, mine, _ in self._parts:
             local = local_param(kind, float(param), seg)
             if mine is not None and mine.any() and data.shape[0] == mine.size \
                     and local is not None:
@@ -231,7 +231,7 @@ class StatsSink(RecordSink):
             self.finish_site(ctx, layer, site)
 
     def finish_site(self, ctx: RoundContext, layer: int, site: int) -> None:
-        for seg, collector, _ in self._parts:
+        for seg, collector, _, _ in self._parts:
             row = collector.finish(layer, site)
             if row is not None:
                 seg.stats.append(row)
