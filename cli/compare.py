@@ -87,6 +87,9 @@ def compare(
         "'all' compares every run together."),
     baseline_run: Optional[str] = typer.Option(
         None, "--baseline-run", help="The same for the --baseline folder."),
+    mapping: Optional[str] = typer.Option(
+        None, "--mapping", help="--baseline: YAML file of 'my site: golden site(s)' lines for "
+        "sub-layers and operators named differently on the two sides (docs/cli.md)."),
     tolerance: str = typer.Option(
         AUTO, "--tolerance", help="--baseline: dtype whose default limits judge the rows: "
         "auto (the less precise side), float32, float16 or bfloat16."),
@@ -143,11 +146,11 @@ def compare(
                 raise UserError("--explain and --aqn-config apply without --baseline only")
             result = modes.compare_baseline(dumps, baseline, thresholds, jobs=jobs,
                                              progress=progress, run=run,
-                                             baseline_run=baseline_run)
+                                             baseline_run=baseline_run, mapping=mapping)
         else:
-            if thresholds != Thresholds() or baseline_run is not None:
-                raise UserError("--tolerance, --metrics, the threshold options and "
-                                "--baseline-run apply with --baseline only")
+            if thresholds != Thresholds() or baseline_run is not None or mapping is not None:
+                raise UserError("--tolerance, --metrics, the threshold options, "
+                                "--baseline-run and --mapping apply with --baseline only")
             result = modes.compare_path(dumps, jobs=jobs, progress=progress, run=run)
         for note in result.notes:
             typer.echo(f"{PROG}: note: {note}", err=True)

@@ -331,7 +331,7 @@ def test_cli_xlsx_colours_summary_chart_and_gating(runs, tmp_path):
                    "--fail-on", "fault", "-q", timeout=60)
     assert proc.returncode == 1 and proc.stdout == "" and proc.stderr == "", proc.stderr
     wb = openpyxl.load_workbook(out)
-    assert wb.sheetnames == ["compare", "summary", "files"]
+    assert wb.sheetnames == ["compare", "summary", "files", "sublayers"]
     ws = wb["compare"]
     header = [c.value for c in ws[1]]
     assert header == BASELINE_COLUMNS

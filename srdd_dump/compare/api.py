@@ -18,6 +18,7 @@ from .baseline_task import run_task as run_row_task
 from .consistency import finish as finish_consistency
 from .consistency import plan as plan_consistency
 from .consistency_task import run_task as run_consistency_task
+from .mapping_file import read_mapping
 from .pipeline import check_jobs, default_jobs, scan
 from .readers import close_readers
 from .reference_free import finish as finish_reference_free
@@ -85,23 +86,25 @@ def file_signals(path: str, *, jobs: int = 1) -> list[Signals]:
 def compare_baseline(
     target_path: str, baseline_path: str, thresholds: Thresholds | None = None, *,
     jobs: int | None = 1, progress: bool | None = None, run: str | None = None,
-    baseline_run: str | None = None,
+    baseline_run: str | None = None, mapping: str | None = None,
 ) -> BaselineResult:
     """Compare every dump of one run under ``target_path`` (mine) with those of one run under
     ``baseline_path`` (golden), layer by layer. ``thresholds`` overrides the dtype-aware verdict
     limits; ``run`` / ``baseline_run`` choose a run of a folder that holds several (default:
-    the newest); ``jobs`` None: the cores this process may use. Raises UserError on bad
+    the newest); ``jobs`` None: the cores this process may use; ``mapping``: a YAML file pairing
+    sites the automatic pairing does not (compare/mapping_file.py). Raises UserError on bad
     arguments or when either side has no usable file."""
     thresholds = (thresholds or Thresholds()).validate()
+    rules = read_mapping(mapping) if mapping is not None else ()
     try:
         return _compare_baseline(target_path, baseline_path, thresholds, jobs, progress, run,
-                                 baseline_run)
+                                 baseline_run, rules)
     finally:
         close_readers()
 
 
 def _compare_baseline(target_path, baseline_path, thresholds, jobs, progress, run,
-                      baseline_run) -> BaselineResult:
+                      baseline_run, rules) -> BaselineResult:
     sides, notes = [], []
     for path, option, name in ((target_path, "", run),
                                (baseline_path, "--baseline ", baseline_run)):
@@ -116,7 +119,7 @@ def _compare_baseline(target_path, baseline_path, thresholds, jobs, progress, ru
         if not any(f.usable for f in side):
             raise no_usable_file([f.reason for f in side], path, option)
     pairs = pair_files(mine, golden)
-    tasks = plan_baseline(pairs, thresholds)
+    tasks = plan_baseline(pairs, thresholds, rules)
     parts = scan(run_row_task, tasks, jobs, progress=_show(progress), desc="baseline")
     result = finish_baseline(target_path, baseline_path, mine, golden, thresholds, parts,
                                   same_device=_same_device(pairs))

@@ -16,15 +16,19 @@ import pandas as pd
 
 from ..analysis.matching import DIFFER, RoundPair, pair_layers, pair_rounds
 from ..analysis.metrics import METRIC_NAMES
+from ..analysis.site_names import SitePair, SitePairing, SiteRule, pair_sites
 from ..analysis.tolerance import Thresholds
 from ..format import schema as s
+from ..vocabulary import EXPERT, EXPERT_SLOTS
 from .baseline_task import TASK_ROWS, RowSpec, RowTask
-from .divergence import mark_divergence, summarize
+from .divergence import mark_divergence, mark_sites, summarize
 from .results import (
     BASELINE_COLUMNS,
     BASELINE_FILE_COLUMNS,
     DERIVED_COLUMNS,
     INCOMPLETE,
+    SITE_BASELINE_COLUMNS,
+    SITE_DERIVED_COLUMNS,
     SKIPPED,
     BaselineResult,
 )
@@ -75,12 +79,15 @@ def finish(path: str, baseline: str, mine: list[Side], golden: list[Side],
            same_device: set[tuple[str, str]] | None = None) -> BaselineResult:
     """``same_device``: (source, golden source) pairs that ran on one device type, where a
     non-zero error from an exactly equal input is the birth of an error."""
-    table = _table([row for part in parts for row in part], same_device)
+    rows = [row for part in parts for row in part]
+    table = _table([r for r in rows if not r.get("_site")], same_device)
+    sites = site_table([r for r in rows if r.get("_site")], table, same_device)
     files = pd.DataFrame([_file_row(f) for f in mine + golden], columns=BASELINE_FILE_COLUMNS)
     for col in ("rounds", "samples", "layers", "rank", "pid"):
         files[col] = files[col].astype("Int64")
     return BaselineResult(path=path, baseline=baseline, table=table, files=files,
-                          summary=summarize(table, same_device), thresholds=thresholds)
+                          summary=summarize(table, same_device, sites), thresholds=thresholds,
+                          sites=sites)
 
 
 # -- files -------------------------------------------------------------------------------------
@@ -134,13 +141,20 @@ def _file_row(f: Side) -> dict:
 # -- planning ----------------------------------------------------------------------------------
 
 
-def plan(pairs: list[tuple[Side, Side]], thresholds: Thresholds) -> list[RowTask]:
-    """Row specs grouped into tasks of one (file pair, layer pair) each."""
+def plan(pairs: list[tuple[Side, Side]], thresholds: Thresholds,
+         rules: tuple[SiteRule, ...] = ()) -> list[RowTask]:
+    """Row specs grouped into tasks of one (file pair, layer pair) each: the block rows, and
+    the rows of the sub-layers and operators of the paired blocks (``rules``: a mapping
+    file's, see analysis.site_names)."""
     tasks: dict[tuple, RowTask] = {}
     for p, (mine, golden) in enumerate(pairs):
         layer_pairs = pair_layers(mine.layers, golden.layers)
         if _has_layer(mine, s.STACK_INPUT) or _has_layer(golden, s.STACK_INPUT):
             layer_pairs = [(s.STACK_INPUT, s.STACK_INPUT)] + layer_pairs
+        sites = SitePlan(mine, golden, layer_pairs, rules)
+        for spec in sites.unmatched_specs(p):
+            tasks.setdefault((p, "unmatched"), RowTask(mine.path, golden.path, thresholds, []))
+            tasks[(p, "unmatched")].specs.append(spec)
         for r, rp in enumerate(pair_rounds(mine.rounds, golden.rounds)):
             base = {
                 "source": mine.source, "golden_source": golden.source, "sample": rp.sample,
@@ -148,7 +162,7 @@ def plan(pairs: list[tuple[Side, Side]], thresholds: Thresholds) -> list[RowTask
             }
             if rp.round is None or rp.golden_round is None:
                 keys = dict(base, layer=None, module="", golden_layer=None, golden_module="")
-                spec = RowSpec((p, r, -2), keys, None, None, False, rp.reason)
+                spec = RowSpec((p, r, -2), keys, (), (), False, rp.reason)
                 tasks.setdefault((p, "rounds"), RowTask(mine.path, golden.path, thresholds, []))
                 tasks[(p, "rounds")].specs.append(spec)
                 continue
@@ -158,9 +172,108 @@ def plan(pairs: list[tuple[Side, Side]], thresholds: Thresholds) -> list[RowTask
                 key = (p, i, j)
                 tasks.setdefault(key, RowTask(mine.path, golden.path, thresholds, []))
                 tasks[key].specs.append(spec)
+                for spec in sites.specs(rp, i, j, base, (p, r, k)):
+                    key = (p, "sites", i, j)
+                    tasks.setdefault(key, RowTask(mine.path, golden.path, thresholds, []))
+                    tasks[key].specs.append(spec)
     # at most TASK_ROWS rows a task: the processes of -j N finish together
     return [RowTask(task.my_path, task.golden_path, task.thresholds, task.specs[i: i + TASK_ROWS])
             for task in tasks.values() for i in range(0, len(task.specs), TASK_ROWS)]
+
+
+class SitePlan:
+    """The sub-layer and operator sites of each paired block, paired across the two dumps."""
+
+    def __init__(self, mine: Side, golden: Side, layer_pairs: list, rules: tuple[SiteRule, ...]):
+        self.mine, self.golden = mine, golden
+        self.pairing: dict[tuple[int, int], SitePairing] = {}
+        my_sites, golden_sites = _sites_by_layer(mine), _sites_by_layer(golden)
+        self.order = _completion_order(mine)  # my sites in the order their outputs were made
+        golden_order = _completion_order(golden)
+        for i, j in layer_pairs:
+            if i is None or j is None or i < 0 or j < 0:
+                continue
+            a, b = my_sites.get(i, {}), golden_sites.get(j, {})
+            if a or b:
+                self.pairing[(i, j)] = pair_sites(a, b, mine.module(i), golden.module(j), rules)
+        far = len(self.order)
+        self.order.update({("golden", k): far + v for k, v in golden_order.items()})
+
+    def specs(self, rp: RoundPair, i: int | None, j: int | None, base: dict, order: tuple
+              ) -> list[RowSpec]:
+        pairing = self.pairing.get((i, j))
+        if pairing is None or rp.round is None or rp.golden_round is None:
+            return []
+        out = []
+        for pair in pairing.pairs:
+            mine = [self.mine.clean_sites.get((rp.round, k)) for k in pair.mine]
+            golden = [self.golden.clean_sites.get((rp.golden_round, k)) for k in pair.golden]
+            my_recs = None if None in mine else tuple(mine)
+            golden_recs = None if None in golden else tuple(golden)
+            reason = _why_not(rp, my_recs, golden_recs, "site")
+            keys = dict(base, layer=i, module=self._names(self.mine, pair.mine), golden_layer=j,
+                        golden_module=self._names(self.golden, pair.golden),
+                        matched_by=pair.how, _site=True)
+            out.append(RowSpec((*order, self._rank(pair)), keys, my_recs or (),
+                               golden_recs or (), not reason, reason,
+                               my_mask=self.mine.masks.get(rp.round),
+                               golden_mask=self.golden.masks.get(rp.golden_round)))
+        return out
+
+    def unmatched_specs(self, p: int) -> list[RowSpec]:
+        """One row per site of a paired block that pairs with nothing on the other side."""
+        out = []
+        for (i, j), pairing in self.pairing.items():
+            for side, sites, other in (("my", pairing.my_unmatched, "the golden dump"),
+                                       ("golden", pairing.golden_unmatched, "my dump")):
+                f = self.mine if side == "my" else self.golden
+                for k in sites:
+                    name = f.sites[k]
+                    keys = dict(source=self.mine.source, golden_source=self.golden.source,
+                                sample=None, golden_sample=None, step=None, input_match="",
+                                layer=i, golden_layer=j, module=name if side == "my" else "",
+                                golden_module=name if side == "golden" else "",
+                                matched_by="", _site=True)
+                    reason = (f"no counterpart: {side} site {name} has none in {other} (no "
+                              "name, alias, fused projection or --mapping rule pairs it)")
+                    rank = self.order.get(k if side == "my" else ("golden", k), 0)
+                    out.append(RowSpec((p, 1 << 30, i if i is not None else -1, rank), keys,
+                                       (), (), False, reason))
+        return out
+
+    def _rank(self, pair: SitePair) -> int:
+        ranks = [self.order[k] for k in pair.mine if k in self.order]
+        ranks += [self.order[("golden", k)] for k in pair.golden if ("golden", k) in self.order]
+        return min(ranks, default=0)
+
+    @staticmethod
+    def _names(f: Side, sites: tuple[int, ...]) -> str:
+        return " + ".join(f.sites[k] if 0 <= k < len(f.sites) else str(k) for k in sites)
+
+
+def _sites_by_layer(f: Side) -> dict[int, dict[int, str]]:
+    """layer -> {site: module name} of the sites with clean output records."""
+    out: dict[int, dict[int, str]] = {}
+    for site, layer in f.site_layers.items():
+        if 0 <= site < len(f.sites) and _compared_role(f, site):
+            out.setdefault(layer, {})[site] = f.sites[site]
+    return out
+
+
+def _compared_role(f: Side, site: int) -> bool:
+    """Sites whose output is one tensor shaped like the block's (the sites of single experts
+    and of their token slots are shaped by routing: compared through the experts module)."""
+    role = f.site_roles[site] if site < len(f.site_roles) else ""
+    return role not in (EXPERT, EXPERT_SLOTS)
+
+
+def _completion_order(f: Side) -> dict:
+    """site -> its rank in the order the outputs were made (the records' order)."""
+    first: dict[int, int] = {}
+    for (_, site), index in f.clean_sites.items():
+        if index < first.get(site, 1 << 62):
+            first[site] = index
+    return {site: rank for rank, site in enumerate(sorted(first, key=first.__getitem__))}
 
 
 def _has_layer(f: Side, layer: int) -> bool:
@@ -175,29 +288,55 @@ def _layer_spec(
     )
     my_rec = mine.clean_blocks.get((rp.round, i)) if i is not None else None
     golden_rec = golden.clean_blocks.get((rp.golden_round, j)) if j is not None else None
-    reason = ""
     if i is None:
         reason = f"no counterpart: golden layer {j} ({keys['golden_module']}) is not in my dump"
     elif j is None:
         reason = f"no counterpart: my layer {i} ({keys['module']}) is not in the golden dump"
-    elif my_rec is None or golden_rec is None:
-        side = "my" if my_rec is None else "golden"
-        reason = f"missing record: no {side} data for this layer in this round"
-    elif rp.input_match == DIFFER:
-        reason = (
-            "inputs differ: the input ids of this round (or an earlier one of the sample) are "
-            "not those of the golden run, so the tensors are not compared"
-        )
-    return RowSpec((), keys, my_rec, golden_rec, not reason, reason,
+    else:
+        reason = _why_not(rp, my_rec, golden_rec)
+    return RowSpec((), keys, _records(my_rec), _records(golden_rec), not reason, reason,
                    my_mask=mine.masks.get(rp.round), golden_mask=golden.masks.get(rp.golden_round))
+
+
+def _why_not(rp: RoundPair, my_rec, golden_rec, what: str = "layer") -> str:
+    """Why a row of paired layers or sites is not compared ("" when it is)."""
+    if my_rec is None or golden_rec is None:
+        side = "my" if my_rec is None else "golden"
+        return f"missing record: no {side} data for this {what} in this round"
+    if rp.input_match == DIFFER:
+        return ("inputs differ: the input ids of this round (or an earlier one of the sample) "
+                "are not those of the golden run, so the tensors are not compared")
+    return ""
+
+
+def _records(index: int | None) -> tuple[int, ...]:
+    return () if index is None else (index,)
 
 
 # -- the table ---------------------------------------------------------------------------------
 
 
 def _table(rows: list[dict], same_device: set[tuple[str, str]] | None = None) -> pd.DataFrame:
-    rows = sorted(rows, key=lambda r: r["_order"])
     columns = [c for c in BASELINE_COLUMNS if c not in DERIVED_COLUMNS]
+    df = _typed(rows, columns)
+    df = mark_divergence(df, same_device)
+    return df[BASELINE_COLUMNS].reset_index(drop=True)
+
+
+def site_table(rows: list[dict], table: pd.DataFrame,
+               same_device: set[tuple[str, str]] | None = None) -> pd.DataFrame:
+    """SITE_BASELINE_COLUMNS, in (source, sample, step, layer, completion) order, with the
+    error growth of each site over its block's input and the birth site of each birth
+    layer (divergence.mark_sites)."""
+    columns = [c for c in SITE_BASELINE_COLUMNS if c not in SITE_DERIVED_COLUMNS]
+    df = _typed(rows, columns)
+    df["matched_by"] = df["matched_by"].astype(object).where(df["matched_by"].notna(), "")
+    df = mark_sites(df, table, same_device)
+    return df[SITE_BASELINE_COLUMNS].reset_index(drop=True)
+
+
+def _typed(rows: list[dict], columns: list[str]) -> pd.DataFrame:
+    rows = sorted(rows, key=lambda r: r["_order"])
     df = pd.DataFrame(rows, columns=columns)
     for col in ("sample", "golden_sample", "step", "layer", "golden_layer", "golden_nan_inf",
                 "my_nan_inf"):
@@ -208,6 +347,5 @@ def _table(rows: list[dict], same_device: set[tuple[str, str]] | None = None) ->
     for col in ("module", "golden_module", "input_match", "golden_dtype", "golden_shape",
                 "my_dtype", "my_shape", "cmp_fail_reason", "tolerance"):
         df[col] = df[col].astype(object).where(df[col].notna(), "").astype(str)
-    df = mark_divergence(df, same_device)
-    return df[BASELINE_COLUMNS].reset_index(drop=True)
+    return df
 

@@ -22,6 +22,7 @@ the embedding output) the input ids, which agree unless ``input_match`` says the
 from __future__ import annotations
 
 import math
+import re
 
 import numpy as np
 import pandas as pd
@@ -102,6 +103,49 @@ def mark_divergence(table: pd.DataFrame, same_device: set[tuple[str, str]] | Non
     return out
 
 
+def mark_sites(sites: pd.DataFrame, table: pd.DataFrame,
+               same_device: set[tuple[str, str]] | None = None) -> pd.DataFrame:
+    """Add ``error_amplification`` (a site's relative error over its block's input's: the
+    previous row of the block table) and ``first_divergence``: in each round and layer where the
+    block table marks the birth of the error, the first site in the order their outputs were
+    made whose error grew BIRTH_GROWTH-fold or more (or, with the same setup on both sides,
+    became non-zero from an exact input, or turned NaN/Inf)."""
+    inputs: dict[tuple, tuple[float, bool]] = {}  # (group, layer) -> (input RED, birth layer)
+    keys = table[GROUP].astype(object).where(table[GROUP].notna(), None)
+    previous: dict[tuple, float] = {}
+    for key, layer, red, verdict, match, first in zip(
+            map(tuple, keys.to_numpy()), table["layer"], table[RED_COLUMN], table["verdict"],
+            table["input_match"], table["first_divergence"]):
+        if pd.isna(layer):
+            continue
+        start = 0.0 if match != DIFFER else math.nan
+        inputs[(key, int(layer))] = (previous.get(key, start), bool(first))
+        previous[key] = float(red) if verdict != NOT_COMPARED else math.nan
+    amp = np.full(len(sites), math.nan)
+    first = np.zeros(len(sites), dtype=bool)
+    same_setup = _same_setup(sites, same_device)
+    done: set[tuple] = set()
+    site_keys = sites[GROUP].astype(object).where(sites[GROUP].notna(), None)
+    nonfinite = (sites["golden_nan_inf"].fillna(0) + sites["my_nan_inf"].fillna(0)).to_numpy()
+    for pos, (key, layer, red, verdict, tol) in enumerate(zip(
+            map(tuple, site_keys.to_numpy()), sites["layer"], sites[RED_COLUMN],
+            sites["verdict"], sites["tolerance"])):
+        if pd.isna(layer) or verdict == NOT_COMPARED or (key, int(layer)) not in inputs:
+            continue
+        input_red, birth_layer = inputs[(key, int(layer))]
+        amp[pos] = _ratio(float(red), max(input_red, UNIT_ROUNDOFF.get(tol, 0.0)))
+        if not birth_layer or (key, int(layer)) in done:
+            continue
+        exact = input_red == 0.0 and same_setup[pos] and red > 0
+        if amp[pos] >= BIRTH_GROWTH or exact or (verdict == FAIL and nonfinite[pos] > 0):
+            first[pos] = True
+            done.add((key, int(layer)))
+    out = sites.copy()
+    out["error_amplification"] = amp
+    out["first_divergence"] = first
+    return out
+
+
 def _same_setup(table: pd.DataFrame, same_device: set[tuple[str, str]] | None) -> np.ndarray:
     """Per row: both sides have the same dtype and ran on one device type."""
     pairs = same_device or set()
@@ -138,8 +182,8 @@ def per_layer(table: pd.DataFrame) -> pd.DataFrame:
     return out[PER_LAYER_COLUMNS]
 
 
-def summarize(table: pd.DataFrame, same_device: set[tuple[str, str]] | None = None
-              ) -> BaselineSummary:
+def summarize(table: pd.DataFrame, same_device: set[tuple[str, str]] | None = None,
+              sites: pd.DataFrame | None = None) -> BaselineSummary:
     counts = table["verdict"].value_counts()
     verdicts = {v: int(counts.get(v, 0)) for v in VERDICTS}
     compared = table[table["verdict"] != NOT_COMPARED]
@@ -166,8 +210,37 @@ def summarize(table: pd.DataFrame, same_device: set[tuple[str, str]] | None = No
         summary.first_rounds = len(at)
         birth = int(at[RED_COLUMN].fillna(-1.0).idxmax())
         summary.first_exact_input = _input_red(table, birth) == 0
+        if sites is not None:
+            _first_site(summary, at, sites)
     summary.pattern, summary.message = _explain(summary, compared, same_setup)
+    if summary.first_site:
+        summary.message += (f"; inside it, first at {summary.first_site} "
+                            f"({summary.first_site_rounds} of {summary.first_rounds} rounds)")
+    if sites is not None:
+        summary.unmatched = unmatched_lines(sites)
     return summary
+
+
+def _first_site(summary: BaselineSummary, births: pd.DataFrame, sites: pd.DataFrame) -> None:
+    """The site most often marked as the birth inside the birth layer, over its birth rounds."""
+    rounds = set(map(tuple, births[GROUP].astype(object).to_numpy()))
+    marked = sites[sites["first_divergence"] & (sites["layer"] == summary.first_layer)]
+    marked = marked[[tuple(k) in rounds for k in marked[GROUP].astype(object).to_numpy()]]
+    if len(marked):
+        counts = marked["module"].value_counts()
+        summary.first_site, summary.first_site_rounds = str(counts.index[0]), int(counts.iloc[0])
+
+
+def unmatched_lines(sites: pd.DataFrame) -> list[str]:
+    """One line per site name (its layer number as N) and side that paired with nothing."""
+    rows = sites[sites["cmp_fail_reason"].str.startswith("no counterpart: ")]
+    found: dict[tuple[str, str], set] = {}
+    for mine, golden, layer in zip(rows["module"], rows["golden_module"], rows["layer"]):
+        side, name = ("my", mine) if mine else ("golden", golden)
+        found.setdefault((side, re.sub(r"\.\d+(\.|$)", r".N\1", name, count=1)), set()).add(layer)
+    return [f"{side} site {name} ({len(layers)} layer{'s' if len(layers) > 1 else ''}): no "
+            f"counterpart in {'the golden dump' if side == 'my' else 'my dump'}"
+            for (side, name), layers in sorted(found.items())]
 
 
 def _recurring(table: pd.DataFrame, births: pd.DataFrame, same_setup: np.ndarray

@@ -91,6 +91,13 @@ EXTRA_COLUMNS = [
 BASELINE_COLUMNS = ID_COLUMNS + MSIT_COLUMNS + EXTRA_COLUMNS
 # from the whole run
 DERIVED_COLUMNS = ["error_amplification", "highlight", "first_divergence", "first_fail"]
+# sub-layers and operators of the paired blocks: module / golden_module name the sites (a fused
+# site's parts joined by " + "), matched_by how they were paired (analysis.site_names);
+# error_amplification is over the block's input (the previous block's output), first_divergence
+# marks the site where the error of a birth layer is born
+SITE_BASELINE_COLUMNS = (ID_COLUMNS + ["matched_by"] + MSIT_COLUMNS + EXTRA_COLUMNS[:6]
+                         + ["error_amplification", "tolerance", "verdict", "first_divergence"])
+SITE_DERIVED_COLUMNS = ["error_amplification", "first_divergence"]
 BASELINE_FILE_COLUMNS = [
     "role", "source", "status", "reason", "paired_with", "rounds", "samples", "layers", "rank",
     "pid",
@@ -117,6 +124,10 @@ class BaselineSummary:
     first_exact_input: bool = False  # the birth layer's input equals the golden run's
     pattern: str = ""  # introduced | born | gradual | clean | nothing
     message: str = ""  # the finding, one sentence
+    first_site: str = ""  # inside first_layer: the sub-layer or operator where it was born
+    first_site_rounds: int = 0  # of the first_rounds, those in which first_site was
+    unmatched: list[str] = field(default_factory=list)  # sites paired with nothing, one line
+    # per name (relative to its block) and side
 
 
 @dataclass
@@ -130,6 +141,10 @@ class BaselineResult:
     summary: BaselineSummary
     thresholds: object  # analysis.tolerance.Thresholds used
     notes: list[str] = field(default_factory=list)  # e.g. which run of a folder was compared
+    # SITE_BASELINE_COLUMNS: sub-layers and operators of the paired blocks (empty when the
+    # dumps hold none on both sides)
+    sites: pd.DataFrame = field(
+        default_factory=lambda: pd.DataFrame(columns=SITE_BASELINE_COLUMNS))
 
     @property
     def skipped_reasons(self) -> list[str]:

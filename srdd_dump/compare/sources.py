@@ -17,7 +17,7 @@ import numpy as np
 
 from ..errors import UserError, first_line
 from ..format import schema as s
-from ..format.blocks import clean_block_records
+from ..format.blocks import clean_block_records, clean_site_records
 from ..format.coverage import partial_lines, shortfall_lines
 from ..format.from_msprobe import cache_folder, convert
 from ..format.msprobe import is_msprobe_dump
@@ -55,6 +55,9 @@ class DumpFile:
     records: np.ndarray = field(default_factory=lambda: np.zeros(0, s.RECORD_DTYPE))
     clean_blocks: dict[tuple[int, int], int] = field(default_factory=dict)  # (round, layer) ->
     # index into records of the clean block output (rounds without a /rounds row left out)
+    clean_sites: dict[tuple[int, int], int] = field(default_factory=dict)  # (round, site) ->
+    # index into records of the clean output of a sub-layer or operator
+    site_layers: dict[int, int] = field(default_factory=dict)  # site -> its layer
     masks: dict[int, int] = field(default_factory=dict)  # round -> its KIND_MASK record
     stats_index: np.ndarray | None = None  # a stats dump's /stats index (None: tensors)
     hidden_dtype: str = "float32"  # logical dtype of the hidden states
@@ -266,6 +269,7 @@ def inspect(path: str, source: str) -> DumpFile:
     f.rounds, f.records = reader.rounds, reader.records
     f.samples = reader.n_samples
     f.clean_blocks = clean_block_records(reader)
+    f.clean_sites, f.site_layers = clean_site_records(reader)
     if reader.has_stats:
         f.stats_index = reader.stats_index
     r = reader.records

@@ -58,3 +58,20 @@ def clean_block_records(reader: DumpReader) -> dict[tuple[int, int], int]:
         if key[0] in known:
             out.setdefault(key, int(i))
     return out
+
+
+def clean_site_records(reader: DumpReader) -> tuple[dict[tuple[int, int], int], dict[int, int]]:
+    """((round, site) -> index into ``reader.records`` of every clean sub-layer or operator
+    output record, site -> its layer), rounds without a /rounds row left out as above."""
+    r = reader.records
+    known = set(reader.rounds["round"].tolist())
+    out: dict[tuple[int, int], int] = {}
+    layers: dict[int, int] = {}
+    mask = (r["kind"] == s.KIND_CLEAN) & (r["site"] >= 0)
+    for i in np.flatnonzero(mask):
+        site = int(r["site"][i])
+        layers.setdefault(site, int(r["layer"][i]))
+        key = (int(r["round"][i]), site)
+        if key[0] in known:
+            out.setdefault(key, int(i))
+    return out, layers

@@ -1,6 +1,7 @@
 """GPU-baseline report as XLSX: sheets ``compare`` (msprobe-style row colours), ``summary``
 (first divergent layer, worst layers, per-layer table and a line chart of cosine similarity and
-relative error against the layer) and ``files``. Every text cell is escaped against formula
+relative error against the layer), ``files`` and, when the dumps hold sub-layers or operators,
+``sublayers``. Every text cell is escaped against formula
 injection.
 """
 
@@ -21,6 +22,7 @@ from .sheets import format_table
 COMPARE_SHEET = "compare"
 SUMMARY_SHEET = "summary"
 FILES_SHEET = "files"
+SITES_SHEET = "sublayers"
 FILLS = {
     RED: PatternFill(fill_type="solid", start_color="FFFFC7CE", end_color="FFFFC7CE"),
     YELLOW: PatternFill(fill_type="solid", start_color="FFFFEB9C", end_color="FFFFEB9C"),
@@ -34,6 +36,10 @@ def write_xlsx(result: BaselineResult, path: str) -> list[str]:
         _finite_cells(escape_formulas(table)).to_excel(xw, sheet_name=COMPARE_SHEET, index=False)
         xw.book.create_sheet(SUMMARY_SHEET)
         escape_formulas(result.files).to_excel(xw, sheet_name=FILES_SHEET, index=False)
+        if len(result.sites):
+            _finite_cells(escape_formulas(result.sites)).to_excel(
+                xw, sheet_name=SITES_SHEET, index=False)
+            format_table(xw.sheets[SITES_SHEET], result.sites)
         ws = xw.sheets[COMPARE_SHEET]
         bold = Font(bold=True)
         first_col = table.columns.get_loc("first_divergence") + 1
@@ -76,6 +82,7 @@ def _summary_sheet(ws, result: BaselineResult) -> None:
         ("finding", s.message),
     ]
     lines += [(f"not compared: {k}", v) for k, v in s.not_compared.items()]
+    lines += [("unmatched", line) for line in s.unmatched]
     ws.cell(row=1, column=1, value="srdd-compare: GPU-baseline summary").font = Font(bold=True)
     for i, (key, value) in enumerate(lines, start=2):
         ws.cell(row=i, column=1, value=key)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..analysis.verdicts import NORMAL, VERDICT_ORDER, VERDICTS
+from ..analysis.verdicts import NORMAL, NOT_COMPARED, VERDICT_ORDER, VERDICTS
 from ..compare.results import (
     INCOMPLETE,
     OK,
@@ -15,6 +15,7 @@ from ..compare.results import (
 TOP = 10
 SHOWN = ["verdict", "diagnosis", "score", "source", "layer", "module", "gain", "instability"]
 MAX_TEXT = 40
+UNMATCHED_SHOWN = 5
 
 
 def diagnosis_text(result: CompareResult, written: list[str] | None = None,
@@ -98,7 +99,18 @@ def baseline_text(result: BaselineResult, written: list[str] | None = None) -> s
         lines.append(f"not compared: {n} rows: {reason}")
     lines.append(f"finding: {s.message}")
     if s.first_layer is not None:
-        lines.append(f"first divergence: layer {s.first_layer} ({s.first_module})")
+        inside = f", inside it {s.first_site}" if s.first_site else ""
+        lines.append(f"first divergence: layer {s.first_layer} ({s.first_module}){inside}")
+    if len(result.sites):
+        compared = int((result.sites["verdict"] != NOT_COMPARED).sum())
+        pairs = result.sites.loc[result.sites["verdict"] != NOT_COMPARED, "matched_by"]
+        how = ", ".join(f"{n} by {k}" for k, n in pairs.value_counts().items())
+        lines.append(f"sub-layers and operators: {compared} rows compared ({how})")
+    for line in s.unmatched[:UNMATCHED_SHOWN]:
+        lines.append(f"unmatched: {line}")
+    if len(s.unmatched) > UNMATCHED_SHOWN:
+        lines.append(f"unmatched: {len(s.unmatched) - UNMATCHED_SHOWN} more (see the "
+                     "sublayers table)")
     if len(s.worst):
         lines.append("worst layers:")
         top = s.worst[WORST_SHOWN].rename(columns={
