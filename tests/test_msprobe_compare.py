@@ -48,3 +48,108 @@ def test_a_fault_against_an_msprobe_golden_run_is_the_first_divergence(tmp_path)
     text = _compare(tmp_path, mine, "--baseline", MSPROBE)
     finding = next(line for line in text.splitlines() if line.startswith("finding:"))
     assert "10 (model.layers.10" in finding and " 0 PASS" not in text, text
+
+
+def _fixture(name: str) -> str:
+    return os.path.join(FIXTURES, "msprobe", name)
+
+
+def _table(tmp_path, name: str = "report.csv"):
+    import pandas as pd
+
+    return pd.read_csv(tmp_path / name)
+
+
+@pytest.fixture(scope="module")
+def saturated(tmp_path_factory):
+    """srdd-dump of the msprobe fixtures' run with layer 10's output clamped at half its
+    range: the generated tokens change, so the decode round's inputs differ."""
+    return _srdd_dump(tmp_path_factory.mktemp("sat"), "--inject", "saturation@layer=10,m=0.5")
+
+
+def test_inputs_recorded_by_msprobe_give_token_ids_stack_input_and_positions(tmp_path,
+                                                                             saturated):
+    # data_mode all: the model's input_ids, layer 0's input (the embedding output) and its
+    # position_ids; the decode round of a run whose tokens changed is "inputs differ", as
+    # against an srdd golden run
+    golden = _srdd_dump(tmp_path / "golden")
+    against_msprobe = _compare(tmp_path, saturated, "--baseline", _fixture("smollm2_bf16_all"))
+    msprobe_rows = _table(tmp_path)
+    against_srdd = _compare(tmp_path, saturated, "--baseline", golden)
+    srdd_rows = _table(tmp_path)
+    for text in (against_msprobe, against_srdd):
+        assert "62 (1 compared rounds): 22 PASS, 7 WARN, 2 FAIL, 31 N/A" in text, text
+        assert "not compared: 31 rows: inputs differ" in text
+    assert (msprobe_rows["layer"] == -1).sum() == 2  # the stack input row of each round
+    same = ["layer", "step", "input_match", "verdict", "first_divergence",
+            "cosine_similarity", "relative_euclidean_distance", "max_absolute_error",
+            "kl_divergence", "golden_max_value", "my_mean_value"]
+    assert msprobe_rows[same].equals(srdd_rows[same])
+    birth = msprobe_rows[msprobe_rows["first_divergence"]]
+    assert list(birth["layer"]) == [10]
+
+
+def test_a_statistics_golden_dump_is_compared_by_its_statistics(tmp_path, saturated):
+    text = _compare(tmp_path, saturated, "--baseline", _fixture("smollm2_bf16_all_stats"))
+    assert "statistics only (msprobe task statistics" in text  # the one line saying so
+    rows = _table(tmp_path)
+    compared = rows[rows["verdict"] != "N/A"]
+    assert compared["cosine_similarity"].isna().all()  # what statistics cannot give is N/A
+    assert compared["red_lower_bound"].notna().all() and compared["golden_norm"].notna().all()
+    prefill = rows[rows["step"] == 0].set_index("layer")
+    assert (prefill.loc[-1:9, "red_lower_bound"] == 0).all()  # the same run up to layer 10
+    assert prefill.loc[10, "verdict"] in ("WARN", "FAIL") and prefill.loc[10, "first_divergence"]
+    # the statistics bound the relative error from below
+    full = _compare(tmp_path, saturated, "--baseline", _fixture("smollm2_bf16_all"))
+    assert full
+    exact = _table(tmp_path).set_index(["step", "layer"])
+    bounds = rows.set_index(["step", "layer"])
+    both = bounds["red_lower_bound"].notna() & exact["relative_euclidean_distance"].notna()
+    assert (bounds.loc[both, "red_lower_bound"]
+            <= exact.loc[both, "relative_euclidean_distance"] + 1e-12).all()
+
+
+def test_a_healthy_run_against_a_statistics_golden_passes_everywhere(tmp_path):
+    text = _compare(tmp_path, _srdd_dump(tmp_path), "--baseline",
+                    _fixture("smollm2_bf16_stats"))
+    assert "(2 compared rounds): 60 PASS, 0 WARN, 0 FAIL" in text, text
+
+
+def test_a_statistics_dump_gets_a_reference_free_report_saying_what_it_lacks(tmp_path):
+    text = _compare(tmp_path, _fixture("smollm2_bf16_stats"))
+    assert "30 rows: 0 FAULT" in text
+    assert "Max, Min, Mean and Norm of each tensor" in text
+
+
+def test_a_mix_dump_of_one_layers_modules_is_compared_where_both_have_them(tmp_path):
+    mine = _srdd_dump(tmp_path, "--granularity", "op")
+    text = _compare(tmp_path, mine, "--baseline", _fixture("smollm2_bf16_mix"))
+    assert "6 sub-layer and operator rows compared: 6 PASS" in text, text
+    sites = _table(tmp_path, "report.sublayers.csv")
+    compared = sites[sites["verdict"] == "PASS"]
+    assert set(compared["golden_module"]) == {
+        f"model.layers.10.{m}" for m in ("input_layernorm", "self_attn", "self_attn.q_proj",
+                                         "self_attn.k_proj", "self_attn.v_proj",
+                                         "self_attn.o_proj")}
+    assert (compared["relative_euclidean_distance"] == 0).all()
+
+
+def test_a_ranked_msprobe_dump_gives_one_file_per_rank(tmp_path):
+    text = _compare(tmp_path, _fixture("smollm2_bf16_ranks"))
+    assert "files: 2 found, 2 read" in text and "60 rows: 0 FAULT" in text
+    files = _table(tmp_path, "report.files.csv")
+    assert sorted(files["rank"]) == [0, 1]
+
+
+def test_an_msprobe_dump_with_api_calls_only_is_refused_in_one_line(tmp_path):
+    folder = tmp_path / "l1" / "step0" / "rank0"
+    folder.mkdir(parents=True)
+    (folder / "dump.json").write_text(
+        '{"task": "tensor", "level": "L1", "framework": "pytorch", "data": {'
+        '"Functional.linear.0.forward": {"output": [{"type": "torch.Tensor", '
+        '"dtype": "torch.float32", "shape": [1, 2, 4], "Max": 1, "Min": 0, "Mean": 0.5, '
+        '"Norm": 1}]}}}')
+    proc = run_cli("srdd-compare", str(tmp_path / "l1"), "-o", str(tmp_path / "r.csv"))
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    assert "no module of a numbered block" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1

@@ -53,12 +53,14 @@ def prepare(mine: list[DumpFile], golden: list[DumpFile]) -> tuple[list[Side], l
     for files, role in ((mine, "my"), (golden, "golden")):
         rows = []
         for f in files:
-            if f.usable and not f.clean_blocks and f.stats_index is not None:
+            if f.usable and f.summary_rows:
+                pass  # statistics only: compared by its statistics
+            elif f.usable and not f.clean_blocks and f.stats_index is not None:
                 f.status, f.reason = SKIPPED, (
                     f"{f.path}: a stats dump without rows (--store stats:0); the baseline mode "
                     "compares tensors: dump with --store stats (2 rows of each block), "
                     "sample:N or full")
-            elif f.usable and not f.clean_blocks:
+            elif f.usable and not f.clean_blocks and not f.clean_sites:
                 f.status, f.reason = SKIPPED, f"{f.path}: no captured layer data"
             elif f.status == INCOMPLETE:
                 f.reason = f"{f.path}: capture did not finish; rounds written used"
@@ -69,9 +71,21 @@ def prepare(mine: list[DumpFile], golden: list[DumpFile]) -> tuple[list[Side], l
 
 def store_notes(sides: list[Side]) -> list[str]:
     """One line per stats dump compared: its rows are a seeded sample, not every token."""
-    return [f"{f.source}: a stats dump (--store stats): the baseline compares the seeded rows "
-            "of each block output it kept, not every token (for every row: --store sample:N "
-            "or full)" for f in sides if f.usable and f.stats_index is not None]
+    out = []
+    for f in sides:
+        if not f.usable or f.stats_index is None:
+            continue
+        if f.summary_rows:
+            out.append(f"{f.source}: statistics only (msprobe task statistics: Max, Min, Mean, "
+                       "Norm per tensor): its rows give max/min/mean and the norms; cosine, the "
+                       "relative and absolute errors, KL and the error ratios are N/A, and the "
+                       "verdicts rest on red_lower_bound, the smallest relative error those "
+                       "statistics prove (an error that keeps them is not seen)")
+        else:
+            out.append(f"{f.source}: a stats dump (--store stats): the baseline compares the "
+                       "seeded rows of each block output it kept, not every token (for every "
+                       "row: --store sample:N or full)")
+    return out
 
 
 def finish(path: str, baseline: str, mine: list[Side], golden: list[Side],
@@ -210,14 +224,20 @@ class SitePlan:
             golden = [self.golden.clean_sites.get((rp.golden_round, k)) for k in pair.golden]
             my_recs = None if None in mine else tuple(mine)
             golden_recs = None if None in golden else tuple(golden)
-            reason = _why_not(rp, my_recs, golden_recs, "site")
+            my_sum = golden_sum = None
+            if my_recs is None and len(pair.mine) == 1:
+                my_sum = _summary(self.mine, rp.round, i, pair.mine[0])
+            if golden_recs is None and len(pair.golden) == 1:
+                golden_sum = _summary(self.golden, rp.golden_round, j, pair.golden[0])
+            reason = _why_not(rp, my_recs or my_sum, golden_recs or golden_sum, "site")
             keys = dict(base, layer=i, module=self._names(self.mine, pair.mine), golden_layer=j,
                         golden_module=self._names(self.golden, pair.golden),
                         matched_by=pair.how, _site=True)
             out.append(RowSpec((*order, self._rank(pair)), keys, my_recs or (),
                                golden_recs or (), not reason, reason,
                                my_mask=self.mine.masks.get(rp.round),
-                               golden_mask=self.golden.masks.get(rp.golden_round)))
+                               golden_mask=self.golden.masks.get(rp.golden_round),
+                               my_summary=my_sum, golden_summary=golden_sum))
         return out
 
     def unmatched_specs(self, p: int) -> list[RowSpec]:
@@ -288,14 +308,28 @@ def _layer_spec(
     )
     my_rec = mine.clean_blocks.get((rp.round, i)) if i is not None else None
     golden_rec = golden.clean_blocks.get((rp.golden_round, j)) if j is not None else None
+    my_sum = _summary(mine, rp.round, i, s.BLOCK_SITE) if my_rec is None else None
+    golden_sum = _summary(golden, rp.golden_round, j, s.BLOCK_SITE) if golden_rec is None else None
     if i is None:
         reason = f"no counterpart: golden layer {j} ({keys['golden_module']}) is not in my dump"
     elif j is None:
         reason = f"no counterpart: my layer {i} ({keys['module']}) is not in the golden dump"
     else:
-        reason = _why_not(rp, my_rec, golden_rec)
+        reason = _why_not(rp, _either(my_rec, my_sum), _either(golden_rec, golden_sum))
     return RowSpec((), keys, _records(my_rec), _records(golden_rec), not reason, reason,
-                   my_mask=mine.masks.get(rp.round), golden_mask=golden.masks.get(rp.golden_round))
+                   my_mask=mine.masks.get(rp.round), golden_mask=golden.masks.get(rp.golden_round),
+                   my_summary=my_sum, golden_summary=golden_sum)
+
+
+def _summary(f: Side, round_: int | None, layer: int | None, site: int) -> int | None:
+    """The /stats row of an output a statistics-only file has no tensor of."""
+    if round_ is None or layer is None or not f.summary_rows:
+        return None
+    return f.summary_rows.get((round_, layer, site))
+
+
+def _either(record: int | None, summary: int | None) -> int | None:
+    return record if record is not None else summary
 
 
 def _why_not(rp: RoundPair, my_rec, golden_rec, what: str = "layer") -> str:
@@ -342,7 +376,8 @@ def _typed(rows: list[dict], columns: list[str]) -> pd.DataFrame:
                 "my_nan_inf"):
         df[col] = df[col].astype("Int64")
     for col in (*METRIC_NAMES, "golden_max_value", "golden_min_value", "golden_mean_value",
-                "my_max_value", "my_min_value", "my_mean_value"):
+                "my_max_value", "my_min_value", "my_mean_value", "golden_norm", "my_norm",
+                "red_lower_bound"):
         df[col] = df[col].astype(float)
     for col in ("module", "golden_module", "input_match", "golden_dtype", "golden_shape",
                 "my_dtype", "my_shape", "cmp_fail_reason", "tolerance"):

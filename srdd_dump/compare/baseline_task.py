@@ -4,19 +4,24 @@ starts in 0.14 s of CPU instead of 0.5 s (with pandas and openpyxl)."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
 
 from ..analysis.metrics import PairStats, SideStats
+from ..analysis.summary_stats import TensorSummary, from_stats, red_lower_bound
 from ..analysis.tolerance import Thresholds, judge
-from ..analysis.verdicts import NOT_COMPARED
+from ..analysis.verdicts import FAIL, NOT_COMPARED, PASS, WARN
 from ..errors import first_line
+from ..format import schema as s
 from ..format.blocks import block_rows, record_blocks, shape_of
 from ..format.reader import DumpReader
 from .readers import READ_ERRORS, open_reader
 
+STATISTICS_ONLY = ("statistics only: element-wise metrics N/A; red_lower_bound is the "
+                   "smallest relative error Max/Min/Mean/Norm prove")
 TASK_ROWS = 256  # rows a task at most: the processes of -j N finish together
 
 
@@ -32,6 +37,9 @@ class RowSpec:
     reason: str = ""
     my_mask: int | None = None  # the round's KIND_MASK record: padded rows left out
     golden_mask: int | None = None
+    # a side without a tensor: its row of /stats in a statistics-only file (msprobe statistics)
+    my_summary: int | None = None
+    golden_summary: int | None = None
 
 
 @dataclass
@@ -83,13 +91,96 @@ def run_task(task: RowTask) -> list[dict]:
     limits: dict = {}  # (golden dtype, my dtype) -> Limits, the same for every row
     for spec in task.specs:
         try:
-            mine = Group(open_reader(task.my_path), spec.mine) if spec.mine else None
-            golden = Group(open_reader(task.golden_path), spec.golden) if spec.golden else None
-            out.append(_compare_row(spec, mine, golden, task.thresholds, limits))
+            mine = _side(task.my_path, spec.mine, spec.my_summary)
+            golden = _side(task.golden_path, spec.golden, spec.golden_summary)
+            if isinstance(mine, Summary) or isinstance(golden, Summary):
+                out.append(_compare_summaries(spec, mine, golden, task.thresholds))
+            else:
+                out.append(_compare_row(spec, mine, golden, task.thresholds, limits))
         except READ_ERRORS as exc:
             failed = RowSpec(spec.order, spec.keys, (), (), False,
                              f"read error: {first_line(exc)}")
             out.append(_compare_row(failed, None, None, task.thresholds))
+    return out
+
+
+class Summary:
+    """One side known by its statistics only (a statistics-only file's /stats row)."""
+
+    def __init__(self, reader: DumpReader, index: int):
+        row = reader.stats_row(index)
+        entry = reader.stats_index[index]
+        self.dtype = s.DTYPE_CODES[int(entry["dtype"])]
+        at = np.flatnonzero(reader.rounds["round"] == entry["round"])
+        batch, ntok = ((int(reader.rounds["batch"][at[0]]), int(reader.rounds["ntok"][at[0]]))
+                       if at.size else (0, 0))
+        n = row.get("n", math.nan)
+        width = int(n) // (batch * ntok) if batch * ntok and math.isfinite(n) else -1
+        self.shape = (batch, ntok, width)
+        nonfinite = int(row.get("nan", 0) or 0) + int(row.get("inf", 0) or 0)
+        self.summary = from_stats(n, row.get("max", math.nan), row.get("min", math.nan),
+                                  row.get("mean", math.nan), row.get("norm", math.nan),
+                                  m2=row.get("m2", math.nan), nonfinite=nonfinite,
+                                  dtype=self.dtype)
+
+
+def _side(path: str, records: tuple[int, ...], summary: int | None) -> Group | Summary | None:
+    if records:
+        return Group(open_reader(path), records)
+    if summary is not None:
+        return Summary(open_reader(path), summary)
+    return None
+
+
+def _compare_summaries(spec: RowSpec, mine: Group | Summary | None,
+                       golden: Group | Summary | None, thresholds: Thresholds) -> dict:
+    """A row with a statistics-only side: max, min, mean and norm on both sides and the
+    relative error they prove (analysis.summary_stats); the element-wise metrics N/A."""
+    row = dict(spec.keys, _order=spec.order, verdict=NOT_COMPARED, tolerance="")
+    reasons = [spec.reason] if spec.reason else []
+    sides = {}
+    for prefix, side in (("golden", golden), ("my", mine)):
+        if side is None:
+            continue
+        row[f"{prefix}_dtype"], row[f"{prefix}_shape"] = side.dtype, str(list(side.shape))
+        sides[prefix] = side.summary if isinstance(side, Summary) else _summarize(side)
+    for prefix, summary in sides.items():
+        row[f"{prefix}_max_value"], row[f"{prefix}_min_value"], row[f"{prefix}_mean_value"] = (
+            summary.values())
+        row[f"{prefix}_norm"] = summary.norm
+        row[f"{prefix}_nan_inf"] = summary.nonfinite
+    compare = spec.compare and len(sides) == 2
+    if compare and mine.shape != golden.shape:
+        reasons.append(f"shape mismatch: golden {row['golden_shape']} vs my {row['my_shape']}")
+        compare = False
+    if compare:
+        limits = thresholds.limits(row["golden_dtype"].split("/")[0],
+                                   row["my_dtype"].split("/")[0])
+        bound = red_lower_bound(sides["my"], sides["golden"])
+        bad = [p for p in ("golden", "my") if sides[p].nonfinite]
+        verdict = PASS
+        if len(bad) == 1:
+            verdict = FAIL
+            reasons.append(f"NaN/Inf on the {bad[0]} side only")
+        elif bad:
+            verdict = WARN
+            reasons.append("NaN/Inf on both sides")
+        elif math.isnan(bound):
+            verdict = NOT_COMPARED
+        elif bound > limits.rel_dist_fail:
+            verdict = FAIL
+        elif bound > limits.rel_dist_warn:
+            verdict = WARN
+        reasons.append(STATISTICS_ONLY)
+        row.update(red_lower_bound=bound, verdict=verdict, tolerance=limits.tolerance)
+    row["cmp_fail_reason"] = "; ".join(r for r in reasons if r)
+    return row
+
+
+def _summarize(group: Group) -> TensorSummary:
+    out = TensorSummary()
+    for block in group.blocks():
+        out.add(block)
     return out
 
 

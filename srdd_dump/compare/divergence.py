@@ -34,6 +34,7 @@ from .results import PER_LAYER_COLUMNS, BaselineSummary
 
 GROUP = ["source", "golden_source", "sample", "golden_sample", "step"]
 RED_COLUMN = "relative_euclidean_distance"
+BOUND_COLUMN = "red_lower_bound"
 YELLOW_GROWTH = 10.0
 BIRTH_GROWTH = 10.0  # an accumulation of rounding errors does not grow 10x across one layer
 BIRTH_SHARE = 0.1  # a birth found by growth alone recurs in this share of the breaking rounds
@@ -59,7 +60,7 @@ def mark_divergence(table: pd.DataFrame, same_device: set[tuple[str, str]] | Non
         if ok:
             groups.setdefault(key, []).append(pos)
     verdict = table["verdict"].to_numpy()
-    red = table[RED_COLUMN].to_numpy(dtype=float)
+    red = _bounded(table)[RED_COLUMN].to_numpy(dtype=float)
     tolerance = table["tolerance"].to_numpy()
     match = table["input_match"].to_numpy()
     same_setup = _same_setup(table, same_device)
@@ -110,6 +111,8 @@ def mark_sites(sites: pd.DataFrame, table: pd.DataFrame,
     block table marks the birth of the error, the first site in the order their outputs were
     made whose error grew BIRTH_GROWTH-fold or more (or, with the same setup on both sides,
     became non-zero from an exact input, or turned NaN/Inf)."""
+    table, sites_in = _bounded(table), sites
+    sites = _bounded(sites)
     inputs: dict[tuple, tuple[float, bool]] = {}  # (group, layer) -> (input RED, birth layer)
     keys = table[GROUP].astype(object).where(table[GROUP].notna(), None)
     previous: dict[tuple, float] = {}
@@ -140,9 +143,19 @@ def mark_sites(sites: pd.DataFrame, table: pd.DataFrame,
         if amp[pos] >= BIRTH_GROWTH or exact or (verdict == FAIL and nonfinite[pos] > 0):
             first[pos] = True
             done.add((key, int(layer)))
-    out = sites.copy()
+    out = sites_in.copy()
     out["error_amplification"] = amp
     out["first_divergence"] = first
+    return out
+
+
+def _bounded(table: pd.DataFrame) -> pd.DataFrame:
+    """The table with RED, where a side had statistics only, replaced by the RED those prove
+    (its lower bound, BOUND_COLUMN): the across-layer reading works on it."""
+    if BOUND_COLUMN not in table or not table[BOUND_COLUMN].notna().any():
+        return table
+    out = table.copy()
+    out[RED_COLUMN] = out[RED_COLUMN].where(out[RED_COLUMN].notna(), out[BOUND_COLUMN])
     return out
 
 
@@ -184,6 +197,7 @@ def per_layer(table: pd.DataFrame) -> pd.DataFrame:
 
 def summarize(table: pd.DataFrame, same_device: set[tuple[str, str]] | None = None,
               sites: pd.DataFrame | None = None) -> BaselineSummary:
+    table = _bounded(table)
     counts = table["verdict"].value_counts()
     verdicts = {v: int(counts.get(v, 0)) for v in VERDICTS}
     compared = table[table["verdict"] != NOT_COMPARED]
@@ -213,6 +227,8 @@ def summarize(table: pd.DataFrame, same_device: set[tuple[str, str]] | None = No
         if sites is not None:
             _first_site(summary, at, sites)
     summary.pattern, summary.message = _explain(summary, compared, same_setup)
+    if compared.empty and sites is not None:
+        summary.message = _sites_only(sites) or summary.message
     if summary.first_site:
         summary.message += (f"; inside it, first at {summary.first_site} "
                             f"({summary.first_site_rounds} of {summary.first_rounds} rounds)")
@@ -277,6 +293,22 @@ def _same(a, b) -> bool:
 def _reason_kinds(reasons: pd.Series) -> pd.Series:
     """Reasons without their numbers, so that rows of the same kind count together."""
     return reasons.fillna("").str.split(":").str[0].str.replace(r"\d+", "N", regex=True)
+
+
+def _sites_only(sites: pd.DataFrame) -> str:
+    """The finding when no block output is in both dumps but sub-layers or operators are (a
+    dump of some modules of one layer): their verdicts, and the first that breaks tolerance."""
+    compared = sites[sites["verdict"] != NOT_COMPARED]
+    if compared.empty:
+        return ""
+    counts = compared["verdict"].value_counts()
+    text = (f"no block output is in both dumps; {len(compared)} sub-layer and operator rows "
+            "compared: " + ", ".join(f"{int(counts.get(v, 0))} {v}" for v in (PASS, WARN, FAIL)))
+    broken = compared[compared["verdict"].isin((WARN, FAIL))]
+    if len(broken):
+        row = broken.iloc[0]
+        text += f"; the first beyond tolerance is {row['module']} ({row['verdict']})"
+    return text
 
 
 def _explain(s: BaselineSummary, compared: pd.DataFrame, same_setup: np.ndarray

@@ -87,6 +87,9 @@ EXTRA_COLUMNS = [
     "sqnr", "euclidean_distance", "one_thousandth_err_ratio", "five_thousandths_err_ratio",
     "golden_nan_inf", "my_nan_inf", "error_amplification", "tolerance", "verdict", "highlight",
     "first_divergence", "first_fail",
+    # a statistics-only side (msprobe task statistics): the L2 norms, and the relative error
+    # the two sides' max/min/mean/norm prove (analysis.summary_stats); N/A otherwise
+    "golden_norm", "my_norm", "red_lower_bound",
 ]
 BASELINE_COLUMNS = ID_COLUMNS + MSIT_COLUMNS + EXTRA_COLUMNS
 # from the whole run
@@ -96,7 +99,8 @@ DERIVED_COLUMNS = ["error_amplification", "highlight", "first_divergence", "firs
 # error_amplification is over the block's input (the previous block's output), first_divergence
 # marks the site where the error of a birth layer is born
 SITE_BASELINE_COLUMNS = (ID_COLUMNS + ["matched_by"] + MSIT_COLUMNS + EXTRA_COLUMNS[:6]
-                         + ["error_amplification", "tolerance", "verdict", "first_divergence"])
+                         + ["error_amplification", "tolerance", "verdict", "first_divergence"]
+                         + EXTRA_COLUMNS[-3:])
 SITE_DERIVED_COLUMNS = ["error_amplification", "first_divergence"]
 BASELINE_FILE_COLUMNS = [
     "role", "source", "status", "reason", "paired_with", "rounds", "samples", "layers", "rank",

@@ -60,6 +60,9 @@ class DumpFile:
     site_layers: dict[int, int] = field(default_factory=dict)  # site -> its layer
     masks: dict[int, int] = field(default_factory=dict)  # round -> its KIND_MASK record
     stats_index: np.ndarray | None = None  # a stats dump's /stats index (None: tensors)
+    # (round, layer, site) -> row of /stats, for the outputs a statistics-only file (converted
+    # from msprobe's statistics mode) has no tensor of
+    summary_rows: dict[tuple[int, int, int], int] = field(default_factory=dict)
     hidden_dtype: str = "float32"  # logical dtype of the hidden states
     compute_dtype: str = ""  # autocast dtype the model ran under ("" when none)
     data_dtypes: list[str] = field(default_factory=list)  # logical dtype of each /data set
@@ -272,6 +275,9 @@ def inspect(path: str, source: str) -> DumpFile:
     f.clean_sites, f.site_layers = clean_site_records(reader)
     if reader.has_stats:
         f.stats_index = reader.stats_index
+        if reader.meta.get("statistics_only"):
+            f.summary_rows, layers = summary_rows(reader)
+            f.site_layers = {**layers, **f.site_layers}
     r = reader.records
     f.masks = {int(r["round"][i]): int(i) for i in np.flatnonzero(r["kind"] == s.KIND_MASK)}
     f.data_dtypes = reader.data_dtypes
@@ -285,6 +291,21 @@ def inspect(path: str, source: str) -> DumpFile:
     if not reader.complete:
         f.status, f.reason = INCOMPLETE, incomplete_reason(reader)
     return f
+
+
+def summary_rows(reader: DumpReader) -> tuple[dict[tuple[int, int, int], int], dict[int, int]]:
+    """((round, layer, site) -> row of /stats, site -> its layer) of a statistics-only file,
+    rounds without a /rounds row left out."""
+    known = set(reader.rounds["round"].tolist())
+    out: dict[tuple[int, int, int], int] = {}
+    layers: dict[int, int] = {}
+    for i, row in enumerate(reader.stats_index):
+        key = (int(row["round"]), int(row["layer"]), int(row["site"]))
+        if key[2] >= 0:
+            layers.setdefault(key[2], key[1])
+        if key[0] in known:
+            out.setdefault(key, i)
+    return out, layers
 
 
 def incomplete_reason(reader: DumpReader) -> str:

@@ -46,8 +46,11 @@ class StatsLayout:
             v = get(name)
             return int(v) if math.isfinite(v) else 0
 
+        # a file without the higher moments (converted from msprobe statistics) leaves them
+        # unknown: NaN, so the kurtosis is not taken for that of a normal distribution
+        m3, m4 = (_zero(get(k)) if self.fixed[k] is not None else math.nan for k in ("m3", "m4"))
         moments = Moments(count=count("n"), mean_=_zero(get("mean")), m2=_zero(get("m2")),
-                          m3=_zero(get("m3")), m4=_zero(get("m4")), absmax=_zero(get("absmax")),
+                          m3=m3, m4=m4, absmax=_zero(get("absmax")),
                           zeros=count("zeros"), nan_count=count("nan"),
                           inf_count=count("inf"))
         out = RoundStats(sample=sample, dtype=dtype, moments=moments,

@@ -35,6 +35,8 @@ class ModuleCall:
     cls: str  # its class: "LlamaAttention"
     call: int  # its call number within the step
     output: dict  # the tensor entry: dtype, shape, Max, Min, Mean, Norm[, data_name]
+    input: dict | None = None  # the first positional input's tensor entry (data_mode input)
+    kwargs: dict = field(default_factory=dict)  # keyword inputs' tensor entries, by name
 
     @property
     def has_tensor(self) -> bool:
@@ -52,9 +54,10 @@ class MsprobeRun:
     level: str
     calls: list[ModuleCall] = field(default_factory=list)
 
-    def tensor(self, call: ModuleCall) -> np.ndarray:
-        """The saved output tensor of ``call`` (tensor mode), float32 for bfloat16."""
-        name = call.output.get("data_name")
+    def tensor(self, call: ModuleCall, entry: dict | None = None) -> np.ndarray:
+        """The saved output tensor of ``call`` (tensor mode), float32 for bfloat16; ``entry``:
+        another of its tensor entries (an input)."""
+        name = (entry or call.output).get("data_name")
         if not name:
             raise UserError(f"{self.path}: {call.module} call {call.call} has no saved tensor "
                             f"(a {self.task} dump)")
@@ -63,14 +66,14 @@ class MsprobeRun:
 
 def is_msprobe_dump(path: str) -> bool:
     """A folder holding msprobe's dump.json files (itself, or step/rank folders below it)."""
-    return bool(_dump_jsons(path))
+    return bool(dump_jsons(path))
 
 
 def read_msprobe(path: str) -> list[MsprobeRun]:
     """Every step/rank run of an msprobe dump, by step then rank; UserError, one line, for a
     folder that is not one or a dump.json that is damaged or foreign."""
     runs = []
-    for step, rank, dump_json in _dump_jsons(path):
+    for step, rank, dump_json in dump_jsons(path):
         try:
             with open(dump_json, encoding="utf-8") as fh:
                 doc = json.load(fh)
@@ -87,16 +90,21 @@ def read_msprobe(path: str) -> list[MsprobeRun]:
         for name, entry in doc["data"].items():
             found = MODULE_NAME.match(name)
             output = _first_tensor(entry.get("output") if isinstance(entry, dict) else None)
-            if found and output is not None:
-                run.calls.append(ModuleCall(found["module"], found["cls"], int(found["call"]),
-                                            output))
+            if found and isinstance(entry, dict):
+                args = entry.get("input_args")
+                kwargs = entry.get("input_kwargs")
+                run.calls.append(ModuleCall(
+                    found["module"], found["cls"], int(found["call"]), output or {},
+                    input=_first_tensor(args[:1]) if isinstance(args, list) else None,
+                    kwargs={k: v for k, v in kwargs.items() if _is_tensor(v)}
+                    if isinstance(kwargs, dict) else {}))
         runs.append(run)
     if not runs:
         raise UserError(f"{path}: no msprobe dump.json found (step*/rank*/dump.json)")
     return runs
 
 
-def _dump_jsons(path: str) -> list[tuple[int, int | None, str]]:
+def dump_jsons(path: str) -> list[tuple[int, int | None, str]]:
     """(step, rank, dump.json) of each run under ``path``."""
     if os.path.isfile(os.path.join(path, "dump.json")):
         return [(0, None, os.path.join(path, "dump.json"))]
@@ -119,10 +127,16 @@ def _dump_jsons(path: str) -> list[tuple[int, int | None, str]]:
     return sorted(out, key=lambda t: (t[0], -1 if t[1] is None else t[1]))
 
 
+def _is_tensor(value) -> bool:
+    return isinstance(value, dict) and value.get("type") == "torch.Tensor"
+
+
 def _first_tensor(value) -> dict | None:
     """The first tensor entry of an output (a tensor, or a list/tuple holding tensors)."""
-    if isinstance(value, dict) and value.get("type") == "torch.Tensor":
+    if _is_tensor(value):
         return value
+    if isinstance(value, dict):  # a model output recorded by field (last_hidden_state, ...)
+        value = list(value.values())
     if isinstance(value, list):
         for item in value:
             found = _first_tensor(item)

@@ -182,6 +182,14 @@ class DumpReader:
         """A statistics dump (``--store stats``): the reductions are in /stats."""
         return self._stats_values is not None
 
+    def stats_row(self, index: int) -> dict[str, float]:
+        """Row ``index`` of the stats table, by column name."""
+        if self._stats_values is None:
+            return {}
+        with _reading(self.path):
+            values = np.asarray(self._stats_values[index], dtype=np.float64)
+        return dict(zip(self.stat_columns, values.tolist()))
+
     def stats_values(self) -> np.ndarray:
         """(rows of /stats/index, columns) float64: every row of the stats table."""
         if self._stats_values is None:

@@ -166,6 +166,9 @@ DTYPE_CODES = ("float32", "bfloat16", "float16", "float64")
 # the clean output: Moments (count, mean, central sums M2..M4, absmax, zeros, NaN, Inf of the
 # finite values) and the shape signals of analysis.signals.Signals
 MOMENT_COLUMNS = ("n", "mean", "m2", "m3", "m4", "absmax", "zeros", "nan", "inf")
+# the whole tensor's max, min and L2 norm: kept by files converted from an msprobe statistics
+# dump (format/from_msprobe.py), which records these and not the higher moments
+SUMMARY_COLUMNS = ("max", "min", "norm")
 SHAPE_COLUMNS = ("pileup", "ties", "tie_excess", "update_rms", "offset", "dc_energy",
                  "consistency", "stuck", "lowbits", "rows", "topk_margin")
 BATCH_COLUMNS = ("batch_dep", "batch_dep_level", "batch_dep_moved")

@@ -11,6 +11,7 @@ its 16 bits and widened to float32 exactly.
 
 from __future__ import annotations
 
+import struct
 import zipfile
 from collections import OrderedDict
 
@@ -155,32 +156,69 @@ def _storage_of(pid, read_storage):
     return read_storage(str(pid[2]), kind, int(pid[4]))
 
 
+def _stored_members(data: bytes) -> dict[str, memoryview] | None:
+    """name -> contents of each member of a zip whose members are all stored uncompressed
+    (as torch.save writes them), read from its central directory in place: the zipfile module
+    costs more than the read for the small files of an msprobe dump. None for a zip this does
+    not handle (compressed members, zip64); ValueError for what is not a zip."""
+    end = data.rfind(b"PK\x05\x06", max(0, len(data) - 65557))
+    if end < 0:
+        raise ValueError("not a zip file (no end of central directory)")
+    count, size, offset = struct.unpack_from("<HII", data, end + 10)
+    if offset == 0xFFFFFFFF or count == 0xFFFF:
+        return None
+    view, members, at = memoryview(data), {}, offset
+    for _ in range(count):
+        if data[at:at + 4] != b"PK\x01\x02":
+            raise ValueError("damaged central directory")
+        method, = struct.unpack_from("<H", data, at + 10)
+        csize, usize, name_len, extra_len, comment_len = struct.unpack_from("<IIHHH", data,
+                                                                            at + 20)
+        local, = struct.unpack_from("<I", data, at + 42)
+        if method != 0 or csize != usize or 0xFFFFFFFF in (csize, local):
+            return None
+        name = data[at + 46:at + 46 + name_len].decode("utf-8")
+        if data[local:local + 4] != b"PK\x03\x04":
+            raise ValueError(f"damaged local header of {name}")
+        skip_name, skip_extra = struct.unpack_from("<HH", data, local + 26)
+        start = local + 30 + skip_name + skip_extra
+        if start + csize > len(data):
+            raise ValueError(f"{name} runs past the end of the file")
+        members[name] = view[start:start + csize]
+        at += 46 + name_len + extra_len + comment_len
+    return members
+
+
 def read_tensor(path: str) -> np.ndarray:
     """The array saved in ``path`` (float32 for bfloat16). UserError for a file that is not a
     saved tensor, is damaged, or asks for anything but a tensor."""
     try:
-        with zipfile.ZipFile(path) as archive:
-            names = archive.namelist()
-            pkl = next((n for n in names if n.endswith("/data.pkl")), None)
-            if pkl is None:
-                raise UserError(f"{path}: not a tensor saved by torch.save (no data.pkl)")
-            prefix = pkl[: -len("data.pkl")]
+        with open(path, "rb") as fh:
+            data = fh.read()
+        members = _stored_members(data)
+        if members is None:  # compressed or zip64: the zipfile module reads it
+            with zipfile.ZipFile(path) as archive:
+                members = {n: archive.read(n) for n in archive.namelist()}
+        pkl = next((n for n in members if n.endswith("/data.pkl")), None)
+        if pkl is None:
+            raise UserError(f"{path}: not a tensor saved by torch.save (no data.pkl)")
+        prefix = pkl[: -len("data.pkl")]
 
-            def read_storage(key: str, kind: str, numel: int) -> np.ndarray:
-                dtype = STORAGE_DTYPES.get(kind)
-                if dtype is None:
-                    raise UserError(f"{path}: a storage of type {kind} is not supported")
-                raw = archive.read(f"{prefix}data/{key}")
-                if dtype == "bfloat16":
-                    bits = np.frombuffer(raw, dtype="<u2", count=numel).astype(np.uint32)
-                    return (bits << 16).view(np.float32)
-                return np.frombuffer(raw, dtype=np.dtype(dtype).newbyteorder("<"), count=numel)
+        def read_storage(key: str, kind: str, numel: int) -> np.ndarray:
+            dtype = STORAGE_DTYPES.get(kind)
+            if dtype is None:
+                raise UserError(f"{path}: a storage of type {kind} is not supported")
+            raw = members[f"{prefix}data/{key}"]
+            if dtype == "bfloat16":
+                bits = np.frombuffer(raw, dtype="<u2", count=numel).astype(np.uint32)
+                return (bits << 16).view(np.float32)
+            return np.frombuffer(raw, dtype=np.dtype(dtype).newbyteorder("<"), count=numel)
 
-            found = _load(archive.read(pkl), lambda pid: _storage_of(pid, read_storage))
+        found = _load(bytes(members[pkl]), lambda pid: _storage_of(pid, read_storage))
     except UserError:
         raise
     except (zipfile.BadZipFile, KeyError, ValueError, EOFError, OSError, IndexError,
-            TypeError) as exc:
+            TypeError, struct.error) as exc:
         raise UserError(f"{path}: cannot read it as a saved tensor ({exc})") from None
     if not isinstance(found, _Rebuild):
         raise UserError(f"{path}: holds no single tensor")
