@@ -191,3 +191,27 @@ def test_serve_captures_the_requests_and_finishes_its_file_on_sigint(tmp_path, d
     if dtype == "float32":  # against the healthy Hugging Face run: the first divergence
         text = _compare(run, "--baseline", hf_run[0])
         assert "layer 10 (model.layers.10) introduced the error" in text, text
+
+
+def test_vllm_fused_projections_are_compared_with_hf_split_ones(tmp_path):
+    # operators at both sides: vLLM's qkv_proj / gate_up_proj against HF's q/k/v and gate/up
+    options = ("--granularity", "op", "--layers", "model.layers.10", "--samples", "1")
+    hf, _ = _dump(tmp_path, "hf", "python infer_smollm2.py --prompts 1 --new-tokens 2",
+                  *options)
+    run, _ = _dump(tmp_path, "vllm", "python infer_vllm.py --prompts 1 --new-tokens 2",
+                   *options, env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+    import pandas as pd
+
+    text = _compare(run, "--baseline", hf)
+    sites = pd.read_csv(os.path.join(run, "report.sublayers.csv"))
+    fused = sites[sites["matched_by"] == "fused"]
+    names = set(zip(fused["module"], fused["golden_module"]))
+    at = "model.layers.10"
+    assert (f"{at}.self_attn.qkv_proj", f"{at}.self_attn.q_proj + {at}.self_attn.k_proj + "
+            f"{at}.self_attn.v_proj") in names, text
+    assert (f"{at}.mlp.gate_up_proj", f"{at}.mlp.gate_proj + {at}.mlp.up_proj") in names
+    assert len(fused) == 2 * 2 and (fused["verdict"] != "N/A").all()  # prefill and decode
+    assert (fused["my_shape"] == fused["golden_shape"]).all()
+    # the block's input agrees, so the fused q|k|v output equals HF's q, k, v concatenated
+    qkv = fused[fused["module"] == f"{at}.self_attn.qkv_proj"]
+    assert (qkv["verdict"] == "PASS").all(), qkv[["verdict", "cmp_fail_reason"]]

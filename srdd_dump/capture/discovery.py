@@ -194,8 +194,14 @@ def operator_role(module: nn.Module) -> str | None:
     cls = type(module).__name__
     weight = getattr(module, "weight", None)
     floating = isinstance(weight, torch.Tensor) and weight.is_floating_point()
-    if floating and (isinstance(module, nn.Linear) or (cls == "Conv1D" and weight.dim() == 2)):
-        return LINEAR  # int8/4-bit weights (bitsandbytes, quantised kernels) are not linear maps
+    if floating and (isinstance(module, nn.Linear) or (cls == "Conv1D" and weight.dim() == 2)
+                     or (cls.endswith("Linear") and weight.dim() in (1, 2)
+                         and (weight.dim() == 2 or weight.numel() == 0)
+                         and not list(module.children()))):
+        # int8/4-bit weights (bitsandbytes, quantised kernels) are not linear maps; serving
+        # engines' own linear classes are (vLLM's QKVParallelLinear, RowParallelLinear, ...;
+        # on CPU vLLM may hand the weight to oneDNN and leave an empty one)
+        return LINEAR
     if "Rotary" in cls:
         return ROTARY
     if list(module.children()):
