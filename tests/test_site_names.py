@@ -83,21 +83,26 @@ def test_a_mapping_file_reads_names_lists_and_sums(tmp_path):
     path = tmp_path / "map.yaml"
     path.write_text("# my site: golden site(s)\nsites:\n"
                     "  attention.wqkv: [self_attn.q_proj, self_attn.k_proj, self_attn.v_proj]\n"
-                    "  mlp.w13: mlp.gate_proj + mlp.up_proj\n"
-                    "  mlp.w2: mlp.down_proj\n")
+                    "  mlp.w13: mlp.gate_proj + mlp.up_proj   # fused gate|up\n"
+                    "  'mlp.w2': \"mlp.down_proj\"\n"
+                    "  attention.wo:\n    - self_attn.o_proj\n")
     assert read_mapping(str(path)) == (
         SiteRule(("attention.wqkv",), ("self_attn.q_proj", "self_attn.k_proj",
                                        "self_attn.v_proj")),
         SiteRule(("mlp.w13",), ("mlp.gate_proj", "mlp.up_proj")),
-        SiteRule(("mlp.w2",), ("mlp.down_proj",)))
+        SiteRule(("mlp.w2",), ("mlp.down_proj",)),
+        SiteRule(("attention.wo",), ("self_attn.o_proj",)))
 
 
 @pytest.mark.parametrize("text, words", [
-    ("sites: [a, b", "not valid YAML (line"),
-    ("sites: {}\n", "expected a 'sites:' table"),
-    ("- a\n- b\n", "expected a 'sites:' table"),
-    ("sites:\n  a.b: 3\n", "is not 'my site: golden site(s)'"),
-    ("sites:\n  a.b: [x, 2]\n", "is not 'my site: golden site(s)'"),
+    ("sites: [a, b", "an unclosed list"),
+    ("", "expected a 'sites:' table"),
+    ("- a\n- b\n", "a list item outside an entry"),
+    ("sites:\n  a.b: 3\n", "'3' is not a module name"),
+    ("sites:\n  a.b: [x, 2]\n", "'2' is not a module name"),
+    ("sites:\n  a.b:\n", "'a.b' names no golden site"),
+    ("sites:\n  a.b: c\nother: d\n", "'other' is not part of the 'sites:' table"),
+    ("sites:\n  !!python/object:os.system x: y\n", "is not a module name"),
 ])
 def test_a_bad_mapping_file_is_one_line(tmp_path, text, words):
     path = tmp_path / "map.yaml"
