@@ -281,3 +281,25 @@ def test_exec_on_an_unmodified_serving_script(tmp_path):
     res = run_cli("srdd-compare", str(tmp_path / "bad"), "--fail-on", "fault", "-o",
                   str(tmp_path / "bad.csv"))
     assert res.returncode == 1 and "Layer 2 (model.layers.2" in res.stdout, res.stdout
+
+
+def test_an_in_place_rotary_is_replayed_on_copies_and_changes_nothing(tmp_path):
+    # the fixture's rotary embedding rotates query and key in place, as vLLM's kernels do: at
+    # --granularity op its replays must not rotate the engine's query and key a second time
+    model = tiny(layers=LAYERS)
+    rotary = model.model.layers[0].self_attn.rotary_emb
+    assert serving.rotates_in_place(rotary) and serving.overwrites_inputs(rotary)
+    pos, q, k = torch.arange(3), torch.randn(3, 64), torch.randn(3, 32)
+    (p2, q2, k2), _ = serving.frozen_call(rotary, (pos, q, k), {})
+    assert p2 is pos and q2.equal(q) and q2 is not q and k2 is not k
+    plain = [generate(model, [p], 10)[0] for p in _prompts()]
+    session, tokens = _capture(model, tmp_path, granularity="op")
+    assert tokens == plain and session.error is None and session.site_errors == 0
+    with DumpReader(session.path) as r:
+        site = list(r.sites).index("model.layers.0.self_attn.rotary_emb")
+        recs = r.records[(r.records["site"] == site) & (r.records["round"] == 0)]
+        clean = r.read(recs[recs["kind"] == schema.KIND_CLEAN][0])
+        repeats = recs[recs["kind"] == schema.KIND_REPEAT]
+        assert len(repeats)
+        for rec in repeats:  # replayed on the query as it was before the call rotated it
+            np.testing.assert_array_equal(r.read(rec), clean)

@@ -69,11 +69,12 @@ class CaptureSession:
         self.probe_spec = ProbeSpec.of(config)
         self._rounds = RoundPlanner(config, bool(options.probes) or config.reference == "host")
         # blocks of the (hidden_states, residual) convention; the inputs of modules that may
-        # overwrite them (a fused add + norm), copied before they run (serving.py)
+        # overwrite them (a fused add + norm, an in-place rotary), copied before they run
+        # (serving.py)
         self._serving = {id(m) for _, m in self.blocks if serving.is_serving_block(m)}
         self._fused = {id(m) for m in (*(b for _, b in self.blocks),
                                        *(site.module for site in self.sites))
-                       if serving.fuses_residual(m)}
+                       if serving.overwrites_inputs(m)}
         self._frozen: dict[int, tuple[tuple, dict]] = {}
         self._pending: list[tuple[int, Site, torch.Tensor, tuple, dict]] = []
         self.records_dropped = 0

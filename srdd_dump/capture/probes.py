@@ -274,7 +274,7 @@ def module_output(module: nn.Module, value: Any) -> torch.Tensor | None:
 
 
 def _call(module: nn.Module, args: tuple, kwargs: dict) -> torch.Tensor:
-    if serving.fuses_residual(module):  # it may overwrite its inputs: each call its own copies
+    if serving.overwrites_inputs(module):  # each call its own copies
         args, kwargs = serving.frozen_call(module, args, kwargs)
     out = module_output(module, module(*args, **kwargs))
     if out is None:

@@ -28,6 +28,7 @@ from torch import nn
 
 HIDDEN = "hidden_states"
 RESIDUAL = "residual"
+QUERY, KEY = "query", "key"
 POSITIONS = "positions"
 
 _SIGNATURES: dict[Any, inspect.Signature | None] = {}
@@ -42,7 +43,18 @@ def signature(module: nn.Module) -> inspect.Signature | None:
             _SIGNATURES[key] = inspect.signature(forward)
         except (TypeError, ValueError):
             _SIGNATURES[key] = None
-    return _SIGNATURES[key]
+    found = _SIGNATURES[key]
+    if found is not None and all(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+                                 for p in found.parameters.values()):
+        # forward(*args, **kwargs) dispatching to a device's implementation (vLLM's CustomOp:
+        # forward_native, forward_cpu, forward_cuda, ... share the parameters)
+        native = getattr(module, "forward_native", None)
+        if native is not None and native is not forward:
+            try:
+                return inspect.signature(native)
+            except (TypeError, ValueError):
+                return found
+    return found
 
 
 def takes(module: nn.Module, name: str) -> bool:
@@ -115,10 +127,29 @@ def fuses_residual(module: nn.Module) -> bool:
     return takes(module, RESIDUAL)
 
 
+def rotates_in_place(module: nn.Module) -> bool:
+    """A rotary embedding of (positions, query, key): a serving engine's, which may rotate
+    query and key in place (vLLM's CPU and CUDA kernels do)."""
+    return takes(module, QUERY) and takes(module, KEY)
+
+
+def overwrites_inputs(module: nn.Module) -> bool:
+    """A module that may write into its input tensors while it runs: its inputs are copied
+    before it runs, and each replay gets copies of its own (frozen_call)."""
+    return fuses_residual(module) or rotates_in_place(module)
+
+
 def frozen_call(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """The call with copies of its hidden-state input (``hidden_states``, else the first
-    floating-point positional tensor) and of ``residual``: taken before a module that fuses
-    the residual add runs, and for each of its replays."""
+    """The call with copies of the inputs it may overwrite: of every floating-point tensor
+    for an in-place rotary embedding; else of its hidden-state input (``hidden_states``, else
+    the first floating-point positional tensor) and of ``residual``. Taken before such a
+    module runs, and for each of its replays."""
+    if rotates_in_place(module):
+        def copy(value: Any) -> Any:
+            floating = isinstance(value, torch.Tensor) and value.is_floating_point()
+            return value.detach().clone() if floating else value
+
+        return tuple(copy(a) for a in args), {k: copy(v) for k, v in kwargs.items()}
     hidden, rebuild = named_input(module, args, kwargs, HIDDEN)
     if hidden is not None:
         args, kwargs = rebuild(hidden.detach().clone())
