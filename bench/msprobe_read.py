@@ -27,6 +27,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from srdd_dump.compare.sources import cache_root  # noqa: E402
 from srdd_dump.format.from_msprobe import cache_folder  # noqa: E402
 
 
@@ -56,7 +57,7 @@ def main() -> None:
     ap.add_argument("--out")
     a = ap.parse_args()
     dump = os.path.abspath(a.dump)
-    cache = cache_folder(dump, os.path.join(tempfile.gettempdir(), "srdd-compare-msprobe"))
+    cache = cache_folder(dump, cache_root())
     work = tempfile.mkdtemp(prefix="msprobe-read-")
     report = os.path.join(work, "r.csv")
     cases = {

@@ -12,7 +12,7 @@ import pytest
 from srdd_dump.errors import UserError
 from srdd_dump.format.msprobe import is_msprobe_dump, read_msprobe
 
-from capture_utils import FIXTURES
+from capture_utils import FIXTURES, run_cli
 
 DUMP = os.path.join(FIXTURES, "msprobe", "smollm2_bf16")
 
@@ -68,3 +68,63 @@ def test_a_statistics_dump_has_no_tensors_to_read(tmp_path):
     assert not any(c.has_tensor for c in run.calls)
     with pytest.raises(UserError, match="no saved tensor"):
         run.tensor(run.calls[0])
+
+
+def _edited(tmp_path, edit) -> str:
+    """A copy of the real dump with dump.json's data changed by ``edit(data, folder)``."""
+    copy = tmp_path / "dump"
+    shutil.copytree(DUMP, copy)
+    folder = copy / "step0" / "proc4242"
+    doc = json.loads((folder / "dump.json").read_text())
+    edit(doc["data"], folder)
+    (folder / "dump.json").write_text(json.dumps(doc))
+    return str(copy)
+
+
+BLOCK0 = "Module.model.layers.0.LlamaDecoderLayer.forward.0"
+
+
+def _truncate(data, folder):
+    pt = folder / "dump_tensor_data" / data[BLOCK0]["output"][0]["data_name"]
+    pt.write_bytes(pt.read_bytes()[:300])
+
+
+def _wrong_size(data, folder):
+    data[BLOCK0]["output"][0]["shape"] = [1, 7, 576]
+
+
+def _only_children(data, folder):
+    for name in list(data):
+        del data[name]
+    data["Module.model.layers.0.mlp.act_fn.SiLUActivation.forward.0"] = {"output": [
+        {"type": "torch.Tensor", "dtype": "torch.bfloat16", "shape": [1, 4, 1536]}]}
+
+
+ODD = {
+    "a shape that is not a list": lambda d, f: d[BLOCK0]["output"][0].update(shape="1x40"),
+    "an entry that is not a table": lambda d, f: d.update({BLOCK0: 5}),
+    "an output of null": lambda d, f: d[BLOCK0].update(output=None),
+    "a data_name that is not text": lambda d, f: d[BLOCK0]["output"][0].update(data_name=3),
+    "null statistics": lambda d, f: d[BLOCK0]["output"][0].update(Max=None, Norm=None),
+}
+BROKEN = {
+    "a truncated .pt file": (_truncate, "cannot read it as a saved tensor"),
+    "a .pt of another size than dump.json says": (_wrong_size, "dump.json says shape"),
+    "children that are no site": (_only_children, "holds no output of a block"),
+}
+
+
+@pytest.mark.parametrize("name", ODD)
+def test_odd_entries_are_left_out_and_the_rest_is_read(tmp_path, name):
+    path = _edited(tmp_path, ODD[name])
+    proc = run_cli("srdd-compare", path, "-o", str(tmp_path / "r.csv"))
+    assert proc.returncode == 0, proc.stderr
+    assert "30 rows" in proc.stdout and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("name", BROKEN)
+def test_a_damaged_dump_is_one_line(tmp_path, name):
+    edit, words = BROKEN[name]
+    proc = run_cli("srdd-compare", _edited(tmp_path, edit), "-o", str(tmp_path / "r.csv"))
+    assert proc.returncode == 2 and words in proc.stderr, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and "unexpected" not in proc.stderr

@@ -103,6 +103,7 @@ def test_a_mapping_file_reads_names_lists_and_sums(tmp_path):
     ("sites:\n  a.b:\n", "'a.b' names no golden site"),
     ("sites:\n  a.b: c\nother: d\n", "'other' is not part of the 'sites:' table"),
     ("sites:\n  !!python/object:os.system x: y\n", "is not a module name"),
+    ("sites:\n  a.b:\n    - c + d\n", "a list item is one name"),
 ])
 def test_a_bad_mapping_file_is_one_line(tmp_path, text, words):
     path = tmp_path / "map.yaml"
@@ -188,6 +189,13 @@ def test_the_cli_mapping_option_pairs_what_names_cannot(split_and_fused):
                      "-o", out)
     assert mapped.returncode == 0, mapped.stderr
     assert "1 by mapping" in mapped.stdout and "unmatched" not in mapped.stdout
+    assert "paired no sites" not in mapped.stderr
+    typo = tmp_path / "typo.yaml"
+    typo.write_text("sites:\n  attention.wqvk: [self_attn.q_proj, self_attn.k_proj]\n")
+    noted = run_cli("srdd-compare", mine, "--baseline", golden, "--mapping", str(typo),
+                    "-o", out)
+    assert noted.returncode == 0 and "'attention.wqvk: self_attn.q_proj + self_attn.k_proj' " \
+        "paired no sites" in noted.stderr, noted.stderr
     bad = run_cli("srdd-compare", mine, "--mapping", str(mapping), "-o", out)
     assert bad.returncode != 0 and "apply with --baseline only" in bad.stderr
     assert "Traceback" not in bad.stderr

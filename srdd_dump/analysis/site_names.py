@@ -68,6 +68,7 @@ class SitePairing:
     pairs: list[SitePair] = field(default_factory=list)
     my_unmatched: list[int] = field(default_factory=list)
     golden_unmatched: list[int] = field(default_factory=list)
+    rules_used: set[int] = field(default_factory=set)  # indices of the rules that paired
 
 
 def relative_name(site: str, block: str) -> str:
@@ -102,11 +103,12 @@ def pair_sites(
             left_golden.pop(k)
         out.pairs.append(SitePair(my_sites, golden_sites, how))
 
-    for rule in rules:
+    for index, rule in enumerate(rules):
         a = _find_all(rule.mine, left_mine, mine)
         b = _find_all(rule.golden, left_golden, golden)
         if a and b:
             take(a, b, BY_MAPPING)
+            out.rules_used.add(index)
     for key in (lambda name: name, canonical):
         how = BY_NAME if key is not canonical else BY_ALIAS
         index = {}

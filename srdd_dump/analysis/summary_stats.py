@@ -11,7 +11,8 @@ error from below: with g the golden tensor and m mine, both of n elements,
 so ``red_lower_bound`` = the largest of these over ||g|| is at most the relative Euclidean
 distance RED = ||m - g|| / ||g||. A mean or norm recorded in a low-precision dtype (msprobe
 computes them in the tensor's dtype: a bf16 norm is rounded to 8 bits) is known only to within
-its rounding, ``precision`` (relative); that much of each gap is not counted. A max and a min
+its rounding, ``precision`` (relative to the norm, and for the mean to the root mean square,
+which bounds the rounding of a computed mean); that much of each gap is not counted. A max and a min
 are values of the tensor, so exact. A bound above a FAIL limit proves the FAIL; a bound under
 it proves nothing more (a change that keeps these statistics, e.g. two values swapped, is not
 seen). Pure numpy.
@@ -84,13 +85,18 @@ def red_lower_bound(mine: TensorSummary, golden: TensorSummary) -> float:
     nothing can be said (no golden norm, or no statistic known on both sides)."""
     if not (math.isfinite(golden.norm) and golden.norm > 0):
         return math.nan
-    def gap(a: float, b: float) -> float:  # |a - b| less what rounding of a and b explains
-        slack = mine.precision * abs(a) + golden.precision * abs(b)
+
+    def gap(a: float, b: float, scale_a: float, scale_b: float) -> float:
+        """|a - b| less what the rounding of a and of b (relative to their scales) explains."""
+        slack = mine.precision * scale_a + golden.precision * scale_b
         return max(abs(a - b) - slack, 0.0)
 
-    gaps = [gap(mine.norm, golden.norm), abs(mine.max - golden.max),
-            abs(mine.min - golden.min)]
+    gaps = [gap(mine.norm, golden.norm, mine.norm, golden.norm),
+            abs(mine.max - golden.max), abs(mine.min - golden.min)]
     if mine.n == golden.n and mine.n > 0:
-        gaps.append(math.sqrt(mine.n) * gap(mine.mean, golden.mean))
+        # a computed mean's rounding scales with the values' magnitude, not with the mean:
+        # the root mean square bounds it
+        rms_mine, rms_golden = (s.norm / math.sqrt(s.n) for s in (mine, golden))
+        gaps.append(math.sqrt(mine.n) * gap(mine.mean, golden.mean, rms_mine, rms_golden))
     known = [g for g in gaps if math.isfinite(g)]
     return max(known) / golden.norm if known else math.nan

@@ -12,7 +12,7 @@ from ..errors import UserError
 # the modes' modules by their own names, never through the package (its __init__ re-exports
 # this module's functions: importing it here would be an import circle)
 from .baseline import finish as finish_baseline
-from .baseline import pair_files, prepare, store_notes
+from .baseline import pair_files, prepare, store_notes, unused_rule_notes
 from .baseline import plan as plan_baseline
 from .baseline_task import run_task as run_row_task
 from .consistency import finish as finish_consistency
@@ -119,7 +119,9 @@ def _compare_baseline(target_path, baseline_path, thresholds, jobs, progress, ru
         if not any(f.usable for f in side):
             raise no_usable_file([f.reason for f in side], path, option)
     pairs = pair_files(mine, golden)
-    tasks = plan_baseline(pairs, thresholds, rules)
+    used: set[int] = set()
+    tasks = plan_baseline(pairs, thresholds, rules, used)
+    notes += unused_rule_notes(rules, used)
     parts = scan(run_row_task, tasks, jobs, progress=_show(progress), desc="baseline")
     result = finish_baseline(target_path, baseline_path, mine, golden, thresholds, parts,
                                   same_device=_same_device(pairs))

@@ -69,6 +69,12 @@ def prepare(mine: list[DumpFile], golden: list[DumpFile]) -> tuple[list[Side], l
     return sides[0], sides[1]
 
 
+def unused_rule_notes(rules: tuple[SiteRule, ...], used: set[int]) -> list[str]:
+    """One line per --mapping rule that paired no sites (a name misspelt, or not dumped)."""
+    return [f"--mapping: '{' + '.join(r.mine)}: {' + '.join(r.golden)}' paired no sites (no "
+            "paired block holds both sides' names)" for i, r in enumerate(rules) if i not in used]
+
+
 def store_notes(sides: list[Side]) -> list[str]:
     """One line per stats dump compared: its rows are a seeded sample, not every token."""
     out = []
@@ -156,16 +162,20 @@ def _file_row(f: Side) -> dict:
 
 
 def plan(pairs: list[tuple[Side, Side]], thresholds: Thresholds,
-         rules: tuple[SiteRule, ...] = ()) -> list[RowTask]:
+         rules: tuple[SiteRule, ...] = (), rules_used: set[int] | None = None
+         ) -> list[RowTask]:
     """Row specs grouped into tasks of one (file pair, layer pair) each: the block rows, and
     the rows of the sub-layers and operators of the paired blocks (``rules``: a mapping
-    file's, see analysis.site_names)."""
+    file's, see analysis.site_names; the indices of those that paired some sites are added
+    to ``rules_used``)."""
     tasks: dict[tuple, RowTask] = {}
     for p, (mine, golden) in enumerate(pairs):
         layer_pairs = pair_layers(mine.layers, golden.layers)
         if _has_layer(mine, s.STACK_INPUT) or _has_layer(golden, s.STACK_INPUT):
             layer_pairs = [(s.STACK_INPUT, s.STACK_INPUT)] + layer_pairs
         sites = SitePlan(mine, golden, layer_pairs, rules)
+        if rules_used is not None:
+            rules_used.update(*(p.rules_used for p in sites.pairing.values()))
         for spec in sites.unmatched_specs(p):
             tasks.setdefault((p, "unmatched"), RowTask(mine.path, golden.path, thresholds, []))
             tasks[(p, "unmatched")].specs.append(spec)

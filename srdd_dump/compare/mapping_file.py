@@ -48,7 +48,7 @@ def read_mapping(path: str) -> tuple[SiteRule, ...]:
             if not listing or indent == 0:
                 raise UserError(f"--mapping {path}: line {number}: a list item outside an "
                                 "entry")
-            table[-1][2].append(_name(path, number, item[2:].strip()))
+            table[-1][2].append(_one_name(path, number, item[2:].strip()))
             continue
         found = ENTRY.match(item)
         if found is None:
@@ -78,10 +78,16 @@ def _names(path: str, number: int, value: str) -> list[str]:
     if value.startswith("["):
         if not value.endswith("]"):
             raise UserError(f"--mapping {path}: line {number}: an unclosed list")
-        parts = [p.strip().strip("'\"") for p in value[1:-1].split(",")]
-    else:
-        parts = [p.strip().strip("'\"") for p in value.split("+")]
-    return [_name(path, number, p) for p in parts]
+        return [_one_name(path, number, p) for p in value[1:-1].split(",")]
+    return [_name(path, number, p) for p in value.split("+")]
+
+
+def _one_name(path: str, number: int, name: str) -> str:
+    """A list item: one module name (a list is already the concatenation of its items)."""
+    if "+" in name:
+        raise UserError(f"--mapping {path}: line {number}: '{name.strip()}': a list item is "
+                        "one name (write the parts as items of the list)")
+    return _name(path, number, name)
 
 
 def _name(path: str, number: int, name: str) -> str:

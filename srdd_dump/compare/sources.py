@@ -129,17 +129,31 @@ def find_sources(path: str, option: str = "", run: str | None = None) -> Sources
 def msprobe_as_srdd(path: str) -> str:
     """The folder of srdd files made from the msprobe dump at ``path`` (format/from_msprobe.py),
     made once and kept in the temporary folder, named by the dump."""
-    root = os.path.join(tempfile.gettempdir(), "srdd-compare-msprobe")
-    folder = cache_folder(path, root)
+    folder = cache_folder(path, cache_root())
     if not find_dump_files(folder):
         partial = folder + f".{os.getpid()}.tmp"
         shutil.rmtree(partial, ignore_errors=True)
-        convert(path, partial)
+        try:
+            convert(path, partial)
+        except BaseException:
+            shutil.rmtree(partial, ignore_errors=True)
+            raise
         try:
             os.replace(partial, folder)
         except OSError:  # another process made it meanwhile
             shutil.rmtree(partial, ignore_errors=True)
     return folder
+
+
+def cache_root() -> str:
+    """This user's folder for converted dumps (mode 700); a fresh one when the usual one
+    belongs to someone else."""
+    uid = os.getuid() if hasattr(os, "getuid") else 0
+    root = os.path.join(tempfile.gettempdir(), f"srdd-compare-msprobe-{uid}")
+    os.makedirs(root, mode=0o700, exist_ok=True)
+    if hasattr(os, "getuid") and os.stat(root).st_uid != uid:
+        return tempfile.mkdtemp(prefix="srdd-compare-msprobe-")
+    return root
 
 
 def _run_of(root: str, file: str) -> tuple[str, str]:

@@ -27,20 +27,31 @@ RUN_FOLDER = re.compile(r"^(rank|proc)(\d+)$")
 STEP_FOLDER = re.compile(r"^step(\d+)$")
 
 
+INTEGER = ("torch.int64", "torch.int32")
+FLOATING = ("torch.float32", "torch.bfloat16", "torch.float16", "torch.float64")
+
+
 @dataclass
 class ModuleCall:
-    """One module call's first output, as msprobe recorded it."""
+    """One module call as msprobe recorded it: the tensor entries of its output and inputs
+    (each ``{type, dtype, shape, Max, Min, Mean, Norm[, data_name]}``)."""
 
     module: str  # the module's path in the model: "model.layers.3.self_attn"
     cls: str  # its class: "LlamaAttention"
     call: int  # its call number within the step
-    output: dict  # the tensor entry: dtype, shape, Max, Min, Mean, Norm[, data_name]
-    input: dict | None = None  # the first positional input's tensor entry (data_mode input)
-    kwargs: dict = field(default_factory=dict)  # keyword inputs' tensor entries, by name
+    outputs: list[dict] = field(default_factory=list)  # the output's tensors, in order
+    args: list[dict | None] = field(default_factory=list)  # positional inputs (None: no
+    # tensor), recorded with data_mode input or all
+    kwargs: dict[str, dict] = field(default_factory=dict)  # keyword inputs that are tensors
+
+    @property
+    def output(self) -> dict:
+        """The first tensor of the output ({} when it has none)."""
+        return self.outputs[0] if self.outputs else {}
 
     @property
     def has_tensor(self) -> bool:
-        return bool(self.output.get("data_name"))
+        return isinstance(self.output.get("data_name"), str) and bool(self.output["data_name"])
 
 
 @dataclass
@@ -55,13 +66,45 @@ class MsprobeRun:
     calls: list[ModuleCall] = field(default_factory=list)
 
     def tensor(self, call: ModuleCall, entry: dict | None = None) -> np.ndarray:
-        """The saved output tensor of ``call`` (tensor mode), float32 for bfloat16; ``entry``:
-        another of its tensor entries (an input)."""
-        name = (entry or call.output).get("data_name")
-        if not name:
+        """The saved tensor of ``entry`` (default: the call's first output), float32 for
+        bfloat16, in the shape dump.json gives it. UserError, one line, when it was not saved
+        or does not match its entry."""
+        entry = call.output if entry is None else entry
+        name = entry.get("data_name")
+        if not isinstance(name, str) or not name:
             raise UserError(f"{self.path}: {call.module} call {call.call} has no saved tensor "
                             f"(a {self.task} dump)")
-        return read_tensor(os.path.join(self.path, "dump_tensor_data", os.path.basename(name)))
+        path = os.path.join(self.path, "dump_tensor_data", os.path.basename(name))
+        x = read_tensor(path)
+        shape = entry.get("shape")
+        if isinstance(shape, list) and all(isinstance(d, int) for d in shape):
+            if x.size != int(np.prod(shape)):
+                raise UserError(f"{path}: holds {x.size} values, dump.json says shape {shape}")
+            x = x.reshape(shape)
+        return x
+
+
+def dims(entry: dict | None) -> tuple[int, int, int] | None:
+    """(batch, tokens, width) of a tensor entry's recorded shape, a 2-D one as batch 1; None
+    for any other shape."""
+    shape = entry.get("shape") if isinstance(entry, dict) else None
+    if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
+        return None
+    if len(shape) == 2:
+        shape = [1, *shape]
+    return (shape[0], shape[1], shape[2]) if len(shape) == 3 else None
+
+
+def statistic(entry: dict, key: str) -> float | None:
+    """One recorded statistic (Max, Min, Mean, Norm) as a float: NaN and Inf as recorded,
+    None when msprobe recorded none (null, absent: a bool or empty tensor)."""
+    value = entry.get(key)
+    if value is None or isinstance(value, bool):
+        return None
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return None
 
 
 def is_msprobe_dump(path: str) -> bool:
@@ -89,13 +132,14 @@ def read_msprobe(path: str) -> list[MsprobeRun]:
                          task=str(doc.get("task", "")), level=str(doc.get("level", "")))
         for name, entry in doc["data"].items():
             found = MODULE_NAME.match(name)
-            output = _first_tensor(entry.get("output") if isinstance(entry, dict) else None)
             if found and isinstance(entry, dict):
                 args = entry.get("input_args")
                 kwargs = entry.get("input_kwargs")
                 run.calls.append(ModuleCall(
-                    found["module"], found["cls"], int(found["call"]), output or {},
-                    input=_first_tensor(args[:1]) if isinstance(args, list) else None,
+                    found["module"], found["cls"], int(found["call"]),
+                    outputs=_tensors(entry.get("output")),
+                    args=[a if _is_tensor(a) else None for a in args]
+                    if isinstance(args, list) else [],
                     kwargs={k: v for k, v in kwargs.items() if _is_tensor(v)}
                     if isinstance(kwargs, dict) else {}))
         runs.append(run)
@@ -131,15 +175,13 @@ def _is_tensor(value) -> bool:
     return isinstance(value, dict) and value.get("type") == "torch.Tensor"
 
 
-def _first_tensor(value) -> dict | None:
-    """The first tensor entry of an output (a tensor, or a list/tuple holding tensors)."""
+def _tensors(value) -> list[dict]:
+    """The tensor entries of an output, in order (a tensor, a list or tuple of them, a model
+    output recorded by field)."""
     if _is_tensor(value):
-        return value
-    if isinstance(value, dict):  # a model output recorded by field (last_hidden_state, ...)
+        return [value]
+    if isinstance(value, dict):
         value = list(value.values())
     if isinstance(value, list):
-        for item in value:
-            found = _first_tensor(item)
-            if found is not None:
-                return found
-    return None
+        return [t for item in value for t in _tensors(item)]
+    return []

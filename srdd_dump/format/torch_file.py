@@ -34,6 +34,9 @@ STORAGE_DTYPES = {
 }
 
 
+MAX_EXPANSION = 64  # elements of a tensor per element of its storage, at most
+
+
 class _Storage:
     def __init__(self, kind: str):
         self.kind = kind
@@ -220,15 +223,27 @@ def read_tensor(path: str) -> np.ndarray:
     except (zipfile.BadZipFile, KeyError, ValueError, EOFError, OSError, IndexError,
             TypeError, struct.error) as exc:
         raise UserError(f"{path}: cannot read it as a saved tensor ({exc})") from None
-    if not isinstance(found, _Rebuild):
+    if not isinstance(found, _Rebuild) or not isinstance(found.storage, np.ndarray):
         raise UserError(f"{path}: holds no single tensor")
+    return _view(path, found)
+
+
+def _view(path: str, found: _Rebuild) -> np.ndarray:
+    """The tensor's elements, after checking that its shape and strides stay inside its
+    storage and make no more elements than MAX_EXPANSION times the storage holds (a stride
+    of 0 repeats one element: a crafted file must not allocate gigabytes)."""
     flat = found.storage
-    if any(n < 0 for n in found.shape) or any(st < 0 for st in found.stride) \
-            or len(found.shape) != len(found.stride):
+    numbers = (*found.shape, *found.stride, found.offset)
+    if not all(isinstance(n, int) and not isinstance(n, bool) for n in numbers) \
+            or any(n < 0 for n in numbers) or len(found.shape) != len(found.stride):
         raise UserError(f"{path}: its shape does not fit its storage")
-    if 0 not in found.shape:
+    count = int(np.prod(found.shape, dtype=np.float64))
+    if count > MAX_EXPANSION * max(flat.size, 1):
+        raise UserError(f"{path}: its shape makes {count} elements of a storage of "
+                        f"{flat.size}")
+    if count:
         last = found.offset + sum((n - 1) * st for n, st in zip(found.shape, found.stride))
-        if found.offset < 0 or last >= flat.size:
+        if last >= flat.size:
             raise UserError(f"{path}: its shape does not fit its storage")
     view = np.lib.stride_tricks.as_strided(
         flat[found.offset:], shape=found.shape,

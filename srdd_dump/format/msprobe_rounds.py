@@ -1,0 +1,224 @@
+"""The rounds of an msprobe dump (format/msprobe.py) in srdd's terms: which modules are blocks
+and sites (``Layout``), and one call number of one step as a writer ``Round`` (``RoundMaker``):
+its outputs as tensors, or a statistics dump's rows, with the positions, token ids and stack
+input msprobe recorded. Used by format/from_msprobe.py."""
+
+from __future__ import annotations
+
+import collections
+import math
+import re
+
+import numpy as np
+
+from ..errors import UserError
+from ..vocabulary import ATTENTION_NAMES, LINEAR, MLP_NAMES, NORM, SUBLAYER
+from . import schema
+from .msprobe import FLOATING, INTEGER, ModuleCall, MsprobeRun, dims, statistic
+from .writer import Round, StatRow, Tensor
+
+# a module of a numbered block: the block itself or one of its children (the first number in
+# the path: model.layers.3.mlp.experts.5.up_proj -> model.layers, 3)
+NUMBERED_PREFIX = re.compile(r"^(?P<stack>.+?)\.(?P<index>\d+)(?:\.|$)")
+LOGICAL = {"torch.float32": "float32", "torch.bfloat16": "bfloat16",
+           "torch.float16": "float16", "torch.float64": "float64"}
+# a statistics-mode dump's columns: Max, Min, Mean, Norm as moments where they are some
+STAT_COLUMNS = ("n", "mean", "m2", "absmax", "nan", "inf", *schema.SUMMARY_COLUMNS)
+POSITION_NAMES = ("position_ids", "positions")
+
+
+class Layout:
+    """The blocks and sites of a dump, from the modules seen. The blocks are the numbered
+    modules of the most common stack (``model.layers.N``), found from the blocks' own calls or,
+    in a dump of some of their children only (a ``list`` of layer 10's modules), from the
+    children's names."""
+
+    def __init__(self, calls: list[ModuleCall]):
+        numbered = collections.Counter(m["stack"] for m in map(NUMBERED_PREFIX.match,
+                                                               (c.module for c in calls)) if m)
+        if not numbered:
+            raise UserError("the msprobe dump holds no module of a numbered block (model.layers"
+                            ".N...): dump with level L0 or mix and a 'list' that names the "
+                            "decoder layer class or its modules")
+        self.stack = numbered.most_common(1)[0][0]
+        indices = sorted({int(m["index"]) for m in map(NUMBERED_PREFIX.match,
+                                                       (c.module for c in calls))
+                          if m and m["stack"] == self.stack})
+        self.blocks = [f"{self.stack}.{i}" for i in indices]
+        self.block_index = {name: i for i, name in enumerate(self.blocks)}
+        sites: dict[str, tuple[str, int, str]] = {}
+        for c in calls:
+            block = self.block_of(c.module)
+            if block is None or c.module == block:
+                continue
+            rest = c.module[len(block) + 1:]
+            role = (SUBLAYER if rest in ATTENTION_NAMES + MLP_NAMES
+                    else LINEAR if c.cls.endswith("Linear")
+                    else NORM if c.cls.endswith("Norm") else None)
+            if role is not None:
+                sites.setdefault(c.module, (c.module, self.block_index[block], role))
+        self.sites = sorted(sites.values(), key=lambda s: (s[1], s[0]))
+        self.site_index = {name: i for i, (name, _, _) in enumerate(self.sites)}
+        recorded = [c for c in calls if c.module in self.block_index or
+                    c.module in self.site_index]
+        if not recorded:
+            raise UserError("the msprobe dump holds no output of a block, attention, MLP, "
+                            f"linear or norm module of {self.stack}.N: dump the decoder layer "
+                            "class (msprobe's 'list')")
+        self.first = next((c for c in recorded if c.module in self.block_index), recorded[0])
+
+    def block_of(self, module: str) -> str | None:
+        m = NUMBERED_PREFIX.match(module)
+        return f"{m['stack']}.{m['index']}" if m and m["stack"] == self.stack else None
+
+    def layer_and_site(self, module: str) -> tuple[int, int] | None:
+        if module in self.block_index:
+            return self.block_index[module], schema.BLOCK_SITE
+        if module in self.site_index:
+            return self.sites[self.site_index[module]][1], self.site_index[module]
+        return None
+
+
+class RoundMaker:
+    """One call number of one step: its outputs as a Round (tensors, or a statistics dump's
+    rows)."""
+
+    def __init__(self, run: MsprobeRun, layout: Layout, calls: list[ModuleCall],
+                 tensor_mode: bool):
+        self.run, self.layout, self.calls, self.tensor_mode = run, layout, calls, tensor_mode
+        shaped = [c for c in calls if c.module in layout.block_index] or \
+            [c for c in calls if c.module in layout.site_index]
+        self.shape = next((d for d in (dims(c.output) for c in shaped) if d), None)
+
+    def round(self, sample: int, call: int, prefill_len: int | None) -> Round | None:
+        if self.shape is None:
+            return None
+        batch, seq, _ = self.shape
+        r = Round(sample=sample, step=call, batch=batch, seq=seq,
+                  positions=np.zeros(0, dtype=np.int64), probe_rows=None)
+        block0 = next((c for c in self.calls if c.module == f"{self.layout.stack}.0"), None)
+        stack_input = self._stack_input(block0)
+        if stack_input is not None:
+            self._add(r, schema.STACK_INPUT, schema.BLOCK_SITE, [stack_input], block0)
+        for c in sorted(self.calls, key=lambda c: self.layout.layer_and_site(c.module) or
+                        (-9, 0)):
+            where = self.layout.layer_and_site(c.module)
+            if where is None or dims(c.output) is None or dims(c.output)[:2] != (batch, seq):
+                continue
+            self._add(r, *where, self._outputs(c), c)
+        start = 0 if call == 0 or prefill_len is None else prefill_len + call - 1
+        positions = self._positions(block0, seq)
+        r.positions = np.arange(start, start + seq) if positions is None else positions
+        r.token_ids = self._token_ids((batch, seq)) if self.tensor_mode else None
+        return r
+
+    def _outputs(self, c: ModuleCall) -> list[dict]:
+        """The entries whose sum is the module's output: a block's (hidden_states, residual)
+        of one shape (the serving convention), else the first output."""
+        if c.module in self.layout.block_index and len(c.outputs) >= 2 \
+                and dims(c.outputs[1]) == dims(c.outputs[0]) \
+                and c.outputs[1].get("dtype") == c.outputs[0].get("dtype"):
+            return c.outputs[:2]
+        return c.outputs[:1]
+
+    def _add(self, r: Round, layer: int, site: int, entries: list[dict], c: ModuleCall) -> None:
+        logical = LOGICAL.get(entries[0].get("dtype"))
+        if logical is None:
+            return
+        if not self.tensor_mode:
+            r.stats.append(StatRow(layer=layer, site=site,
+                                   dtype=schema.DTYPE_CODES.index(logical),
+                                   values=stat_values(entries)))
+            return
+        if not all(isinstance(e.get("data_name"), str) for e in entries):
+            return
+        x = sum(self.run.tensor(c, e).astype(np.float32) for e in entries)
+        x = x.reshape(r.batch, r.seq, -1)
+        r.tensors.append(Tensor(layer=layer, site=site, dtype=logical,
+                                array=_storage(x, logical, exact=len(entries) == 1)))
+
+    def _stack_input(self, block0: ModuleCall | None) -> dict | None:
+        """Block 0's hidden-state input: its first floating-point input shaped like its
+        output (with the serving convention, the one after ``positions``)."""
+        if block0 is None:
+            return None
+        want = dims(block0.output)
+        inputs = [*block0.args, block0.kwargs.get("hidden_states")]
+        return next((e for e in inputs if e is not None and e.get("dtype") in FLOATING
+                     and dims(e) == want), None)
+
+    def _positions(self, block0: ModuleCall | None, seq: int) -> np.ndarray | None:
+        """The round's token positions from block 0's position input: the saved tensor's
+        first row, or a statistics dump's Min..Max when they span the round."""
+        if block0 is None:
+            return None
+        named = [block0.kwargs.get(k) for k in POSITION_NAMES]
+        entry = next((e for e in [*named, *block0.args] if e is not None
+                      and e.get("dtype") in INTEGER and _length(e) == seq), None)
+        if entry is None:
+            return None
+        if self.tensor_mode and isinstance(entry.get("data_name"), str):
+            return np.asarray(self.run.tensor(block0, entry)).reshape(-1, seq)[0].astype(
+                np.int64)
+        low, high = statistic(entry, "Min"), statistic(entry, "Max")
+        if low is not None and high is not None and high - low + 1 == seq:
+            return np.arange(int(low), int(high) + 1)
+        return None
+
+    def _token_ids(self, shape: tuple[int, int]) -> np.ndarray | None:
+        """The round's input ids: an ``input_ids`` input of any module, or the integer first
+        input of a module outside the blocks (the model's, the embedding's)."""
+        for c in self.calls:
+            candidates = [c.kwargs.get("input_ids")]
+            if self.layout.block_of(c.module) is None and c.args:
+                candidates.append(c.args[0])
+            for entry in candidates:
+                if entry is None or entry.get("dtype") not in INTEGER \
+                        or not isinstance(entry.get("data_name"), str):
+                    continue
+                if entry.get("shape") in ([*shape], [shape[1]] if shape[0] == 1 else None):
+                    return np.asarray(self.run.tensor(c, entry)).reshape(shape).astype(
+                        np.int64)
+        return None
+
+
+def _length(entry: dict) -> int | None:
+    """The last dimension of an integer entry of shape (tokens,) or (batch, tokens)."""
+    shape = entry.get("shape")
+    ok = isinstance(shape, list) and len(shape) in (1, 2) and all(isinstance(d, int)
+                                                                 for d in shape)
+    return shape[-1] if ok else None
+
+
+def stat_values(entries: list[dict]) -> np.ndarray:
+    """STAT_COLUMNS of an output recorded as statistics (Max, Min, Mean, Norm; NaN: not
+    recorded). Of a sum of entries (hidden_states + residual) only the count and mean."""
+    shape = dims(entries[0])
+    n = int(np.prod(shape)) if shape else math.nan
+    recorded = [[statistic(e, k) for k in ("Max", "Min", "Mean", "Norm")] for e in entries]
+    values = [v for row in recorded for v in row if v is not None]
+    nan = any(math.isnan(v) for v in values)
+    inf = not nan and any(math.isinf(v) for v in values)
+    unknown = math.nan
+    if len(entries) > 1:
+        means = [row[2] for row in recorded]
+        mean = sum(means) if None not in means and not (nan or inf) else unknown
+        return np.array([n, mean, unknown, unknown, int(nan), int(inf), unknown, unknown,
+                         unknown], dtype=np.float64)
+    max_, min_, mean, norm = (unknown if v is None else v for v in recorded[0])
+    finite = not nan and not inf
+    m2 = max(norm * norm - n * mean * mean, 0.0) if finite else unknown
+    absmax = max(abs(max_), abs(min_)) if finite else unknown
+    return np.array([n, mean if finite else unknown, m2, absmax, int(nan), int(inf),
+                     max_, min_, norm], dtype=np.float64)
+
+
+def _storage(x: np.ndarray, logical: str, exact: bool = True) -> np.ndarray:
+    """The array in its storage dtype. bfloat16: its 16 bits, cut when ``exact`` (the values
+    were widened from bf16), rounded to nearest otherwise (a sum computed here)."""
+    if logical == "bfloat16":
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        if not exact:
+            return schema.float32_to_bf16_bits(x)
+        return (x.view(np.uint32) >> 16).astype(np.uint16)
+    return np.ascontiguousarray(x, dtype=schema.STORAGE_DTYPES[logical])
