@@ -594,8 +594,10 @@ def _heap_hang(blob: bytes) -> bytes:
             break
         pos += 16 + (length + 7) // 8 * 8
     first, free = headers[0], headers[-1]
-    assert free[1] == 0 and free[2] > 64
-    target = free[0] + 32  # 8-aligned and inside the free space's zeros
+    # the free space's zeros start right after its 16-byte header (how many there are depends
+    # on the length of the root's strings: the paths and versions of the machine)
+    assert free[1] == 0 and free[2] >= 24
+    target = free[0] + 16  # 8-aligned and inside the free space's zeros
     out[first[0] + 8 : first[0] + 16] = (target - first[0] - 16).to_bytes(8, "little")
     return bytes(out)
 

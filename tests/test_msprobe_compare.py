@@ -153,3 +153,36 @@ def test_an_msprobe_dump_with_api_calls_only_is_refused_in_one_line(tmp_path):
     assert proc.returncode != 0 and "Traceback" not in proc.stderr
     assert "no module of a numbered block" in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_an_msprobe_dump_of_vllm_is_the_golden_side_of_an_hf_run(tmp_path):
+    # vLLM's names and conventions against HF's: its blocks return (hidden_states, residual)
+    # (their sum is the stream), its fused qkv_proj / gate_up_proj against HF's split
+    # projections, its positions an argument of each block (fp32, the same prompt)
+    vllm = _fixture("smollm2_vllm_fp32")
+    proc = run_cli("srdd-dump", "--exec", "python infer_smollm2.py --prompts 1 --new-tokens 2",
+                   "-o", str(tmp_path / "hf"), "-q", "--granularity", "op", cwd=FIXTURES)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    text = _compare(tmp_path, str(tmp_path / "hf"), "--baseline", vllm)
+    assert "62 (2 compared rounds): 62 PASS, 0 WARN, 0 FAIL, 0 N/A" in text, text
+    sites = _table(tmp_path, "report.sublayers.csv")
+    fused = sites[sites["matched_by"] == "fused"]
+    assert set(fused["golden_module"]) == {"model.layers.10.self_attn.qkv_proj",
+                                           "model.layers.10.mlp.gate_up_proj"}
+    assert len(fused) == 4 and (fused["verdict"] == "PASS").all()
+    assert (fused["relative_euclidean_distance"] < 1e-5).all()
+    free = _compare(tmp_path, vllm)
+    assert "30 rows: 0 FAULT" in free
+
+
+def test_a_fault_against_an_msprobe_dump_of_vllm_is_found(tmp_path):
+    proc = run_cli("srdd-dump", "--exec", "python infer_smollm2.py --prompts 1 --new-tokens 2",
+                   "-o", str(tmp_path / "hf"), "-q", "--inject",
+                   "saturation@layer=10,m=0.5", cwd=FIXTURES)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    text = _compare(tmp_path, str(tmp_path / "hf"), "--baseline",
+                    _fixture("smollm2_vllm_fp32"))
+    rows = _table(tmp_path)
+    prefill = rows[rows["step"] == 0].set_index("layer")
+    assert (prefill.loc[-1:9, "verdict"] == "PASS").all()
+    assert prefill.loc[10, "verdict"] == "FAIL" and prefill.loc[10, "first_divergence"], text

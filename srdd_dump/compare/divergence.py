@@ -61,6 +61,8 @@ def mark_divergence(table: pd.DataFrame, same_device: set[tuple[str, str]] | Non
             groups.setdefault(key, []).append(pos)
     verdict = table["verdict"].to_numpy()
     red = _bounded(table)[RED_COLUMN].to_numpy(dtype=float)
+    # a growth of lower bounds proves no growth: such a row is a birth only beyond tolerance
+    bounded = table[RED_COLUMN].isna().to_numpy() & ~np.isnan(red)
     tolerance = table["tolerance"].to_numpy()
     match = table["input_match"].to_numpy()
     same_setup = _same_setup(table, same_device)
@@ -88,7 +90,8 @@ def mark_divergence(table: pd.DataFrame, same_device: set[tuple[str, str]] | Non
             if verdict[pos] == FAIL and input_ok and not found:
                 fail[pos] = found = True
             exact_input = input_red == 0.0 and same_setup[pos]
-            if input_ok and breaks is None and (
+            proven = not bounded[pos] or verdict[pos] in (WARN, FAIL)
+            if input_ok and breaks is None and proven and (
                     amp[pos] >= BIRTH_GROWTH or (exact_input and red[pos] > 0)
                     or (verdict[pos] == FAIL and nonfinite[pos] > 0)):
                 candidates.append(pos)
