@@ -25,7 +25,7 @@ from .msprobe import ModuleCall, MsprobeRun, dump_jsons, read_msprobe
 from .msprobe_rounds import LOGICAL, STAT_COLUMNS, Layout, RoundMaker
 from .writer import DumpWriter
 
-CONVERTER = 4  # the cache of converted dumps is keyed by it: bump it when the output changes
+CONVERTER = 6  # the cache of converted dumps is keyed by it: bump it when the output changes
 ELEMENTS = "output elements"
 STATISTICS_ONLY = ("an msprobe statistics dump keeps Max, Min, Mean and Norm of each tensor: no "
                    "kurtosis, zero fraction, pile-up or other element-wise signal")
@@ -75,7 +75,10 @@ def _convert_group(path: str, key: tuple, runs: list[MsprobeRun], out_dir: str) 
     if not tensor_mode:
         meta["statistics_only"] = True
     coverage = Coverage()
+    # one round in memory at a time (written before the next is read): a long prefill's
+    # round holds every block's output
     writer = DumpWriter(target, meta, layout.blocks, [s[0] for s in layout.sites],
+                        max_pending=0,
                         stat_columns=None if tensor_mode else list(STAT_COLUMNS))
     try:
         for sample, run in enumerate(runs):

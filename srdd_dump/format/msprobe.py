@@ -65,17 +65,18 @@ class MsprobeRun:
     level: str
     calls: list[ModuleCall] = field(default_factory=list)
 
-    def tensor(self, call: ModuleCall, entry: dict | None = None) -> np.ndarray:
+    def tensor(self, call: ModuleCall, entry: dict | None = None,
+               bfloat16_bits: bool = False) -> np.ndarray:
         """The saved tensor of ``entry`` (default: the call's first output), float32 for
-        bfloat16, in the shape dump.json gives it. UserError, one line, when it was not saved
-        or does not match its entry."""
+        bfloat16 (its 16 bits as uint16 with ``bfloat16_bits``), in the shape dump.json gives
+        it. UserError, one line, when it was not saved or does not match its entry."""
         entry = call.output if entry is None else entry
         name = entry.get("data_name")
         if not isinstance(name, str) or not name:
             raise UserError(f"{self.path}: {call.module} call {call.call} has no saved tensor "
                             f"(a {self.task} dump)")
         path = os.path.join(self.path, "dump_tensor_data", os.path.basename(name))
-        x = read_tensor(path)
+        x = read_tensor(path, bfloat16_bits)
         shape = entry.get("shape")
         if isinstance(shape, list) and all(isinstance(d, int) for d in shape):
             if x.size != int(np.prod(shape)):

@@ -132,10 +132,14 @@ class RoundMaker:
             return
         if not all(isinstance(e.get("data_name"), str) for e in entries):
             return
-        x = sum(self.run.tensor(c, e).astype(np.float32) for e in entries)
-        x = x.reshape(r.batch, r.seq, -1)
-        r.tensors.append(Tensor(layer=layer, site=site, dtype=logical,
-                                array=_storage(x, logical, exact=len(entries) == 1)))
+        if len(entries) == 1:  # stored as it was saved (bfloat16: its bits)
+            x = self.run.tensor(c, entries[0], bfloat16_bits=True)
+            array = np.ascontiguousarray(x.reshape(r.batch, r.seq, -1),
+                                         dtype=schema.STORAGE_DTYPES[logical])
+        else:
+            x = sum(self.run.tensor(c, e).astype(np.float32) for e in entries)
+            array = _storage(x.reshape(r.batch, r.seq, -1), logical)
+        r.tensors.append(Tensor(layer=layer, site=site, dtype=logical, array=array))
 
     def _stack_input(self, block0: ModuleCall | None) -> dict | None:
         """Block 0's hidden-state input: its first floating-point input shaped like its
@@ -213,12 +217,8 @@ def stat_values(entries: list[dict]) -> np.ndarray:
                      max_, min_, norm], dtype=np.float64)
 
 
-def _storage(x: np.ndarray, logical: str, exact: bool = True) -> np.ndarray:
-    """The array in its storage dtype. bfloat16: its 16 bits, cut when ``exact`` (the values
-    were widened from bf16), rounded to nearest otherwise (a sum computed here)."""
+def _storage(x: np.ndarray, logical: str) -> np.ndarray:
+    """A sum computed here in float32, in its storage dtype (bfloat16: rounded to nearest)."""
     if logical == "bfloat16":
-        x = np.ascontiguousarray(x, dtype=np.float32)
-        if not exact:
-            return schema.float32_to_bf16_bits(x)
-        return (x.view(np.uint32) >> 16).astype(np.uint16)
+        return schema.float32_to_bf16_bits(np.ascontiguousarray(x, dtype=np.float32))
     return np.ascontiguousarray(x, dtype=schema.STORAGE_DTYPES[logical])

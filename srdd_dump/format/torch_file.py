@@ -192,9 +192,10 @@ def _stored_members(data: bytes) -> dict[str, memoryview] | None:
     return members
 
 
-def read_tensor(path: str) -> np.ndarray:
-    """The array saved in ``path`` (float32 for bfloat16). UserError for a file that is not a
-    saved tensor, is damaged, or asks for anything but a tensor."""
+def read_tensor(path: str, bfloat16_bits: bool = False) -> np.ndarray:
+    """The array saved in ``path`` (float32 for bfloat16, or its 16 bits as uint16 with
+    ``bfloat16_bits``). UserError for a file that is not a saved tensor, is damaged, or asks
+    for anything but a tensor."""
     try:
         with open(path, "rb") as fh:
             data = fh.read()
@@ -213,8 +214,9 @@ def read_tensor(path: str) -> np.ndarray:
                 raise UserError(f"{path}: a storage of type {kind} is not supported")
             raw = members[f"{prefix}data/{key}"]
             if dtype == "bfloat16":
-                bits = np.frombuffer(raw, dtype="<u2", count=numel).astype(np.uint32)
-                return (bits << 16).view(np.float32)
+                bits = np.frombuffer(raw, dtype="<u2", count=numel)
+                return bits if bfloat16_bits else (bits.astype(np.uint32) << 16).view(
+                    np.float32)
             return np.frombuffer(raw, dtype=np.dtype(dtype).newbyteorder("<"), count=numel)
 
         found = _load(bytes(members[pkl]), lambda pid: _storage_of(pid, read_storage))
@@ -248,4 +250,5 @@ def _view(path: str, found: _Rebuild) -> np.ndarray:
     view = np.lib.stride_tricks.as_strided(
         flat[found.offset:], shape=found.shape,
         strides=tuple(st * flat.dtype.itemsize for st in found.stride), writeable=False)
-    return np.array(view)
+    # a contiguous tensor is returned as it lies in the file's bytes (read-only), not copied
+    return view if view.flags.c_contiguous else np.array(view)

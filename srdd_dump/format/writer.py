@@ -347,6 +347,8 @@ class DumpWriter:
         self, path: str, meta: dict, layers: list[str], sites: list[str] | None = None,
         max_pending: int = 4, stat_columns: list[str] | None = None,
     ):
+        """``max_pending``: rounds queued for the writing thread; 0: no thread, ``submit``
+        writes the round before it returns (one round in memory at a time)."""
         self.path = path
         self.partial_path = path + s.PARTIAL_SUFFIX
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
@@ -354,9 +356,12 @@ class DumpWriter:
         self.rounds_written = 0
         self._broken = False  # a write failed: the HDF5 file must be abandoned, not closed
         self._file = _H5File(self.partial_path, meta, layers, sites or [], stat_columns)
-        self._queue: queue.Queue = queue.Queue(maxsize=max_pending)
-        self._thread = threading.Thread(target=self._run, name="srdd-dump-writer", daemon=True)
-        self._thread.start()
+        self._queue: queue.Queue = queue.Queue(maxsize=max(max_pending, 1))
+        self._thread: threading.Thread | None = None
+        if max_pending > 0:
+            self._thread = threading.Thread(target=self._run, name="srdd-dump-writer",
+                                            daemon=True)
+            self._thread.start()
         self._closed = False
 
     def forget_after_fork(self) -> None:
@@ -372,22 +377,28 @@ class DumpWriter:
             item = self._queue.get()
             if item is None:
                 return
-            if self.error is not None:
-                continue
-            try:
-                self._file.write_round(item)
-                self.rounds_written += 1
-            except NoRoom as exc:  # nothing was written: the file is intact
-                self.error = describe_error(exc)
-            except Exception as exc:  # disk full, RLIMIT_FSIZE... from elsewhere
-                self.error = describe_error(exc)
-                if not self._file.flushes():  # still inside except: the data sets are alive
-                    self._file.detach()
-                    self._broken = True
+            self._write(item)
+
+    def _write(self, item: Round) -> None:
+        if self.error is not None:
+            return
+        try:
+            self._file.write_round(item)
+            self.rounds_written += 1
+        except NoRoom as exc:  # nothing was written: the file is intact
+            self.error = describe_error(exc)
+        except Exception as exc:  # disk full, RLIMIT_FSIZE... from elsewhere
+            self.error = describe_error(exc)
+            if not self._file.flushes():  # still inside except: the data sets are alive
+                self._file.detach()
+                self._broken = True
 
     def submit(self, r: Round) -> None:
         if self.error is None and not self._closed:
-            self._queue.put(r)
+            if self._thread is None:
+                self._write(r)
+            else:
+                self._queue.put(r)
 
     def _set_aside(self) -> str:
         broken = self.path + s.BROKEN_SUFFIX
@@ -406,8 +417,9 @@ class DumpWriter:
                     return name
             return self.partial_path
         self._closed = True
-        self._queue.put(None)
-        self._thread.join()
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join()
         status = dict(status or {})
         status.setdefault("rounds", self.rounds_written)
         if self.error:
