@@ -132,6 +132,10 @@ def test_a_mix_dump_of_one_layers_modules_is_compared_where_both_have_them(tmp_p
                                          "self_attn.k_proj", "self_attn.v_proj",
                                          "self_attn.o_proj")}
     assert (compared["relative_euclidean_distance"] == 0).all()
+    # without block outputs the reference-free diagnosis has nothing to judge: one line
+    alone = run_cli("srdd-compare", _fixture("smollm2_bf16_mix"), "-o", str(tmp_path / "r.csv"))
+    assert alone.returncode == 2 and len(alone.stderr.strip().splitlines()) == 1
+    assert "holds no block output" in alone.stderr and "smollm2_bf16_mix" in alone.stderr
 
 
 def test_a_ranked_msprobe_dump_gives_one_file_per_rank(tmp_path):

@@ -71,7 +71,13 @@ def finish(path: str, files: list[DumpFile], tasks: list[SignalTask],
             headlines.append(line)
         if not rows:
             why = "no captured layer data" + ("" if f.status == OK else " (incomplete file)")
-            file_rows.append(_file_row(f.source, SKIPPED, f"{f.path}: {why}", layers=0, **counts))
+            if f.origin:
+                why = (f"{f.origin}: the msprobe dump holds no block output, which the "
+                       "reference-free diagnosis judges (add the decoder layer class to "
+                       "msprobe's list), or compare its modules with --baseline")
+            else:
+                why = f"{f.path}: {why}"
+            file_rows.append(_file_row(f.source, SKIPPED, why, layers=0, **counts))
         else:
             file_rows.append(_file_row(f.source, f.status, f.reason, layers=len(rows), **counts))
     return CompareResult(

@@ -63,6 +63,7 @@ class DumpFile:
     # (round, layer, site) -> row of /stats, for the outputs a statistics-only file (converted
     # from msprobe's statistics mode) has no tensor of
     summary_rows: dict[tuple[int, int, int], int] = field(default_factory=dict)
+    origin: str = ""  # the msprobe dump a converted file was made of ("" for srdd's own)
     hidden_dtype: str = "float32"  # logical dtype of the hidden states
     compute_dtype: str = ""  # autocast dtype the model ran under ("" when none)
     data_dtypes: list[str] = field(default_factory=list)  # logical dtype of each /data set
@@ -273,6 +274,8 @@ def inspect(path: str, source: str) -> DumpFile:
     roles = reader.meta.get("site_roles")
     f.site_roles = [str(r) for r in roles] if isinstance(roles, list) else []
     f.device = str(reader.meta.get("device") or "").split(":")[0]
+    if reader.meta.get("tool") == "msprobe":
+        f.origin = str(reader.meta.get("source_dump") or "")
     f.capture_notes = capture_notes(source, reader.status)
     f.missing_evidence = missing_evidence(source, reader.status)
     tp = reader.meta.get("tensor_parallel")
