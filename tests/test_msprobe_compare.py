@@ -190,3 +190,41 @@ def test_a_fault_against_an_msprobe_dump_of_vllm_is_found(tmp_path):
     prefill = rows[rows["step"] == 0].set_index("layer")
     assert (prefill.loc[-1:9, "verdict"] == "PASS").all()
     assert prefill.loc[10, "verdict"] == "FAIL" and prefill.loc[10, "first_divergence"], text
+
+
+def _per_forward(source: str, target) -> str:
+    """The dump as msprobe writes it when stepped at every forward (start/stop/step around
+    each model call, as in a serving engine's model runner): call n of the step becomes call 0
+    of step n, its tensors in that step's folder."""
+    import json
+    import shutil
+
+    src = os.path.join(source, "step0", "proc4242")
+    doc = json.load(open(os.path.join(src, "dump.json")))
+    by_call: dict[int, dict] = {}
+    for name, entry in doc["data"].items():
+        head, _, call = name.rpartition(".")
+        by_call.setdefault(int(call), {})[f"{head}.0"] = entry
+    for call, data in by_call.items():
+        folder = target / f"step{call}" / "proc4242"
+        (folder / "dump_tensor_data").mkdir(parents=True)
+        for entry in data.values():
+            for value in [entry.get("output"), entry.get("input_args"),
+                          *(entry.get("input_kwargs") or {}).values()]:
+                for t in value if isinstance(value, list) else [value]:
+                    if isinstance(t, dict) and t.get("data_name"):
+                        shutil.copy(os.path.join(src, "dump_tensor_data", t["data_name"]),
+                                    folder / "dump_tensor_data")
+        (folder / "dump.json").write_text(json.dumps(dict(doc, data=data)))
+    return str(target)
+
+
+def test_a_dump_stepped_at_every_forward_gives_the_same_rounds(tmp_path):
+    stepped = _per_forward(_fixture("smollm2_bf16_all"), tmp_path / "stepped")
+    assert sorted(os.listdir(stepped)) == ["step0", "step1"]
+    mine = _srdd_dump(tmp_path)
+    text = _compare(tmp_path, mine, "--baseline", stepped)
+    # the one-token step continues the prompt before it: its decode step, not a new sample
+    assert "62 (2 compared rounds): 62 PASS, 0 WARN, 0 FAIL, 0 N/A" in text, text
+    rows = _table(tmp_path)
+    assert sorted(set(zip(rows["golden_sample"], rows["step"]))) == [(0, 0), (0, 1)]

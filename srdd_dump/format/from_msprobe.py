@@ -25,7 +25,7 @@ from .msprobe import ModuleCall, MsprobeRun, dump_jsons, read_msprobe
 from .msprobe_rounds import LOGICAL, STAT_COLUMNS, Layout, RoundMaker
 from .writer import DumpWriter
 
-CONVERTER = 6  # the cache of converted dumps is keyed by it: bump it when the output changes
+CONVERTER = 7  # the cache of converted dumps is keyed by it: bump it when the output changes
 ELEMENTS = "output elements"
 STATISTICS_ONLY = ("an msprobe statistics dump keeps Max, Min, Mean and Norm of each tensor: no "
                    "kurtosis, zero fraction, pile-up or other element-wise signal")
@@ -81,19 +81,21 @@ def _convert_group(path: str, key: tuple, runs: list[MsprobeRun], out_dir: str) 
                         max_pending=0,
                         stat_columns=None if tensor_mode else list(STAT_COLUMNS))
     try:
-        for sample, run in enumerate(runs):
+        sample, step, prefill_len = -1, 0, None
+        for run in runs:
             by_call: dict[int, list[ModuleCall]] = collections.defaultdict(list)
             for c in run.calls:
                 by_call[c.call].append(c)
-            prefill_len = None
             for call in sorted(by_call):
                 maker = RoundMaker(run, layout, by_call[call], tensor_mode)
-                r = maker.round(sample, call, prefill_len)
-                if r is None:
+                if maker.shape is None:
                     continue
-                if call == 0:
-                    prefill_len = r.seq
-                family = f"{'prefill' if call == 0 else 'decode'} block probes"
+                if call > 0 or (len(by_call) == 1 and sample >= 0 and maker.is_decode_step()):
+                    step += 1  # a later call, or a step of its own continuing the last sample
+                else:
+                    sample, step, prefill_len = sample + 1, 0, maker.shape[1]
+                r = maker.round(sample, step, prefill_len)
+                family = f"{'prefill' if step == 0 else 'decode'} block probes"
                 coverage.expect(family)
                 coverage.failed(family, NO_PROBES)
                 writer.submit(r)
@@ -103,7 +105,7 @@ def _convert_group(path: str, key: tuple, runs: list[MsprobeRun], out_dir: str) 
     if not tensor_mode:
         coverage.expect(ELEMENTS)
         coverage.failed(ELEMENTS, STATISTICS_ONLY)
-    status = {"samples": len(runs), "requests": 0, "coverage": coverage.as_dict(),
+    status = {"samples": sample + 1, "requests": 0, "coverage": coverage.as_dict(),
               "converted_from": "msprobe"}
     final = writer.close(status)
     if writer.error:

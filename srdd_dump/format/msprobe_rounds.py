@@ -90,13 +90,27 @@ class RoundMaker:
             [c for c in calls if c.module in layout.site_index]
         self.shape = next((d for d in (dims(c.output) for c in shaped) if d), None)
 
-    def round(self, sample: int, call: int, prefill_len: int | None) -> Round | None:
+    def is_decode_step(self) -> bool:
+        """One token per sequence at a position past 0 (when recorded): a decode step. A dump
+        that steps msprobe at every forward (``start/stop/step`` around each model call, as
+        in a serving engine's model runner) holds one per step."""
+        if self.shape is None or self.shape[1] != 1:
+            return False
+        positions = self._positions(self._block0(), 1)
+        return positions is None or int(positions[0]) > 0
+
+    def _block0(self) -> ModuleCall | None:
+        return next((c for c in self.calls if c.module == f"{self.layout.stack}.0"), None)
+
+    def round(self, sample: int, step: int, prefill_len: int | None) -> Round | None:
+        """The round of decode step ``step`` (0: the prefill) of ``sample``; positions past a
+        prefill of ``prefill_len`` tokens unless msprobe recorded them."""
         if self.shape is None:
             return None
         batch, seq, _ = self.shape
-        r = Round(sample=sample, step=call, batch=batch, seq=seq,
+        r = Round(sample=sample, step=step, batch=batch, seq=seq,
                   positions=np.zeros(0, dtype=np.int64), probe_rows=None)
-        block0 = next((c for c in self.calls if c.module == f"{self.layout.stack}.0"), None)
+        block0 = self._block0()
         stack_input = self._stack_input(block0)
         if stack_input is not None:
             self._add(r, schema.STACK_INPUT, schema.BLOCK_SITE, [stack_input], block0)
@@ -106,7 +120,7 @@ class RoundMaker:
             if where is None or dims(c.output) is None or dims(c.output)[:2] != (batch, seq):
                 continue
             self._add(r, *where, self._outputs(c), c)
-        start = 0 if call == 0 or prefill_len is None else prefill_len + call - 1
+        start = 0 if step == 0 or prefill_len is None else prefill_len + step - 1
         positions = self._positions(block0, seq)
         r.positions = np.arange(start, start + seq) if positions is None else positions
         r.token_ids = self._token_ids((batch, seq)) if self.tensor_mode else None
