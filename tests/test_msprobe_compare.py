@@ -228,3 +228,18 @@ def test_a_dump_stepped_at_every_forward_gives_the_same_rounds(tmp_path):
     assert "62 (2 compared rounds): 62 PASS, 0 WARN, 0 FAIL, 0 N/A" in text, text
     rows = _table(tmp_path)
     assert sorted(set(zip(rows["golden_sample"], rows["step"]))) == [(0, 0), (0, 1)]
+
+
+def test_two_msprobe_dumps_compare_to_an_xlsx_report(tmp_path):
+    import openpyxl
+
+    out = tmp_path / "report.xlsx"
+    proc = run_cli("srdd-compare", _fixture("smollm2_bf16_fault"), "--baseline",
+                   _fixture("smollm2_bf16"), "-o", str(out))
+    assert proc.returncode == 0, proc.stderr
+    finding = next(line for line in proc.stdout.splitlines() if line.startswith("finding:"))
+    assert "10 (model.layers.10" in finding, proc.stdout
+    book = openpyxl.load_workbook(out)
+    assert book.sheetnames == ["compare", "summary", "files", "sublayers"]
+    header = [c.value for c in book["sublayers"][1]]
+    assert "matched_by" in header and book["sublayers"].max_row == 1 + 2 * 60
