@@ -128,6 +128,24 @@ def test_inherited_zeros_are_propagation_not_another_fault():
                for k in (3, 4, 5))
 
 
+def test_an_overflow_born_in_one_layer_is_one_fault_not_a_systemic_kernel():
+    """fp16 overflow at layer 5 (Inf in its output) carried by the residual stream: every later
+    block and sub-layer holds NaN/Inf too, inherited from its input (issue 28)."""
+    signals = []
+    for k in range(18):
+        bad = dict(inf_count=3 if k == 5 else 0, nan_count=400 if k > 5 else 0)
+        signals += [_block(k, **bad), _sig(k, f"model.layers.{k}.mlp", **bad)]
+    verdicts = diagnose(signals, "float16", 18)
+    assert [v.layer for v in verdicts if v.verdict == FAULT] == [5]
+    assert verdicts[5].diagnosis == "OVERFLOW"
+    assert not any("SYSTEMIC" in v.diagnosis for v in verdicts)
+    assert all(verdicts[k].diagnosis == "OVERFLOW_PROP" for k in range(6, 18))
+    # a kernel that overflows in every layer from a finite input is still one shared kernel
+    own = [_sig(k, f"model.layers.{k}.mlp", inf_count=2) for k in range(18)]
+    own += [_block(k) for k in range(18)]
+    assert "SYSTEMIC_OVERFLOW" in diagnose(own, "float16", 18)[0].diagnosis
+
+
 def test_zeros_a_layer_makes_itself_stay_a_fault_after_another_source():
     signals = [_block(k) for k in range(6)]
     signals[2] = _block(2, zero_frac=0.3, flat_zero=0.29)

@@ -179,9 +179,10 @@ def lower_bound(rate: float, n: int, z: float = NULL_Z) -> float:
 
 
 def _exact_evidence(sig: Signals, dtype: str, instab_median: float, compute_dtype: str = "",
-                    input_zeros: float = 0.0) -> list[Evidence]:
+                    input_zeros: float = 0.0, input_nonfinite: bool = False) -> list[Evidence]:
     """``input_zeros``: the exact-zero fraction of the module's input (the previous block's
-    output), which inherited zeros need."""
+    output), which inherited zeros need; ``input_nonfinite``: that input held NaN/Inf already
+    (an overflow born before it: this module's NaN/Inf are inherited, not its own)."""
     ev: list[Evidence] = []
     where = sig.module if sig.phase == PREFILL else f"{sig.module} ({sig.phase} steps)"
     stored = sig.dtype or dtype  # each module's own dtype (autocast, mixed precision)
@@ -189,7 +190,9 @@ def _exact_evidence(sig: Signals, dtype: str, instab_median: float, compute_dtyp
     # record holds sums of bf16 matmul results
     dtype = tolerance_dtype(stored, compute_dtype) if compute_dtype else stored
     if sig.nan_count or sig.inf_count:
-        ev.append(Evidence("OVERFLOW", 1e3, f"{sig.nan_count} NaN, {sig.inf_count} Inf in {where}"))
+        ev.append(Evidence("OVERFLOW", 1e3, f"{sig.nan_count} NaN, {sig.inf_count} Inf in {where}"
+                           + (" (its input held NaN/Inf already)" if input_nonfinite else ""),
+                           inheritable=input_nonfinite))
     ev += _identity_evidence(sig, where, dtype)
     if sig.role in NO_STATISTICS:
         return ev
@@ -365,6 +368,8 @@ def diagnose(signals: list[Signals], dtype: str, n_layers: int, compute_dtype: s
     systemic: dict[str, tuple[str, int, int]] = {}  # family -> (site kind, layers, of)
     # exact zeros of each block's output (layer -1: the stack input, when it was read)
     block_zeros = {(g.layer, g.phase): g.zero_frac for g in signals if g.site == BLOCK_SITE}
+    block_nonfinite = {(g.layer, g.phase) for g in signals
+                       if g.site == BLOCK_SITE and (g.nan_count or g.inf_count)}
     # an activation's input is a linear operator's output of its layer (gate_proj, c_fc, ...)
     linear_zeros: dict[tuple[int, str], float] = {}
     for g in signals:
@@ -383,7 +388,8 @@ def diagnose(signals: list[Signals], dtype: str, n_layers: int, compute_dtype: s
         inst = inst[np.isfinite(inst)]
         inst_median = float(np.median(inst)) if inst.size else 0.0
         relative = _relative_evidence(group)
-        per_layer = [_exact_evidence(sig, dtype, inst_median, compute_dtype, input_zeros(sig))
+        per_layer = [_exact_evidence(sig, dtype, inst_median, compute_dtype, input_zeros(sig),
+                                     (sig.layer - 1, sig.phase) in block_nonfinite)
                      + relative[i] for i, sig in enumerate(group)]
         shared_noise = _systemic_noise(group, dtype, compute_dtype)
         if shared_noise is not None:
