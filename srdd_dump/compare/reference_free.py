@@ -13,9 +13,10 @@ import pandas as pd
 
 from ..analysis.diagnosis import LayerVerdict, diagnose, headline, site_verdicts
 from ..analysis.signals import DECODE, PREFILL, Signals, set_kurtosis_change
-from ..analysis.verdicts import NORMAL, VERDICT_ORDER
+from ..analysis.verdicts import FAULT, NORMAL, VERDICT_ORDER
 from ..format import schema as s
 from ..vocabulary import EXPERT, NORM
+from .hunt import hunt_command
 from .results import (
     FILE_COLUMNS,
     LAYER_COLUMNS,
@@ -52,7 +53,7 @@ def finish(path: str, files: list[DumpFile], tasks: list[SignalTask],
             failed.setdefault(task.file, result)
         else:
             per_file.setdefault(task.file, []).extend(result)
-    layer_rows, site_rows, file_rows, headlines = [], [], [], []
+    layer_rows, site_rows, file_rows, headlines, hunts = [], [], [], [], []
     for n, f in enumerate(files):
         counts = dict(rounds=len(f.rounds), samples=f.samples, rank=f.rank, pid=f.pid)
         if not f.usable:
@@ -64,11 +65,13 @@ def finish(path: str, files: list[DumpFile], tasks: list[SignalTask],
             continue
         signals = sorted(per_file.get(n, []), key=lambda g: (g.layer, g.site, g.phase))
         set_kurtosis_change(signals)
-        rows, sites, line = _diagnose_file(f, signals)
+        rows, sites, line, hunt = _diagnose_file(f, signals)
         layer_rows += rows
         site_rows += sites
         if line:
             headlines.append(line)
+        if hunt and hunt not in hunts:
+            hunts.append(hunt)
         if not rows:
             why = "no captured layer data" + ("" if f.status == OK else " (incomplete file)")
             if f.origin:
@@ -82,19 +85,21 @@ def finish(path: str, files: list[DumpFile], tasks: list[SignalTask],
             file_rows.append(_file_row(f.source, f.status, f.reason, layers=len(rows), **counts))
     return CompareResult(
         path=path, layers=layers_table(layer_rows), files=files_table(file_rows),
-        sites=sites_table(site_rows), headlines=headlines,
+        sites=sites_table(site_rows), headlines=headlines, hunts=hunts,
     )
 
 
-def _diagnose_file(f: DumpFile, signals: list[Signals]) -> tuple[list[dict], list[dict], str]:
-    """Layer rows, sub-layer rows and the headline of one file."""
+def _diagnose_file(f: DumpFile, signals: list[Signals]
+                   ) -> tuple[list[dict], list[dict], str, str | None]:
+    """Layer rows, sub-layer rows, the headline of one file and the command that hunts the
+    operator of its FAULT (compare/hunt.py)."""
     blocks: dict[int, Signals] = {}  # the layer rows: prefill signals, else decode ones
     for g in signals:
         if (g.site == s.BLOCK_SITE and g.samples and g.layer >= 0
                 and (g.layer not in blocks or g.phase == PREFILL)):
             blocks[g.layer] = g
     if not blocks:
-        return [], [], ""
+        return [], [], "", None
     verdicts = diagnose(signals, f.hidden_dtype, n_layers=max(len(f.layers), max(blocks) + 1),
                         compute_dtype=f.compute_dtype)
     experts = {name: int(name.rsplit(".", 1)[1])
@@ -116,7 +121,8 @@ def _diagnose_file(f: DumpFile, signals: list[Signals]) -> tuple[list[dict], lis
                 f"{max(g.samples for g in blocks.values())} samples{phases}")
     else:
         line = f"{f.source}: {headline(worst)}"
-    return rows, sites, line
+    hunt = hunt_command(f, worst.layer, worst.site) if worst.verdict == FAULT else None
+    return rows, sites, line, hunt
 
 
 # -- tables ------------------------------------------------------------------------------------

@@ -55,6 +55,8 @@ class CompareResult:
     sites: pd.DataFrame = field(default_factory=lambda: pd.DataFrame(columns=SITE_COLUMNS))
     # SITE_COLUMNS: one row per (file, sub-layer module) when the dump has sub-layers
     headlines: list[str] = field(default_factory=list)  # one verdict sentence per file
+    # srdd-dump commands that capture the operators of a FAULT layer (compare/hunt.py)
+    hunts: list[str] = field(default_factory=list)
     consistency: ConsistencyResult | None = None  # when 3+ cards ran the same inputs
     notes: list[str] = field(default_factory=list)  # e.g. which run of a folder was compared
     # evidence the capture asked for and did not get: the verdicts cannot rest on it

@@ -26,6 +26,8 @@ def diagnosis_text(result: CompareResult, written: list[str] | None = None,
     report path."""
     layers, files = result.layers, result.files
     lines = list(result.headlines)
+    lines += [f"to name the operator inside it, capture that layer's operators: {hunt}"
+              for hunt in result.hunts]
     if result.missing_evidence:
         lines.append("evidence missing from these verdicts (the capture asked for it and did "
                      "not get it):")

@@ -1,0 +1,72 @@
+"""The capture that names the operator inside a faulty layer: when the default scan finds a
+FAULT at a block or sub-layer and the dump holds no operators (``--granularity`` block or
+sublayer), the exact srdd-dump command that re-runs the user's program with that one layer's
+operators and their float64 host replays (``--granularity op --reference host --layers
+BLOCK``): the hunt costs one layer, not the model. A simulated fault (``--inject``) goes along
+when it is in that layer."""
+
+from __future__ import annotations
+
+import shlex
+
+from ..vocabulary import BLOCK, SUBLAYER
+from .sources import DumpFile
+
+HUNTED = ("op",)  # granularities that already hold the operators
+# the options of the run that decide what the hunt sees again: the same rounds and store
+KEPT = (("samples", "--samples"), ("steps", "--steps"), ("tokens", "--tokens"),
+        ("seed", "--seed"), ("store", "--store"))
+
+
+def hunt_command(f: DumpFile, layer: int, site: str) -> str | None:
+    """The srdd-dump command for the operators of block ``layer`` (the FAULT row's block and
+    the module its evidence names), or None when the dump has them already, names an operator,
+    or does not say how it was made."""
+    options = f.capture_options
+    if not f.command or not options or options.get("granularity") in HUNTED:
+        return None
+    if not 0 <= layer < len(f.layers):
+        return None
+    role = f.site_roles[f.sites.index(site)] if site in f.sites and \
+        f.sites.index(site) < len(f.site_roles) else BLOCK
+    if role not in (BLOCK, SUBLAYER):
+        return None
+    words = ["srdd-dump", "--exec", f.command, "-o", _root(options.get("dump_path"))]
+    for key, flag in KEPT:
+        value = options.get(key)
+        if value is not None and value != "":
+            words += [flag, str(value)]
+    for spec in options.get("inject") or []:
+        kept = _in_layer(str(spec), layer, len(f.layers))
+        if kept is not None:
+            words += ["--inject", kept]
+    words += ["--granularity", "op", "--reference", "host", "--layers", f.layers[layer]]
+    return shlex.join(words)
+
+
+def _in_layer(spec: str, layer: int, n_layers: int) -> str | None:
+    """A simulated fault (``--inject TYPE@layer=K,...``) of the hunted layer, numbered among
+    the hunt's blocks (its one block is layer 0); None for a fault of another layer, which the
+    hunt's one block cannot hold."""
+    kind, _, rest = spec.partition("@")
+    items = rest.split(",") if rest else []
+    for i, item in enumerate(items):
+        key, _, value = item.partition("=")
+        if key.strip() == "layer":
+            try:
+                at = int(value)
+            except ValueError:
+                return None
+            if at % n_layers != layer:
+                return None
+            items[i] = "layer=0"
+            return f"{kind}@{','.join(items)}"
+    return None
+
+
+def _root(dump_path: str | None) -> str:
+    """The -o folder of the run: the parent of its srdd_dump_<time> folder."""
+    if not dump_path:
+        return "dumps"
+    head, _, tail = str(dump_path).rstrip("/").rpartition("/")
+    return (head or ".") if tail.startswith("srdd_dump_") else str(dump_path)

@@ -1,0 +1,67 @@
+"""The default report's hunt command (compare/hunt.py): a FAULT the default scan names at a
+block or sub-layer comes with the srdd-dump command that captures that one layer's operators,
+and that command, run as printed, names the operator."""
+
+from __future__ import annotations
+
+import shlex
+
+import pandas as pd
+import pytest
+
+from srdd_dump.compare.hunt import hunt_command
+from srdd_dump.compare.sources import DumpFile
+
+from capture_utils import FIXTURES, run_cli
+
+HUNT = "to name the operator inside it, capture that layer's operators: "
+
+
+def _file(**options) -> DumpFile:
+    f = DumpFile(path="x.h5", source="x.h5")
+    f.layers = [f"model.layers.{k}" for k in range(4)]
+    f.sites = ["model.layers.2.mlp", "model.layers.2.mlp.act_fn"]
+    f.site_roles = ["sublayer", "act"]
+    f.command = "python infer.py --n 2"
+    f.capture_options = {"granularity": "sublayer", "dump_path": "/d/srdd_dump_1", "samples": 2,
+                         **options}
+    return f
+
+
+@pytest.mark.unit
+def test_the_hunt_is_one_layer_with_the_runs_options():
+    f = _file(inject=["dead_zone@layer=2,site=mlp.act_fn", "noise@layer=3,m=1",
+                      "bias@layer=-2,m=2"])
+    words = shlex.split(hunt_command(f, 2, "model.layers.2.mlp"))
+    assert words[:5] == ["srdd-dump", "--exec", "python infer.py --n 2", "-o", "/d"]
+    assert words[-6:] == ["--granularity", "op", "--reference", "host", "--layers",
+                          "model.layers.2"]
+    assert "--samples" in words and words[words.index("--samples") + 1] == "2"
+    # the faults of that layer, as layer 0 of the hunt's one block; the others cannot go along
+    injected = [words[i + 1] for i, w in enumerate(words) if w == "--inject"]
+    assert injected == ["dead_zone@layer=0,site=mlp.act_fn", "bias@layer=0,m=2"]
+    assert hunt_command(f, 2, "model.layers.2.mlp.act_fn") is None  # an operator: named
+    assert hunt_command(_file(granularity="op"), 2, "model.layers.2") is None
+    f.command = ""
+    assert hunt_command(f, 2, "model.layers.2") is None  # not known how it was made
+
+
+@pytest.mark.integration
+def test_the_printed_hunt_names_the_operator(tmp_path):
+    fault = "dead_zone@layer=2,site=mlp.act_fn,m=0.3"
+    out = str(tmp_path / "dumps")
+    first = run_cli("srdd-dump", "--exec", "python infer_tiny.py llama", "-o", out, "-q",
+                    "--inject", fault, cwd=FIXTURES)
+    assert first.returncode == 0, first.stderr[-2000:]
+    report = run_cli("srdd-compare", out, "-o", str(tmp_path / "r.csv"))
+    assert report.returncode == 0, report.stderr
+    (line,) = [x for x in report.stdout.splitlines() if x.startswith(HUNT)]
+    words = shlex.split(line[len(HUNT):])
+    assert words[0] == "srdd-dump" and "model.layers.2" in words
+    hunt = run_cli(*words, "-q", cwd=FIXTURES)
+    assert hunt.returncode == 0, hunt.stderr[-2000:]
+    again = run_cli("srdd-compare", out, "-o", str(tmp_path / "h.csv"))  # the newest run
+    top = pd.read_csv(tmp_path / "h.csv").iloc[0]
+    assert top["verdict"] == "FAULT" and top["module"] == "model.layers.2"
+    assert top["site"] == "model.layers.2.mlp.act_fn", again.stdout
+    assert HUNT not in again.stdout  # its operators are in the dump: nothing left to hunt
