@@ -128,3 +128,12 @@ def test_a_damaged_dump_is_one_line(tmp_path, name):
     proc = run_cli("srdd-compare", _edited(tmp_path, edit), "-o", str(tmp_path / "r.csv"))
     assert proc.returncode == 2 and words in proc.stderr, proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1 and "unexpected" not in proc.stderr
+
+
+def test_the_dump_a_step_or_a_rank_folder_is_read():
+    ranks = os.path.join(FIXTURES, "msprobe", "smollm2_bf16_ranks")
+    whole = [(r.step, r.rank) for r in read_msprobe(ranks)]
+    assert whole == [(0, 0), (0, 1)]
+    assert [(r.step, r.rank) for r in read_msprobe(os.path.join(ranks, "step0"))] == whole
+    (one,) = read_msprobe(os.path.join(ranks, "step0", "rank1"))
+    assert (one.step, one.rank) == (0, 1)

@@ -150,26 +150,34 @@ def read_msprobe(path: str) -> list[MsprobeRun]:
 
 
 def dump_jsons(path: str) -> list[tuple[int, int | None, str]]:
-    """(step, rank, dump.json) of each run under ``path``."""
+    """(step, rank, dump.json) of each run under ``path``: the dump's folder, one of its step
+    folders or one of its rank (process) folders."""
+    path = os.path.normpath(path)
+    name, parent = os.path.basename(path), os.path.basename(os.path.dirname(path))
     if os.path.isfile(os.path.join(path, "dump.json")):
-        return [(0, None, os.path.join(path, "dump.json"))]
-    out = []
+        run, step = RUN_FOLDER.match(name), STEP_FOLDER.match(parent)
+        rank = int(run[2]) if run and run[1] == "rank" else None
+        return [(int(step[1]) if step else 0, rank, os.path.join(path, "dump.json"))]
+    if STEP_FOLDER.match(name):
+        return _runs_of_step(path, int(STEP_FOLDER.match(name)[1]))
     try:
         steps = os.listdir(path)
     except OSError:
         return []
-    for step_name in sorted(steps):
-        step = STEP_FOLDER.match(step_name)
-        if not step:
-            continue
-        folder = os.path.join(path, step_name)
-        for run_name in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
-            run = RUN_FOLDER.match(run_name)
-            dump_json = os.path.join(folder, run_name, "dump.json")
-            if run and os.path.isfile(dump_json):
-                rank = int(run[2]) if run[1] == "rank" else None
-                out.append((int(step[1]), rank, dump_json))
+    out = [run for step_name in steps if STEP_FOLDER.match(step_name)
+           for run in _runs_of_step(os.path.join(path, step_name),
+                                    int(STEP_FOLDER.match(step_name)[1]))]
     return sorted(out, key=lambda t: (t[0], -1 if t[1] is None else t[1]))
+
+
+def _runs_of_step(folder: str, step: int) -> list[tuple[int, int | None, str]]:
+    out = []
+    for run_name in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
+        run = RUN_FOLDER.match(run_name)
+        dump_json = os.path.join(folder, run_name, "dump.json")
+        if run and os.path.isfile(dump_json):
+            out.append((step, int(run[2]) if run[1] == "rank" else None, dump_json))
+    return sorted(out, key=lambda t: -1 if t[1] is None else t[1])
 
 
 def _is_tensor(value) -> bool:
