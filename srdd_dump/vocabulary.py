@@ -3,6 +3,8 @@ a dump's ``site_roles``; discovery, hooks, host replay, faults and the diagnosis
 the tuning constants of the statistics computed on both sides (capture/reductions.py in torch
 for ``--store stats``, analysis/ in numpy). Defined once here: every package may import it."""
 
+import math
+
 # -- site roles (docs/method.md says which probes and identities each gets) -----------------
 BLOCK = "block"  # a block of the stack (its records have site -1)
 SUBLAYER = "sublayer"  # an attention or MLP sub-block
@@ -33,3 +35,15 @@ TIE_MIN_LEVELS = 16  # quantisation steps a channel must span before its extreme
 CHANNEL_FLOOR = 0.1  # channels judged alone: rms at least this x the median channel's
 PILEUP_BINS = 100  # histogram bins of the edge pile-up
 DC_LOW = 0.15  # a dc response under this x the median response counts as low
+# A channel constant over n distinct tokens is a stuck channel only when chance cannot make it
+# one: a healthy channel that takes one value with probability p (an activation's floor in
+# bf16: p up to STUCK_VALUE_SHARE) repeats it n times with probability p^(n-1), so n is taken
+# large enough that a healthy output of W channels shows fewer than STUCK_BY_CHANCE of them.
+STUCK_VALUE_SHARE = 0.5
+STUCK_BY_CHANCE = 0.05
+
+
+def stuck_min_tokens(width: int) -> int:
+    """The distinct tokens a round needs before its constant channels count as stuck."""
+    return max(4, 1 + math.ceil(math.log(max(width, 1) / STUCK_BY_CHANCE)
+                                / -math.log(STUCK_VALUE_SHARE)))

@@ -303,3 +303,20 @@ def test_baseline_leaves_padded_rows_out(tmp_path):
     result = baseline_written(str(tmp_path / "mine.h5"), str(tmp_path / "golden.h5"))
     row = result.table[result.table["layer"] == 0].iloc[0]
     assert row["verdict"] == "PASS" and row["max_absolute_error"] == 0
+
+
+def test_a_constant_channel_needs_enough_tokens_to_be_stuck():
+    """A healthy bf16 channel at an activation's floor repeats one value over the 4 rows of a
+    batch's decode step by chance: no stuck fraction from so few tokens (the hunt options' false
+    alarm of issue 28); over enough distinct tokens the same channel is stuck."""
+    from srdd_dump.analysis.array_stats import channel_signals
+    from srdd_dump.vocabulary import stuck_min_tokens
+
+    rng = np.random.default_rng(0)
+    need = stuck_min_tokens(1536)
+    assert need == 16 and stuck_min_tokens(64) < need < stuck_min_tokens(14336)
+    for rows, measured in ((4, False), (need - 1, False), (need, True), (64, True)):
+        out = rng.standard_normal((rows, 1536))
+        out[:, 7] = -0.2785  # SiLU's floor, in every row
+        stuck = channel_signals(out - out.mean(axis=0), out)[2]
+        assert np.isnan(stuck) != measured and (not measured or stuck == 1 / 1536)

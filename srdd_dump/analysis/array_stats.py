@@ -10,7 +10,7 @@ import math
 
 import numpy as np
 
-from ..vocabulary import PILEUP_BINS, TIE_CANDIDATES, TIE_MIN_LEVELS
+from ..vocabulary import PILEUP_BINS, TIE_CANDIDATES, TIE_MIN_LEVELS, stuck_min_tokens
 from .sums import dot, total
 
 
@@ -221,7 +221,7 @@ def channel_signals(u: np.ndarray, out: np.ndarray) -> tuple[float, float, float
     cons = percentile(np.abs(mean_c[live]) / rms_c[live], 0.99) if live.any() else nan
     # constant non-zero channels; constant zero channels count as exact zeros (dead zone)
     out = unique_rows(out)
-    if out.shape[0] < 4:
+    if out.shape[0] < stuck_min_tokens(out.shape[1]):
         return dce, cons, nan
     constant = (np.ptp(out, axis=0) == 0) & (out[0] != 0)
     return dce, cons, float(np.mean(constant))

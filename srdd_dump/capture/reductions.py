@@ -26,6 +26,7 @@ from ..vocabulary import (
     PILEUP_BINS,
     TIE_CANDIDATES,
     TIE_MIN_LEVELS,
+    stuck_min_tokens,
 )
 
 NAN = float("nan")
@@ -342,7 +343,7 @@ def channel_signals(u: torch.Tensor, out: torch.Tensor, distinct: bool = False
     if bool(live.any()):
         cons = _percentile((mean_c[live].abs() / rms_c[live]).to(torch.float64), 0.99)
     out = out if distinct else unique_rows(out)
-    if out.shape[0] < 4:
+    if out.shape[0] < stuck_min_tokens(out.shape[1]):
         return dce, cons, NAN
     constant = ((out.amax(dim=0) - out.amin(dim=0)) == 0) & (out[0] != 0)
     return dce, cons, float(constant.double().mean())
