@@ -83,6 +83,7 @@ def _summary_sheet(ws, result: BaselineResult) -> None:
     ]
     lines += [(f"not compared: {k}", v) for k, v in s.not_compared.items()]
     lines += [("unmatched", line) for line in s.unmatched]
+    lines += [("note", note) for note in result.notes]  # e.g. a statistics-only side
     ws.cell(row=1, column=1, value="srdd-compare: GPU-baseline summary").font = Font(bold=True)
     for i, (key, value) in enumerate(lines, start=2):
         ws.cell(row=i, column=1, value=key)
