@@ -22,8 +22,8 @@ def _file(**options) -> DumpFile:
     f.layers = [f"model.layers.{k}" for k in range(4)]
     f.sites = ["model.layers.2.mlp", "model.layers.2.mlp.act_fn"]
     f.site_roles = ["sublayer", "act"]
-    f.command = "python infer.py --n 2"
     f.capture_options = {"granularity": "sublayer", "dump_path": "/d/srdd_dump_1", "samples": 2,
+                         "command": "python infer.py --n 2", "probe_steps": "0,1,7",
                          **options}
     return f
 
@@ -42,8 +42,9 @@ def test_the_hunt_is_one_layer_with_the_runs_options():
     assert injected == ["dead_zone@layer=0,site=mlp.act_fn", "bias@layer=0,m=2"]
     assert hunt_command(f, 2, "model.layers.2.mlp.act_fn") is None  # an operator: named
     assert hunt_command(_file(granularity="op"), 2, "model.layers.2") is None
-    f.command = ""
-    assert hunt_command(f, 2, "model.layers.2") is None  # not known how it was made
+    assert words[words.index("--probe-steps") + 1] == "0,1,7"
+    # an in-code register_hook run records no command to re-run
+    assert hunt_command(_file(command=None), 2, "model.layers.2") is None
 
 
 @pytest.mark.integration

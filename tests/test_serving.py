@@ -140,6 +140,11 @@ def test_an_overflow_born_in_one_layer_is_one_fault_not_a_systemic_kernel():
     assert verdicts[5].diagnosis == "OVERFLOW"
     assert not any("SYSTEMIC" in v.diagnosis for v in verdicts)
     assert all(verdicts[k].diagnosis == "OVERFLOW_PROP" for k in range(6, 18))
+    # the decode steps read NaN keys and values from the cache the prefill wrote: inherited too
+    decode = signals + [
+        _block(k, phase="decode", nan_count=50 if k > 6 else 0) for k in range(18)]
+    verdicts = diagnose(decode, "float16", 18)
+    assert [v.layer for v in verdicts if v.verdict == FAULT] == [5]
     # a kernel that overflows in every layer from a finite input is still one shared kernel
     own = [_sig(k, f"model.layers.{k}.mlp", inf_count=2) for k in range(18)]
     own += [_block(k) for k in range(18)]

@@ -378,6 +378,11 @@ def diagnose(signals: list[Signals], dtype: str, n_layers: int, compute_dtype: s
             linear_zeros[key] = max(linear_zeros.get(key, 0.0), g.zero_frac)
     signals = [g for g in signals if g.layer >= 0]
 
+    def input_nonfinite(sig: Signals) -> bool:
+        """NaN/Inf reached the module from before it: in its input (the previous block's
+        output), or for a decode step in the KV cache its prefill wrote from that input."""
+        return any((sig.layer - 1, phase) in block_nonfinite for phase in {sig.phase, PREFILL})
+
     def input_zeros(sig: Signals) -> float:
         if sig.role == ACTIVATION:
             return linear_zeros.get((sig.layer, sig.phase), 0.0)
@@ -389,7 +394,7 @@ def diagnose(signals: list[Signals], dtype: str, n_layers: int, compute_dtype: s
         inst_median = float(np.median(inst)) if inst.size else 0.0
         relative = _relative_evidence(group)
         per_layer = [_exact_evidence(sig, dtype, inst_median, compute_dtype, input_zeros(sig),
-                                     (sig.layer - 1, sig.phase) in block_nonfinite)
+                                     input_nonfinite(sig))
                      + relative[i] for i, sig in enumerate(group)]
         shared_noise = _systemic_noise(group, dtype, compute_dtype)
         if shared_noise is not None:
@@ -447,7 +452,7 @@ def _narrowest_source(items: list[tuple[Evidence, str]]) -> str:
             break
     else:
         return items[0][1]
-    inner = [m for m in found if not any(o.startswith(m + ".") for o in found)]
+    inner = sorted(m for m in found if not any(o.startswith(m + ".") for o in found))
     strength = {m: max(e.strength for e, mm in main if mm == m) for m in inner}
     return max(inner, key=lambda m: (strength[m], m.count(".")))
 

@@ -7,6 +7,7 @@ when it is in that layer."""
 
 from __future__ import annotations
 
+import os
 import shlex
 
 from ..vocabulary import BLOCK, SUBLAYER
@@ -15,7 +16,9 @@ from .sources import DumpFile
 HUNTED = ("op",)  # granularities that already hold the operators
 # the options of the run that decide what the hunt sees again: the same rounds and store
 KEPT = (("samples", "--samples"), ("steps", "--steps"), ("tokens", "--tokens"),
-        ("seed", "--seed"), ("store", "--store"))
+        ("seed", "--seed"), ("store", "--store"), ("probe_steps", "--probe-steps"),
+        ("probe_samples", "--probe-samples"), ("sublayers", "--sublayers"),
+        ("tp_replays", "--tp-replays"))
 
 
 def hunt_command(f: DumpFile, layer: int, site: str) -> str | None:
@@ -23,7 +26,9 @@ def hunt_command(f: DumpFile, layer: int, site: str) -> str | None:
     the module its evidence names), or None when the dump has them already, names an operator,
     or does not say how it was made."""
     options = f.capture_options
-    if not f.command or not options or options.get("granularity") in HUNTED:
+    # the command srdd-dump --exec ran (an in-code register_hook run records no command)
+    command = options.get("command") if options else None
+    if not command or options.get("granularity") in HUNTED:
         return None
     if not 0 <= layer < len(f.layers):
         return None
@@ -31,7 +36,7 @@ def hunt_command(f: DumpFile, layer: int, site: str) -> str | None:
         f.sites.index(site) < len(f.site_roles) else BLOCK
     if role not in (BLOCK, SUBLAYER):
         return None
-    words = ["srdd-dump", "--exec", f.command, "-o", _root(options.get("dump_path"))]
+    words = ["srdd-dump", "--exec", str(command), "-o", _root(options.get("dump_path"))]
     for key, flag in KEPT:
         value = options.get(key)
         if value is not None and value != "":
@@ -68,5 +73,6 @@ def _root(dump_path: str | None) -> str:
     """The -o folder of the run: the parent of its srdd_dump_<time> folder."""
     if not dump_path:
         return "dumps"
-    head, _, tail = str(dump_path).rstrip("/").rpartition("/")
-    return (head or ".") if tail.startswith("srdd_dump_") else str(dump_path)
+    path = os.path.normpath(str(dump_path))
+    head, tail = os.path.split(path)
+    return (head or ".") if tail.startswith("srdd_dump_") else path

@@ -64,7 +64,6 @@ class DumpFile:
     # from msprobe's statistics mode) has no tensor of
     summary_rows: dict[tuple[int, int, int], int] = field(default_factory=dict)
     origin: str = ""  # the msprobe dump a converted file was made of ("" for srdd's own)
-    command: str = ""  # the command srdd-dump ran (meta.command)
     capture_options: dict = field(default_factory=dict)  # its options (meta.dump_config)
     hidden_dtype: str = "float32"  # logical dtype of the hidden states
     compute_dtype: str = ""  # autocast dtype the model ran under ("" when none)
@@ -276,7 +275,6 @@ def inspect(path: str, source: str) -> DumpFile:
     roles = reader.meta.get("site_roles")
     f.site_roles = [str(r) for r in roles] if isinstance(roles, list) else []
     f.device = str(reader.meta.get("device") or "").split(":")[0]
-    f.command = str(reader.meta.get("command") or "")
     options = reader.meta.get("dump_config")
     f.capture_options = options if isinstance(options, dict) else {}
     if reader.meta.get("tool") == "msprobe":
