@@ -35,26 +35,27 @@ _SIGNATURES: dict[Any, inspect.Signature | None] = {}
 
 
 def signature(module: nn.Module) -> inspect.Signature | None:
-    """The signature of the module's forward (None when it has none to read)."""
+    """The signature of the module's forward (None when it has none to read); a forward of
+    (*args, **kwargs) dispatching to a device's implementation (vLLM's CustomOp:
+    forward_native, forward_cpu, forward_cuda, ... share the parameters) is read through its
+    forward_native. Looked up once per (class, forward): replays ask on every call."""
     forward = getattr(module, "forward", None)
-    key = getattr(forward, "__func__", forward)
+    key = (type(module), getattr(forward, "__func__", forward))
     if key not in _SIGNATURES:
-        try:
-            _SIGNATURES[key] = inspect.signature(forward)
-        except (TypeError, ValueError):
-            _SIGNATURES[key] = None
-    found = _SIGNATURES[key]
-    if found is not None and all(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
-                                 for p in found.parameters.values()):
-        # forward(*args, **kwargs) dispatching to a device's implementation (vLLM's CustomOp:
-        # forward_native, forward_cpu, forward_cuda, ... share the parameters)
+        _SIGNATURES[key] = _read_signature(forward)
+        params = _SIGNATURES[key].parameters.values() if _SIGNATURES[key] else ()
         native = getattr(module, "forward_native", None)
-        if native is not None and native is not forward:
-            try:
-                return inspect.signature(native)
-            except (TypeError, ValueError):
-                return found
-    return found
+        if params and native is not None and all(
+                p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params):
+            _SIGNATURES[key] = _read_signature(native) or _SIGNATURES[key]
+    return _SIGNATURES[key]
+
+
+def _read_signature(function: Any) -> inspect.Signature | None:
+    try:
+        return inspect.signature(function)
+    except (TypeError, ValueError):
+        return None
 
 
 def takes(module: nn.Module, name: str) -> bool:
