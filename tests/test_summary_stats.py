@@ -8,16 +8,17 @@ import math
 import numpy as np
 import pytest
 
-from srdd_dump.analysis.summary_stats import TensorSummary, from_stats, red_lower_bound
+from srdd_dump.analysis.metrics import SideStats
+from srdd_dump.analysis.summary_stats import TensorSummary, from_side, from_stats, red_lower_bound
 
 pytestmark = pytest.mark.unit
 
 
 def summary(x: np.ndarray) -> TensorSummary:
-    out = TensorSummary()
+    side = SideStats()
     for block in np.array_split(x.ravel(), 3):  # folded in blocks, as the compare reads
-        out.add(block)
-    return out
+        side.add_raw(block)
+    return from_side(side)
 
 
 def red(m: np.ndarray, g: np.ndarray) -> float:

@@ -69,10 +69,12 @@ class NanInf:
 
 @dataclass
 class SideStats:
-    """max, min and mean of one tensor's finite values (NaN when there are none)."""
+    """max, min, mean and the sum of squares of one tensor's finite values (NaN when there are
+    none)."""
 
     count: int = 0
     total: float = 0.0
+    squares: float = 0.0
     max: float = -math.inf
     min: float = math.inf
     nonfinite: int = 0
@@ -92,6 +94,7 @@ class SideStats:
         if x.size:
             self.count += x.size
             self.total += float(x.sum())
+            self.squares += float(np.dot(x, x))
             self.max = max(self.max, float(x.max()))
             self.min = min(self.min, float(x.min()))
 

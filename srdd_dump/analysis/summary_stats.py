@@ -23,8 +23,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import numpy as np
-
+from .metrics import SideStats
 from .tolerance import UNIT_ROUNDOFF
 
 # a recorded mean or norm: rounded once when accumulated, once when stored (in units of the
@@ -45,27 +44,17 @@ class TensorSummary:
     nonfinite: int = 0  # NaN/Inf elements
     precision: float = 0.0  # relative rounding of the recorded mean and norm (0: exact here)
 
-    def add(self, block: np.ndarray) -> None:
-        """Fold in a block of values (float arrays, any shape)."""
-        x = np.asarray(block, dtype=np.float64).ravel()
-        finite = np.isfinite(x)
-        bad = int(x.size - finite.sum())
-        if bad:
-            x = x[finite]
-            self.nonfinite += bad
-        if not x.size:
-            return
-        total = (0.0 if self.n == 0 else self.mean * self.n) + float(x.sum())
-        self.n += int(x.size)
-        self.mean = total / self.n
-        squares = (0.0 if math.isnan(self.norm) else self.norm**2) + float(np.dot(x, x))
-        self.norm = math.sqrt(squares)
-        self.max = float(x.max()) if math.isnan(self.max) else max(self.max, float(x.max()))
-        self.min = float(x.min()) if math.isnan(self.min) else min(self.min, float(x.min()))
-
     def values(self) -> tuple[float, float, float]:
         """(max, min, mean), the msit report's columns."""
         return self.max, self.min, self.mean
+
+
+def from_side(side: SideStats) -> TensorSummary:
+    """The summary of a tensor read here (metrics.SideStats: exact, float64)."""
+    max_, min_, mean = side.values()
+    norm = math.sqrt(side.squares) if side.count else math.nan
+    return TensorSummary(n=side.count, max=max_, min=min_, mean=mean, norm=norm,
+                         nonfinite=side.nonfinite)
 
 
 def from_stats(n: float, max_: float, min_: float, mean: float, norm: float,

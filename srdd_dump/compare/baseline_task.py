@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..analysis.metrics import PairStats, SideStats
-from ..analysis.summary_stats import TensorSummary, from_stats, red_lower_bound
+from ..analysis.summary_stats import from_side, from_stats, red_lower_bound
 from ..analysis.tolerance import Thresholds, judge
 from ..analysis.verdicts import FAIL, NOT_COMPARED, PASS, WARN
 from ..errors import first_line
@@ -143,7 +143,8 @@ def _compare_summaries(spec: RowSpec, mine: Group | Summary | None,
         if side is None:
             continue
         row[f"{prefix}_dtype"], row[f"{prefix}_shape"] = side.dtype, str(list(side.shape))
-        sides[prefix] = side.summary if isinstance(side, Summary) else _summarize(side)
+        sides[prefix] = side.summary if isinstance(side, Summary) else from_side(
+            _side_stats(side))
     for prefix, summary in sides.items():
         row[f"{prefix}_max_value"], row[f"{prefix}_min_value"], row[f"{prefix}_mean_value"] = (
             summary.values())
@@ -175,13 +176,6 @@ def _compare_summaries(spec: RowSpec, mine: Group | Summary | None,
         row.update(red_lower_bound=bound, verdict=verdict, tolerance=limits.tolerance)
     row["cmp_fail_reason"] = "; ".join(r for r in reasons if r)
     return row
-
-
-def _summarize(group: Group) -> TensorSummary:
-    out = TensorSummary()
-    for block in group.blocks():
-        out.add(block)
-    return out
 
 
 def _compare_row(
