@@ -17,7 +17,7 @@ import numpy as np
 
 from ..errors import UserError, first_line
 from ..format import schema as s
-from ..format.blocks import clean_block_records, clean_site_records
+from ..format.blocks import clean_block_records, clean_site_records, first_rows
 from ..format.coverage import partial_lines, shortfall_lines
 from ..format.from_msprobe import cache_folder, convert
 from ..format.msprobe import is_msprobe_dump
@@ -296,8 +296,11 @@ def inspect(path: str, source: str) -> DumpFile:
     if reader.has_stats:
         f.stats_index = reader.stats_index
         if reader.meta.get("statistics_only"):
-            f.summary_rows, layers = summary_rows(reader)
-            f.site_layers = {**layers, **f.site_layers}
+            index = reader.stats_index
+            f.summary_rows = first_rows(reader, index, np.ones(len(index), dtype=bool),
+                                        ("round", "layer", "site"))
+            f.site_layers = {**{site: layer for _, layer, site in f.summary_rows
+                                if site >= 0}, **f.site_layers}
     r = reader.records
     f.masks = {int(r["round"][i]): int(i) for i in np.flatnonzero(r["kind"] == s.KIND_MASK)}
     f.data_dtypes = reader.data_dtypes
@@ -311,21 +314,6 @@ def inspect(path: str, source: str) -> DumpFile:
     if not reader.complete:
         f.status, f.reason = INCOMPLETE, incomplete_reason(reader)
     return f
-
-
-def summary_rows(reader: DumpReader) -> tuple[dict[tuple[int, int, int], int], dict[int, int]]:
-    """((round, layer, site) -> row of /stats, site -> its layer) of a statistics-only file,
-    rounds without a /rounds row left out."""
-    known = set(reader.rounds["round"].tolist())
-    out: dict[tuple[int, int, int], int] = {}
-    layers: dict[int, int] = {}
-    for i, row in enumerate(reader.stats_index):
-        key = (int(row["round"]), int(row["layer"]), int(row["site"]))
-        if key[2] >= 0:
-            layers.setdefault(key[2], key[1])
-        if key[0] in known:
-            out.setdefault(key, i)
-    return out, layers
 
 
 def incomplete_reason(reader: DumpReader) -> str:

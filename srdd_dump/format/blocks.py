@@ -44,34 +44,33 @@ def shape_of(record: np.void) -> tuple[int, int, int]:
     return int(record["batch"]), int(record["ntok"]), int(record["width"])
 
 
-def clean_block_records(reader: DumpReader) -> dict[tuple[int, int], int]:
-    """(round, layer) -> index into ``reader.records`` of every clean block-output record.
-
-    Records of a round whose row was never written (a crash) are left out, as in compare.
-    """
-    r = reader.records
+def first_rows(reader: DumpReader, table: np.ndarray, mask: np.ndarray, fields: tuple[str, ...]
+               ) -> dict[tuple[int, ...], int]:
+    """(the row's ``fields``) -> index of the first row of ``table`` (the records, or a stats
+    index) under ``mask``. Rows of a round whose /rounds row was never written (a crash) are
+    left out, as in compare."""
     known = set(reader.rounds["round"].tolist())
-    out: dict[tuple[int, int], int] = {}
-    mask = (r["kind"] == s.KIND_CLEAN) & (r["site"] == s.BLOCK_SITE)
+    out: dict[tuple[int, ...], int] = {}
+    columns = [table[f] for f in fields]
     for i in np.flatnonzero(mask):
-        key = (int(r["round"][i]), int(r["layer"][i]))
+        key = tuple(int(c[i]) for c in columns)
         if key[0] in known:
             out.setdefault(key, int(i))
     return out
 
 
+def clean_block_records(reader: DumpReader) -> dict[tuple[int, int], int]:
+    """(round, layer) -> index into ``reader.records`` of every clean block-output record."""
+    r = reader.records
+    return first_rows(reader, r, (r["kind"] == s.KIND_CLEAN) & (r["site"] == s.BLOCK_SITE),
+                      ("round", "layer"))
+
+
 def clean_site_records(reader: DumpReader) -> tuple[dict[tuple[int, int], int], dict[int, int]]:
     """((round, site) -> index into ``reader.records`` of every clean sub-layer or operator
-    output record, site -> its layer), rounds without a /rounds row left out as above."""
+    output record, site -> its layer)."""
     r = reader.records
-    known = set(reader.rounds["round"].tolist())
-    out: dict[tuple[int, int], int] = {}
-    layers: dict[int, int] = {}
     mask = (r["kind"] == s.KIND_CLEAN) & (r["site"] >= 0)
-    for i in np.flatnonzero(mask):
-        site = int(r["site"][i])
-        layers.setdefault(site, int(r["layer"][i]))
-        key = (int(r["round"][i]), site)
-        if key[0] in known:
-            out.setdefault(key, int(i))
-    return out, layers
+    layers = {int(site): int(layer) for site, layer in zip(r["site"][mask][::-1],
+                                                            r["layer"][mask][::-1])}
+    return first_rows(reader, r, mask, ("round", "site")), layers

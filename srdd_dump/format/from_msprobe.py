@@ -21,8 +21,8 @@ import os
 from ..errors import UserError
 from . import schema
 from .coverage import Coverage
-from .msprobe import ModuleCall, MsprobeRun, dump_jsons, read_msprobe
-from .msprobe_rounds import LOGICAL, STAT_COLUMNS, Layout, RoundMaker
+from .msprobe import LOGICAL, ModuleCall, MsprobeRun, dump_jsons, read_msprobe
+from .msprobe_rounds import STAT_COLUMNS, Layout, RoundMaker
 from .writer import DumpWriter
 
 CONVERTER = 7  # the cache of converted dumps is keyed by it: bump it when the output changes

@@ -28,7 +28,10 @@ STEP_FOLDER = re.compile(r"^step(\d+)$")
 
 
 INTEGER = ("torch.int64", "torch.int32")
-FLOATING = ("torch.float32", "torch.bfloat16", "torch.float16", "torch.float64")
+# msprobe's dtype names of floating-point tensors -> srdd's logical dtype names
+LOGICAL = {"torch.float32": "float32", "torch.bfloat16": "bfloat16",
+           "torch.float16": "float16", "torch.float64": "float64"}
+FLOATING = tuple(LOGICAL)
 
 
 @dataclass
