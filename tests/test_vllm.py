@@ -21,6 +21,8 @@ import urllib.request
 import numpy as np
 import pytest
 
+from srdd_dump.capture.dump_file import IDLE_FINISH_SECONDS
+
 from capture_utils import FIXTURES, ROOT, run_cli
 
 if not os.environ.get("SRDD_TEST_VLLM"):
@@ -42,17 +44,19 @@ def _dump(tmp_path, name: str, command: str, *options: str, env: dict | None = N
 
 
 def _rounds(run: str) -> list[tuple[int, int, list[int], list[int]]]:
-    """(sample, step, positions, token ids) of every round of the run's one file."""
+    """(sample, step, positions, token ids) of every round of the run's files (a serving
+    engine finishes its file when idle and starts the next one at the next request)."""
     from srdd_dump.format.reader import DumpReader
 
-    (path,) = glob.glob(os.path.join(run, "*.h5"))
-    with DumpReader(path) as r:
-        pos = r.all_positions()
-        return sorted(
-            (int(x["sample"]), int(x["step"]),
-             pos[int(x["pos_off"]): int(x["pos_off"]) + int(x["ntok"])].tolist(),
-             r.token_ids(x).reshape(-1).tolist() if int(x["tok_len"]) else [])
-            for x in r.rounds)
+    found = []
+    for path in glob.glob(os.path.join(run, "*.h5")):
+        with DumpReader(path) as r:
+            pos = r.all_positions()
+            found += [(int(x["sample"]), int(x["step"]),
+                       pos[int(x["pos_off"]): int(x["pos_off"]) + int(x["ntok"])].tolist(),
+                       r.token_ids(x).reshape(-1).tolist() if int(x["tok_len"]) else [])
+                      for x in r.rounds]
+    return sorted(found)
 
 
 def _kinds(run: str) -> dict[str, int]:
@@ -174,8 +178,11 @@ def test_serve_captures_the_requests_and_finishes_its_file_on_sigint(tmp_path, d
                 time.sleep(1)
         tokenizer = AutoTokenizer.from_pretrained(model)
         # the prompts as token ids, as the Hugging Face run reads them (the golden side)
-        answers = [_complete(port, model, chat_ids(tokenizer, p)[0].tolist())
-                   for p in chat_prompts(0, PROMPTS)]
+        answers = []
+        for n, p in enumerate(chat_prompts(0, PROMPTS)):
+            if n == 1:  # idle past IDLE_FINISH_SECONDS: the engine finishes its file, and the
+                time.sleep(IDLE_FINISH_SECONDS + 2)  # next request starts a second one
+            answers.append(_complete(port, model, chat_ids(tokenizer, p)[0].tolist()))
         assert all(answers)
     finally:
         proc.send_signal(signal.SIGINT)
@@ -184,6 +191,7 @@ def test_serve_captures_the_requests_and_finishes_its_file_on_sigint(tmp_path, d
     assert f"{PROMPTS} requests seen" in err
     (run,) = glob.glob(str(tmp_path / "srdd_dump_*"))
     assert not glob.glob(os.path.join(run, "*.partial"))
+    assert len(glob.glob(os.path.join(run, "*.h5"))) == 2
     rounds = _rounds(run)
     assert sorted({r[0] for r in rounds}) == list(range(PROMPTS))
     assert all(np.diff(r[2]).tolist() == [1] * (len(r[2]) - 1) for r in rounds)
