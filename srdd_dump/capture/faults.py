@@ -32,6 +32,9 @@ precision                 h rounded to ``dtype=bfloat16|float16`` and back
 scale                     h * (1 + m) (a wrong scale factor; with sparsity: on a few channels)
 causal_leak               h_t + m * mean(h_{t+1..}) over the later tokens of the same sequence
                           (an attention mask bug: rows see the future; multi-token calls)
+softmax_precision, ...    inside one layer's attention kernel (site=attn): softmax_precision,
+                          double_scale, rotary_offset, mask_shift, gqa_mapping
+                          (capture/attention_faults.py)
 ========================  =====================================================================
 
 Element-wise absolute limits, as a device's number format makes them: ``limit=L`` (a value) or
@@ -65,10 +68,12 @@ from torch import nn
 from ..errors import UserError
 from ..vocabulary import EXPERT, EXPERTS, ROUTER
 from . import serving
+from .attention_faults import AttentionKernelFault
+from .attention_reference import find_rotary
 from .compiled import opaque
 from .discovery import find_moe_sites
 from .experts import call_experts, routing_of
-from .faultspec import FaultSpec
+from .faultspec import ATTENTION_KERNEL, FaultSpec
 from .parallel import env_rank, map_local
 
 SITE_NAMES = {
@@ -335,7 +340,11 @@ def install_faults(
         name, module = fault_site(blocks, model, spec)
         if "rank" in spec.options and int(spec.options["rank"]) != env_rank():
             continue
-        if spec.site.startswith("expert:"):
+        if spec.type in ATTENTION_KERNEL:
+            rotary = find_rotary(module) or find_rotary(model)
+            handles.append(AttentionKernelFault(
+                spec, module, None if rotary is None else rotary.inv_freq.detach()))
+        elif spec.site.startswith("expert:"):
             fault = _ExpertFault(spec, blocks[spec.layer][1])
             handles.append(fault.block_hook)
             handles.append(module.register_forward_hook(fault, prepend=True, with_kwargs=True))

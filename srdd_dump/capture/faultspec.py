@@ -10,7 +10,10 @@ from ..errors import UserError
 FAULT_TYPES = (
     "dead_zone", "mxfp4_deadzone", "saturation", "bias", "noise", "spike", "nondeterminism",
     "stuck_at", "bitflip", "precision", "causal_leak", "scale",
+    # inside the attention kernel (capture/attention_faults.py)
+    "softmax_precision", "double_scale", "rotary_offset", "mask_shift", "gqa_mapping",
 )
+ATTENTION_KERNEL = FAULT_TYPES[-5:]
 
 
 @dataclass
@@ -45,7 +48,7 @@ def parse_fault(text: str) -> FaultSpec:
         spec = FaultSpec(
             type=kind,
             layer=int(values.pop("layer")),
-            site=values.pop("site", "block"),
+            site=values.pop("site", "attn" if kind in ATTENTION_KERNEL else "block"),
             m=float(values.pop("m", 0.01 if kind == "mxfp4_deadzone" else 0.3)),
             sparsity=float(values.pop("sparsity", 1.0)),
             seed=int(values.pop("seed", 0)),

@@ -21,9 +21,10 @@ from ..format import schema
 from ..format.coverage import Coverage
 from ..format.writer import Round, describe_error
 from ..runtime.terminal import LazyBar
-from ..vocabulary import BLOCK, EXPERTS, ROUTER
+from ..vocabulary import ATTENTION_NAMES, BLOCK, EXPERTS, ROUTER, SUBLAYER
 from . import config as cfg
 from . import requests, serving
+from .attention_reference import attention_layouts
 from .compiled import (
     called_from_compiled,
     explain_partial,
@@ -84,7 +85,10 @@ class CaptureSession:
         self.replays = Replays(
             [m for _, m in self.blocks], self.sites, self.probe_spec, self._sink,
             self.coverage, self._tp, host=config.reference == "host",
-            serving_blocks=self._serving, moe=self._moe, levels=levels_of(self.sites))
+            serving_blocks=self._serving, moe=self._moe, levels=levels_of(self.sites),
+            attention=attention_layouts(model, [
+                s.module for s in self.sites if s.role == SUBLAYER
+                and s.name.rsplit(".", 1)[-1] in ATTENTION_NAMES]))
         self.degraded: list[str] = []  # coverage.shortfalls() at close
         self.version_notes = untested_notes()  # libraries outside the tested range
         if self.version_notes and not os.environ.get(cfg.ENV_CONFIG):

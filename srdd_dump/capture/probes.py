@@ -40,6 +40,7 @@ class ProbeSpec:
     batched: bool  # perturbed copies replayed in one batched call
     scale: bool = False  # the scale identity of linear operators (identities.scale_replays)
     causal: bool = False  # the causality copy of causal attentions and blocks
+    attention: bool = False  # the float64 reference attention (attention_reference.py)
 
     @classmethod
     def of(cls, config: Any) -> ProbeSpec:
@@ -53,6 +54,7 @@ class ProbeSpec:
             batched=config.batch_probes,
             scale="scale" in probes,
             causal="causal" in probes,
+            attention="attention" in probes,
         )
 
 

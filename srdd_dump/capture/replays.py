@@ -20,6 +20,13 @@ from ..format import schema
 from ..format.coverage import Coverage
 from ..vocabulary import BLOCK, EXPERTS, LINEAR, ROTARY, ROUTER
 from . import serving
+from .attention_reference import (
+    AttentionLayout,
+    layer_cache,
+    reference_rows,
+    rotary_agrees,
+    row_positions,
+)
 from .compiled import EAGER_HINT
 from .discovery import Site
 from .evidence import family
@@ -52,8 +59,11 @@ class Replays:
 
     def __init__(self, blocks: list[nn.Module], sites: list[Site], spec: ProbeSpec,
                  sink: RecordSink, coverage: Coverage, tp: TensorParallel, *, host: bool,
-                 serving_blocks: set[int], moe: ExpertCapture | None, levels: dict[int, str]):
+                 serving_blocks: set[int], moe: ExpertCapture | None, levels: dict[int, str],
+                 attention: dict[int, AttentionLayout | str] | None = None):
         self.sites, self.spec, self.sink, self.coverage, self.tp = sites, spec, sink, coverage, tp
+        # id(attention module) -> its layout for the reference attention, or why there is none
+        self.attention = attention or {}
         self.host, self.serving, self.moe, self.levels = host, serving_blocks, moe, levels
         self.causal = causal_modules(blocks, sites)
         self.active = False  # a replay is running: the session's hooks ignore its calls
@@ -159,8 +169,51 @@ class Replays:
                 self.sequential += 1
             if self._keep_probes(module, outputs, hidden):
                 self.sink.probe_outputs(ctx, layer, site, outputs, (ctx.positions, ctx.rows))
-        if host:
+        if id(module) in self.attention and (spec.attention or host):
+            self.attention_record(module, layer, site, args, kwargs, hidden, ctx)
+        elif host:
             self.host_record(module, layer, site, args, kwargs, cache, ctx)
+
+    def attention_record(self, module: nn.Module, layer: int, site: int, args: tuple,
+                         kwargs: dict, hidden: torch.Tensor, ctx: RoundContext) -> None:
+        """The reference attention of the probe rows (attention_reference.py) as a KIND_HOST
+        record: the module's float64 host replay, by srdd-dump's own attention."""
+        name = self._family(ctx, site, "references")
+        self.coverage.expect(name)
+        layout = self.attention[id(module)]
+        x = first_tensor(args) if args else kwargs.get("hidden_states")
+        why = layout if isinstance(layout, str) else None
+        if why is None and (ctx.segments is not None or not isinstance(x, torch.Tensor)
+                            or x.dim() != 3 or hidden.shape[:2] != x.shape[:2]):
+            why = "a call that is not one (batch, tokens, hidden) forward"
+        cache = None if why else layer_cache(layout, args, kwargs)
+        if isinstance(cache, str):
+            why = cache
+        if why is None:
+            positions = row_positions(kwargs, x.shape[1], cache)
+            table = kwargs.get("position_embeddings")
+            if ctx.step == 0 and not rotary_agrees(layout, table, positions):
+                # the model's rotary convention is not the one recognised: no reference
+                self.attention[id(module)] = why = "a rotary table of another convention"
+        if why is not None:
+            self.coverage.failed(name, f"{type(module).__name__}: {why}")
+            return
+        n_kept = x.shape[1] if ctx.positions is None else len(ctx.positions)
+        kept_at = (torch.arange(x.shape[1]) if ctx.positions is None
+                   else ctx.positions.cpu())
+        rows = [(int(r) // n_kept, int(kept_at[int(r) % n_kept])) for r in ctx.rows.tolist()]
+        device = kept(hidden, ctx.positions, ctx.rows)[0]
+        try:
+            with torch.no_grad():
+                out = reference_rows(layout, x, rows, positions, cache, ctx.key_mask, device)
+        except Exception as exc:  # noqa: BLE001 (a module of an unexpected shape: counted)
+            out = f"{type(exc).__name__}: {exc}"
+        if isinstance(out, str):
+            self.coverage.failed(name, f"{type(module).__name__}: {out}")
+            return
+        self.coverage.ran(name)
+        self.host_done += 1
+        self.sink.probe(ctx, layer, site, out.unsqueeze(0), schema.KIND_HOST, subset=True)
 
     @staticmethod
     def _cut(hidden: torch.Tensor, ctx: RoundContext) -> tuple[int | None, int | None]:

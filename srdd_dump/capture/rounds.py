@@ -30,6 +30,9 @@ class RoundContext:
     # a serving engine's flat batch: the requests' segments kept, each a round of its own
     # (split_round); None for a (batch, seq) forward
     segments: list | None = None
+    # the model call's 2-D attention mask (batch, past + seq), nonzero where a key is attended;
+    # None when the call had none (the reference attention builds its mask from it)
+    key_mask: torch.Tensor | None = None
 
     @property
     def sample(self) -> int:
@@ -141,7 +144,7 @@ class RoundPlanner:
             positions=(None if len(positions) == seq
                        else torch.tensor(positions, dtype=torch.long)),
             rows=None if rows is None else torch.from_numpy(rows.astype(np.int64)),
-            seed=self.config.seed, keep=keep,
+            seed=self.config.seed, keep=keep, key_mask=mask,
         )
 
     def open_requests(self, layout: BatchLayout, positions: np.ndarray, n_tokens: int,

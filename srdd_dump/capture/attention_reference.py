@@ -1,0 +1,295 @@
+"""The attention sub-layer recomputed from its own input in float64 on the host, for the probe
+rows only (docs/method.md, "Attention reference").
+
+The reference is srdd-dump's own attention, not the model's code: the projections' weights
+(q, k, v, o; q/k norms where the model has them), the rotary table rebuilt from the rotary
+module's inverse frequencies and the positions the layer was given, the scale from the model
+config (1/sqrt(head_dim), or the config's own query scalar), the causal and padding mask from
+the model call's 2-D attention mask, each query head reading KV head ``h // (heads /
+kv_heads)``, softmax in float64. A kernel bug in any of those (softmax precision, a scale
+applied twice, a rotary offset or a mask off by one at decode, a wrong GQA head mapping, a
+clamp inside a projection) moves the device's output away from it; the keys and values of
+earlier steps are read from the KV cache as the device stored them.
+
+Only the Hugging Face layout is recognised (``q_proj``/``k_proj``/``v_proj`` or a fused
+``qkv_proj``, and ``o_proj``; rotary ``inv_freq`` tables in the rotate-half convention);
+another layout, a sliding-window cache, logit soft-capping or attention sinks: no reference
+(``AttentionLayout.why_not``), reported in the dump's coverage.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+import torch
+from torch import nn
+
+from .probes import is_cache, layer_index
+
+HOST = torch.device("cpu")
+F64 = torch.float64
+# host float64 multiply-adds one reference may take (the keys and values of the rows before
+# the last probe row dominate); a longer call is not checked, and the coverage says so
+BUDGET = 4e9
+CACHE_KEYS = ("past_key_values", "past_key_value", "cache", "layer_past")
+# the rotary table the model passed must agree with the rebuilt one at a prefill to this
+# relative distance, or the model's rotary convention is not the one recognised here
+ROTARY_AGREEMENT = 1e-3
+
+
+class AttentionLayout(NamedTuple):
+    """How to recompute one attention module, or why it cannot be."""
+
+    projections: tuple  # (q, k, v) modules, or (qkv,) fused; o last: (q, k, v, o) / (qkv, o)
+    q_norm: nn.Module | None
+    k_norm: nn.Module | None
+    heads: int
+    kv_heads: int
+    head_dim: int
+    scale: float
+    window: int | None  # sliding window of this layer (keys further back are masked)
+    inv_freq: torch.Tensor | None  # the rotary module's table (None: no rotary)
+    rotary_scaling: float
+    layer: int | None  # its KV-cache layer
+
+
+def _config_value(config: Any, *names: str) -> Any:
+    for name in names:
+        value = getattr(config, name, None)
+        if value is not None:
+            return value
+    return None
+
+
+def find_rotary(model: nn.Module) -> nn.Module | None:
+    """The model's rotary embedding: the first module holding an ``inv_freq`` table."""
+    for m in model.modules():
+        if isinstance(getattr(m, "inv_freq", None), torch.Tensor):
+            return m
+    return None
+
+
+def attention_layout(module: nn.Module, model: nn.Module) -> AttentionLayout | str:
+    """The layout of an attention module of the Hugging Face kind; a string says why not."""
+    children = dict(module.named_children())
+    o = children.get("o_proj")
+    if all(n in children for n in ("q_proj", "k_proj", "v_proj")):
+        projections = (children["q_proj"], children["k_proj"], children["v_proj"], o)
+    elif "qkv_proj" in children:
+        projections = (children["qkv_proj"], o)
+    else:
+        return "no q/k/v projections by name"
+    if o is None or not all(isinstance(p, nn.Linear) for p in projections):
+        return "projections that are not torch Linear modules"
+    config = getattr(module, "config", None) or getattr(model, "config", None)
+    if config is None:
+        return "no model config"
+    text = getattr(config, "get_text_config", None)
+    config = text() if callable(text) else config
+    if _config_value(config, "attn_logit_softcapping") or hasattr(module, "sinks"):
+        return "logit soft-capping or attention sinks"
+    heads = _config_value(config, "num_attention_heads")
+    kv_heads = _config_value(config, "num_key_value_heads") or heads
+    if not heads:
+        return "no head count in the config"
+    head_dim = int(getattr(module, "head_dim", 0) or _config_value(config, "head_dim")
+                   or config.hidden_size // heads)
+    scalar = _config_value(config, "query_pre_attn_scalar")
+    scale = _config_value(config, "attention_multiplier")
+    scale = float(scale) if scale is not None else (float(scalar or head_dim) ** -0.5)
+    layer = layer_index(module)
+    window = None
+    types = _config_value(config, "layer_types")
+    if _config_value(config, "sliding_window") and (
+            (types and layer is not None and types[layer] == "sliding_attention")
+            or (not types and _config_value(config, "use_sliding_window") is not False)):
+        window = int(config.sliding_window)
+    width = projections[0].out_features
+    if width != (heads + (2 * kv_heads if len(projections) == 2 else 0)) * head_dim or (
+            len(projections) == 4 and projections[1].out_features != kv_heads * head_dim):
+        return "projections of another width than the config's heads (sharded?)"
+    rotary = find_rotary(module) or find_rotary(model)
+    inv_freq = None if rotary is None else rotary.inv_freq.detach().to(HOST, F64)
+    if inv_freq is not None and 2 * inv_freq.numel() > head_dim:
+        return "a rotary table wider than a head"
+    return AttentionLayout(
+        projections, getattr(module, "q_norm", None), getattr(module, "k_norm", None),
+        int(heads), int(kv_heads), head_dim, scale, window, inv_freq,
+        float(getattr(rotary, "attention_scaling", 1.0) or 1.0), layer)
+
+
+def _linear(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    w = module.weight.detach().to(HOST, F64)
+    y = x @ w.T
+    if module.bias is not None:
+        y = y + module.bias.detach().to(HOST, F64)
+    return y
+
+
+def _norm(module: nn.Module | None, x: torch.Tensor) -> torch.Tensor:
+    """A per-head norm (Qwen3's q_norm / k_norm): RMS norm with its weight, in float64."""
+    if module is None:
+        return x
+    eps = float(getattr(module, "variance_epsilon", getattr(module, "eps", 1e-6)))
+    y = x * torch.rsqrt((x * x).mean(-1, keepdim=True) + eps)
+    weight = getattr(module, "weight", None)
+    if not isinstance(weight, torch.Tensor):
+        return y
+    weight = weight.detach().to(HOST, F64)
+    # Gemma's norms scale by (1 + weight)
+    return y * (1.0 + weight) if type(module).__name__.startswith("Gemma") else y * weight
+
+
+def rotary_table(layout: AttentionLayout, positions: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(cos, sin) of the positions, (..., rotary width), rotate-half layout."""
+    if layout.inv_freq is None:
+        return None
+    freqs = positions.to(F64)[..., None] * layout.inv_freq
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos() * layout.rotary_scaling, emb.sin() * layout.rotary_scaling
+
+
+def _rotate(x: torch.Tensor, table) -> torch.Tensor:
+    """x (..., heads, head_dim) rotated by table (..., width) on its first ``width`` dims."""
+    if table is None:
+        return x
+    cos, sin = (t.unsqueeze(-2) for t in table)
+    width = cos.shape[-1]
+    part, rest = x[..., :width], x[..., width:]
+    half = width // 2
+    turned = torch.cat([-part[..., half:], part[..., :half]], dim=-1)
+    return torch.cat([part * cos + turned * sin, rest], dim=-1)
+
+
+def _qkv(layout: AttentionLayout, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Projected queries, keys, values of rows x (n, hidden): (n, heads, head_dim) each."""
+    h, kv, d = layout.heads, layout.kv_heads, layout.head_dim
+    if len(layout.projections) == 2:
+        q, k, v = _linear(layout.projections[0], x).split([h * d, kv * d, kv * d], dim=-1)
+    else:
+        q, k, v = (_linear(p, x) for p in layout.projections[:3])
+    q = _norm(layout.q_norm, q.reshape(-1, h, d))
+    k = _norm(layout.k_norm, k.reshape(-1, kv, d))
+    return q, k, v.reshape(-1, kv, d)
+
+
+def layer_cache(layout: AttentionLayout, args: tuple, kwargs: dict
+                ) -> tuple[torch.Tensor, torch.Tensor] | None | str:
+    """The layer's keys and values in the call's KV cache after the call: (batch, kv_heads,
+    length, head_dim) each; None without a cache; a string: a cache this cannot read."""
+    cache = next((v for v in (*args, *kwargs.values()) if is_cache(v)), None)
+    if cache is None:
+        cache = next((kwargs[k] for k in CACHE_KEYS if kwargs.get(k) is not None), None)
+    if cache is None:
+        return None
+    if layout.layer is None:
+        return "a KV cache without a layer index"
+    try:
+        if hasattr(cache, "layers"):
+            entry = cache.layers[layout.layer]
+            keys, values = entry.keys, entry.values
+        else:
+            keys, values = cache.key_cache[layout.layer], cache.value_cache[layout.layer]
+        length = int(cache.get_seq_length(layout.layer))
+    except Exception:  # noqa: BLE001 (a cache class of another layout)
+        return "a KV cache layout srdd-dump does not know"
+    if not isinstance(keys, torch.Tensor) or keys.dim() != 4 or keys.shape[-2] != length:
+        return "a static or sliding-window KV cache"
+    return keys, values
+
+
+def reference_rows(layout: AttentionLayout, x: torch.Tensor, rows: list[tuple[int, int]],
+                   positions: torch.Tensor, cache, key_mask: torch.Tensor | None,
+                   device_out: torch.Tensor) -> torch.Tensor | str:
+    """The float64 attention output of ``rows`` ((batch index, row) pairs of ``x``, the
+    module's hidden-state input (batch, seq, hidden)): (len(rows), hidden). ``positions``:
+    the rotary position of every row (batch or 1, seq); ``cache``: ``layer_cache``'s keys and
+    values after the call (the past is their first length - seq entries); ``key_mask``: the
+    model call's 2-D mask (batch, past + seq), nonzero where a key is attended. A query row
+    that may attend no key (padding) takes the device's own row (``device_out``, (len(rows),
+    hidden)): not judged."""
+    batch, seq, _ = x.shape
+    past = 0 if cache is None else cache[0].shape[-2] - seq
+    if past < 0:
+        return "a KV cache shorter than the call"
+    last = max(i for _, i in rows)
+    cost = batch * (last + 1) * x.shape[-1] * 2 * layout.kv_heads * layout.head_dim
+    if cost > BUDGET:
+        return "a call too long for the host budget"
+    group = layout.heads // max(1, layout.kv_heads)
+    out = device_out.detach().to(HOST, F64).clone()
+    o_proj = layout.projections[-1]
+    for b in sorted({b for b, _ in rows}):
+        mine = [(n, i) for n, (bb, i) in enumerate(rows) if bb == b]
+        upto = max(i for _, i in mine) + 1
+        pos = positions[min(b, positions.shape[0] - 1)].to(HOST)
+        q, k, v = _qkv(layout, x[b, :upto].detach().to(HOST, F64))
+        k = _rotate(k, rotary_table(layout, pos[:upto]))
+        if past:
+            keys = cache[0][b, :, :past].detach().to(HOST, F64).transpose(0, 1)
+            values = cache[1][b, :, :past].detach().to(HOST, F64).transpose(0, 1)
+            k, v = torch.cat([keys, k]), torch.cat([values, v])
+        index = torch.tensor([i for _, i in mine])
+        qr = _rotate(q[index], rotary_table(layout, pos[index]))  # (m, heads, d)
+        kh = k.repeat_interleave(group, dim=1)  # (keys, heads, d)
+        vh = v.repeat_interleave(group, dim=1)
+        scores = torch.einsum("mhd,khd->hmk", qr, kh) * layout.scale
+        key_at = torch.arange(past + upto)
+        allowed = key_at[None, :] <= (past + index)[:, None]
+        if layout.window is not None:
+            allowed &= key_at[None, :] > (past + index)[:, None] - layout.window
+        if key_mask is not None and key_mask.shape[-1] >= past + upto:
+            attended = key_mask[b, :past + upto].to(HOST) != 0
+            allowed &= attended[None, :]
+        live = allowed.any(dim=1)
+        scores = scores.masked_fill(~allowed[None], -math.inf)
+        weights = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+        heads = torch.einsum("hmk,khd->mhd", weights, vh).reshape(len(mine), -1)
+        ref = _linear(o_proj, heads)
+        for (n, _), row, ok in zip(mine, ref, live.tolist()):
+            if ok:
+                out[n] = row
+    return out
+
+
+def row_positions(kwargs: dict, seq: int, cache) -> torch.Tensor:
+    """The rotary position of every row of the call (batch or 1, seq): the ``position_ids``
+    the layer was given, else its ``cache_position``, else the rows after the cached past."""
+    given = kwargs.get("position_ids")
+    if isinstance(given, torch.Tensor) and given.shape[-1] == seq:
+        return given.detach().reshape(-1, seq).to(HOST)
+    given = kwargs.get("cache_position")
+    if isinstance(given, torch.Tensor) and given.numel() == seq:
+        return given.detach().reshape(1, seq).to(HOST)
+    past = 0 if cache is None else cache[0].shape[-2] - seq
+    return torch.arange(past, past + seq).reshape(1, seq)
+
+
+def rotary_agrees(layout: AttentionLayout, table: Any, positions: torch.Tensor) -> bool:
+    """Whether the (cos, sin) the model passed its attention is the rebuilt table of the same
+    positions (checked at a prefill: a model of another rotary convention, interleaved or
+    per-length, gets no reference rather than a false alarm). True when there is nothing to
+    check."""
+    if layout.inv_freq is None:
+        return True
+    if not (isinstance(table, (tuple, list)) and len(table) == 2
+            and isinstance(table[0], torch.Tensor)):
+        return True
+    theirs = table[0].detach().to(HOST, F64)
+    ours = rotary_table(layout, positions)[0]
+    if theirs.shape[-1] != ours.shape[-1] or theirs.shape[-2] != ours.shape[-2]:
+        return False
+    theirs = theirs.reshape(-1, *ours.shape[-2:])
+    ours = ours.reshape(-1, *ours.shape[-2:])
+    if theirs.shape[0] not in (1, ours.shape[0]) and ours.shape[0] != 1:
+        return False
+    gap = (theirs - ours).norm() / max(float(ours.norm()), 1e-30)
+    return float(gap) <= ROTARY_AGREEMENT
+
+
+def attention_layouts(model: nn.Module, modules: list[nn.Module]
+                      ) -> dict[int, AttentionLayout | str]:
+    """id(module) -> its layout (or why none) for each attention module of ``modules``."""
+    return {id(m): attention_layout(m, model) for m in modules}
