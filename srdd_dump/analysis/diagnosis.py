@@ -27,6 +27,7 @@ import numpy as np
 
 from ..vocabulary import (
     ACTIVATION,
+    ATTENTION_NAMES,
     BLOCK,
     CLIPPING,
     CORE,
@@ -298,9 +299,13 @@ def _identity_evidence(sig: Signals, where: str, dtype: str) -> list[Evidence]:
         if strength > SUSPECT_RATIO:
             what = ("" if sig.host_red >= channel else
                     f" in its worst channel ({sig.host_red:.3g} over the whole output)")
+            attention = is_attention(sig)
+            reference = ("srdd-dump's float64 reference attention (its own scale, softmax, "
+                         "rotary, causal mask and head mapping)" if attention
+                         else "its float64 host replay")
             ev.append(Evidence(
-                "HOST_MISMATCH", min(strength, 1e3),
-                f"{where} differs from its float64 host replay by {red:.3g}{what} "
+                "ATTENTION_MISMATCH" if attention else "HOST_MISMATCH", min(strength, 1e3),
+                f"{where} differs from {reference} by {red:.3g}{what} "
                 f"(relative distance; FAIL above {limits.rel_dist_fail:g} for {dtype})"))
     return ev
 
@@ -559,7 +564,15 @@ FAMILY_WORDS = {
                   "fixed scale)",
     "CAUSALITY": "later tokens change earlier rows (an attention mask bug)",
     "HOST_MISMATCH": "output differs from a float64 replay of the same input",
+    "ATTENTION_MISMATCH": "attention output differs from a float64 reference attention of the "
+                          "same input (its scale, softmax, rotary, mask or head mapping)",
 }
+
+
+def is_attention(sig: Signals) -> bool:
+    """An attention sub-layer: its host record is the reference attention (capture's
+    attention_reference.py), not a replay of the module's own code."""
+    return sig.role == SUBLAYER and sig.module.rsplit(".", 1)[-1] in ATTENTION_NAMES
 
 
 def site_verdicts(verdicts: list[LayerVerdict]) -> dict[tuple[str, str], tuple[float, str, str]]:

@@ -20,7 +20,6 @@ the model's own implementation. The other layers are untouched; ``remove`` resto
 from __future__ import annotations
 
 import copy
-import math
 from typing import Any, Callable
 
 import torch
@@ -110,18 +109,23 @@ class AttentionKernelFault:
         if kind == "double_scale":
             scale = scale * scale
         scores = torch.matmul(query, key.transpose(-1, -2)) * scale
+        # masked scores at the dtype's lowest value, as transformers' eager attention: a row
+        # with nothing to read (padding) stays finite
+        lowest = torch.finfo(scores.dtype).min
         if mask is None:
             allowed = torch.ones(q_len, k_len, dtype=torch.bool, device=query.device).tril(
                 k_len - q_len)
-            scores = scores.masked_fill(~allowed, -math.inf)
+            scores = scores.masked_fill(~allowed, lowest)
         elif mask.dtype == torch.bool:
-            scores = scores.masked_fill(~mask[..., :k_len], -math.inf)
+            scores = scores.masked_fill(~mask[..., :k_len], lowest)
         else:
             scores = scores + mask[..., :k_len]
         if kind == "mask_shift":  # each row's newest key (its own)
             rows = torch.arange(q_len, device=scores.device)
-            scores[..., rows, k_len - q_len + rows] = -math.inf
+            scores[..., rows, k_len - q_len + rows] = lowest
         dtype = self.softmax_dtype if kind == "softmax_precision" else torch.float32
-        weights = torch.softmax(scores.to(dtype), dim=-1).to(query.dtype)
+        # masked scores must stay finite in the softmax's own dtype too
+        scores = scores.clamp(min=torch.finfo(dtype).min).to(dtype)
+        weights = torch.softmax(scores, dim=-1).to(query.dtype)
         out = torch.matmul(weights, value)
         return out.transpose(1, 2).contiguous(), None

@@ -34,8 +34,9 @@ F64 = torch.float64
 BUDGET = 4e9
 CACHE_KEYS = ("past_key_values", "past_key_value", "cache", "layer_past")
 # the rotary table the model passed must agree with the rebuilt one at a prefill to this
-# relative distance, or the model's rotary convention is not the one recognised here
-ROTARY_AGREEMENT = 1e-3
+# relative distance, or the model's rotary convention is not the one recognised here (another
+# convention differs by O(1); a table rounded to bf16 by 4e-3 passes, and is then found)
+ROTARY_AGREEMENT = 0.05
 
 
 class AttentionLayout(NamedTuple):
@@ -70,6 +71,22 @@ def find_rotary(model: nn.Module) -> nn.Module | None:
     return None
 
 
+def rotary_of(module: nn.Module, model: nn.Module, layer_type: str | None
+              ) -> tuple[torch.Tensor, float] | None:
+    """(inverse frequencies, attention scaling) of the attention's rotary table: its own
+    rotary module's or the model's; a model with one table per layer type (Gemma 3: sliding
+    and full attention) holds them as ``{layer_type}_inv_freq``."""
+    prefixes = ((f"{layer_type}_",) if layer_type else ()) + ("",)
+    for owner in (module, model):
+        for m in owner.modules():
+            for prefix in prefixes:
+                table = getattr(m, f"{prefix}inv_freq", None)
+                if isinstance(table, torch.Tensor):
+                    scaling = getattr(m, f"{prefix}attention_scaling", 1.0)
+                    return table.detach().to(HOST, F64), float(scaling or 1.0)
+    return None
+
+
 def attention_layout(module: nn.Module, model: nn.Module) -> AttentionLayout | str:
     """The layout of an attention module of the Hugging Face kind; a string says why not."""
     children = dict(module.named_children())
@@ -101,22 +118,22 @@ def attention_layout(module: nn.Module, model: nn.Module) -> AttentionLayout | s
     layer = layer_index(module)
     window = None
     types = _config_value(config, "layer_types")
+    layer_type = getattr(module, "layer_type", None) or (
+        types[layer] if types and layer is not None and layer < len(types) else None)
     if _config_value(config, "sliding_window") and (
-            (types and layer is not None and types[layer] == "sliding_attention")
+            layer_type == "sliding_attention"
             or (not types and _config_value(config, "use_sliding_window") is not False)):
         window = int(config.sliding_window)
     width = projections[0].out_features
     if width != (heads + (2 * kv_heads if len(projections) == 2 else 0)) * head_dim or (
             len(projections) == 4 and projections[1].out_features != kv_heads * head_dim):
         return "projections of another width than the config's heads (sharded?)"
-    rotary = find_rotary(module) or find_rotary(model)
-    inv_freq = None if rotary is None else rotary.inv_freq.detach().to(HOST, F64)
+    inv_freq, scaling = rotary_of(module, model, layer_type) or (None, 1.0)
     if inv_freq is not None and 2 * inv_freq.numel() > head_dim:
         return "a rotary table wider than a head"
     return AttentionLayout(
         projections, getattr(module, "q_norm", None), getattr(module, "k_norm", None),
-        int(heads), int(kv_heads), head_dim, scale, window, inv_freq,
-        float(getattr(rotary, "attention_scaling", 1.0) or 1.0), layer)
+        int(heads), int(kv_heads), head_dim, scale, window, inv_freq, scaling, layer)
 
 
 def _linear(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -175,45 +192,75 @@ def _qkv(layout: AttentionLayout, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return q, k, v.reshape(-1, kv, d)
 
 
-def layer_cache(layout: AttentionLayout, args: tuple, kwargs: dict
-                ) -> tuple[torch.Tensor, torch.Tensor] | None | str:
-    """The layer's keys and values in the call's KV cache after the call: (batch, kv_heads,
-    length, head_dim) each; None without a cache; a string: a cache this cannot read."""
+class PastKV(NamedTuple):
+    """One layer's keys and values of the tokens before a call, as its KV cache holds them."""
+
+    keys: torch.Tensor  # (batch, kv_heads, held, head_dim): positions start .. length - 1
+    values: torch.Tensor
+    start: int  # the first position held (a sliding-window cache drops the oldest)
+    length: int  # tokens before the call
+
+
+def find_cache(args: tuple, kwargs: dict) -> Any:
+    """The KV cache object of a call, or None."""
     cache = next((v for v in (*args, *kwargs.values()) if is_cache(v)), None)
     if cache is None:
         cache = next((kwargs[k] for k in CACHE_KEYS if kwargs.get(k) is not None), None)
+    return cache
+
+
+def past_kv(cache: Any, layer: int | None, seq: int = 0, copy: bool = False
+            ) -> PastKV | None | str:
+    """The past of cache layer ``layer``: read before the call (``seq`` 0; ``copy``: the
+    tensors cloned, as the call may update them in place) or after a call of ``seq`` tokens.
+    None without a cache; a string: a cache this cannot read."""
     if cache is None:
         return None
-    if layout.layer is None:
+    if layer is None:
         return "a KV cache without a layer index"
     try:
         if hasattr(cache, "layers"):
-            entry = cache.layers[layout.layer]
+            entry = cache.layers[layer]
             keys, values = entry.keys, entry.values
         else:
-            keys, values = cache.key_cache[layout.layer], cache.value_cache[layout.layer]
-        length = int(cache.get_seq_length(layout.layer))
+            keys, values = cache.key_cache[layer], cache.value_cache[layer]
+        length = int(cache.get_seq_length(layer)) - seq
     except Exception:  # noqa: BLE001 (a cache class of another layout)
         return "a KV cache layout srdd-dump does not know"
-    if not isinstance(keys, torch.Tensor) or keys.dim() != 4 or keys.shape[-2] != length:
-        return "a static or sliding-window KV cache"
-    return keys, values
+    if keys is None and length <= 0:
+        return None  # a layer not filled yet: no past
+    if not isinstance(keys, torch.Tensor) or keys.dim() != 4 or keys.shape != values.shape:
+        return "a KV cache layout srdd-dump does not know"
+    if length < 0:
+        return "a KV cache shorter than the call"
+    held = keys.shape[-2]
+    if held >= length + seq:  # everything held (a static cache: its first rows)
+        keys, values, start = keys[..., :length, :], values[..., :length, :], 0
+    else:  # a sliding window: the last ``held`` tokens, the call's own last
+        n = max(0, held - seq)
+        keys, values, start = keys[..., :n, :], values[..., :n, :], length - n
+    if copy:
+        keys, values = keys.detach().clone(), values.detach().clone()
+    return PastKV(keys, values, start, length)
 
 
 def reference_rows(layout: AttentionLayout, x: torch.Tensor, rows: list[tuple[int, int]],
-                   positions: torch.Tensor, cache, key_mask: torch.Tensor | None,
+                   positions: torch.Tensor, past: PastKV | None, key_mask: torch.Tensor | None,
                    device_out: torch.Tensor) -> torch.Tensor | str:
     """The float64 attention output of ``rows`` ((batch index, row) pairs of ``x``, the
     module's hidden-state input (batch, seq, hidden)): (len(rows), hidden). ``positions``:
-    the rotary position of every row (batch or 1, seq); ``cache``: ``layer_cache``'s keys and
-    values after the call (the past is their first length - seq entries); ``key_mask``: the
+    the rotary position of every row (batch or 1, seq); ``past``: the keys and values of the
+    tokens before the call (``past_kv``); ``key_mask``: the
     model call's 2-D mask (batch, past + seq), nonzero where a key is attended. A query row
     that may attend no key (padding) takes the device's own row (``device_out``, (len(rows),
     hidden)): not judged."""
     batch, seq, _ = x.shape
-    past = 0 if cache is None else cache[0].shape[-2] - seq
-    if past < 0:
-        return "a KV cache shorter than the call"
+    start = past.start if past is not None else 0
+    past_keys = past.keys if past is not None else None
+    past_values = past.values if past is not None else None
+    past = past.length if past is not None else 0
+    if past and start > (0 if layout.window is None else max(0, past - layout.window + 1)):
+        return "a sliding-window KV cache that no longer holds keys the window reads"
     last = max(i for _, i in rows)
     cost = batch * (last + 1) * x.shape[-1] * 2 * layout.kv_heads * layout.head_dim
     if cost > BUDGET:
@@ -227,21 +274,21 @@ def reference_rows(layout: AttentionLayout, x: torch.Tensor, rows: list[tuple[in
         pos = positions[min(b, positions.shape[0] - 1)].to(HOST)
         q, k, v = _qkv(layout, x[b, :upto].detach().to(HOST, F64))
         k = _rotate(k, rotary_table(layout, pos[:upto]))
-        if past:
-            keys = cache[0][b, :, :past].detach().to(HOST, F64).transpose(0, 1)
-            values = cache[1][b, :, :past].detach().to(HOST, F64).transpose(0, 1)
+        if past:  # the held past (positions start .. past - 1)
+            keys = past_keys[b].detach().to(HOST, F64).transpose(0, 1)
+            values = past_values[b].detach().to(HOST, F64).transpose(0, 1)
             k, v = torch.cat([keys, k]), torch.cat([values, v])
         index = torch.tensor([i for _, i in mine])
         qr = _rotate(q[index], rotary_table(layout, pos[index]))  # (m, heads, d)
         kh = k.repeat_interleave(group, dim=1)  # (keys, heads, d)
         vh = v.repeat_interleave(group, dim=1)
         scores = torch.einsum("mhd,khd->hmk", qr, kh) * layout.scale
-        key_at = torch.arange(past + upto)
+        key_at = torch.arange(start, past + upto)
         allowed = key_at[None, :] <= (past + index)[:, None]
         if layout.window is not None:
             allowed &= key_at[None, :] > (past + index)[:, None] - layout.window
         if key_mask is not None and key_mask.shape[-1] >= past + upto:
-            attended = key_mask[b, :past + upto].to(HOST) != 0
+            attended = key_mask[b, start:past + upto].to(HOST) != 0
             allowed &= attended[None, :]
         live = allowed.any(dim=1)
         scores = scores.masked_fill(~allowed[None], -math.inf)
@@ -254,7 +301,7 @@ def reference_rows(layout: AttentionLayout, x: torch.Tensor, rows: list[tuple[in
     return out
 
 
-def row_positions(kwargs: dict, seq: int, cache) -> torch.Tensor:
+def row_positions(kwargs: dict, seq: int, cache: PastKV | None) -> torch.Tensor:
     """The rotary position of every row of the call (batch or 1, seq): the ``position_ids``
     the layer was given, else its ``cache_position``, else the rows after the cached past."""
     given = kwargs.get("position_ids")
@@ -263,7 +310,7 @@ def row_positions(kwargs: dict, seq: int, cache) -> torch.Tensor:
     given = kwargs.get("cache_position")
     if isinstance(given, torch.Tensor) and given.numel() == seq:
         return given.detach().reshape(1, seq).to(HOST)
-    past = 0 if cache is None else cache[0].shape[-2] - seq
+    past = 0 if cache is None else cache.length
     return torch.arange(past, past + seq).reshape(1, seq)
 
 

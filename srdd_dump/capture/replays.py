@@ -22,7 +22,9 @@ from ..vocabulary import BLOCK, EXPERTS, LINEAR, ROTARY, ROUTER
 from . import serving
 from .attention_reference import (
     AttentionLayout,
-    layer_cache,
+    PastKV,
+    find_cache,
+    past_kv,
     reference_rows,
     rotary_agrees,
     row_positions,
@@ -69,6 +71,7 @@ class Replays:
         self.active = False  # a replay is running: the session's hooks ignore its calls
         self.compiled_round = False  # this round runs as torch.compile'd code
         self.caches: dict[int, Any] = {}  # cache layer -> its KV cache before this decode step
+        self.pasts: dict[int, PastKV | str | None] = {}  # the same, for the reference attention
         self._cache_layer: dict[int, int | None] = {}  # id(module) -> the cache layer it uses
         self.batched = self.sequential = 0
         self.decode_skipped = 0
@@ -87,6 +90,7 @@ class Replays:
 
     def open_round(self, compiled: bool) -> None:
         self.caches.clear()
+        self.pasts.clear()
         self.compiled_round = compiled
 
     @contextmanager
@@ -103,7 +107,11 @@ class Replays:
         a block and its attention), so that its replays see what the device saw."""
         idx = self._layer_of(module)
         if idx is not None and idx not in self.caches:
-            self.caches[idx] = snapshot_cache(idx, args, kwargs)
+            self.caches[idx] = frozen = snapshot_cache(idx, args, kwargs)
+            if frozen is not None:
+                self.pasts[idx] = PastKV(frozen.keys, frozen.values, 0, frozen.keys.shape[-2])
+            elif self.attention:  # a cache the replays cannot take (a sliding window)
+                self.pasts[idx] = past_kv(find_cache(args, kwargs), idx, copy=True)
 
     def _layer_of(self, module: nn.Module) -> int | None:
         key = id(module)
@@ -140,6 +148,10 @@ class Replays:
         probes = self._family(ctx, site, "probes") if (
             spec.sigmas or spec.dc or spec.repeats or cut is not None) else None
         host = self.host and self.tp.may_host_replay(module)
+        # the reference attention reads the cache as the call left it: it needs no snapshot
+        referenced = (id(module) in self.attention and (spec.attention or host)
+                      and self.attention_record(module, layer, site, args, kwargs, hidden, ctx))
+        host = host and not referenced
         if decode and cache is None and has_past(args, kwargs):
             # a decode step whose past cannot be reproduced: no replay, clean data only
             self.decode_skipped += 1
@@ -169,15 +181,14 @@ class Replays:
                 self.sequential += 1
             if self._keep_probes(module, outputs, hidden):
                 self.sink.probe_outputs(ctx, layer, site, outputs, (ctx.positions, ctx.rows))
-        if id(module) in self.attention and (spec.attention or host):
-            self.attention_record(module, layer, site, args, kwargs, hidden, ctx)
-        elif host:
+        if host:
             self.host_record(module, layer, site, args, kwargs, cache, ctx)
 
     def attention_record(self, module: nn.Module, layer: int, site: int, args: tuple,
-                         kwargs: dict, hidden: torch.Tensor, ctx: RoundContext) -> None:
+                         kwargs: dict, hidden: torch.Tensor, ctx: RoundContext) -> bool:
         """The reference attention of the probe rows (attention_reference.py) as a KIND_HOST
-        record: the module's float64 host replay, by srdd-dump's own attention."""
+        record: the module's float64 host replay, by srdd-dump's own attention. False when
+        there is none (the coverage says why)."""
         name = self._family(ctx, site, "references")
         self.coverage.expect(name)
         layout = self.attention[id(module)]
@@ -186,7 +197,10 @@ class Replays:
         if why is None and (ctx.segments is not None or not isinstance(x, torch.Tensor)
                             or x.dim() != 3 or hidden.shape[:2] != x.shape[:2]):
             why = "a call that is not one (batch, tokens, hidden) forward"
-        cache = None if why else layer_cache(layout, args, kwargs)
+        cache = None
+        if why is None:  # the past as kept before a decode step, else read after the call
+            cache = (self.pasts[layout.layer] if layout.layer in self.pasts
+                     else past_kv(find_cache(args, kwargs), layout.layer, x.shape[1]))
         if isinstance(cache, str):
             why = cache
         if why is None:
@@ -197,7 +211,7 @@ class Replays:
                 self.attention[id(module)] = why = "a rotary table of another convention"
         if why is not None:
             self.coverage.failed(name, f"{type(module).__name__}: {why}")
-            return
+            return False
         n_kept = x.shape[1] if ctx.positions is None else len(ctx.positions)
         kept_at = (torch.arange(x.shape[1]) if ctx.positions is None
                    else ctx.positions.cpu())
@@ -210,10 +224,11 @@ class Replays:
             out = f"{type(exc).__name__}: {exc}"
         if isinstance(out, str):
             self.coverage.failed(name, f"{type(module).__name__}: {out}")
-            return
+            return False
         self.coverage.ran(name)
         self.host_done += 1
         self.sink.probe(ctx, layer, site, out.unsqueeze(0), schema.KIND_HOST, subset=True)
+        return True
 
     @staticmethod
     def _cut(hidden: torch.Tensor, ctx: RoundContext) -> tuple[int | None, int | None]:
