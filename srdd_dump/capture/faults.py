@@ -69,7 +69,7 @@ from ..errors import UserError
 from ..vocabulary import EXPERT, EXPERTS, ROUTER
 from . import serving
 from .attention_faults import AttentionKernelFault
-from .attention_reference import find_rotary
+from .attention_reference import rotary_of
 from .compiled import opaque
 from .discovery import find_moe_sites
 from .experts import call_experts, routing_of
@@ -341,9 +341,9 @@ def install_faults(
         if "rank" in spec.options and int(spec.options["rank"]) != env_rank():
             continue
         if spec.type in ATTENTION_KERNEL:
-            rotary = find_rotary(module) or find_rotary(model)
+            rotary = rotary_of(module, model, getattr(module, "layer_type", None))
             handles.append(AttentionKernelFault(
-                spec, module, None if rotary is None else rotary.inv_freq.detach()))
+                spec, module, None if rotary is None else rotary[0].float()))
         elif spec.site.startswith("expert:"):
             fault = _ExpertFault(spec, blocks[spec.layer][1])
             handles.append(fault.block_hook)

@@ -56,6 +56,9 @@ def parse_fault(text: str) -> FaultSpec:
         )
     except ValueError as exc:
         raise UserError(f"--inject {text!r}: {exc}") from None
+    if kind in ATTENTION_KERNEL and spec.site not in ("attn", "self_attn", "attention"):
+        raise UserError(f"--inject {text!r}: {kind} is a fault inside the attention kernel: "
+                        "its site is attn")
     if not 0 < spec.sparsity <= 1:
         raise UserError(f"--inject {text!r}: sparsity must be in (0, 1]")
     if spec.options.get("scope", "batch") not in ("batch", "sample"):
