@@ -227,6 +227,16 @@ def channel_signals(u: np.ndarray, out: np.ndarray) -> tuple[float, float, float
     return dce, cons, float(np.mean(constant))
 
 
+def at_row_extreme(rows: np.ndarray) -> np.ndarray:
+    """Elements equal to their row's largest or smallest finite value (where a clip limit puts
+    the values it clips)."""
+    finite = np.isfinite(rows)
+    with np.errstate(invalid="ignore"):
+        top = np.max(np.where(finite, rows, -np.inf), axis=-1, keepdims=True)
+        bottom = np.min(np.where(finite, rows, np.inf), axis=-1, keepdims=True)
+    return finite & ((rows == top) | (rows == bottom))
+
+
 def rows_of(x: np.ndarray) -> np.ndarray:
     return x.reshape(-1, x.shape[-1])
 

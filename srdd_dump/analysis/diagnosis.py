@@ -213,15 +213,21 @@ def _exact_evidence(sig: Signals, dtype: str, instab_median: float, compute_dtyp
                                inheritable=bool(moved)))
     flat_limit = FLAT_VALUE.get(dtype, 1e-3)
     flat = lower_bound(sig.flat_value, sig.n_probed)
-    if flat > SUSPECT_RATIO * flat_limit:
+    low = lower_bound(sig.lowbits, sig.n_values)
+    coarse = stored in LOW_BITS and low > SUSPECT_RATIO * LOWBITS and stored == dtype
+    ties = TIES.get(dtype, 4)
+    excess = sig.tie_excess if np.isfinite(sig.tie_excess) else sig.ties
+    piled = min(sig.ties / ties, excess / TIE_EXCESS) >= SUSPECT_RATIO
+    # values on a coarser grid than their dtype's (an fp8 or bf16 round trip) do not move
+    # under a shift smaller than the grid step, at the row's extremes too: that is the
+    # PRECISION below, not a clip, unless the extremes also pile up
+    if flat > SUSPECT_RATIO * flat_limit and (piled or not coarse):
         ev.append(Evidence("SAT_SOURCE", flat / flat_limit,
                            f"{sig.flat_value:.2%} of non-zero elements in {where} do not move "
                            "under a dc shift of the input (clipped)"))
     if sig.stuck > STUCK_FRAC and sig.role != CORE:
         ev.append(Evidence("STUCK", 1.0 + 100 * sig.stuck,
                            f"{sig.stuck:.1%} of channels constant over every token in {where}"))
-    ties = TIES.get(dtype, 4)
-    excess = sig.tie_excess if np.isfinite(sig.tie_excess) else sig.ties
     strength = min(sig.ties / ties, excess / TIE_EXCESS)
     if strength >= SUSPECT_RATIO and sig.role not in NO_TIES:
         ev.append(Evidence("PILEUP_SAT", strength,
@@ -252,8 +258,7 @@ def _exact_evidence(sig: Signals, dtype: str, instab_median: float, compute_dtyp
             + (f", at its extremes ({sig.batch_dep_moved:.2%} of the elements, at "
                f"{sig.batch_dep_level:.2f} max|x|): a clip limit taken from the whole batch"
                if at_edge else ""), secondary=True))
-    low = lower_bound(sig.lowbits, sig.n_values)
-    if stored in LOW_BITS and low > SUSPECT_RATIO * LOWBITS and stored == dtype:
+    if coarse:
         ev.append(Evidence("PRECISION", low / LOWBITS,
                            f"{sig.lowbits:.0%} of the {stored} values in {where} have their "
                            f"{LOW_BITS[stored]} low mantissa bits 0 (a lower precision)"))

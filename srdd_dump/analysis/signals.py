@@ -250,12 +250,14 @@ def _probes(out: RoundStats, clean_rows: np.ndarray, probes: list[Probe]) -> Non
         dead = d == 0
         flat &= dead
         ref_zero = ref == 0
-        # flat under every perturbation: 0 -> dead zone, non-zero -> clipped
+        # flat under every perturbation: 0 -> dead zone; non-zero and at its row's extreme ->
+        # clipped (a value a coarse rounding grid leaves unmoved sits anywhere in the row)
+        clipped = flat & ~ref_zero & st.at_row_extreme(ref)
         if all_ok:
-            d_ok, fractions = d.reshape(-1), (dead, flat & ref_zero, flat & ~ref_zero)
+            d_ok, fractions = d.reshape(-1), (dead, flat & ref_zero, clipped)
         else:
             d_ok = d[ok]
-            fractions = (dead[ok], (flat & ref_zero)[ok], (flat & ~ref_zero)[ok])
+            fractions = (dead[ok], (flat & ref_zero)[ok], clipped[ok])
         med = st.median(d_ok)
         low = st.fraction(d_ok < DC_LOW * med) if med > 0 else 1.0
         out.dc.append((*(st.fraction(f) for f in fractions), d_ok.size, low))

@@ -544,16 +544,18 @@ def _probes(out: dict, clean: torch.Tensor, probes: list[ProbeRows], acc: torch.
         dead = d == 0
         flat = dead if flat is None else flat & dead
         flat_zero = flat & (ref == 0)
+        # array_stats.at_row_extreme: a clipped value sits at its row's extreme
+        clipped = flat & (ref != 0) & _at_row_extreme(ref)
         if all_ok:
             d_ok = d.reshape(-1)
         else:
-            d_ok, dead, flat, flat_zero = d[ok], dead[ok], flat[ok], flat_zero[ok]
+            d_ok, dead, clipped, flat_zero = d[ok], dead[ok], clipped[ok], flat_zero[ok]
         med = _median(d_ok)
-        counts = torch.stack([dead.sum(), flat.sum(), flat_zero.sum(),
+        counts = torch.stack([dead.sum(), clipped.sum(), flat_zero.sum(),
                               (d_ok < DC_LOW * med).sum()]).tolist()
         size = d_ok.numel()
         low = counts[3] / size if med > 0 else 1.0
-        values = (counts[0] / size, counts[2] / size, (counts[1] - counts[2]) / size, size, low)
+        values = (counts[0] / size, counts[2] / size, counts[1] / size, size, low)
         out.update((s.dc_column(p.param, part), v) for part, v in zip(s.DC_PARTS, values))
     repeats = [p for p in probes if p.kind == "repeat" and p.data.numel() == clean.numel()]
     if not repeats or not clean.numel():
@@ -574,6 +576,13 @@ def _probes(out: dict, clean: torch.Tensor, probes: list[ProbeRows], acc: torch.
     moved_rows = [i for i, moved in enumerate(changed) if moved]
     if moved_rows:
         out.update(_moments(d[moved_rows].reshape(-1), acc, prefix="diff_"))
+
+
+def _at_row_extreme(rows: torch.Tensor) -> torch.Tensor:
+    finite = torch.isfinite(rows)
+    top = torch.where(finite, rows, -torch.inf).amax(dim=-1, keepdim=True)
+    bottom = torch.where(finite, rows, torch.inf).amin(dim=-1, keepdim=True)
+    return finite & ((rows == top) | (rows == bottom))
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
