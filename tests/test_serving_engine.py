@@ -296,8 +296,13 @@ def test_an_in_place_rotary_is_replayed_on_copies_and_changes_nothing(tmp_path):
     session, tokens = _capture(model, tmp_path, granularity="op")
     assert tokens == plain and session.error is None and session.site_errors == 0
     with DumpReader(session.path) as r:
+        # every layer holds the one rotary embedding (vLLM's get_rope): one site, of layer 0,
+        # recorded once per round (its first call), not once per layer
+        assert [s for s in r.sites if s.endswith("rotary_emb")] == [
+            "model.layers.0.self_attn.rotary_emb"]
         site = list(r.sites).index("model.layers.0.self_attn.rotary_emb")
         recs = r.records[(r.records["site"] == site) & (r.records["round"] == 0)]
+        assert (recs["kind"] == schema.KIND_CLEAN).sum() == 1
         clean = r.read(recs[recs["kind"] == schema.KIND_CLEAN][0])
         repeats = recs[recs["kind"] == schema.KIND_REPEAT]
         assert len(repeats)

@@ -220,12 +220,17 @@ def find_operators(model: nn.Module, blocks: list[tuple[str, nn.Module]]) -> lis
     """The operators inside every block, in registration order: every linear map,
     normalisation, activation and rotary embedding module, and the attention core (as the input
     of the attention's last linear map: its output projection). A rotary embedding held by
-    the model rather than by each block (Hugging Face Llama/Qwen2) is one site of block 0."""
+    the model rather than by each block (Hugging Face Llama/Qwen2) is one site of block 0, and
+    so is a module every block holds (vLLM's shared rotary embedding)."""
     sites: list[Site] = []
     inside: set[int] = set()
     for index, (block_name, block) in enumerate(blocks):
         fused = [name for name, m in block.named_modules() if name and fused_experts(m)]
         for name, module in block.named_modules():
+            if id(module) in inside:
+                # one module held by several blocks (vLLM's rotary embedding, shared by every
+                # layer): one site, of the first block; its hook records the round's first call
+                continue
             inside.add(id(module))
             role = operator_role(module) if name else None
             if any(name == f or name.startswith(f + ".") for f in fused):

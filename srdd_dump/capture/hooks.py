@@ -77,6 +77,12 @@ class CaptureSession:
                                        *(site.module for site in self.sites))
                        if serving.overwrites_inputs(m)}
         self._frozen: dict[int, tuple[tuple, dict]] = {}
+        # sites of a module several blocks hold (vLLM's shared rotary embedding): it runs once
+        # per layer, and its one site records the round's first call
+        held = [{id(m) for m in block.modules()} for _, block in self.blocks]
+        self._once = {i for i, site in enumerate(self.sites)
+                      if sum(id(site.module) in ids for ids in held) > 1}
+        self._seen: set[int] = set()  # the sites of _once recorded this round
         self._pending: list[tuple[int, Site, torch.Tensor, tuple, dict]] = []
         self.records_dropped = 0
         self.site_errors = 0
@@ -227,6 +233,7 @@ class CaptureSession:
         if self._moe is not None:
             self._moe.open_round()
         self._frozen.clear()
+        self._seen.clear()
         layout, positions, unsplit = (requests.read_batch(serving.named_input(
             module, args, kwargs, serving.POSITIONS)[0]) if id(module) in self._serving
             else (None, None, None))
@@ -275,7 +282,12 @@ class CaptureSession:
                 self._fired.add((layer, site))
             if site == schema.BLOCK_SITE:
                 self._guard(self._on_output, module, layer, site, args, kwargs, output, last)
+            elif site not in self._once:
+                self._guard(self._site_guarded, module, layer, site, args, kwargs, output)
+            elif site in self._seen or self.replays.active or self._ctx is None:
+                self._frozen.pop(id(module), None)  # a later layer's call of a shared module
             else:
+                self._seen.add(site)
                 self._guard(self._site_guarded, module, layer, site, args, kwargs, output)
 
         return hook
