@@ -10,7 +10,8 @@ default options and with the hunt options.
 Scoring (bench/detect.py's): a hit is the planted layer as the top row with verdict FAULT;
 ``site_hit``: that row names the planted module or the sub-layer holding it (at default
 options the sub-layers are the finest sites); ``label_hit``: the top row's first cause label
-is the right one for the family (ATTENTION_MISMATCH for a fault inside the attention kernel).
+is the right one for the family (ATTENTION_MISMATCH for a fault inside the attention kernel or
+its projections, MLP_MISMATCH for one inside an MLP operator).
 Each case: 2 prompts, greedy generation of 8 new tokens.
 """
 
@@ -32,6 +33,8 @@ from detect import HUNT, run, score  # noqa: E402
 FIELDS = ["model", "kind", "group", "spec", "layer", "site", "options", "dtype", "hit",
           "site_hit", "label_hit", "top_layer", "top_site", "top_verdict", "top_diagnosis",
           "n_fault", "n_fault_other", "n_suspect", "seconds", "headline"]
+PROMPT_LINES = sum(1 for line in open(os.path.join(HERE, "..", "fixtures", "prompts.txt"))
+                   if line.strip())
 LAYERS = {"smollm2": (10, 20), "gemma3": (5, 8)}  # gemma3: 5 full attention, 8 sliding
 KV_HEADS_ONE = {"gemma3"}  # one KV head: a GQA head mapping cannot be wrong
 KERNEL = (  # (type, spec template, right first label)
@@ -42,10 +45,13 @@ KERNEL = (  # (type, spec template, right first label)
     ("mask_shift_decode", "mask_shift@{}", "ATTENTION_MISMATCH"),
     ("gqa_mapping", "gqa_mapping@{}", "ATTENTION_MISMATCH"),
 )
+# at default options the finest site is the sub-layer: the right first label of a fault inside
+# one of its operators is its reference's mismatch (the hunt command printed under the row
+# names the operator)
 OPERATORS = (  # (type, spec template, site, right first labels)
-    ("flush_to_zero", "dead_zone@{},quantile=0.1", "mlp.up_proj", ("DEAD_ZONE",)),
-    ("clamp", "saturation@{},quantile=0.99", "mlp.act_fn", ("SATURATION", "SAT_SOURCE",
-                                                            "PILEUP_SAT")),
+    ("flush_to_zero", "dead_zone@{},quantile=0.1", "mlp.up_proj", ("MLP_MISMATCH",)),
+    ("clamp", "saturation@{},quantile=0.99", "mlp.act_fn", ("MLP_MISMATCH",)),
+    ("precision", "precision@{},dtype=bfloat16", "mlp.down_proj", ("MLP_MISMATCH",)),
     ("clamp", "saturation@{},quantile=0.99", "self_attn.q_proj", ("ATTENTION_MISMATCH",)),
     ("offset", "bias@{},quantile=0.5", "self_attn.v_proj", ("ATTENTION_MISMATCH",)),
     ("precision", "precision@{},dtype=bfloat16", "self_attn.o_proj", ("ATTENTION_MISMATCH",)),
@@ -63,7 +69,7 @@ def load_model(name: str, dtype: str = "float32"):
 def prompts(name: str, tokenizer, prompt_set: int, n: int = 2):
     from smollm2 import chat_ids, chat_prompts
 
-    texts = chat_prompts((prompt_set * n) % 40, n)
+    texts = chat_prompts((prompt_set * n) % (PROMPT_LINES - n), n)
     if name == "gemma3":
         return [tokenizer(t, return_tensors="pt").input_ids for t in texts]
     return [chat_ids(tokenizer, t) for t in texts]

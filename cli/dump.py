@@ -45,7 +45,7 @@ def dump(
     ),
     seed: int = typer.Option(D.seed, "--seed", help="Seed of srdd-dump's own random choices."),
     probes: str = typer.Option(D.probes, "--probes", help="Layer-local probes: any of "
-                               "gain,dc,repeat,scale,causal,attention, or none."),
+                               "gain,dc,repeat,scale,causal,attention,mlp, or none."),
     probe_steps: str = typer.Option(D.probe_steps, "--probe-steps", help="Which captured "
                                     "steps are probed too (--steps syntax, or all; 0: the "
                                     "prefill only)."),

@@ -33,6 +33,7 @@ from ..vocabulary import (
     CORE,
     EXPERT,
     LINEAR,
+    MLP_NAMES,
     NORM,
     ROTARY,
     SUBLAYER,
@@ -304,12 +305,14 @@ def _identity_evidence(sig: Signals, where: str, dtype: str) -> list[Evidence]:
         if strength > SUSPECT_RATIO:
             what = ("" if sig.host_red >= channel else
                     f" in its worst channel ({sig.host_red:.3g} over the whole output)")
-            attention = is_attention(sig)
-            reference = ("srdd-dump's float64 reference attention (its own scale, softmax, "
-                         "rotary, causal mask and head mapping)" if attention
-                         else "its float64 host replay")
+            kind = reference_kind(sig)
+            reference = {
+                "ATTENTION_MISMATCH": "srdd-dump's float64 reference attention (its own "
+                                      "scale, softmax, rotary, causal mask and head mapping)",
+                "MLP_MISMATCH": "srdd-dump's float64 reference MLP (its own activation)",
+            }.get(kind, "its float64 host replay")
             ev.append(Evidence(
-                "ATTENTION_MISMATCH" if attention else "HOST_MISMATCH", min(strength, 1e3),
+                kind, min(strength, 1e3),
                 f"{where} differs from {reference} by {red:.3g}{what} "
                 f"(relative distance; FAIL above {limits.rel_dist_fail:g} for {dtype})"))
     return ev
@@ -571,13 +574,21 @@ FAMILY_WORDS = {
     "HOST_MISMATCH": "output differs from a float64 replay of the same input",
     "ATTENTION_MISMATCH": "attention output differs from a float64 reference attention of the "
                           "same input (its scale, softmax, rotary, mask or head mapping)",
+    "MLP_MISMATCH": "MLP output differs from a float64 reference MLP of the same input (a "
+                    "fault inside one of its operators)",
 }
 
 
-def is_attention(sig: Signals) -> bool:
-    """An attention sub-layer: its host record is the reference attention (capture's
-    attention_reference.py), not a replay of the module's own code."""
-    return sig.role == SUBLAYER and sig.module.rsplit(".", 1)[-1] in ATTENTION_NAMES
+def reference_kind(sig: Signals) -> str:
+    """The evidence family of a module's host-record mismatch: an attention or MLP sub-layer's
+    host record is srdd-dump's own reference computation (capture's attention_reference.py,
+    mlp_reference.py), any other module's a float64 replay of its own code."""
+    name = sig.module.rsplit(".", 1)[-1]
+    if sig.role == SUBLAYER and name in ATTENTION_NAMES:
+        return "ATTENTION_MISMATCH"
+    if sig.role == SUBLAYER and name in MLP_NAMES:
+        return "MLP_MISMATCH"
+    return "HOST_MISMATCH"
 
 
 def site_verdicts(verdicts: list[LayerVerdict]) -> dict[tuple[str, str], tuple[float, str, str]]:

@@ -67,7 +67,7 @@ class DumpConfig:
     tokens: str = "all"
     layers: str | None = None
     seed: int = 0
-    probes: str = "gain,dc,repeat,scale,causal,attention"
+    probes: str = "gain,dc,repeat,scale,causal,attention,mlp"
     probe_steps: str = "0,1,7"
     probe_samples: int = 4
     sigmas: list = field(default_factory=lambda: [0.1, 0.01])
@@ -189,7 +189,7 @@ def token_positions(parts: list[slice | int] | None, seq: int) -> list[int]:
     return sorted(chosen)
 
 
-PROBE_NAMES = ("gain", "dc", "repeat", "scale", "causal", "attention")
+PROBE_NAMES = ("gain", "dc", "repeat", "scale", "causal", "attention", "mlp")
 GRANULARITIES = ("block", "sublayer", "op")
 REFERENCES = ("none", "host")
 TP_REPLAYS = ("skip", "lockstep")

@@ -21,7 +21,7 @@ from ..format import schema
 from ..format.coverage import Coverage
 from ..format.writer import Round, describe_error
 from ..runtime.terminal import LazyBar
-from ..vocabulary import ATTENTION_NAMES, BLOCK, EXPERTS, ROUTER, SUBLAYER
+from ..vocabulary import ATTENTION_NAMES, BLOCK, EXPERTS, MLP_NAMES, ROUTER, SUBLAYER
 from . import config as cfg
 from . import requests, serving
 from .attention_reference import attention_layouts
@@ -37,6 +37,7 @@ from .discovery import Site, find_blocks
 from .dump_file import DumpOutput, FileWatch, dump_meta
 from .evidence import expect_sites, levels_of, never_run
 from .faults import install_faults
+from .mlp_reference import MlpReference
 from .model_facts import autocast_dtype, input_embedding, sites_of
 from .moe_capture import ExpertCapture
 from .parallel import TensorParallel, to_local
@@ -94,7 +95,9 @@ class CaptureSession:
             serving_blocks=self._serving, moe=self._moe, levels=levels_of(self.sites),
             attention=attention_layouts(model, [
                 s.module for s in self.sites if s.role == SUBLAYER
-                and s.name.rsplit(".", 1)[-1] in ATTENTION_NAMES]))
+                and s.name.rsplit(".", 1)[-1] in ATTENTION_NAMES]),
+            mlp=MlpReference([s.module for s in self.sites if s.role == SUBLAYER
+                              and s.name.rsplit(".", 1)[-1] in MLP_NAMES]))
         self.degraded: list[str] = []  # coverage.shortfalls() at close
         self.version_notes = untested_notes()  # libraries outside the tested range
         if self.version_notes and not os.environ.get(cfg.ENV_CONFIG):

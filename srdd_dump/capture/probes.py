@@ -41,6 +41,7 @@ class ProbeSpec:
     scale: bool = False  # the scale identity of linear operators (identities.scale_replays)
     causal: bool = False  # the causality copy of causal attentions and blocks
     attention: bool = False  # the float64 reference attention (attention_reference.py)
+    mlp: bool = False  # the float64 reference MLP (mlp_reference.py)
 
     @classmethod
     def of(cls, config: Any) -> ProbeSpec:
@@ -55,6 +56,7 @@ class ProbeSpec:
             scale="scale" in probes,
             causal="causal" in probes,
             attention="attention" in probes,
+            mlp="mlp" in probes,
         )
 
 

@@ -34,6 +34,7 @@ from .discovery import Site
 from .evidence import family
 from .host import host_replay
 from .identities import causal_cut, is_causal, scale_replays
+from .mlp_reference import MlpReference
 from .model_facts import has_past
 from .moe_capture import ExpertCapture
 from .parallel import TensorParallel, to_local
@@ -62,10 +63,12 @@ class Replays:
     def __init__(self, blocks: list[nn.Module], sites: list[Site], spec: ProbeSpec,
                  sink: RecordSink, coverage: Coverage, tp: TensorParallel, *, host: bool,
                  serving_blocks: set[int], moe: ExpertCapture | None, levels: dict[int, str],
-                 attention: dict[int, AttentionLayout | str] | None = None):
+                 attention: dict[int, AttentionLayout | str] | None = None,
+                 mlp: MlpReference | None = None):
         self.sites, self.spec, self.sink, self.coverage, self.tp = sites, spec, sink, coverage, tp
         # id(attention module) -> its layout for the reference attention, or why there is none
         self.attention = attention or {}
+        self.mlp = mlp  # the reference MLPs (mlp_reference.py)
         self.host, self.serving, self.moe, self.levels = host, serving_blocks, moe, levels
         self.causal = causal_modules(blocks, sites)
         self.active = False  # a replay is running: the session's hooks ignore its calls
@@ -151,6 +154,9 @@ class Replays:
         # the reference attention reads the cache as the call left it: it needs no snapshot
         referenced = (id(module) in self.attention and (spec.attention or host)
                       and self.attention_record(module, layer, site, args, kwargs, hidden, ctx))
+        if (not referenced and self.mlp is not None and spec.mlp
+                and not isinstance(self.mlp.layouts.get(id(module), ""), str)):
+            referenced = self.mlp_record(module, layer, site, args, kwargs, hidden, ctx)
         host = host and not referenced
         if decode and cache is None and has_past(args, kwargs):
             # a decode step whose past cannot be reproduced: no replay, clean data only
@@ -226,6 +232,19 @@ class Replays:
             self.coverage.failed(name, f"{type(module).__name__}: {out}")
             return False
         self.coverage.ran(name)
+        self.host_done += 1
+        self.sink.probe(ctx, layer, site, out.unsqueeze(0), schema.KIND_HOST, subset=True)
+        return True
+
+    def mlp_record(self, module: nn.Module, layer: int, site: int, args: tuple,
+                   kwargs: dict, hidden: torch.Tensor, ctx: RoundContext) -> bool:
+        """The reference MLP of the probe rows (mlp_reference.py) as a KIND_HOST record."""
+        x = first_tensor(args) if args else kwargs.get("hidden_states")
+        if not isinstance(x, torch.Tensor) or x.shape[:-1] != hidden.shape[:-1]:
+            return False
+        name = self._family(ctx, site, "references")
+        with self.coverage.attempt(name), torch.no_grad():
+            out = self.mlp.rows(module, kept(x, ctx.positions, ctx.rows)[0])
         self.host_done += 1
         self.sink.probe(ctx, layer, site, out.unsqueeze(0), schema.KIND_HOST, subset=True)
         return True

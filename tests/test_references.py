@@ -1,6 +1,6 @@
-"""The reference attention (issue 28): each attention sub-layer's probe rows recomputed from the
-module's input in float64 by srdd-dump's own attention (capture/attention_reference.py), at
-default options.
+"""The sub-layer references (issue 28): each attention and MLP sub-layer's probe rows recomputed
+from the module's input in float64 by srdd-dump's own attention and MLP
+(capture/attention_reference.py, capture/mlp_reference.py), at default options.
 
 * exact: on a float64 model the reference equals the model's own attention to the rounding
   of its float32 parts (left padding, decode steps reading the KV cache, GQA, Qwen2's biases, Gemma 3's
@@ -9,6 +9,9 @@ default options.
 * the attention-kernel porting bugs (the simulator's softmax_precision, double_scale,
   rotary_offset, mask_shift, gqa_mapping) are the top row, FAULT, at the planted layer, named
   at the attention with ATTENTION_MISMATCH first;
+* faults inside the MLP's operators (a flush in up_proj, a clamp in the activation) are the
+  top row, FAULT, at the MLP with MLP_MISMATCH first; an fp8 round trip is PRECISION, not
+  saturation;
 * a layout it does not know is reported in the coverage, never judged.
 """
 
@@ -56,9 +59,9 @@ def _dump(tmp_path, model, inject=(), new_tokens: int = 4, **options):
     return session, compare_path(str(tmp_path))
 
 
-def _attention_rows(result):
+def _attention_rows(result, name: str = "self_attn"):
     sites = result.sites
-    return sites[sites["module"].str.endswith("self_attn")]
+    return sites[sites["module"].str.endswith(name)]
 
 
 @pytest.mark.integration
@@ -73,6 +76,9 @@ def test_the_reference_is_the_model_attention_in_float64(tmp_path, arch):
     # the model's own code computes its rotary table (and Gemma its norms) in float32, the
     # rest in float64; a wrong reference is off by 1e-3 or more
     assert rows["host_red"].max() < 1e-6, rows[["module", "phase", "host_red"]]
+    mlp = _attention_rows(result, "mlp")
+    assert mlp["host_red"].notna().sum() == 2 * 4
+    assert mlp["host_red"].max() < 1e-12, mlp[["module", "phase", "host_red"]]
 
 
 @pytest.mark.integration
@@ -124,3 +130,28 @@ def test_an_unknown_attention_layout_is_reported_not_judged(tmp_path):
     assert families and all(f["done"] == 0 for f in families.values())
     assert all("no q/k/v projections" in f["first_error"] for f in families.values())
     assert FAULT not in set(result.layers["verdict"])
+
+
+MLP_FAULTS = [("dead_zone@layer=2,site=mlp.up_proj,quantile=0.1", "MLP_MISMATCH"),
+              ("saturation@layer=2,site=mlp.act_fn,quantile=0.99", "MLP_MISMATCH")]
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("fault,label", MLP_FAULTS)
+def test_faults_inside_the_mlp_are_found_at_default_options(tmp_path, fault, label):
+    _, result = _dump(tmp_path, build("llama", layers=4, dtype=torch.float32), inject=[fault])
+    top = result.layers.iloc[0]
+    assert (top["verdict"], int(top["layer"])) == (FAULT, 2), result.headlines
+    assert top["site"] == "model.layers.2.mlp"
+    assert top["diagnosis"].split(",")[0] == label, top["diagnosis"]
+
+
+@pytest.mark.integration
+def test_an_fp8_round_trip_is_precision_not_saturation(tmp_path):
+    _, result = _dump(tmp_path, build("llama", layers=4, dtype=torch.float32),
+                      inject=["precision@layer=2,site=mlp,dtype=float8_e4m3fn"])
+    top = result.layers.iloc[0]
+    assert (top["verdict"], int(top["layer"])) == (FAULT, 2), result.headlines
+    labels = top["diagnosis"].split(",")
+    assert "SAT_SOURCE" not in labels and "PILEUP_SAT" not in labels, labels
+    assert "PRECISION" in labels

@@ -1,0 +1,102 @@
+"""The MLP sub-layer recomputed from its own input in float64 on the host, for the probe rows
+only (docs/method.md, "Reference MLP"): a gated MLP ``down(act(gate(x)) * up(x))`` from its
+weights and srdd-dump's own activation (chosen by the activation module's class, computed by
+formula), so a fault inside an operator of the MLP (a flush-to-zero in a projection, a clamp in
+the activation, a lower precision) shows at default options, where the sub-layer output is the
+finest site. Each output row depends on its input row alone, so the probe rows are all it
+computes.
+
+The float64 weights of each MLP are kept on the host while their total stays within
+``HOST_CACHE_BYTES`` (a small model's); beyond it each call converts them again.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, NamedTuple
+
+import torch
+from torch import nn
+
+HOST = torch.device("cpu")
+F64 = torch.float64
+HOST_CACHE_BYTES = 2 << 30
+
+
+def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x ** 3)))
+
+
+def _gelu(x: torch.Tensor) -> torch.Tensor:
+    return 0.5 * x * (1.0 + torch.erf(x / math.sqrt(2.0)))
+
+
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "SiLU": lambda x: x * torch.sigmoid(x), "SiLUActivation": lambda x: x * torch.sigmoid(x),
+    "GELUTanh": _gelu_tanh, "PytorchGELUTanh": _gelu_tanh, "NewGELUActivation": _gelu_tanh,
+    "GELUActivation": _gelu, "ReLU": torch.relu,
+}
+
+
+class MlpLayout(NamedTuple):
+    gate: nn.Linear
+    up: nn.Linear
+    down: nn.Linear
+    activation: Callable[[torch.Tensor], torch.Tensor]
+
+
+def activation_of(module: nn.Module) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """The activation's formula, by its module class (``nn.GELU`` by its ``approximate``)."""
+    name = type(module).__name__
+    if name == "GELU":
+        return _gelu_tanh if getattr(module, "approximate", "none") == "tanh" else _gelu
+    return ACTIVATIONS.get(name)
+
+
+def mlp_layout(module: nn.Module) -> MlpLayout | str:
+    """The layout of a gated MLP of the Hugging Face kind; a string says why not."""
+    children = dict(module.named_children())
+    linear = [children.get(n) for n in ("gate_proj", "up_proj", "down_proj")]
+    if not all(isinstance(m, nn.Linear) for m in linear):
+        return "no gate_proj / up_proj / down_proj torch Linear modules"
+    act = children.get("act_fn") or children.get("act")
+    formula = activation_of(act) if act is not None else None
+    if formula is None:
+        return f"an activation srdd-dump has no formula for ({type(act).__name__})"
+    gate, up, down = linear
+    if gate.out_features != up.out_features or down.in_features != up.out_features:
+        return "projections of mismatched widths (sharded?)"
+    return MlpLayout(gate, up, down, formula)
+
+
+class MlpReference:
+    """Float64 reference outputs of the probe rows of recognised MLPs."""
+
+    def __init__(self, modules: list[nn.Module]):
+        self.layouts = {id(m): mlp_layout(m) for m in modules}
+        self._weights: dict[int, tuple] = {}
+        self._cached = 0
+
+    def _host(self, layout: MlpLayout) -> tuple:
+        key = id(layout.down)
+        found = self._weights.get(key)
+        if found is not None:
+            return found
+        weights = tuple((m.weight.detach().to(HOST, F64),
+                         None if m.bias is None else m.bias.detach().to(HOST, F64))
+                        for m in (layout.gate, layout.up, layout.down))
+        size = sum(w.numel() * 8 for w, _ in weights)
+        if self._cached + size <= HOST_CACHE_BYTES:
+            self._weights[key], self._cached = weights, self._cached + size
+        return weights
+
+    def rows(self, module: nn.Module, x_rows: torch.Tensor) -> torch.Tensor:
+        """The reference output of input rows (n, hidden): (n, hidden) float64."""
+        layout = self.layouts[id(module)]
+        (wg, bg), (wu, bu), (wd, bd) = self._host(layout)
+        x = x_rows.detach().to(HOST, F64)
+
+        def linear(v, w, b):
+            return v @ w.T if b is None else v @ w.T + b
+
+        return linear(layout.activation(linear(x, wg, bg)) * linear(x, wu, bu), wd, bd)
