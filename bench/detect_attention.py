@@ -28,7 +28,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "..", "fixtures"))
 
-from detect import HUNT, run, score  # noqa: E402
+from detect import run, score  # noqa: E402
 
 FIELDS = ["model", "kind", "group", "spec", "layer", "site", "options", "dtype", "hit",
           "site_hit", "label_hit", "top_layer", "top_site", "top_verdict", "top_diagnosis",

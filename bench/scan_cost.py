@@ -3,6 +3,9 @@ generation of NEW tokens for PROMPTS chat prompts (fixtures/infer_smollm2.py's w
 under capture with several configurations, in one process, interleaved, medians.
 
     python bench/scan_cost.py [--prompts 8] [--new-tokens 8] [--repeats 3]
+                              [--model smollm2|gemma3] [--only CONFIG ...]
+
+``--model gemma3``: the real Gemma 3 270M (fixtures/gemma3.py; plain-text prompts).
 
 The model load (a few seconds from the safetensors cache) is measured once and added to every
 configuration, so "whole script" ratios are what `srdd-dump --exec` costs a user's run.
@@ -29,7 +32,8 @@ CONFIGS = {
     "default, no decode probes": {"probe_steps": "0"},
     "default, every sample probed": {"probe_samples": 1000},
     "capture only (no probes)": {"probes": "none"},
-    "default without the causality probe": {"probes": "gain,dc,repeat,scale"},
+    "default without the causality probe": {"probes": "gain,dc,repeat,scale,attention,mlp"},
+    "default without the sub-layer references": {"probes": "gain,dc,repeat,scale,causal"},
     "hunt: --granularity op": {"granularity": "op"},
     "hunt: --granularity op --reference host": {"granularity": "op", "reference": "host"},
 }
@@ -41,21 +45,30 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", default=os.path.join(HERE, "results", "scan_cost.json"))
+    ap.add_argument("--model", choices=("smollm2", "gemma3"), default="smollm2")
+    ap.add_argument("--only", nargs="*", help="only these configurations (names above)")
     args = ap.parse_args()
     import torch
 
     from srdd_dump import DumpConfig, register_hook
 
-    from smollm2 import load
+    if args.model == "gemma3":
+        from gemma3 import load
+    else:
+        from smollm2 import load
 
     t = time.perf_counter()
     model, tok = load("float32")
     load_s = time.perf_counter() - t
     with open(os.path.join(HERE, "..", "fixtures", "prompts.txt")) as fh:
         prompts = [line.strip() for line in fh if line.strip()][: args.prompts]
-    ids = [tok(tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
-                                       add_generation_prompt=True), return_tensors="pt").input_ids
-           for p in prompts]
+    if args.model == "gemma3":  # a base model: plain text
+        ids = [tok(p, return_tensors="pt").input_ids for p in prompts]
+    else:
+        ids = [tok(tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
+                                           add_generation_prompt=True),
+                   return_tensors="pt").input_ids for p in prompts]
+    configs = {k: v for k, v in CONFIGS.items() if not args.only or k in args.only}
 
     def generate() -> None:
         with torch.no_grad():
@@ -73,12 +86,12 @@ def main() -> None:
             shutil.rmtree(tmp, ignore_errors=True)
 
     generate()  # warm-up
-    times: dict[str, list[float]] = {"plain": [], **{k: [] for k in CONFIGS}}
+    times: dict[str, list[float]] = {"plain": [], **{k: [] for k in configs}}
     for _ in range(args.repeats):
         start = time.perf_counter()
         generate()
         times["plain"].append(time.perf_counter() - start)
-        for name, config in CONFIGS.items():
+        for name, config in configs.items():
             times[name].append(captured(config))
     plain = statistics.median(times["plain"])
     rows = []
@@ -91,7 +104,8 @@ def main() -> None:
     print(f"model load {load_s:.1f} s")
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as fh:
-        json.dump({"load_s": load_s, "prompts": args.prompts, "new_tokens": args.new_tokens,
+        json.dump({"model": args.model, "load_s": load_s, "prompts": args.prompts,
+                   "new_tokens": args.new_tokens,
                    "rows": rows, "times": times}, fh, indent=1)
 
 

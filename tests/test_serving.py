@@ -151,6 +151,27 @@ def test_an_overflow_born_in_one_layer_is_one_fault_not_a_systemic_kernel():
     assert "SYSTEMIC_OVERFLOW" in diagnose(own, "float16", 18)[0].diagnosis
 
 
+def test_a_dead_zone_carried_by_later_layers_is_propagation_not_a_shared_kernel():
+    """A strong dead zone at block 10 (bf16, issue 28): the exact zeros it makes reach the MLP
+    of every later layer, whose own replay keeps them (exact, not inherited by the old rule),
+    far weaker than the source's: one FAULT at 10, the later MLPs DEAD_ZONE_PROP; the same
+    weak zeros at every layer from the start stay one shared kernel."""
+    def run(first: int):
+        signals = [_block(k, dtype="bfloat16") for k in range(30)]
+        signals[10] = _block(10, dtype="bfloat16", zero_frac=0.5, flat_zero=0.5)
+        signals += [_sig(k, f"model.layers.{k}.mlp", dtype="bfloat16",
+                         zero_frac=0.02 if k >= first else 0.0,
+                         flat_zero=0.02 if k >= first else 0.0) for k in range(30)]
+        return diagnose(signals, "bfloat16", 30)
+
+    verdicts = run(first=11)
+    assert [v.layer for v in verdicts if v.verdict == FAULT] == [10]
+    assert verdicts[10].diagnosis.split(",")[0] == "DEAD_ZONE"
+    assert all(verdicts[k].diagnosis == "DEAD_ZONE_PROP" for k in range(11, 30))
+    shared = run(first=0)
+    assert any(v.diagnosis.startswith("SYSTEMIC_DEAD_ZONE") for v in shared)
+
+
 def test_zeros_a_layer_makes_itself_stay_a_fault_after_another_source():
     signals = [_block(k) for k in range(6)]
     signals[2] = _block(2, zero_frac=0.3, flat_zero=0.29)

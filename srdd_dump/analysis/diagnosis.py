@@ -72,6 +72,10 @@ NULL_Z = 3.0  # standard errors of a rate's lower bound (lower_bound)
 # exact zeros of which fewer than this share stay 0 under the module's own replay are inherited
 INHERITED = 0.1
 SYSTEMIC_MIN = 3
+# a shared family whose first FAULT layer holds this many times the later layers' evidence
+# (their median), with none before it, was born at that layer and propagated: not systemic
+PROP_RATIO = 10.0
+REFERENCE_FAMILIES = ("HOST_MISMATCH", "ATTENTION_MISMATCH", "MLP_MISMATCH")
 # max |in-batch replay - clean output| / max |clean|: batched kernels round differently from
 # batch 1 (healthy SmolLM2 fp32 max 1.2e-7, about 1 ulp of the largest value; bf16 0 on CPU).
 # FAULT at about 80 fp32 ulps and 4 bf16 ulps of the largest value.
@@ -263,6 +267,12 @@ def _exact_evidence(sig: Signals, dtype: str, instab_median: float, compute_dtyp
         ev.append(Evidence("PRECISION", low / LOWBITS,
                            f"{sig.lowbits:.0%} of the {stored} values in {where} have their "
                            f"{LOW_BITS[stored]} low mantissa bits 0 (a lower precision)"))
+    # a reference says that the output is wrong, the module's own statistics say how (exact
+    # zeros, a clip, noise...): with such a finding at FAULT level the mismatch is listed after
+    if any(e.family not in REFERENCE_FAMILIES and e.strength >= 1 for e in ev):
+        for e in ev:
+            if e.family in REFERENCE_FAMILIES:
+                e.secondary = True
     return ev
 
 
@@ -428,6 +438,7 @@ def diagnose(signals: list[Signals], dtype: str, n_layers: int, compute_dtype: s
             for ev in items:
                 ev.kind, ev.module, ev.phase = kind, sig.module, sig.phase
                 evidence.setdefault(sig.layer, []).append((ev, sig.module))
+    _propagated_families(evidence, systemic)
     verdicts = []
     for layer in range(n_layers):
         items = evidence.get(layer, [])
@@ -449,6 +460,36 @@ def diagnose(signals: list[Signals], dtype: str, n_layers: int, compute_dtype: s
     _mark_propagation(verdicts, signals)
     _mark_systemic(verdicts, systemic)
     return verdicts
+
+
+def _propagated_families(evidence: dict[int, list[tuple[Evidence, str]]],
+                         systemic: dict[str, tuple[str, int, int]]) -> None:
+    """A family shared by many layers is one kernel's only if it is independent at each: when
+    no layer before its first FAULT layer shows it and that layer's evidence is PROP_RATIO x
+    the later layers' (median), it was born there and carried on by the residual stream (a
+    dead zone's exact zeros reach every later layer): not systemic, and the later layers'
+    evidence of it is inherited (``_mark_propagation`` labels them ``<FAMILY>_PROP``)."""
+    for family in list(systemic):
+        strength: dict[int, float] = {}
+        for layer, items in evidence.items():
+            for e, _ in items:
+                if e.family == family and e.strength >= SUSPECT_RATIO:
+                    strength[layer] = max(strength.get(layer, 0.0), e.strength)
+        faulty = sorted(k for k, v in strength.items() if v >= 1)
+        if not faulty:
+            continue
+        first = faulty[0]
+        later = [v for k, v in strength.items() if k > first]
+        # a source needs clean layers before it: from layer 0 on it is one kernel's
+        if first == 0 or any(k < first for k in strength) or not later or \
+                strength[first] < PROP_RATIO * float(np.median(later)):
+            continue
+        del systemic[family]
+        for layer, items in evidence.items():
+            if layer > first:
+                for e, _ in items:
+                    if e.family == family:
+                        e.inheritable = True
 
 
 def _narrowest_source(items: list[tuple[Evidence, str]]) -> str:
