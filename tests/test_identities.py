@@ -354,3 +354,21 @@ def test_a_few_layers_cannot_carry_a_relative_fault(tmp_path):
                            do_sample=False, pad_token_id=0)
     result = compare_path(str(tmp_path), progress=False)
     assert FAULT not in set(result.layers["verdict"]), result.headlines
+
+
+@pytest.mark.unit
+def test_zeros_of_the_computation_are_told_from_a_flush():
+    """A saturated GELU tail rounds to exact 0 on the device where the float64 value is ~1e-9:
+    explained; a flush of the 1% smallest outputs zeros values the host holds far from 0."""
+    from srdd_dump.analysis.identities import zeros_explained
+
+    x = RNG.standard_normal((16, 64)) * 3
+    host = 0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x ** 3)))
+    device = host.astype(np.float32)
+    device[x < -5.5] = 0.0
+    assert (device == 0).any() and zeros_explained(device, host, "float32") == 1.0
+    limit = np.quantile(np.abs(host), 0.01)
+    flushed = np.where(np.abs(host) < limit, 0.0, host).astype(np.float32)
+    flushed[x < -5.5] = 0.0
+    assert zeros_explained(flushed, host, "float32") < 0.9
+    assert np.isnan(zeros_explained(host + 1.0, host, "float32"))  # no zeros: nothing to say

@@ -75,6 +75,7 @@ SYSTEMIC_MIN = 3
 # a shared family whose first FAULT layer holds this many times the later layers' evidence
 # (their median), with none before it, was born at that layer and propagated: not systemic
 PROP_RATIO = 10.0
+ZEROS_EXPLAINED = 0.99  # host_zeros at or above: the zeros are the computation's
 REFERENCE_FAMILIES = ("HOST_MISMATCH", "ATTENTION_MISMATCH", "MLP_MISMATCH")
 # max |in-batch replay - clean output| / max |clean|: batched kernels round differently from
 # batch 1 (healthy SmolLM2 fp32 max 1.2e-7, about 1 ulp of the largest value; bf16 0 on CPU).
@@ -212,7 +213,10 @@ def _exact_evidence(sig: Signals, dtype: str, instab_median: float, compute_dtyp
                  and input_zeros >= 0.5 * sig.zero_frac)
         # a normalisation or an activation maps an exact 0 of its input to 0: such zeros are
         # its input's, judged where they are made
-        if not (moved and sig.role in (NORM, ACTIVATION)):
+        # zeros the float64 host replay makes too are the computation's own (a saturated
+        # GELU tail, a norm channel whose weight is 0): not a dead zone
+        own = np.isfinite(sig.host_zeros) and sig.host_zeros >= ZEROS_EXPLAINED
+        if not (moved and sig.role in (NORM, ACTIVATION)) and not own:
             ev.append(Evidence("DEAD_ZONE", zeros / zero_limit,
                                f"{sig.zero_frac:.2%} exact zeros in {where}{extra}",
                                inheritable=bool(moved)))

@@ -140,6 +140,28 @@ def relative_distance(device: np.ndarray, host: np.ndarray) -> float:
 
 
 
+# unit roundoff of each logical dtype: a computed exact 0 whose true value is within a few of
+# these of the row's largest magnitude is rounding (1 + tanh(u) rounding to 0), not a flush
+_EPS = {"float64": 2.0 ** -53, "float32": 2.0 ** -24, "float16": 2.0 ** -11,
+        "bfloat16": 2.0 ** -8}
+
+
+def zeros_explained(device: np.ndarray, host: np.ndarray, dtype: str) -> float:
+    """The share of the device's exact zeros where the host value is 0 too, to 4 units of the
+    dtype's roundoff of its row's largest magnitude (NaN when the device has no zeros)."""
+    d = device.reshape(-1, device.shape[-1])
+    h = host.reshape(-1, host.shape[-1]).astype(np.float64)
+    if d.shape != h.shape:
+        return float("nan")
+    zeros = d == 0
+    n = int(np.count_nonzero(zeros))
+    if not n:
+        return float("nan")
+    scale = np.max(np.abs(np.where(np.isfinite(h), h, 0.0)), axis=-1, keepdims=True)
+    small = np.abs(h) <= 4 * _EPS.get(dtype, _EPS["float32"]) * scale
+    return float(np.count_nonzero(zeros & small)) / n
+
+
 def channel_distance(device: np.ndarray, host: np.ndarray) -> float:
     """The largest relative distance of one channel (column) of the rows, over the channels
     whose rms is at least CHANNEL_FLOOR x the median channel rms (a channel of values near 0

@@ -22,6 +22,7 @@ from .identities import (
     relative_distance,
     scale_check,
     zero_check,
+    zeros_explained,
 )
 from .moments import Moments
 
@@ -101,6 +102,10 @@ class Signals:
     causal_size: float = float("nan")  # rms of those moves / rms of the output
     host_red: float = float("nan")  # relative distance to the float64 host replay, worst round
     host_channel_red: float = float("nan")  # the same for the worst channel (identities)
+    # the share of the device's exact zeros (probe rows) the float64 host replay makes too (to
+    # the dtype's rounding of the row): zeros of the computation itself (a saturated GELU
+    # tail, a norm channel whose weight is 0), not a dead zone; the worst round
+    host_zeros: float = float("nan")
     # mixture of experts: token rows routed to an expert over every round, and the median
     # router margin of those tokens (docs/method.md, "Experts")
     tokens: float = float("nan")
@@ -139,6 +144,7 @@ class RoundStats:
     scale: tuple[float, int, str, float] | None = None  # worst k: (broken frac, judged, ...)
     causal: list[tuple[float, int, float]] = field(default_factory=list)
     host: tuple[float, float] | None = None  # (relative distance, worst channel's)
+    host_zeros: float = float("nan")  # share of the device's exact zeros the host makes too
 
 
 def round_stats(
@@ -223,6 +229,7 @@ def _identities(out: RoundStats, x_rows: np.ndarray, rows: np.ndarray,
             device = x_rows[rows] if p.subset else x_rows
             out.host = (relative_distance(device, st.rows_of(p.data)),
                         channel_distance(device, st.rows_of(p.data)))
+            out.host_zeros = zeros_explained(device, st.rows_of(p.data), dtype)
 
 
 def _probes(out: RoundStats, clean_rows: np.ndarray, probes: list[Probe]) -> None:
@@ -293,6 +300,7 @@ class LayerSignals:
         self.scale: list[tuple[float, int, str, float]] = []
         self.causal: list[tuple[float, int, float]] = []
         self.host: list[float] = []
+        self.host_zeros: list[float] = []
         self.host_channel: list[float] = []
         self.moments = Moments()
         self.samples: set[int] = set()
@@ -343,6 +351,8 @@ class LayerSignals:
         if r.host is not None:
             self.host.append(r.host[0])
             self.host_channel.append(r.host[1])
+        if np.isfinite(r.host_zeros):
+            self.host_zeros.append(r.host_zeros)
         if r.batch_dep is not None:
             self.batch_dep.append(r.batch_dep)
         for sigma, gain in r.gains:
@@ -404,6 +414,8 @@ class LayerSignals:
         if self.host:
             sig.host_red = max(self.host, key=lambda v: v if not np.isnan(v) else -1.0)
             sig.host_channel_red = st.nanmax(self.host_channel)
+        if self.host_zeros:
+            sig.host_zeros = min(self.host_zeros)
         if self.instab:
             sig.instability = st.nanmax(self.instab)
             sig.instab_changed = st.nanmax(self.changed)
