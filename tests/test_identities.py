@@ -359,7 +359,8 @@ def test_a_few_layers_cannot_carry_a_relative_fault(tmp_path):
 @pytest.mark.unit
 def test_zeros_of_the_computation_are_told_from_a_flush():
     """A saturated GELU tail rounds to exact 0 on the device where the float64 value is ~1e-9:
-    explained; a flush of the 1% smallest outputs zeros values the host holds far from 0."""
+    explained; a flush of the 20% smallest outputs (most of them not in that tail) zeros values
+    the host holds far from 0."""
     from srdd_dump.analysis.identities import zeros_explained
 
     x = RNG.standard_normal((16, 64)) * 3
@@ -367,7 +368,7 @@ def test_zeros_of_the_computation_are_told_from_a_flush():
     device = host.astype(np.float32)
     device[x < -5.5] = 0.0
     assert (device == 0).any() and zeros_explained(device, host, "float32") == 1.0
-    limit = np.quantile(np.abs(host), 0.01)
+    limit = np.quantile(np.abs(host), 0.2)
     flushed = np.where(np.abs(host) < limit, 0.0, host).astype(np.float32)
     flushed[x < -5.5] = 0.0
     assert zeros_explained(flushed, host, "float32") < 0.9
