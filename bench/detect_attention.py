@@ -46,15 +46,18 @@ KERNEL = (  # (type, spec template, right first label)
     ("gqa_mapping", "gqa_mapping@{}", "ATTENTION_MISMATCH"),
 )
 # at default options the finest site is the sub-layer: the right first label of a fault inside
-# one of its operators is its reference's mismatch (the hunt command printed under the row
-# names the operator)
+# one of its operators is its mechanism where the sub-layer's output shows it (PRECISION: its
+# values on a coarser grid), else its reference's mismatch (the hunt command printed under the
+# row names the operator)
 OPERATORS = (  # (type, spec template, site, right first labels)
     ("flush_to_zero", "dead_zone@{},quantile=0.1", "mlp.up_proj", ("MLP_MISMATCH",)),
     ("clamp", "saturation@{},quantile=0.99", "mlp.act_fn", ("MLP_MISMATCH",)),
-    ("precision", "precision@{},dtype=bfloat16", "mlp.down_proj", ("MLP_MISMATCH",)),
+    ("precision", "precision@{},dtype=bfloat16", "mlp.down_proj", ("PRECISION",
+                                                                   "MLP_MISMATCH")),
     ("clamp", "saturation@{},quantile=0.99", "self_attn.q_proj", ("ATTENTION_MISMATCH",)),
     ("offset", "bias@{},quantile=0.5", "self_attn.v_proj", ("ATTENTION_MISMATCH",)),
-    ("precision", "precision@{},dtype=bfloat16", "self_attn.o_proj", ("ATTENTION_MISMATCH",)),
+    ("precision", "precision@{},dtype=bfloat16", "self_attn.o_proj", ("PRECISION",
+                                                                      "ATTENTION_MISMATCH")),
 )
 
 
@@ -165,6 +168,11 @@ def summarize(paths: list[str]) -> None:
     for path in paths:
         with open(path) as fh:
             rows += list(csv.DictReader(fh))
+    labels = {(name, case[2]): case[5] for name in LAYERS for case in fault_cases(name)}
+    for r in rows:  # the label table as it is now
+        if r["kind"] == "fault" and (r["model"], r["spec"]) in labels:
+            first = str(r["top_diagnosis"]).split(",")[0]
+            r["label_hit"] = int(r["hit"] == "1" and first in labels[(r["model"], r["spec"])])
     for name in sorted({r["model"] for r in rows}):
         mine = [r for r in rows if r["model"] == name]
         for group in ("attention-kernel", "operator"):
