@@ -25,10 +25,11 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
+from .host_weights import HostWeights
 from .probes import is_cache, layer_index
 
 HOST = torch.device("cpu")
-F64 = torch.float64
+F64 = torch.float64  # (host_weights.py: the same)
 # host float64 multiply-adds one reference may take (the keys and values of the rows before
 # the last probe row dominate); a longer call is not checked, and the coverage says so
 BUDGET = 4e9
@@ -136,12 +137,6 @@ def attention_layout(module: nn.Module, model: nn.Module) -> AttentionLayout | s
         int(heads), int(kv_heads), head_dim, scale, window, inv_freq, scaling, layer)
 
 
-def _linear(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    w = module.weight.detach().to(HOST, F64)
-    y = x @ w.T
-    if module.bias is not None:
-        y = y + module.bias.detach().to(HOST, F64)
-    return y
 
 
 def _norm(module: nn.Module | None, x: torch.Tensor) -> torch.Tensor:
@@ -180,13 +175,15 @@ def _rotate(x: torch.Tensor, table) -> torch.Tensor:
     return torch.cat([part * cos + turned * sin, rest], dim=-1)
 
 
-def _qkv(layout: AttentionLayout, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def _qkv(layout: AttentionLayout, x: torch.Tensor, weights: HostWeights
+         ) -> tuple[torch.Tensor, ...]:
     """Projected queries, keys, values of rows x (n, hidden): (n, heads, head_dim) each."""
     h, kv, d = layout.heads, layout.kv_heads, layout.head_dim
     if len(layout.projections) == 2:
-        q, k, v = _linear(layout.projections[0], x).split([h * d, kv * d, kv * d], dim=-1)
+        q, k, v = weights.linear(layout.projections[0], x).split([h * d, kv * d, kv * d],
+                                                                  dim=-1)
     else:
-        q, k, v = (_linear(p, x) for p in layout.projections[:3])
+        q, k, v = (weights.linear(p, x) for p in layout.projections[:3])
     q = _norm(layout.q_norm, q.reshape(-1, h, d))
     k = _norm(layout.k_norm, k.reshape(-1, kv, d))
     return q, k, v.reshape(-1, kv, d)
@@ -246,7 +243,7 @@ def past_kv(cache: Any, layer: int | None, seq: int = 0, copy: bool = False
 
 def reference_rows(layout: AttentionLayout, x: torch.Tensor, rows: list[tuple[int, int]],
                    positions: torch.Tensor, past: PastKV | None, key_mask: torch.Tensor | None,
-                   device_out: torch.Tensor) -> torch.Tensor | str:
+                   device_out: torch.Tensor, weights: HostWeights) -> torch.Tensor | str:
     """The float64 attention output of ``rows`` ((batch index, row) pairs of ``x``, the
     module's hidden-state input (batch, seq, hidden)): (len(rows), hidden). ``positions``:
     the rotary position of every row (batch or 1, seq); ``past``: the keys and values of the
@@ -272,7 +269,7 @@ def reference_rows(layout: AttentionLayout, x: torch.Tensor, rows: list[tuple[in
         mine = [(n, i) for n, (bb, i) in enumerate(rows) if bb == b]
         upto = max(i for _, i in mine) + 1
         pos = positions[min(b, positions.shape[0] - 1)].to(HOST)
-        q, k, v = _qkv(layout, x[b, :upto].detach().to(HOST, F64))
+        q, k, v = _qkv(layout, x[b, :upto].detach().to(HOST, F64), weights)
         k = _rotate(k, rotary_table(layout, pos[:upto]))
         if past:  # the held past (positions start .. past - 1)
             keys = past_keys[b].detach().to(HOST, F64).transpose(0, 1)
@@ -292,9 +289,9 @@ def reference_rows(layout: AttentionLayout, x: torch.Tensor, rows: list[tuple[in
             allowed &= attended[None, :]
         live = allowed.any(dim=1)
         scores = scores.masked_fill(~allowed[None], -math.inf)
-        weights = torch.softmax(scores, dim=-1).nan_to_num(0.0)
-        heads = torch.einsum("hmk,khd->mhd", weights, vh).reshape(len(mine), -1)
-        ref = _linear(o_proj, heads)
+        probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+        heads = torch.einsum("hmk,khd->mhd", probs, vh).reshape(len(mine), -1)
+        ref = weights.linear(o_proj, heads)
         for (n, _), row, ok in zip(mine, ref, live.tolist()):
             if ok:
                 out[n] = row

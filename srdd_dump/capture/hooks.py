@@ -37,6 +37,7 @@ from .discovery import Site, find_blocks
 from .dump_file import DumpOutput, FileWatch, dump_meta
 from .evidence import expect_sites, levels_of, never_run
 from .faults import install_faults
+from .host_weights import HostWeights
 from .mlp_reference import MlpReference
 from .model_facts import autocast_dtype, input_embedding, sites_of
 from .moe_capture import ExpertCapture
@@ -97,7 +98,7 @@ class CaptureSession:
                 s.module for s in self.sites if s.role == SUBLAYER
                 and s.name.rsplit(".", 1)[-1] in ATTENTION_NAMES]),
             mlp=MlpReference([s.module for s in self.sites if s.role == SUBLAYER
-                              and s.name.rsplit(".", 1)[-1] in MLP_NAMES]))
+                              and s.name.rsplit(".", 1)[-1] in MLP_NAMES], HostWeights()))
         self.degraded: list[str] = []  # coverage.shortfalls() at close
         self.version_notes = untested_notes()  # libraries outside the tested range
         if self.version_notes and not os.environ.get(cfg.ENV_CONFIG):

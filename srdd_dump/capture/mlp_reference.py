@@ -6,8 +6,7 @@ the activation, a lower precision) shows at default options, where the sub-layer
 finest site. Each output row depends on its input row alone, so the probe rows are all it
 computes.
 
-The float64 weights of each MLP are kept on the host while their total stays within
-``HOST_CACHE_BYTES`` (a small model's); beyond it each call converts them again.
+The float64 weights are kept on the host within a budget (host_weights.py).
 """
 
 from __future__ import annotations
@@ -18,9 +17,7 @@ from typing import Callable, NamedTuple
 import torch
 from torch import nn
 
-HOST = torch.device("cpu")
-F64 = torch.float64
-HOST_CACHE_BYTES = 2 << 30
+from .host_weights import F64, HOST, HostWeights
 
 
 def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
@@ -72,31 +69,14 @@ def mlp_layout(module: nn.Module) -> MlpLayout | str:
 class MlpReference:
     """Float64 reference outputs of the probe rows of recognised MLPs."""
 
-    def __init__(self, modules: list[nn.Module]):
+    def __init__(self, modules: list[nn.Module], weights: HostWeights):
         self.layouts = {id(m): mlp_layout(m) for m in modules}
-        self._weights: dict[int, tuple] = {}
-        self._cached = 0
-
-    def _host(self, layout: MlpLayout) -> tuple:
-        key = id(layout.down)
-        found = self._weights.get(key)
-        if found is not None:
-            return found
-        weights = tuple((m.weight.detach().to(HOST, F64),
-                         None if m.bias is None else m.bias.detach().to(HOST, F64))
-                        for m in (layout.gate, layout.up, layout.down))
-        size = sum(w.numel() * 8 for w, _ in weights)
-        if self._cached + size <= HOST_CACHE_BYTES:
-            self._weights[key], self._cached = weights, self._cached + size
-        return weights
+        self.weights = weights
 
     def rows(self, module: nn.Module, x_rows: torch.Tensor) -> torch.Tensor:
         """The reference output of input rows (n, hidden): (n, hidden) float64."""
         layout = self.layouts[id(module)]
-        (wg, bg), (wu, bu), (wd, bd) = self._host(layout)
         x = x_rows.detach().to(HOST, F64)
-
-        def linear(v, w, b):
-            return v @ w.T if b is None else v @ w.T + b
-
-        return linear(layout.activation(linear(x, wg, bg)) * linear(x, wu, bu), wd, bd)
+        linear = self.weights.linear
+        return linear(layout.down, layout.activation(linear(layout.gate, x))
+                      * linear(layout.up, x))

@@ -33,6 +33,7 @@ from .compiled import EAGER_HINT
 from .discovery import Site
 from .evidence import family
 from .host import host_replay
+from .host_weights import HostWeights
 from .identities import causal_cut, is_causal, scale_replays
 from .mlp_reference import MlpReference
 from .model_facts import has_past
@@ -69,6 +70,8 @@ class Replays:
         # id(attention module) -> its layout for the reference attention, or why there is none
         self.attention = attention or {}
         self.mlp = mlp  # the reference MLPs (mlp_reference.py)
+        # float64 host weights shared by both references
+        self.weights = mlp.weights if mlp is not None else HostWeights()
         self.host, self.serving, self.moe, self.levels = host, serving_blocks, moe, levels
         self.causal = causal_modules(blocks, sites)
         self.active = False  # a replay is running: the session's hooks ignore its calls
@@ -225,7 +228,8 @@ class Replays:
         device = kept(hidden, ctx.positions, ctx.rows)[0]
         try:
             with torch.no_grad():
-                out = reference_rows(layout, x, rows, positions, cache, ctx.key_mask, device)
+                out = reference_rows(layout, x, rows, positions, cache, ctx.key_mask, device,
+                                     self.weights)
         except Exception as exc:  # noqa: BLE001 (a module of an unexpected shape: counted)
             out = f"{type(exc).__name__}: {exc}"
         if isinstance(out, str):
