@@ -45,7 +45,20 @@ def _gemma3(dtype: torch.dtype, layers: int = 4):
     return tf.Gemma3ForCausalLM(config).to(dtype).eval()
 
 
+def _smollm3(dtype: torch.dtype, layers: int = 4):
+    import transformers as tf
+
+    torch.manual_seed(0)
+    config = tf.SmolLM3Config(  # every 4th layer without rotary (use_rope False)
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, pad_token_id=0, bos_token_id=1,
+        eos_token_id=2, max_position_embeddings=256)
+    return tf.SmolLM3ForCausalLM(config).to(dtype).eval()
+
+
 def _model(arch: str, dtype: torch.dtype):
+    if arch == "smollm3":
+        return _smollm3(dtype)
     return _gemma3(dtype) if arch == "gemma3" else build(arch, dtype=dtype)
 
 
@@ -65,7 +78,7 @@ def _attention_rows(result, name: str = "self_attn"):
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3", "smollm3"])
 def test_the_reference_is_the_model_attention_in_float64(tmp_path, arch):
     session, result = _dump(tmp_path, _model(arch, torch.float64))
     rows = _attention_rows(result)
@@ -155,3 +168,22 @@ def test_an_fp8_round_trip_is_precision_not_saturation(tmp_path):
     labels = top["diagnosis"].split(",")
     assert "SAT_SOURCE" not in labels and "PILEUP_SAT" not in labels, labels
     assert "PRECISION" in labels
+
+
+@pytest.mark.integration
+def test_a_mask_passed_by_position_is_read_and_a_4d_mask_turns_the_reference_off(tmp_path):
+    model = build("llama", layers=2, dtype=torch.float32)
+    session = register_hook(model, DumpConfig(dump_path=str(tmp_path / "a"), samples=1))
+    with torch.no_grad():
+        model(PROMPTS, MASK)  # model(input_ids, attention_mask): left padding by position
+    session.close()
+    result = compare_path(str(tmp_path / "a"))
+    assert FAULT not in set(result.layers["verdict"])
+    assert _attention_rows(result)["host_red"].max() < 1e-4
+    session = register_hook(model, DumpConfig(dump_path=str(tmp_path / "b"), samples=1))
+    mask4 = torch.ones(2, 1, 12, 12, dtype=torch.bool).tril()
+    with torch.no_grad():
+        model(PROMPTS, attention_mask=mask4)
+    session.close()
+    (family,) = [v for k, v in session.coverage.as_dict().items() if "attention references" in k]
+    assert family["done"] == 0 and "not a 2-D tensor" in family["first_error"]

@@ -213,9 +213,12 @@ def _exact_evidence(sig: Signals, dtype: str, instab_median: float, compute_dtyp
                  and input_zeros >= 0.5 * sig.zero_frac)
         # a normalisation or an activation maps an exact 0 of its input to 0: such zeros are
         # its input's, judged where they are made
-        # zeros the float64 host replay makes too are the computation's own (a saturated
-        # GELU tail, a norm channel whose weight is 0): not a dead zone
-        own = np.isfinite(sig.host_zeros) and sig.host_zeros >= ZEROS_EXPLAINED
+        # an activation's or a norm's zeros that its float64 host replay makes too are the
+        # computation's own (a saturated GELU tail, a norm channel whose weight is 0): not a
+        # dead zone. Only there: a bf16 flush of values under the dtype's rounding of the row
+        # elsewhere would pass as "explained"
+        own = (sig.role in (NORM, ACTIVATION) and np.isfinite(sig.host_zeros)
+               and sig.host_zeros >= ZEROS_EXPLAINED)
         if not (moved and sig.role in (NORM, ACTIVATION)) and not own:
             ev.append(Evidence("DEAD_ZONE", zeros / zero_limit,
                                f"{sig.zero_frac:.2%} exact zeros in {where}{extra}",

@@ -78,6 +78,12 @@ class AttentionKernelFault:
 
     def remove(self) -> None:
         self.module.config = self.original_config
+        registry = _registry()
+        if registry is not None:
+            try:
+                del registry[self.name]
+            except (KeyError, TypeError, AttributeError):  # a registry without deletion
+                pass
 
     def _applies(self, query: torch.Tensor) -> bool:
         if self.phase == "all":

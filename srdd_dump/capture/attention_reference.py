@@ -51,9 +51,11 @@ class AttentionLayout(NamedTuple):
     head_dim: int
     scale: float
     window: int | None  # sliding window of this layer (keys further back are masked)
-    inv_freq: torch.Tensor | None  # the rotary module's table (None: no rotary)
+    rotary: tuple[nn.Module, str] | None  # (module, attribute) of the rotary inverse
+    # frequencies, read at each call (a dynamic or long-context rope updates them); None: none
     rotary_scaling: float
     layer: int | None  # its KV-cache layer
+    rope_off: bool = False  # a layer that declares it uses no rotary (SmolLM3's use_rope)
 
 
 def _config_value(config: Any, *names: str) -> Any:
@@ -73,10 +75,11 @@ def find_rotary(model: nn.Module) -> nn.Module | None:
 
 
 def rotary_of(module: nn.Module, model: nn.Module, layer_type: str | None
-              ) -> tuple[torch.Tensor, float] | None:
-    """(inverse frequencies, attention scaling) of the attention's rotary table: its own
-    rotary module's or the model's; a model with one table per layer type (Gemma 3: sliding
-    and full attention) holds them as ``{layer_type}_inv_freq``."""
+              ) -> tuple[tuple[nn.Module, str], float] | None:
+    """((rotary module, attribute of its inverse frequencies), attention scaling) of the
+    attention's rotary table: its own rotary module's or the model's; a model with one table
+    per layer type (Gemma 3: sliding and full attention) holds them as
+    ``{layer_type}_inv_freq``."""
     prefixes = ((f"{layer_type}_",) if layer_type else ()) + ("",)
     for owner in (module, model):
         for m in owner.modules():
@@ -84,8 +87,21 @@ def rotary_of(module: nn.Module, model: nn.Module, layer_type: str | None
                 table = getattr(m, f"{prefix}inv_freq", None)
                 if isinstance(table, torch.Tensor):
                     scaling = getattr(m, f"{prefix}attention_scaling", 1.0)
-                    return table.detach().to(HOST, F64), float(scaling or 1.0)
+                    return (m, f"{prefix}inv_freq"), float(scaling or 1.0)
     return None
+
+
+def inv_freq(layout: AttentionLayout) -> torch.Tensor | None:
+    """The rotary inverse frequencies as they are now, float64 on the host."""
+    if layout.rotary is None:
+        return None
+    owner, name = layout.rotary
+    return getattr(owner, name).detach().to(HOST, F64)
+
+
+# attributes of attention variants the reference does not model: Llama 4's L2 q/k norm,
+# temperature tuning and chunked attention
+UNMODELLED = ("qk_norm", "attn_temperature_tuning", "attention_chunk_size", "sinks")
 
 
 def attention_layout(module: nn.Module, model: nn.Module) -> AttentionLayout | str:
@@ -98,15 +114,17 @@ def attention_layout(module: nn.Module, model: nn.Module) -> AttentionLayout | s
         projections = (children["qkv_proj"], o)
     else:
         return "no q/k/v projections by name"
-    if o is None or not all(isinstance(p, nn.Linear) for p in projections):
-        return "projections that are not torch Linear modules"
+    if o is None or not all(isinstance(p, nn.Linear) and p.weight.is_floating_point()
+                            for p in projections):
+        return "projections that are not floating-point torch Linear modules"
     config = getattr(module, "config", None) or getattr(model, "config", None)
     if config is None:
         return "no model config"
     text = getattr(config, "get_text_config", None)
     config = text() if callable(text) else config
-    if _config_value(config, "attn_logit_softcapping") or hasattr(module, "sinks"):
-        return "logit soft-capping or attention sinks"
+    if _config_value(config, "attn_logit_softcapping") or any(
+            getattr(module, name, None) not in (None, False) for name in UNMODELLED):
+        return "logit soft-capping, attention sinks, chunked attention or an L2 q/k norm"
     heads = _config_value(config, "num_attention_heads")
     kv_heads = _config_value(config, "num_key_value_heads") or heads
     if not heads:
@@ -121,7 +139,10 @@ def attention_layout(module: nn.Module, model: nn.Module) -> AttentionLayout | s
     types = _config_value(config, "layer_types")
     layer_type = getattr(module, "layer_type", None) or (
         types[layer] if types and layer is not None and layer < len(types) else None)
-    if _config_value(config, "sliding_window") and (
+    if "sliding_window" in vars(module):  # the module's own (None: a full-attention layer)
+        window = module.sliding_window if getattr(module, "is_sliding", True) else None
+        window = int(window) if window else None
+    elif _config_value(config, "sliding_window") and (
             layer_type == "sliding_attention"
             or (not types and _config_value(config, "use_sliding_window") is not False)):
         window = int(config.sliding_window)
@@ -129,12 +150,17 @@ def attention_layout(module: nn.Module, model: nn.Module) -> AttentionLayout | s
     if width != (heads + (2 * kv_heads if len(projections) == 2 else 0)) * head_dim or (
             len(projections) == 4 and projections[1].out_features != kv_heads * head_dim):
         return "projections of another width than the config's heads (sharded?)"
-    inv_freq, scaling = rotary_of(module, model, layer_type) or (None, 1.0)
-    if inv_freq is not None and 2 * inv_freq.numel() > head_dim:
+    rotary, scaling = rotary_of(module, model, layer_type) or (None, 1.0)
+    rope_off = getattr(module, "use_rope", True) in (False, 0)  # SmolLM3's no-rope layers
+    if rope_off:
+        rotary = None
+    if rotary is not None and 2 * getattr(*rotary).numel() > head_dim:
         return "a rotary table wider than a head"
+    if heads % kv_heads:
+        return "query heads that are not a multiple of the KV heads"
     return AttentionLayout(
         projections, getattr(module, "q_norm", None), getattr(module, "k_norm", None),
-        int(heads), int(kv_heads), head_dim, scale, window, inv_freq, scaling, layer)
+        int(heads), int(kv_heads), head_dim, scale, window, rotary, scaling, layer, rope_off)
 
 
 
@@ -156,9 +182,10 @@ def _norm(module: nn.Module | None, x: torch.Tensor) -> torch.Tensor:
 def rotary_table(layout: AttentionLayout, positions: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(cos, sin) of the positions, (..., rotary width), rotate-half layout."""
-    if layout.inv_freq is None:
+    table = inv_freq(layout)
+    if table is None:
         return None
-    freqs = positions.to(F64)[..., None] * layout.inv_freq
+    freqs = positions.to(F64)[..., None] * table
     emb = torch.cat([freqs, freqs], dim=-1)
     return emb.cos() * layout.rotary_scaling, emb.sin() * layout.rotary_scaling
 
@@ -316,11 +343,14 @@ def rotary_agrees(layout: AttentionLayout, table: Any, positions: torch.Tensor) 
     positions (checked at a prefill: a model of another rotary convention, interleaved or
     per-length, gets no reference rather than a false alarm). True when there is nothing to
     check."""
-    if layout.inv_freq is None:
-        return True
+    if table is None:
+        return True  # nothing passed to compare with
+    if layout.rotary is None:
+        # a table passed to an attention without one: unused only where the layer says so
+        return layout.rope_off
     if not (isinstance(table, (tuple, list)) and len(table) == 2
-            and isinstance(table[0], torch.Tensor)):
-        return True
+            and all(isinstance(t, torch.Tensor) and not t.is_complex() for t in table)):
+        return False  # another form (Llama 4's complex freqs_cis)
     theirs = table[0].detach().to(HOST, F64)
     ours = rotary_table(layout, positions)[0]
     if theirs.shape[-1] != ours.shape[-1] or theirs.shape[-2] != ours.shape[-2]:
@@ -335,5 +365,12 @@ def rotary_agrees(layout: AttentionLayout, table: Any, positions: torch.Tensor) 
 
 def attention_layouts(model: nn.Module, modules: list[nn.Module]
                       ) -> dict[int, AttentionLayout | str]:
-    """id(module) -> its layout (or why none) for each attention module of ``modules``."""
-    return {id(m): attention_layout(m, model) for m in modules}
+    """id(module) -> its layout (or why none) for each attention module of ``modules``; a
+    module whose config cannot be read gets the error as its reason."""
+    out: dict[int, AttentionLayout | str] = {}
+    for m in modules:
+        try:
+            out[id(m)] = attention_layout(m, model)
+        except Exception as exc:  # noqa: BLE001 (a config of another shape: never fatal)
+            out[id(m)] = f"{type(exc).__name__}: {exc}"
+    return out

@@ -342,8 +342,8 @@ def install_faults(
             continue
         if spec.type in ATTENTION_KERNEL:
             rotary = rotary_of(module, model, getattr(module, "layer_type", None))
-            handles.append(AttentionKernelFault(
-                spec, module, None if rotary is None else rotary[0].float()))
+            table = None if rotary is None else getattr(*rotary[0]).detach().float()
+            handles.append(AttentionKernelFault(spec, module, table))
         elif spec.site.startswith("expert:"):
             fault = _ExpertFault(spec, blocks[spec.layer][1])
             handles.append(fault.block_hook)

@@ -121,6 +121,7 @@ class CaptureSession:
         self._ctx: RoundContext | None = None  # the round being captured
         self._token_ids: torch.Tensor | None = None
         self._attention_mask: torch.Tensor | None = None  # (batch, past + seq) of the model call
+        self._mask_unread = False  # the model call's mask was of another form
         self._autocast: str | None = None  # "" when the first model call ran without autocast
         self._handles: list[Any] = []
         self._closed = False
@@ -209,8 +210,13 @@ class CaptureSession:
 
         def grab() -> None:
             mask = kwargs.get("attention_mask")
+            if mask is None and len(args) > 1 and isinstance(args[1], torch.Tensor):
+                mask = args[1]  # model(input_ids, attention_mask): a CausalLM's order
             self._attention_mask = (
                 mask if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None)
+            # a mask srdd-dump cannot read the padding of (4-D, a dict of masks, a block
+            # mask): the reference attention of the round stays off
+            self._mask_unread = mask is not None and self._attention_mask is None
             if self._autocast is None:
                 self._autocast = autocast_dtype(self.model)
 
@@ -232,6 +238,7 @@ class CaptureSession:
                 hidden = kwargs.get("hidden_states")
         token_ids, self._token_ids = self._token_ids, None
         mask, self._attention_mask = self._attention_mask, None
+        unread, self._mask_unread = self._mask_unread, False
         self.replays.open_round(called_from_compiled())
         self._ctx = None
         if self._moe is not None:
@@ -272,6 +279,7 @@ class CaptureSession:
                                           self._sink.round_rows)
         if self._ctx is None:
             return
+        self._ctx.mask_unread = unread
         self._sink.open_round(self._ctx)
         self._add(schema.STACK_INPUT, schema.BLOCK_SITE, hidden)
         self._finish_site(schema.STACK_INPUT, schema.BLOCK_SITE)
@@ -488,6 +496,7 @@ class CaptureSession:
         self._pending = []  # device tensors of a model-level operator
         self._frozen.clear()  # and copies kept for the replays of an unfinished round
         self.replays.caches.clear()
+        self.replays.pasts.clear()
         self._bar.close()
         if self.output.writer is not None:
             silent = never_run(self.layer_names, self.sites, self._fired)

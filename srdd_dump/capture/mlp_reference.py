@@ -54,8 +54,8 @@ def mlp_layout(module: nn.Module) -> MlpLayout | str:
     """The layout of a gated MLP of the Hugging Face kind; a string says why not."""
     children = dict(module.named_children())
     linear = [children.get(n) for n in ("gate_proj", "up_proj", "down_proj")]
-    if not all(isinstance(m, nn.Linear) for m in linear):
-        return "no gate_proj / up_proj / down_proj torch Linear modules"
+    if not all(isinstance(m, nn.Linear) and m.weight.is_floating_point() for m in linear):
+        return "no gate_proj / up_proj / down_proj floating-point torch Linear modules"
     act = children.get("act_fn") or children.get("act")
     formula = activation_of(act) if act is not None else None
     if formula is None:

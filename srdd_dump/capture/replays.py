@@ -116,7 +116,9 @@ class Replays:
             self.caches[idx] = frozen = snapshot_cache(idx, args, kwargs)
             if frozen is not None:
                 self.pasts[idx] = PastKV(frozen.keys, frozen.values, 0, frozen.keys.shape[-2])
-            elif self.attention:  # a cache the replays cannot take (a sliding window)
+            elif any(not isinstance(v, str) and v.layer == idx
+                     for v in self.attention.values()):
+                # a cache the replays cannot take (a sliding window), for the reference
                 self.pasts[idx] = past_kv(find_cache(args, kwargs), idx, copy=True)
 
     def _layer_of(self, module: nn.Module) -> int | None:
@@ -206,6 +208,8 @@ class Replays:
         if why is None and (ctx.segments is not None or not isinstance(x, torch.Tensor)
                             or x.dim() != 3 or hidden.shape[:2] != x.shape[:2]):
             why = "a call that is not one (batch, tokens, hidden) forward"
+        if why is None and ctx.mask_unread:
+            why = "an attention mask that is not a 2-D tensor (its padding cannot be read)"
         cache = None
         if why is None:  # the past as kept before a decode step, else read after the call
             cache = (self.pasts[layout.layer] if layout.layer in self.pasts
@@ -247,8 +251,14 @@ class Replays:
         if not isinstance(x, torch.Tensor) or x.shape[:-1] != hidden.shape[:-1]:
             return False
         name = self._family(ctx, site, "references")
-        with self.coverage.attempt(name), torch.no_grad():
-            out = self.mlp.rows(module, kept(x, ctx.positions, ctx.rows)[0])
+        self.coverage.expect(name)
+        try:
+            with torch.no_grad():
+                out = self.mlp.rows(module, kept(x, ctx.positions, ctx.rows)[0])
+        except Exception as exc:  # noqa: BLE001 (counted; the site's probes go on)
+            self.coverage.failed(name, f"{type(module).__name__}: {type(exc).__name__}: {exc}")
+            return False
+        self.coverage.ran(name)
         self.host_done += 1
         self.sink.probe(ctx, layer, site, out.unsqueeze(0), schema.KIND_HOST, subset=True)
         return True

@@ -33,6 +33,7 @@ class RoundContext:
     # the model call's 2-D attention mask (batch, past + seq), nonzero where a key is attended;
     # None when the call had none (the reference attention builds its mask from it)
     key_mask: torch.Tensor | None = None
+    mask_unread: bool = False  # the call's mask was not a 2-D tensor: its padding is unknown
 
     @property
     def sample(self) -> int:
