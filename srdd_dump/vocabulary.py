@@ -26,6 +26,15 @@ ROW_WISE = (LINEAR, NORM, ACTIVATION, CLIPPING, ROUTER)  # each output row from 
 ATTENTION_NAMES = ("self_attn", "attn", "attention", "self_attention")
 MLP_NAMES = ("mlp", "feed_forward", "ffn")
 
+
+def sublayer_kind(role: str, name: str) -> str | None:
+    """"attention" or "mlp" for a sub-layer site named so (its module path's last part), else
+    None. (The upper-case strings of this module are the site roles.)"""
+    if role != SUBLAYER:
+        return None
+    last = name.rsplit(".", 1)[-1]
+    return "attention" if last in ATTENTION_NAMES else "mlp" if last in MLP_NAMES else None
+
 # -- statistics constants ---------------------------------------------------------------------
 # Masks of the low mantissa bits that a value of each dtype rarely has all zero, on the float32
 # bits (analysis/signals.py explains the bit counts).

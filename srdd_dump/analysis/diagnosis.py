@@ -27,16 +27,15 @@ import numpy as np
 
 from ..vocabulary import (
     ACTIVATION,
-    ATTENTION_NAMES,
     BLOCK,
     CLIPPING,
     CORE,
     EXPERT,
     LINEAR,
-    MLP_NAMES,
     NORM,
     ROTARY,
     SUBLAYER,
+    sublayer_kind,
 )
 from .identities import CLIP, OFFSET, OTHER, ZERO
 from .signals import BLOCK_SITE, LOW_BITS, PREFILL, Signals
@@ -631,12 +630,8 @@ def reference_kind(sig: Signals) -> str:
     """The evidence family of a module's host-record mismatch: an attention or MLP sub-layer's
     host record is srdd-dump's own reference computation (capture's attention_reference.py,
     mlp_reference.py), any other module's a float64 replay of its own code."""
-    name = sig.module.rsplit(".", 1)[-1]
-    if sig.role == SUBLAYER and name in ATTENTION_NAMES:
-        return "ATTENTION_MISMATCH"
-    if sig.role == SUBLAYER and name in MLP_NAMES:
-        return "MLP_MISMATCH"
-    return "HOST_MISMATCH"
+    kind = sublayer_kind(sig.role, sig.module)
+    return {"attention": "ATTENTION_MISMATCH", "mlp": "MLP_MISMATCH"}.get(kind, "HOST_MISMATCH")
 
 
 def site_verdicts(verdicts: list[LayerVerdict]) -> dict[tuple[str, str], tuple[float, str, str]]:

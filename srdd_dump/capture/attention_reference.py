@@ -25,11 +25,9 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from .host_weights import HostWeights
+from .host_weights import F64, HOST, HostWeights
 from .probes import is_cache, layer_index
 
-HOST = torch.device("cpu")
-F64 = torch.float64  # (host_weights.py: the same)
 # host float64 multiply-adds one reference may take (the keys and values of the rows before
 # the last probe row dominate); a longer call is not checked, and the coverage says so
 BUDGET = 4e9
@@ -63,14 +61,6 @@ def _config_value(config: Any, *names: str) -> Any:
         value = getattr(config, name, None)
         if value is not None:
             return value
-    return None
-
-
-def find_rotary(model: nn.Module) -> nn.Module | None:
-    """The model's rotary embedding: the first module holding an ``inv_freq`` table."""
-    for m in model.modules():
-        if isinstance(getattr(m, "inv_freq", None), torch.Tensor):
-            return m
     return None
 
 

@@ -6,8 +6,16 @@ from __future__ import annotations
 
 from ..format import schema
 from ..format.coverage import Coverage
-from ..vocabulary import EXPERT, EXPERT_SLOTS, EXPERTS, ROTARY, ROW_WISE, SUBLAYER
-from .discovery import ATTENTION_NAMES, MLP_NAMES, Site
+from ..vocabulary import (
+    EXPERT,
+    EXPERT_SLOTS,
+    EXPERTS,
+    ROTARY,
+    ROW_WISE,
+    SUBLAYER,
+    sublayer_kind,
+)
+from .discovery import Site
 
 
 def evidence_level(site: Site) -> str:
@@ -16,12 +24,8 @@ def evidence_level(site: Site) -> str:
         return "expert"
     if site.role in ROW_WISE:
         return "operator"
-    last = site.name.rsplit(".", 1)[-1]
-    if site.role == SUBLAYER and last in ATTENTION_NAMES:
-        return "attention"
-    if site.role == SUBLAYER and last in MLP_NAMES:
-        return "MLP"
-    return "sub-layer"
+    return {"attention": "attention", "mlp": "MLP"}.get(sublayer_kind(site.role, site.name),
+                                                       "sub-layer")
 
 
 def levels_of(sites: list[Site]) -> dict[int, str]:

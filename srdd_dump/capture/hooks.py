@@ -21,7 +21,7 @@ from ..format import schema
 from ..format.coverage import Coverage
 from ..format.writer import Round, describe_error
 from ..runtime.terminal import LazyBar
-from ..vocabulary import ATTENTION_NAMES, BLOCK, EXPERTS, MLP_NAMES, ROUTER, SUBLAYER
+from ..vocabulary import BLOCK, EXPERTS, ROUTER, sublayer_kind
 from . import config as cfg
 from . import requests, serving
 from .attention_reference import attention_layouts
@@ -95,10 +95,9 @@ class CaptureSession:
             self.coverage, self._tp, host=config.reference == "host",
             serving_blocks=self._serving, moe=self._moe, levels=levels_of(self.sites),
             attention=attention_layouts(model, [
-                s.module for s in self.sites if s.role == SUBLAYER
-                and s.name.rsplit(".", 1)[-1] in ATTENTION_NAMES]),
-            mlp=MlpReference([s.module for s in self.sites if s.role == SUBLAYER
-                              and s.name.rsplit(".", 1)[-1] in MLP_NAMES], HostWeights()))
+                s.module for s in self.sites if sublayer_kind(s.role, s.name) == "attention"]),
+            mlp=MlpReference([s.module for s in self.sites
+                              if sublayer_kind(s.role, s.name) == "mlp"], HostWeights()))
         self.degraded: list[str] = []  # coverage.shortfalls() at close
         self.version_notes = untested_notes()  # libraries outside the tested range
         if self.version_notes and not os.environ.get(cfg.ENV_CONFIG):

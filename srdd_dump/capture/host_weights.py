@@ -6,7 +6,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-HOST = torch.device("cpu")
+from .host import HOST
+
 F64 = torch.float64
 BUDGET_BYTES = 2 << 30
 

@@ -69,6 +69,8 @@ class Replays:
         self.sites, self.spec, self.sink, self.coverage, self.tp = sites, spec, sink, coverage, tp
         # id(attention module) -> its layout for the reference attention, or why there is none
         self.attention = attention or {}
+        # the cache layers a reference reads (their past is kept when the replays' is not)
+        self._referenced = {v.layer for v in self.attention.values() if not isinstance(v, str)}
         self.mlp = mlp  # the reference MLPs (mlp_reference.py)
         # float64 host weights shared by both references
         self.weights = mlp.weights if mlp is not None else HostWeights()
@@ -116,8 +118,7 @@ class Replays:
             self.caches[idx] = frozen = snapshot_cache(idx, args, kwargs)
             if frozen is not None:
                 self.pasts[idx] = PastKV(frozen.keys, frozen.values, 0, frozen.keys.shape[-2])
-            elif any(not isinstance(v, str) and v.layer == idx
-                     for v in self.attention.values()):
+            elif idx in self._referenced:
                 # a cache the replays cannot take (a sliding window), for the reference
                 self.pasts[idx] = past_kv(find_cache(args, kwargs), idx, copy=True)
 
@@ -230,19 +231,8 @@ class Replays:
                    else ctx.positions.cpu())
         rows = [(int(r) // n_kept, int(kept_at[int(r) % n_kept])) for r in ctx.rows.tolist()]
         device = kept(hidden, ctx.positions, ctx.rows)[0]
-        try:
-            with torch.no_grad():
-                out = reference_rows(layout, x, rows, positions, cache, ctx.key_mask, device,
-                                     self.weights)
-        except Exception as exc:  # noqa: BLE001 (a module of an unexpected shape: counted)
-            out = f"{type(exc).__name__}: {exc}"
-        if isinstance(out, str):
-            self.coverage.failed(name, f"{type(module).__name__}: {out}")
-            return False
-        self.coverage.ran(name)
-        self.host_done += 1
-        self.sink.probe(ctx, layer, site, out.unsqueeze(0), schema.KIND_HOST, subset=True)
-        return True
+        return self._reference(module, layer, site, ctx, name, lambda: reference_rows(
+            layout, x, rows, positions, cache, ctx.key_mask, device, self.weights))
 
     def mlp_record(self, module: nn.Module, layer: int, site: int, args: tuple,
                    kwargs: dict, hidden: torch.Tensor, ctx: RoundContext) -> bool:
@@ -252,11 +242,21 @@ class Replays:
             return False
         name = self._family(ctx, site, "references")
         self.coverage.expect(name)
+        return self._reference(module, layer, site, ctx, name,
+                               lambda: self.mlp.rows(module, kept(x, ctx.positions, ctx.rows)[0]))
+
+    def _reference(self, module: nn.Module, layer: int, site: int, ctx: RoundContext,
+                   name: str, compute: Callable[[], torch.Tensor | str]) -> bool:
+        """A reference's rows (or why none: a string) as the site's KIND_HOST record of the
+        probe rows, counted in coverage family ``name``; an error is counted, never raised
+        (the site's probes go on)."""
         try:
             with torch.no_grad():
-                out = self.mlp.rows(module, kept(x, ctx.positions, ctx.rows)[0])
-        except Exception as exc:  # noqa: BLE001 (counted; the site's probes go on)
-            self.coverage.failed(name, f"{type(module).__name__}: {type(exc).__name__}: {exc}")
+                out = compute()
+        except Exception as exc:  # noqa: BLE001 (a module of an unexpected shape)
+            out = f"{type(exc).__name__}: {exc}"
+        if isinstance(out, str):
+            self.coverage.failed(name, f"{type(module).__name__}: {out}")
             return False
         self.coverage.ran(name)
         self.host_done += 1
