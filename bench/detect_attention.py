@@ -1,8 +1,9 @@
 """Detection benchmark of issue 28 on two real architectures (SmolLM2-135M, a Llama; Gemma 3
 270M: sliding-window and full attention, q/k norms, one KV head): faults inside the attention
-kernel and inside operators, planted during generation, judged by the reference-free report
-at default options; healthy runs of both models (not used to set any threshold) with the
-default options and with the hunt options.
+kernel and inside operators (projections, activation, the block's norms), and the cause
+families (an 8-bit quantisation, an fp16 overflow born in one block and propagated), planted
+during generation, judged by the reference-free report at default options; healthy runs of
+both models (not used to set any threshold) with the default options and with the hunt options.
 
     python bench/detect_attention.py [--model smollm2|gemma3] [--out CSV] [--shard i/n]
     python bench/detect_attention.py --summarize a.csv b.csv
@@ -11,7 +12,8 @@ Scoring (bench/detect.py's): a hit is the planted layer as the top row with verd
 ``site_hit``: that row names the planted module or the sub-layer holding it (at default
 options the sub-layers are the finest sites); ``label_hit``: the top row's first cause label
 is the right one for the family (ATTENTION_MISMATCH for a fault inside the attention kernel or
-its projections, MLP_MISMATCH for one inside an MLP operator).
+its projections, MLP_MISMATCH for one inside an MLP operator, the mechanism for a norm's,
+QUANTIZED, OVERFLOW).
 Each case: 2 prompts, greedy generation of 8 new tokens.
 """
 
@@ -58,6 +60,17 @@ OPERATORS = (  # (type, spec template, site, right first labels)
     ("offset", "bias@{},quantile=0.5", "self_attn.v_proj", ("ATTENTION_MISMATCH",)),
     ("precision", "precision@{},dtype=bfloat16", "self_attn.o_proj", ("PRECISION",
                                                                       "ATTENTION_MISMATCH")),
+    # the block's norms are sites of their own at default options (their float64 replay is
+    # their reference): the label is the mechanism their output shows
+    ("clamp", "saturation@{},quantile=0.99", "input_layernorm", ("SAT_SOURCE", "PILEUP_SAT")),
+    ("flush_to_zero", "dead_zone@{},quantile=0.1", "post_attention_layernorm", ("DEAD_ZONE",)),
+)
+# cause labels: an output quantised to 8 bits and back (per token, per tensor), and an fp16
+# overflow born in one block's output and carried by the residual stream to every later layer
+CAUSES = (  # (type, spec template, site, right first labels, dtype)
+    ("int8_per_token", "int8@{},site=mlp", "mlp", ("QUANTIZED",), "float32"),
+    ("int8_per_tensor", "int8@{},site=mlp,per=tensor", "mlp", ("QUANTIZED",), "float32"),
+    ("fp16_overflow", "scale@{},m=1000", "block", ("OVERFLOW",), "float16"),
 )
 
 
@@ -85,10 +98,13 @@ def fault_cases(name: str):
             if ftype == "gqa_mapping" and name in KV_HEADS_ONE:
                 continue
             out.append(("attention-kernel", ftype, template.format(f"layer={layer}"), layer,
-                        "attn", (label,)))
+                        "attn", (label,), "float32"))
         for ftype, template, site, labels in OPERATORS:
             out.append(("operator", ftype, template.format(f"layer={layer},site={site}"),
-                        layer, site, labels))
+                        layer, site, labels, "float32"))
+        for ftype, template, site, labels, dtype in CAUSES:
+            out.append(("cause", ftype, template.format(f"layer={layer}"), layer, site, labels,
+                        dtype))
     return out
 
 
@@ -102,6 +118,8 @@ def site_named(top_site: str, site: str) -> bool:
     """The top row names the planted module or the sub-layer that holds it."""
     top = str(top_site)
     parts = site.split(".")
+    if site == "block":  # the block row: its name ends in the layer number
+        return top.rsplit(".", 1)[-1].isdigit()
     names = {"attn": ("self_attn",)}.get(site, (site, parts[0]))
     return any(top == n or top.endswith("." + n) for n in names)
 
@@ -143,14 +161,14 @@ def main() -> None:
                 row = dict(model=name, kind=kind, group="healthy", spec=label, dtype=dtype,
                            options=options, seconds=round(secs, 1), **score(result, None))
             else:
-                group, ftype, spec, layer, site, labels = case
-                key = (name, "float32")
+                group, ftype, spec, layer, site, labels, dtype = case
+                key = (name, dtype)
                 if key not in models:
-                    models[key] = load_model(name)
+                    models[key] = load_model(name, dtype)
                 model, tok = models[key]
                 result, secs = run(model, prompts(name, tok, i % 5), [spec], seed=i % 5)
                 row = dict(model=name, kind=kind, group=group, spec=spec, layer=layer,
-                           site=site, dtype="float32", options=options,
+                           site=site, dtype=dtype, options=options,
                            seconds=round(secs, 1), **score(result, layer))
                 first = str(row["top_diagnosis"]).split(",")[0]
                 row["site_hit"] = int(bool(row["hit"]) and site_named(row["top_site"], site))
@@ -175,7 +193,7 @@ def summarize(paths: list[str]) -> None:
             r["label_hit"] = int(r["hit"] == "1" and first in labels[(r["model"], r["spec"])])
     for name in sorted({r["model"] for r in rows}):
         mine = [r for r in rows if r["model"] == name]
-        for group in ("attention-kernel", "operator"):
+        for group in ("attention-kernel", "operator", "cause"):
             cases = [r for r in mine if r["group"] == group]
             if cases:
                 hits = sum(int(r["hit"]) for r in cases)

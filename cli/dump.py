@@ -45,7 +45,7 @@ def dump(
     ),
     seed: int = typer.Option(D.seed, "--seed", help="Seed of srdd-dump's own random choices."),
     probes: str = typer.Option(D.probes, "--probes", help="Layer-local probes: any of "
-                               "gain,dc,repeat,scale,causal,attention,mlp, or none."),
+                               "gain,dc,repeat,scale,causal,attention,mlp,norm, or none."),
     probe_steps: str = typer.Option(D.probe_steps, "--probe-steps", help="Which captured "
                                     "steps are probed too (--steps syntax, or all; 0: the "
                                     "prefill only)."),
@@ -58,8 +58,9 @@ def dump(
                                    "(repeatable)."),
     repeats: int = typer.Option(D.repeats, "--repeats", help="Unperturbed re-runs per layer."),
     granularity: str = typer.Option(D.granularity, "--granularity",
-                                    help="block; sublayer: the attention and MLP too; op: "
-                                    "every operator inside the blocks too (a hunt)."),
+                                    help="block; sublayer: the attention, MLP and the block's "
+                                    "norms too; op: every operator inside the blocks too (a "
+                                    "hunt)."),
     sublayers: Optional[str] = typer.Option(None, "--sublayers", help="Globs relative to a "
                                             "block naming the sub-layers, e.g. 'self_attn,mlp'."),
     reference: str = typer.Option(D.reference, "--reference", help="none, or host: re-run "

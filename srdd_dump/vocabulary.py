@@ -43,6 +43,15 @@ TIE_CANDIDATES = 8  # channels looked at for ties at their extreme
 TIE_MIN_LEVELS = 16  # quantisation steps a channel must span before its extreme's ties count
 CHANNEL_FLOOR = 0.1  # channels judged alone: rms at least this x the median channel's
 PILEUP_BINS = 100  # histogram bins of the edge pile-up
+# The 8-bit grid of a dequantised row (int8 or uint8 with a scale and zero point of its own):
+# rows tested per record, the levels a grid may span, the non-zero values a row needs, and how
+# far from a whole number of steps a value may be, plus its dtype's rounding (UNIT_ROUNDOFF)
+GRID_ROWS = 8
+GRID_LEVELS = 256
+GRID_MIN_VALUES = 64
+GRID_TOL = 1e-3
+UNIT_ROUNDOFF = {"float32": 2.0 ** -24, "bfloat16": 2.0 ** -8, "float16": 2.0 ** -11,
+                 "float64": 2.0 ** -53}
 DC_LOW = 0.15  # a dc response under this x the median response counts as low
 # A channel constant over n distinct tokens is a stuck channel only when chance cannot make it
 # one: a healthy channel that takes one value with probability p (an activation's floor in

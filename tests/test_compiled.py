@@ -144,18 +144,19 @@ def test_a_fullgraph_compile_runs_and_its_hooks_are_compiled_out(tmp_path, how):
 
 def test_sites_compiled_before_the_hooks_are_counted_and_said(tmp_path, capfd):
     """The serving fixture's attention breaks the graph (``int(positions.max())``): compiled
-    before the hooks, the blocks' later pieces (their MLPs) never run a hook."""
+    before the hooks, the blocks' compiled pieces (their norms, before and after the attention,
+    and their MLPs) never run a hook."""
     model = torch.compile(tiny(layers=3), backend="eager")
     prompt = PROMPTS[0][0].tolist()
     plain = generate(model, [prompt], 4)
     with register_hook(model, _config(tmp_path)) as session:
         assert generate(model, [prompt], 4) == plain
     with DumpReader(session.path) as r:
-        assert r.status["sites_never_run"] == 3
-    assert "the hooks of 3 of 9 capture sites never ran (_orig_mod.model.layers.0.mlp" \
+        assert r.status["sites_never_run"] == 9  # 3 x (input norm, post-attention norm, MLP)
+    assert "the hooks of 9 of 15 capture sites never ran (_orig_mod.model.layers.0.mlp" \
         in capfd.readouterr().err
     result = compare_path(str(tmp_path), progress=False)
-    assert any("3 blocks or sub-layers never ran" in n for n in result.notes)
+    assert any("9 blocks or sub-layers never ran" in n for n in result.notes)
 
 
 def test_compiled_parts_names_every_way_of_compiling():

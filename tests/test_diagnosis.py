@@ -170,3 +170,36 @@ def test_per_sequence_faults_leave_the_batch_replay_alone(tmp_path):
     (path,) = find_dump_files(str(tmp_path))
     deps = [g.batch_dep for g in file_signals(path)]
     assert len(deps) > 6 and max(deps) < 0.1 * BATCH_DEP["float32"]
+
+
+@pytest.mark.unit
+def test_an_8_bit_grid_is_told_from_every_float_format():
+    """grid_rows: rows quantised to 8 bits and back (per row, per tensor, uint8 with a zero
+    point) lie on an even grid; fp32, fp16, bf16 and fp8 rows, however coarse, do not."""
+    from srdd_dump.analysis.array_stats import grid_rows
+
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((16, 576)).astype(np.float32)
+    per_row = np.abs(x).max(axis=1, keepdims=True) / 127
+    per_tensor = np.abs(x).max() / 127
+    lo, hi = x.min(axis=1, keepdims=True), x.max(axis=1, keepdims=True)
+    step8 = (hi - lo) / 255
+    zero = np.rint(-lo / step8)
+    grids = {
+        "int8 per row": np.rint(x / per_row) * per_row,
+        "int8 per tensor": np.rint(x / per_tensor) * per_tensor,
+        "uint8 with a zero point": (np.clip(np.rint(x / step8) + zero, 0, 255) - zero) * step8,
+    }
+    for name, q in grids.items():
+        assert grid_rows(q.astype(np.float32), "float32") == 1.0, name
+    t = torch.from_numpy(x)
+    floats = {
+        "float32": (x, "float32"),
+        "float16": (t.half().float().numpy(), "float16"),
+        "bfloat16": (t.bfloat16().float().numpy(), "bfloat16"),
+        "bfloat16 near 1": ((t * 0.01 + 1).bfloat16().float().numpy(), "bfloat16"),
+        "fp8 e4m3": (t.to(torch.float8_e4m3fn).float().numpy(), "float32"),
+    }
+    for name, (rows, dtype) in floats.items():
+        assert grid_rows(rows, dtype) == 0.0, name
+    assert np.isnan(grid_rows(x[:, :32], "float32"))  # too few values to tell

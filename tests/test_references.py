@@ -146,7 +146,8 @@ def test_the_simulated_kernel_is_the_model_attention_when_the_fault_is_off(tmp_p
 @pytest.mark.integration
 def test_an_unknown_attention_layout_is_reported_not_judged(tmp_path):
     session, result = _dump(tmp_path, build("gpt2", dtype=torch.float32))
-    families = {k: v for k, v in session.coverage.as_dict().items() if "references" in k}
+    families = {k: v for k, v in session.coverage.as_dict().items()
+                if "attention references" in k}
     assert families and all(f["done"] == 0 for f in families.values())
     assert all("no q/k/v projections" in f["first_error"] for f in families.values())
     assert FAULT not in set(result.layers["verdict"])
@@ -175,6 +176,48 @@ def test_an_fp8_round_trip_is_precision_not_saturation(tmp_path):
     labels = top["diagnosis"].split(",")
     assert "SAT_SOURCE" not in labels and "PILEUP_SAT" not in labels, labels
     assert "PRECISION" in labels
+
+
+NORM_FAULTS = [("saturation@layer=2,site=input_layernorm,quantile=0.99", "SAT_SOURCE"),
+               ("dead_zone@layer=2,site=post_attention_layernorm,quantile=0.1", "DEAD_ZONE"),
+               ("precision@layer=2,site=input_layernorm,dtype=bfloat16", "PRECISION")]
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("fault,label", NORM_FAULTS)
+def test_faults_in_the_blocks_norms_are_named_at_the_norm_at_default_options(
+        tmp_path, fault, label):
+    """A norm's output is the input the sub-layer references start from: only its own site
+    (default granularity, with its float64 host replay) sees a fault in it."""
+    _, result = _dump(tmp_path, build("llama", layers=4, dtype=torch.float32), inject=[fault])
+    top = result.layers.iloc[0]
+    assert (top["verdict"], int(top["layer"])) == (FAULT, 2), result.headlines
+    assert top["site"] == "model.layers.2." + fault.split("site=")[1].split(",")[0]
+    assert top["diagnosis"].split(",")[0] == label, top["diagnosis"]
+    assert (result.layers["verdict"] == FAULT).sum() == 1
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("per", ["token", "tensor"])
+def test_an_int8_round_trip_is_quantized_not_a_dead_zone_or_a_clip(tmp_path, per):
+    _, result = _dump(tmp_path, build("llama", layers=4, dtype=torch.float32),
+                      inject=[f"int8@layer=2,site=mlp,per={per}"])
+    top = result.layers.iloc[0]
+    assert (top["verdict"], int(top["layer"])) == (FAULT, 2), result.headlines
+    labels = top["diagnosis"].split(",")
+    assert labels[0] == "QUANTIZED", labels
+    assert "SAT_SOURCE" not in labels
+
+
+@pytest.mark.integration
+def test_healthy_norm_sites_are_default_sites_and_pass(tmp_path):
+    session, result = _dump(tmp_path, _model("gemma3", torch.float32))
+    norms = result.sites[result.sites["role"] == "norm"]
+    # Gemma 3: input, post-attention, pre- and post-feed-forward norms of each of 4 blocks
+    assert len(set(norms["module"])) == 16, sorted(set(norms["module"]))
+    assert not norms["module"].str.contains("self_attn").any()  # q/k norms: the attention's
+    assert (result.layers["verdict"] != FAULT).all(), result.headlines
+    assert not any("norm" in line and "missing" in line for line in result.notes), result.notes
 
 
 @pytest.mark.integration

@@ -78,8 +78,8 @@ def _assert_same(want: RoundStats, got: RoundStats) -> None:
                  "inf_count"):
         assert _close(getattr(want.moments, name), getattr(got.moments, name), 1e-9), name
     for name in ("pileup", "ties", "tie_excess", "update_rms", "offset", "dc_energy",
-                 "consistency", "stuck", "lowbits", "batch_dep", "dc", "repeats", "scale",
-                 "causal", "host"):
+                 "consistency", "stuck", "lowbits", "grid", "batch_dep", "dc", "repeats",
+                 "scale", "causal", "host"):
         assert _close(getattr(want, name), getattr(got, name)), (
             name, getattr(want, name), getattr(got, name))
     assert _close(sorted(want.gains), sorted(got.gains))
@@ -117,7 +117,7 @@ def _probes(x_rows, rows, rng, dtype=np.float32):
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("case", ["plain", "faulty", "bf16", "padded", "tiny"])
+@pytest.mark.parametrize("case", ["plain", "faulty", "bf16", "padded", "tiny", "int8"])
 def test_device_reductions_equal_the_compares(case):
     rng = np.random.default_rng(len(case))
     batch, ntok, width = (1, 3, 16) if case == "tiny" else (2, 48, 64)
@@ -132,6 +132,9 @@ def test_device_reductions_equal_the_compares(case):
     if case == "bf16":
         x = s.bf16_bits_to_float32(s.float32_to_bf16_bits(x))
         dtype = "bfloat16"
+    if case == "int8":  # each token row quantised to 8 bits and back
+        step = np.abs(x).max(axis=-1, keepdims=True) / 127
+        x = (np.rint(x / step) * step).astype(np.float32)
     valid = None
     if case == "padded":
         valid = np.ones(batch * ntok, dtype=bool)
@@ -143,6 +146,10 @@ def test_device_reductions_equal_the_compares(case):
     got = _device_stats(x, dtype, before, rows, probes, valid, positions, sample=3)
     assert want is not None and got is not None
     _assert_same(want, got)
+    if case in ("tiny", "faulty"):  # rows under 64 non-zero values: not tested
+        assert math.isnan(want.grid)
+    else:
+        assert want.grid == (1.0 if case == "int8" else 0.0)
     assert want.scale is not None and want.scale[2] == "clip"  # the case exercises each part
     assert want.causal and want.host is not None and want.batch_dep is not None
     assert len(want.dc) == 1 and len(want.repeats) == 2 and want.diffs is not None

@@ -10,7 +10,17 @@ import math
 
 import numpy as np
 
-from ..vocabulary import PILEUP_BINS, TIE_CANDIDATES, TIE_MIN_LEVELS, stuck_min_tokens
+from ..vocabulary import (
+    GRID_LEVELS,
+    GRID_MIN_VALUES,
+    GRID_ROWS,
+    GRID_TOL,
+    PILEUP_BINS,
+    TIE_CANDIDATES,
+    TIE_MIN_LEVELS,
+    UNIT_ROUNDOFF,
+    stuck_min_tokens,
+)
 from .sums import dot, total
 
 
@@ -260,3 +270,44 @@ def mad(values: list[float]) -> float:
     v = v[np.isfinite(v)]
     return float(1.4826 * np.median(np.abs(v - np.median(v)))) if v.size else float("nan")
 
+
+
+def grid_rows(rows: np.ndarray, dtype: str) -> float:
+    """The share of tested rows (up to GRID_ROWS, spread evenly) whose distinct values are
+    whole numbers of one step apart, spanning at most GRID_LEVELS steps: the dequantised
+    output of an 8-bit quantisation with a scale (and zero point) per row or per tensor. A
+    row needs GRID_MIN_VALUES non-zero values to be tested; NaN when none has."""
+    n = rows.shape[0] if rows.ndim == 2 else 0
+    if not n:
+        return float("nan")
+    eps = UNIT_ROUNDOFF.get(dtype, 2.0 ** -24)
+    tested = on = 0
+    for r in np.unique(np.linspace(0, n - 1, min(n, GRID_ROWS)).astype(np.int64)):
+        v = rows[r]
+        v = v[np.isfinite(v)]
+        if np.count_nonzero(v) < GRID_MIN_VALUES:
+            continue
+        tested += 1
+        on += on_grid(np.unique(v.astype(np.float64)), eps)
+    return on / tested if tested else float("nan")
+
+
+def on_grid(u: np.ndarray, eps: float) -> bool:
+    """Sorted distinct values ``u`` are whole numbers of one step apart (the smallest gap of
+    the small values, refined over the whole span), within GRID_LEVELS steps and the rounding
+    ``eps`` of their dtype; the step is coarser than that rounding at the largest value (any
+    float row is a grid of its own finest spacing)."""
+    if u.size < 3 or u.size > GRID_LEVELS + 1:
+        return False
+    top = max(abs(float(u[0])), abs(float(u[-1])))
+    small = u[np.abs(u) <= top / 8]  # steps the dtype resolves exactly (bf16 too)
+    gap = float(np.diff(small if small.size >= 3 else u).min())
+    span = float(u[-1] - u[0])
+    if not gap > 0 or span / gap > GRID_LEVELS + 0.5:
+        return False
+    step = span / round(span / gap)
+    if step < 2 * eps * top:
+        return False
+    k = (u - u[0]) / step
+    tol = GRID_TOL + eps * (np.abs(u) + abs(float(u[0]))) / step
+    return bool(np.all(np.abs(k - np.rint(k)) <= tol))

@@ -31,6 +31,7 @@ from ..vocabulary import (
     CLIPPING,
     CORE,
     EXPERT,
+    GRID_LEVELS,
     LINEAR,
     NORM,
     ROTARY,
@@ -64,6 +65,9 @@ TIE_EXCESS = 8.0  # healthy bf16 Gaussian channels: 2-3 from 10 to 16,000 tokens
 INSTABILITY = {"float32": 1e-6, "float64": 1e-12, "float16": 1e-4, "bfloat16": 1e-3}
 INSTABILITY_OVER_MEDIAN = 10.0  # a device-wide jitter floor is not a source
 LOWBITS = 0.5  # values whose LOW_BITS[dtype] low mantissa bits are 0; healthy 2^-LOW_BITS
+# rows of an output on an 8-bit grid (array_stats.grid_rows; healthy max seen 0): at this share
+# the output was quantised to 8 bits and dequantised (QUANTIZED)
+GRID_SHARE = 0.5
 # A family at FAULT level on at least this share (and SYSTEMIC_MIN) of the layers of one site
 # kind is one shared kernel, reported as SYSTEMIC_<FAMILY> rather than as many sources.
 SYSTEMIC_SHARE = 0.5
@@ -202,6 +206,10 @@ def _exact_evidence(sig: Signals, dtype: str, instab_median: float, compute_dtyp
     ev += _identity_evidence(sig, where, dtype)
     if sig.role in NO_STATISTICS:
         return ev
+    # an output quantised to a grid of few levels (8 bits) and dequantised: its zeros (values
+    # under half a step), the values a small shift leaves unmoved and the ties at the grid's
+    # ends are the quantisation's, listed after it
+    quantized = np.isfinite(sig.grid) and sig.grid >= GRID_SHARE
     zero_limit = ZERO_FRAC.get(dtype, 1e-3)
     zeros = lower_bound(sig.zero_frac, sig.n_values)
     if zeros > SUSPECT_RATIO * zero_limit:
@@ -221,7 +229,7 @@ def _exact_evidence(sig: Signals, dtype: str, instab_median: float, compute_dtyp
         if not (moved and sig.role in (NORM, ACTIVATION)) and not own:
             ev.append(Evidence("DEAD_ZONE", zeros / zero_limit,
                                f"{sig.zero_frac:.2%} exact zeros in {where}{extra}",
-                               inheritable=bool(moved)))
+                               inheritable=bool(moved), secondary=bool(quantized)))
     flat_limit = FLAT_VALUE.get(dtype, 1e-3)
     flat = lower_bound(sig.flat_value, sig.n_probed)
     low = lower_bound(sig.lowbits, sig.n_values)
@@ -232,7 +240,7 @@ def _exact_evidence(sig: Signals, dtype: str, instab_median: float, compute_dtyp
     # values on a coarser grid than their dtype's (an fp8 or bf16 round trip) do not move
     # under a shift smaller than the grid step, at the row's extremes too: that is the
     # PRECISION below, not a clip, unless the extremes also pile up
-    if flat > SUSPECT_RATIO * flat_limit and (piled or not coarse):
+    if flat > SUSPECT_RATIO * flat_limit and (piled or not coarse) and not quantized:
         ev.append(Evidence("SAT_SOURCE", flat / flat_limit,
                            f"{sig.flat_value:.2%} of non-zero elements in {where} do not move "
                            "under a dc shift of the input (clipped)"))
@@ -269,6 +277,10 @@ def _exact_evidence(sig: Signals, dtype: str, instab_median: float, compute_dtyp
             + (f", at its extremes ({sig.batch_dep_moved:.2%} of the elements, at "
                f"{sig.batch_dep_level:.2f} max|x|): a clip limit taken from the whole batch"
                if at_edge else ""), secondary=True))
+    if quantized:
+        ev.append(Evidence("QUANTIZED", sig.grid / GRID_SHARE,
+                           f"{sig.grid:.0%} of the rows of {where} lie on an even grid of at "
+                           f"most {GRID_LEVELS} values (an 8-bit quantisation, dequantised)"))
     if coarse:
         ev.append(Evidence("PRECISION", low / LOWBITS,
                            f"{sig.lowbits:.0%} of the {stored} values in {where} have their "
@@ -613,6 +625,7 @@ FAMILY_WORDS = {
     "BIAS": "constant bias",
     "STUCK": "stuck channels",
     "PRECISION": "lost precision",
+    "QUANTIZED": "quantised to 8 bits (values on an even grid of few levels)",
     "OVERFLOW": "NaN/Inf",
     "BATCH_DEP": "output depends on the rest of the batch",
     "NOT_LINEAR": "a linear operator is not scale-equivariant (quantised or rounded with a "

@@ -74,6 +74,7 @@ class Signals:
     consistency: float = float("nan")  # 99th pct over channels of |mean_t u_c| / rms_t u_c
     stuck: float = float("nan")  # fraction of channels at one non-zero value over all tokens
     lowbits: float = float("nan")  # non-zero values whose LOW_BITS[dtype] low mantissa bits are 0
+    grid: float = float("nan")  # tested rows whose values lie on an 8-bit grid (median)
     # probe responses (NaN when the dump has no probes)
     gain: float = float("nan")  # median st.std(dO)/st.rms(dI) at the largest sigma
     gain_spread: float = float("nan")  # robust spread of that gain over samples and draws
@@ -134,6 +135,7 @@ class RoundStats:
     stuck: float = float("nan")
     lowbits: float = float("nan")
     rows: float = float("nan")  # token rows seen (after the attention mask)
+    grid: float = float("nan")  # tested rows on an 8-bit grid (array_stats.grid_rows)
     topk_margin: float = float("nan")  # an expert: median router margin of its tokens
     batch_dep: tuple[float, float, float] | None = None
     gains: list[tuple[float, float]] = field(default_factory=list)  # (sigma, std(dO)/rms(dI))
@@ -189,6 +191,7 @@ def round_stats(
         if nnz:
             low = (finite.view(np.uint32) & np.uint32(mask)) == 0
             out.lowbits = np.count_nonzero(low & nonzero) / nnz
+    out.grid = st.grid_rows(st.rows_of(x), dtype)
     if rows is not None and probes:
         if rows.size and int(rows.max()) >= x.size // x.shape[-1]:
             rows = rows[:0]  # a model-level operator (rotary) has fewer rows than the round
@@ -306,7 +309,7 @@ class LayerSignals:
         self.samples: set[int] = set()
         self.per_sample: dict[str, list[float]] = {
             k: [] for k in ("pileup", "ties", "tie_excess", "offset", "upd", "dce", "cons",
-                            "stuck", "lowbits", "rows", "margin")
+                            "stuck", "lowbits", "rows", "margin", "grid")
         }
         self.gains: dict[float, list[float]] = {}
         self.dc_dead: list[float] = []
@@ -342,7 +345,7 @@ class LayerSignals:
         for key, value in (("pileup", r.pileup), ("ties", r.ties), ("tie_excess", r.tie_excess),
                            ("upd", r.update_rms), ("offset", r.offset), ("dce", r.dc_energy),
                            ("cons", r.consistency), ("stuck", r.stuck),
-                           ("lowbits", r.lowbits), ("rows", r.rows),
+                           ("lowbits", r.lowbits), ("rows", r.rows), ("grid", r.grid),
                            ("margin", r.topk_margin)):
             acc[key].append(value)
         if r.scale is not None:
@@ -394,6 +397,7 @@ class LayerSignals:
         sig.consistency = med(acc["cons"])
         sig.stuck = st.nanmax(acc["stuck"])
         sig.lowbits = med(acc["lowbits"])
+        sig.grid = med(acc["grid"])
         if self.gains:
             big, small = max(self.gains), min(self.gains)
             sig.gain = med(self.gains[big])

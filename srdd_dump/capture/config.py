@@ -49,8 +49,11 @@ class DumpConfig:
     probe_samples: the first N samples are probed; later ones are captured without probes
         (the probes cost most of a scan: docs/benchmarks.md).
     probes: gain, dc, repeat (replays of perturbed inputs), scale (the linear-map identity,
-        at operator granularity), causal (the causality identity of attention and blocks).
-    granularity: block, sublayer (attention and MLP too) or op (every operator inside).
+        at operator granularity), causal (the causality identity of attention and blocks),
+        attention, mlp, norm (the float64 references of the attention and MLP sub-layers and
+        of the block's norms).
+    granularity: block, sublayer (attention, MLP and the norms of the block too) or op (every
+        operator inside).
     reference: none, or host: each probed site re-run in float64 on the host CPU.
     store: "sample:N" (every clean output, probe outputs on rows of about N elements), "full"
         (probe outputs on every row), or "stats[:R]": no tensors but the statistics the
@@ -67,7 +70,7 @@ class DumpConfig:
     tokens: str = "all"
     layers: str | None = None
     seed: int = 0
-    probes: str = "gain,dc,repeat,scale,causal,attention,mlp"
+    probes: str = "gain,dc,repeat,scale,causal,attention,mlp,norm"
     probe_steps: str = "0,1,7"
     probe_samples: int = 4
     sigmas: list = field(default_factory=lambda: [0.1, 0.01])
@@ -189,7 +192,7 @@ def token_positions(parts: list[slice | int] | None, seq: int) -> list[int]:
     return sorted(chosen)
 
 
-PROBE_NAMES = ("gain", "dc", "repeat", "scale", "causal", "attention", "mlp")
+PROBE_NAMES = ("gain", "dc", "repeat", "scale", "causal", "attention", "mlp", "norm")
 GRANULARITIES = ("block", "sublayer", "op")
 REFERENCES = ("none", "host")
 TP_REPLAYS = ("skip", "lockstep")

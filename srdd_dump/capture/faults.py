@@ -29,6 +29,9 @@ stuck_at                  channels stuck at ``value`` (default m * max|h| of the
 bitflip                   each element flips one random bit with probability ``rate``
                           (default 1e-4) in the ``bits=mantissa|exponent`` of its float32 value
 precision                 h rounded to ``dtype=bfloat16|float16`` and back
+int8                      dynamic 8-bit quantisation and back: h = round(h / s) * s clamped to
+                          +-127 steps, s = max|h| / 127 of each token row (``per=tensor``:
+                          of the whole output), as a W8A8 kernel's per-token activation scale
 scale                     h * (1 + m) (a wrong scale factor; with sparsity: on a few channels)
 causal_leak               h_t + m * mean(h_{t+1..}) over the later tokens of the same sequence
                           (an attention mask bug: rows see the future; multi-token calls)
@@ -182,6 +185,11 @@ class _Fault:
             y = self._bitflip(x, float(o.get("rate", 1e-4)), o.get("bits", "mantissa"))
         elif s.type == "precision":
             y = x.to(getattr(torch, o.get("dtype", "bfloat16"))).float()
+        elif s.type == "int8":
+            rows = x.abs().amax() if o.get("per") == "tensor" else x.abs().amax(
+                dim=-1, keepdim=True)
+            step = torch.where(rows > 0, rows / 127, torch.ones_like(rows))
+            y = torch.round(x / step).clamp(-127, 127) * step
         elif s.type == "scale":
             y = x * (1 + m)
         elif s.type == "causal_leak":

@@ -9,7 +9,7 @@ from ..errors import UserError
 
 FAULT_TYPES = (
     "dead_zone", "mxfp4_deadzone", "saturation", "bias", "noise", "spike", "nondeterminism",
-    "stuck_at", "bitflip", "precision", "causal_leak", "scale",
+    "stuck_at", "bitflip", "precision", "causal_leak", "scale", "int8",
     # inside the attention kernel (capture/attention_faults.py)
     "softmax_precision", "double_scale", "rotary_offset", "mask_shift", "gqa_mapping",
 )

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..vocabulary import NORM
 from .config import DumpConfig
 from .discovery import Site, find_operators, find_sites
 from .probes import is_cache
@@ -14,14 +15,19 @@ from .probes import is_cache
 
 def sites_of(model: nn.Module, blocks: list[tuple[str, nn.Module]], config: DumpConfig
            ) -> list[Site]:
-    """The sub-layer sites of the granularity: none, the attention and MLP sub-blocks, or
-    those and every operator inside the blocks (a module named twice is kept once)."""
+    """The sub-layer sites of the granularity: none; the attention and MLP sub-blocks and the
+    norms between them (those of the block itself, not inside a sub-block: a norm's fault
+    changes the input every reference of a sub-layer starts from, so only its own site sees
+    it); or those and every operator inside the blocks (a module named twice is kept once)."""
     if config.granularity == "block":
         return []
     sites = find_sites(blocks, config.sublayers)
+    seen = {site.name for site in sites}
     if config.granularity == "op":
-        seen = {site.name for site in sites}
         sites += [op for op in find_operators(model, blocks) if op.name not in seen]
+    elif config.sublayers is None:
+        sites += [op for op in find_operators(model, blocks) if op.role == NORM
+                  and not any(op.name.startswith(name + ".") for name in seen)]
     return sites
 
 

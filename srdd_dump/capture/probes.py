@@ -42,6 +42,7 @@ class ProbeSpec:
     causal: bool = False  # the causality copy of causal attentions and blocks
     attention: bool = False  # the float64 reference attention (attention_reference.py)
     mlp: bool = False  # the float64 reference MLP (mlp_reference.py)
+    norm: bool = False  # the float64 host replay of a norm's probe rows (replays._rows)
 
     @classmethod
     def of(cls, config: Any) -> ProbeSpec:
@@ -57,6 +58,7 @@ class ProbeSpec:
             causal="causal" in probes,
             attention="attention" in probes,
             mlp="mlp" in probes,
+            norm="norm" in probes,
         )
 
 

@@ -22,10 +22,15 @@ from ..format import schema as s
 from ..vocabulary import (
     CHANNEL_FLOOR,
     DC_LOW,
+    GRID_LEVELS,
+    GRID_MIN_VALUES,
+    GRID_ROWS,
+    GRID_TOL,
     LOW_BITS_MASK,
     PILEUP_BINS,
     TIE_CANDIDATES,
     TIE_MIN_LEVELS,
+    UNIT_ROUNDOFF,
     stuck_min_tokens,
 )
 
@@ -102,6 +107,7 @@ def reduce_round(
         if nnz:
             low = (finite.view(torch.int32) & mask) == 0
             out["lowbits"] = int((low & nonzero).sum()) / nnz
+    out["grid"] = grid_rows(x, dtype)
     if rows is not None and probes:
         rows = rows.to(x.device)
         if rows.numel() and int(rows.max()) >= x.shape[0]:
@@ -112,6 +118,41 @@ def reduce_round(
         _identities(out, x, rows, row_pos, probes, dtype)
         _probes(out, x[rows], probes, acc)
     return out
+
+
+def grid_rows(rows: torch.Tensor, dtype: str) -> float:
+    """``analysis.array_stats.grid_rows``: the share of tested rows on an 8-bit grid."""
+    n = rows.shape[0] if rows.dim() == 2 else 0
+    if not n:
+        return NAN
+    eps = UNIT_ROUNDOFF.get(dtype, 2.0 ** -24)
+    tested = on = 0
+    for r in np.unique(np.linspace(0, n - 1, min(n, GRID_ROWS)).astype(np.int64)):
+        v = rows[int(r)]
+        v = v[torch.isfinite(v)]
+        if int(torch.count_nonzero(v)) < GRID_MIN_VALUES:
+            continue
+        tested += 1
+        on += _on_grid(torch.unique(v.to(torch.float64 if v.device.type in ("cpu", "cuda")
+                                         else torch.float32)), eps)
+    return on / tested if tested else NAN
+
+
+def _on_grid(u: torch.Tensor, eps: float) -> bool:
+    if u.numel() < 3 or u.numel() > GRID_LEVELS + 1:
+        return False
+    top = max(abs(float(u[0])), abs(float(u[-1])))
+    small = u[u.abs() <= top / 8]
+    gap = float(torch.diff(small if small.numel() >= 3 else u).min())
+    span = float(u[-1] - u[0])
+    if not gap > 0 or span / gap > GRID_LEVELS + 0.5:
+        return False
+    step = span / round(span / gap)
+    if step < 2 * eps * top:
+        return False
+    k = (u - u[0]) / step
+    tol = GRID_TOL + eps * (u.abs() + abs(float(u[0]))) / step
+    return bool(((k - torch.round(k)).abs() <= tol).all())
 
 
 def _as_float(t: torch.Tensor) -> torch.Tensor:

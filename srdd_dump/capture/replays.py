@@ -18,7 +18,7 @@ from torch import nn
 
 from ..format import schema
 from ..format.coverage import Coverage
-from ..vocabulary import BLOCK, EXPERTS, LINEAR, ROTARY, ROUTER
+from ..vocabulary import BLOCK, EXPERTS, LINEAR, NORM, ROTARY, ROUTER
 from . import serving
 from .attention_reference import (
     AttentionLayout,
@@ -316,8 +316,12 @@ class Replays:
                         y = kept(y, *rows) if rows else y
                         self.sink.probe(ctx, layer, site, y, schema.KIND_SCALE,
                                         probe=k, param=k)
-        if self.host and self.tp.may_host_replay(module):
-            self.host_record(module, layer, site, (x_rows,), extra, None, ctx, rows=None)
+        # a norm's float64 replay is its reference (the probe word "norm"): a few rows of a
+        # row-wise map, cheap enough for the default scan
+        reference = spec.norm and role == NORM
+        if (self.host or reference) and self.tp.may_host_replay(module):
+            self.host_record(module, layer, site, (x_rows,), extra, None, ctx, rows=None,
+                             what="host replays" if self.host else "references")
 
     def _experts(self, module, layer, site, role, args, kwargs, hidden, ctx) -> None:
         """A fused experts call: the routing, each token slot's own expert output and, on the
@@ -353,13 +357,14 @@ class Replays:
         return False
 
     def host_record(self, module: nn.Module, layer: int, site: int, args: tuple, kwargs: dict,
-                    cache: Any, ctx: RoundContext, rows: str | None = "round") -> None:
+                    cache: Any, ctx: RoundContext, rows: str | None = "round",
+                    what: str = "host replays") -> None:
         """The float64 host replay of ``module`` on its recorded input, as a KIND_HOST record
         of the round's probe rows (``rows=None``: the input already holds only those rows, or
         a model-level operator whose every kept row is stored). A module the host cannot
         replay is counted, never fatal."""
         try:
-            with self.coverage.attempt(self._family(ctx, site, "host replays")):
+            with self.coverage.attempt(self._family(ctx, site, what)):
                 out = host_replay(module, args, kwargs, cache)
         except Exception:  # noqa: BLE001 (a device-only module, a cache layout not known)
             self.host_failed += 1

@@ -31,7 +31,7 @@ BASE_COLUMNS = [
 SIGNAL_COLUMNS = [
     "kurt_change", "gain", "gain_spread", "linearity", "dc_dead", "dc_low", "instability",
     "instab_changed", "batch_dep", "ties", "tie_excess", "pileup", "offset", "dc_energy", "stuck",
-    "lowbits", "update_rms", "scale_broken", "scale_pattern", "causal_broken", "host_red",
+    "lowbits", "grid", "update_rms", "scale_broken", "scale_pattern", "causal_broken", "host_red",
     "host_channel_red",
     "dtype",
 ]
