@@ -34,6 +34,7 @@ CONFIGS = {
     "capture only (no probes)": {"probes": "none"},
     "default without the causality probe": {"probes": "gain,dc,repeat,scale,attention,mlp"},
     "default without the sub-layer references": {"probes": "gain,dc,repeat,scale,causal"},
+    "default without the norm sites": {"sublayers": "self_attn,mlp"},
     "hunt: --granularity op": {"granularity": "op"},
     "hunt: --granularity op --reference host": {"granularity": "op", "reference": "host"},
 }

@@ -97,7 +97,8 @@ class CaptureSession:
             attention=attention_layouts(model, [
                 s.module for s in self.sites if sublayer_kind(s.role, s.name) == "attention"]),
             mlp=MlpReference([s.module for s in self.sites
-                              if sublayer_kind(s.role, s.name) == "mlp"], HostWeights()))
+                              if sublayer_kind(s.role, s.name) == "mlp"], HostWeights()),
+            operator_probes=config.granularity == "op")
         self.degraded: list[str] = []  # coverage.shortfalls() at close
         self.version_notes = untested_notes()  # libraries outside the tested range
         if self.version_notes and not os.environ.get(cfg.ENV_CONFIG):
