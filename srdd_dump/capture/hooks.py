@@ -97,8 +97,7 @@ class CaptureSession:
             attention=attention_layouts(model, [
                 s.module for s in self.sites if sublayer_kind(s.role, s.name) == "attention"]),
             mlp=MlpReference([s.module for s in self.sites
-                              if sublayer_kind(s.role, s.name) == "mlp"], HostWeights()),
-            operator_probes=config.granularity == "op")
+                              if sublayer_kind(s.role, s.name) == "mlp"], HostWeights()))
         self.degraded: list[str] = []  # coverage.shortfalls() at close
         self.version_notes = untested_notes()  # libraries outside the tested range
         if self.version_notes and not os.environ.get(cfg.ENV_CONFIG):

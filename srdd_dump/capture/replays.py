@@ -65,16 +65,13 @@ class Replays:
                  sink: RecordSink, coverage: Coverage, tp: TensorParallel, *, host: bool,
                  serving_blocks: set[int], moe: ExpertCapture | None, levels: dict[int, str],
                  attention: dict[int, AttentionLayout | str] | None = None,
-                 mlp: MlpReference | None = None, operator_probes: bool = True):
+                 mlp: MlpReference | None = None):
         self.sites, self.spec, self.sink, self.coverage, self.tp = sites, spec, sink, coverage, tp
         # id(attention module) -> its layout for the reference attention, or why there is none
         self.attention = attention or {}
         # the cache layers a reference reads (their past is kept when the replays' is not)
         self._referenced = {v.layer for v in self.attention.values() if not isinstance(v, str)}
         self.mlp = mlp  # the reference MLPs (mlp_reference.py)
-        # row-wise operators run the perturbation probes (--granularity op); else (the block's
-        # norms at the default granularity) their float64 replay alone checks them
-        self.operator_probes = operator_probes
         # float64 host weights shared by both references
         self.weights = mlp.weights if mlp is not None else HostWeights()
         self.host, self.serving, self.moe, self.levels = host, serving_blocks, moe, levels
@@ -307,13 +304,13 @@ class Replays:
             extra[serving.RESIDUAL] = (residual if rows
                                        else kept(residual, ctx.positions, ctx.rows))
         with self.running():
-            if self.operator_probes and (spec.sigmas or spec.dc or spec.repeats):
+            if spec.sigmas or spec.dc or spec.repeats:
                 with self.coverage.attempt(self._family(ctx, site, "probes")):
                     outputs, _ = run_probes(module, (x_rows,), extra, recorded, spec,
                                             ctx.seeds(layer, site))
                 if self._keep_probes(module, outputs, recorded):
                     self.sink.probe_outputs(ctx, layer, site, outputs, rows)
-            if self.operator_probes and spec.scale and role == LINEAR:
+            if spec.scale and role == LINEAR:
                 with torch.no_grad(), preserved_rng(x.device):
                     for k, y in scale_replays(module, x_rows):
                         y = kept(y, *rows) if rows else y
