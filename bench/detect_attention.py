@@ -144,6 +144,7 @@ def main() -> None:
     ap.add_argument("--shard", default="0/1")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--summarize", nargs="*")
+    ap.add_argument("--healthy-only", action="store_true")
     args = ap.parse_args()
     if args.summarize:
         summarize(args.summarize)
@@ -153,7 +154,8 @@ def main() -> None:
     todo = []
     for name in args.model or ["smollm2", "gemma3"]:
         todo += [(name, "healthy", case, hunt) for case in HEALTHY for hunt in (False, True)]
-        todo += [(name, "fault", case, False) for case in fault_cases(name)]
+        if not args.healthy_only:
+            todo += [(name, "fault", case, False) for case in fault_cases(name)]
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     models: dict = {}
     with open(args.out, "w", newline="") as fh:

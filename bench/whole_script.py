@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -39,17 +40,23 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("options", nargs="*", help="srdd-dump options (after --)")
     args = ap.parse_args()
-    script = (f"{sys.executable} {SCRIPTS[args.model]} --prompts {args.prompts} "
+    script = (f"{shlex.quote(sys.executable)} {SCRIPTS[args.model]} --prompts {args.prompts} "
               f"--new-tokens {args.new_tokens}")
     srdd = shutil.which("srdd-dump") or "srdd-dump"
     plain_s, scan_s, ratios = [], [], []
     for i in range(args.pairs + 1):  # the first pair warms the caches, not counted
         out = tempfile.mkdtemp(prefix="srdd-whole-")
-        try:
-            scan = timed([srdd, "--exec", script, "-o", out, *args.options])
-        finally:
-            shutil.rmtree(out, ignore_errors=True)
-        plain = timed(script.split())
+        order = ("plain", "scan") if i % 2 else ("scan", "plain")  # alternated within pairs
+        took = {}
+        for which in order:
+            if which == "scan":
+                try:
+                    took[which] = timed([srdd, "--exec", script, "-o", out, *args.options])
+                finally:
+                    shutil.rmtree(out, ignore_errors=True)
+            else:
+                took[which] = timed(shlex.split(script))
+        scan, plain = took["scan"], took["plain"]
         if i:
             scan_s.append(scan)
             plain_s.append(plain)

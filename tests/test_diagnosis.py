@@ -192,6 +192,10 @@ def test_an_8_bit_grid_is_told_from_every_float_format():
     }
     for name, q in grids.items():
         assert grid_rows(q.astype(np.float32), "float32") == 1.0, name
+        stored = torch.from_numpy(q.astype(np.float32))  # the model's dtype rounds the grid
+        assert grid_rows(stored.half().float().numpy(), "float16") == 1.0, name
+        assert grid_rows(stored.bfloat16().float().numpy(), "bfloat16") == 1.0, name
+    assert grid_rows(np.rint(x * 20), "float32") == 0.0  # integer codes, not dequantised
     t = torch.from_numpy(x)
     floats = {
         "float32": (x, "float32"),

@@ -293,21 +293,31 @@ def grid_rows(rows: np.ndarray, dtype: str) -> float:
 
 
 def on_grid(u: np.ndarray, eps: float) -> bool:
-    """Sorted distinct values ``u`` are whole numbers of one step apart (the smallest gap of
-    the small values, refined over the whole span), within GRID_LEVELS steps and the rounding
-    ``eps`` of their dtype; the step is coarser than that rounding at the largest value (any
-    float row is a grid of its own finest spacing)."""
-    if u.size < 3 or u.size > GRID_LEVELS + 1:
+    """Sorted distinct values ``u`` are whole numbers of one step apart, within GRID_LEVELS
+    steps and the rounding ``eps`` of their dtype. The step: the smallest gap of the small
+    values (which the dtype resolves best), then span / n for every step count n that gap's
+    own rounding allows. The step is coarser than the dtype's rounding at the largest value
+    (any float row is a grid of its own finest spacing); whole numbers are an integer
+    output's codes, not a dequantised one."""
+    if u.size < 3 or u.size > GRID_LEVELS + 1 or np.all(u == np.rint(u)):
         return False
     top = max(abs(float(u[0])), abs(float(u[-1])))
-    small = u[np.abs(u) <= top / 8]  # steps the dtype resolves exactly (bf16 too)
+    small = u[np.abs(u) <= top / 8]
     gap = float(np.diff(small if small.size >= 3 else u).min())
     span = float(u[-1] - u[0])
-    if not gap > 0 or span / gap > GRID_LEVELS + 0.5:
+    if not gap > 0:
         return False
-    step = span / round(span / gap)
-    if step < 2 * eps * top:
+    slack = 2 * eps * top / 8 / gap  # the gap's relative rounding
+    if slack >= 0.5:
         return False
-    k = (u - u[0]) / step
-    tol = GRID_TOL + eps * (np.abs(u) + abs(float(u[0]))) / step
-    return bool(np.all(np.abs(k - np.rint(k)) <= tol))
+    lo = max(1, math.floor(span / (gap * (1 + slack))))
+    hi = min(GRID_LEVELS, math.ceil(span / (gap * (1 - slack))))
+    for n in range(lo, hi + 1):
+        step = span / n
+        if step < 2 * eps * top:
+            break
+        k = (u - u[0]) / step
+        tol = GRID_TOL + eps * (np.abs(u) + abs(float(u[0])) + 2 * top * k / n) / step
+        if np.all(np.abs(k - np.rint(k)) <= tol):
+            return True
+    return False

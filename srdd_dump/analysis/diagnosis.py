@@ -252,7 +252,7 @@ def _exact_evidence(sig: Signals, dtype: str, instab_median: float, compute_dtyp
         ev.append(Evidence("PILEUP_SAT", strength,
                            f"{sig.ties:.0f} tokens share a channel's exact extreme in {where}, "
                            f"{excess:.1f}x the count at the next values (pile-up "
-                           f"{sig.pileup:.1f})"))
+                           f"{sig.pileup:.1f})", secondary=bool(quantized)))
     floor = INSTABILITY.get(dtype, 1e-6)
     limit = max(floor, INSTABILITY_OVER_MEDIAN * instab_median)
     if sig.instability > SUSPECT_RATIO * limit:
@@ -269,7 +269,7 @@ def _exact_evidence(sig: Signals, dtype: str, instab_median: float, compute_dtyp
         # a module that is deterministic on its own but whose output for one input moves with
         # the other inputs of the batch: a range (max, scale) taken over the whole batch
         at_edge = (sig.batch_dep_level >= BATCH_DEP_EXTREME
-                   and sig.batch_dep_moved < BATCH_DEP_FEW)
+                   and sig.batch_dep_moved < BATCH_DEP_FEW and not quantized)
         ev.append(Evidence(
             "SAT_SOURCE" if at_edge else "BATCH_DEP", sig.batch_dep / batch_limit,
             f"the output of {where} for one input changes with the rest of its batch by "

@@ -63,6 +63,8 @@ def parse_fault(text: str) -> FaultSpec:
         raise UserError(f"--inject {text!r}: sparsity must be in (0, 1]")
     if spec.options.get("scope", "batch") not in ("batch", "sample"):
         raise UserError(f"--inject {text!r}: scope must be batch or sample")
+    if spec.options.get("per", "token") not in ("token", "tensor"):
+        raise UserError(f"--inject {text!r}: per must be token or tensor")
     if spec.options.get("phase", "all") not in ("all", "prefill", "decode"):
         raise UserError(f"--inject {text!r}: phase must be all, prefill or decode")
     rank = spec.options.get("rank")

@@ -52,6 +52,10 @@ def host_copy(module: nn.Module) -> nn.Module:
         for name in WRAPPERS:
             if name in m.__dict__:
                 del m.__dict__[name]  # back to the class's own forward
+        if hasattr(m, "forward_native") and "_forward_method" in m.__dict__:
+            # a serving engine's custom op bound to its device kernel (vLLM's forward_cuda,
+            # forward_oot): the host copy runs the op's portable torch code
+            m._forward_method = m.forward_native
     return clone
 
 

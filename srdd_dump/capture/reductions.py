@@ -139,20 +139,28 @@ def grid_rows(rows: torch.Tensor, dtype: str) -> float:
 
 
 def _on_grid(u: torch.Tensor, eps: float) -> bool:
-    if u.numel() < 3 or u.numel() > GRID_LEVELS + 1:
+    if u.numel() < 3 or u.numel() > GRID_LEVELS + 1 or bool((u == torch.round(u)).all()):
         return False
     top = max(abs(float(u[0])), abs(float(u[-1])))
     small = u[u.abs() <= top / 8]
     gap = float(torch.diff(small if small.numel() >= 3 else u).min())
     span = float(u[-1] - u[0])
-    if not gap > 0 or span / gap > GRID_LEVELS + 0.5:
+    if not gap > 0:
         return False
-    step = span / round(span / gap)
-    if step < 2 * eps * top:
+    slack = 2 * eps * top / 8 / gap
+    if slack >= 0.5:
         return False
-    k = (u - u[0]) / step
-    tol = GRID_TOL + eps * (u.abs() + abs(float(u[0]))) / step
-    return bool(((k - torch.round(k)).abs() <= tol).all())
+    lo = max(1, math.floor(span / (gap * (1 + slack))))
+    hi = min(GRID_LEVELS, math.ceil(span / (gap * (1 - slack))))
+    for n in range(lo, hi + 1):
+        step = span / n
+        if step < 2 * eps * top:
+            break
+        k = (u - u[0]) / step
+        tol = GRID_TOL + eps * (u.abs() + abs(float(u[0])) + 2 * top * k / n) / step
+        if bool(((k - torch.round(k)).abs() <= tol).all()):
+            return True
+    return False
 
 
 def _as_float(t: torch.Tensor) -> torch.Tensor:
