@@ -5,6 +5,8 @@ for ``--store stats``, analysis/ in numpy). Defined once here: every package may
 
 import math
 
+import numpy as np
+
 # -- site roles (docs/method.md says which probes and identities each gets) -----------------
 BLOCK = "block"  # a block of the stack (its records have site -1)
 SUBLAYER = "sublayer"  # an attention or MLP sub-block
@@ -52,6 +54,43 @@ GRID_MIN_VALUES = 64
 GRID_TOL = 1e-3
 UNIT_ROUNDOFF = {"float32": 2.0 ** -24, "bfloat16": 2.0 ** -8, "float16": 2.0 ** -11,
                  "float64": 2.0 ** -53}
+
+
+def grid_row_picks(n: int) -> np.ndarray:
+    """The rows of an n-row record the 8-bit grid test looks at: up to GRID_ROWS, evenly."""
+    return np.unique(np.linspace(0, n - 1, min(n, GRID_ROWS)).astype(np.int64))
+
+
+def on_grid(u: np.ndarray, eps: float) -> bool:
+    """Sorted distinct values ``u`` are whole numbers of one step apart, within GRID_LEVELS
+    steps and the rounding ``eps`` of their dtype. The step: the smallest gap of the small
+    values (which the dtype resolves best), then span / n for every step count n that gap's
+    own rounding allows. The step is coarser than the dtype's rounding at the largest value
+    (any float row is a grid of its own finest spacing); whole numbers are an integer
+    output's codes, not a dequantised one. (The numpy and the stats store's reductions both
+    call it.)"""
+    if u.size < 3 or u.size > GRID_LEVELS + 1 or np.all(u == np.rint(u)):
+        return False
+    top = max(abs(float(u[0])), abs(float(u[-1])))
+    small = u[np.abs(u) <= top / 8]
+    gap = float(np.diff(small if small.size >= 3 else u).min())
+    span = float(u[-1] - u[0])
+    if not gap > 0:
+        return False
+    slack = 2 * eps * top / 8 / gap  # the gap's relative rounding
+    if slack >= 0.5:
+        return False
+    lo = max(1, math.floor(span / (gap * (1 + slack))))
+    hi = min(GRID_LEVELS, math.ceil(span / (gap * (1 - slack))))
+    for n in range(lo, hi + 1):
+        step = span / n
+        if step < 2 * eps * top:
+            break
+        k = (u - u[0]) / step
+        tol = GRID_TOL + eps * (np.abs(u) + abs(float(u[0])) + 2 * top * k / n) / step
+        if np.all(np.abs(k - np.rint(k)) <= tol):
+            return True
+    return False
 DC_LOW = 0.15  # a dc response under this x the median response counts as low
 # A channel constant over n distinct tokens is a stuck channel only when chance cannot make it
 # one: a healthy channel that takes one value with probability p (an activation's floor in

@@ -11,14 +11,13 @@ import math
 import numpy as np
 
 from ..vocabulary import (
-    GRID_LEVELS,
     GRID_MIN_VALUES,
-    GRID_ROWS,
-    GRID_TOL,
     PILEUP_BINS,
     TIE_CANDIDATES,
     TIE_MIN_LEVELS,
     UNIT_ROUNDOFF,
+    grid_row_picks,
+    on_grid,
     stuck_min_tokens,
 )
 from .sums import dot, total
@@ -273,16 +272,15 @@ def mad(values: list[float]) -> float:
 
 
 def grid_rows(rows: np.ndarray, dtype: str) -> float:
-    """The share of tested rows (up to GRID_ROWS, spread evenly) whose distinct values are
-    whole numbers of one step apart, spanning at most GRID_LEVELS steps: the dequantised
-    output of an 8-bit quantisation with a scale (and zero point) per row or per tensor. A
-    row needs GRID_MIN_VALUES non-zero values to be tested; NaN when none has."""
-    n = rows.shape[0] if rows.ndim == 2 else 0
-    if not n:
+    """The share of tested rows (vocabulary.grid_row_picks) whose distinct values lie on an
+    8-bit grid (vocabulary.on_grid): the dequantised output of an 8-bit quantisation with a
+    scale (and zero point) per row or per tensor. A row needs GRID_MIN_VALUES non-zero values
+    to be tested; NaN when none has."""
+    if rows.ndim != 2 or not rows.shape[0]:
         return float("nan")
     eps = UNIT_ROUNDOFF.get(dtype, 2.0 ** -24)
     tested = on = 0
-    for r in np.unique(np.linspace(0, n - 1, min(n, GRID_ROWS)).astype(np.int64)):
+    for r in grid_row_picks(rows.shape[0]):
         v = rows[r]
         v = v[np.isfinite(v)]
         if np.count_nonzero(v) < GRID_MIN_VALUES:
@@ -290,34 +288,3 @@ def grid_rows(rows: np.ndarray, dtype: str) -> float:
         tested += 1
         on += on_grid(np.unique(v.astype(np.float64)), eps)
     return on / tested if tested else float("nan")
-
-
-def on_grid(u: np.ndarray, eps: float) -> bool:
-    """Sorted distinct values ``u`` are whole numbers of one step apart, within GRID_LEVELS
-    steps and the rounding ``eps`` of their dtype. The step: the smallest gap of the small
-    values (which the dtype resolves best), then span / n for every step count n that gap's
-    own rounding allows. The step is coarser than the dtype's rounding at the largest value
-    (any float row is a grid of its own finest spacing); whole numbers are an integer
-    output's codes, not a dequantised one."""
-    if u.size < 3 or u.size > GRID_LEVELS + 1 or np.all(u == np.rint(u)):
-        return False
-    top = max(abs(float(u[0])), abs(float(u[-1])))
-    small = u[np.abs(u) <= top / 8]
-    gap = float(np.diff(small if small.size >= 3 else u).min())
-    span = float(u[-1] - u[0])
-    if not gap > 0:
-        return False
-    slack = 2 * eps * top / 8 / gap  # the gap's relative rounding
-    if slack >= 0.5:
-        return False
-    lo = max(1, math.floor(span / (gap * (1 + slack))))
-    hi = min(GRID_LEVELS, math.ceil(span / (gap * (1 - slack))))
-    for n in range(lo, hi + 1):
-        step = span / n
-        if step < 2 * eps * top:
-            break
-        k = (u - u[0]) / step
-        tol = GRID_TOL + eps * (np.abs(u) + abs(float(u[0])) + 2 * top * k / n) / step
-        if np.all(np.abs(k - np.rint(k)) <= tol):
-            return True
-    return False

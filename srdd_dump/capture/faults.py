@@ -186,8 +186,8 @@ class _Fault:
         elif s.type == "precision":
             y = x.to(getattr(torch, o.get("dtype", "bfloat16"))).float()
         elif s.type == "int8":
-            rows = (x.abs().amax() if o.get("per") == "tensor"
-                    else x.abs().amax(dim=-1, keepdim=True))
+            rows = (ref.abs().amax() if o.get("per") == "tensor"
+                    else ref.abs().amax(dim=-1, keepdim=True))  # the affected channels' range
             step = torch.where(rows > 0, rows / 127, torch.ones_like(rows))
             y = torch.round(x / step).clamp(-127, 127) * step
         elif s.type == "scale":

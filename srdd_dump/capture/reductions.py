@@ -3,8 +3,9 @@
 Each function mirrors one of ``analysis.signals.round_stats`` / ``analysis.array_stats`` /
 ``analysis.identities`` with torch ops, so that a stats dump gives the compare the numbers it
 would have computed from the tensors (tests/test_stats_store.py holds the two side by side).
-Only scalars leave the device: the histogram's two range values (its edges are computed by
-numpy, as the compare does), the tie candidates' extremes, and the reductions themselves. The
+Little leaves the device: the histogram's two range values (its edges are computed by
+numpy, as the compare does), the tie candidates' extremes, a row's distinct values when an
+8-bit grid can hold them (at most 257), and the reductions themselves. The
 host replay's rows are compared on the host, where that replay ran.
 
 Sums run in float64 where the device has it (CPU, CUDA) and in float32 elsewhere (NPU).
@@ -24,13 +25,13 @@ from ..vocabulary import (
     DC_LOW,
     GRID_LEVELS,
     GRID_MIN_VALUES,
-    GRID_ROWS,
-    GRID_TOL,
     LOW_BITS_MASK,
     PILEUP_BINS,
     TIE_CANDIDATES,
     TIE_MIN_LEVELS,
     UNIT_ROUNDOFF,
+    grid_row_picks,
+    on_grid,
     stuck_min_tokens,
 )
 
@@ -121,46 +122,22 @@ def reduce_round(
 
 
 def grid_rows(rows: torch.Tensor, dtype: str) -> float:
-    """``analysis.array_stats.grid_rows``: the share of tested rows on an 8-bit grid."""
-    n = rows.shape[0] if rows.dim() == 2 else 0
-    if not n:
+    """``analysis.array_stats.grid_rows``: the share of tested rows on an 8-bit grid. A row's
+    distinct values leave the device only when they are few enough to be one (GRID_LEVELS)."""
+    if rows.dim() != 2 or not rows.shape[0]:
         return NAN
     eps = UNIT_ROUNDOFF.get(dtype, 2.0 ** -24)
+    wide = torch.float64 if rows.device.type in ("cpu", "cuda") else torch.float32
     tested = on = 0
-    for r in np.unique(np.linspace(0, n - 1, min(n, GRID_ROWS)).astype(np.int64)):
+    for r in grid_row_picks(rows.shape[0]):
         v = rows[int(r)]
         v = v[torch.isfinite(v)]
         if int(torch.count_nonzero(v)) < GRID_MIN_VALUES:
             continue
         tested += 1
-        on += _on_grid(torch.unique(v.to(torch.float64 if v.device.type in ("cpu", "cuda")
-                                         else torch.float32)), eps)
+        u = torch.unique(v.to(wide))
+        on += u.numel() <= GRID_LEVELS + 1 and on_grid(u.cpu().double().numpy(), eps)
     return on / tested if tested else NAN
-
-
-def _on_grid(u: torch.Tensor, eps: float) -> bool:
-    if u.numel() < 3 or u.numel() > GRID_LEVELS + 1 or bool((u == torch.round(u)).all()):
-        return False
-    top = max(abs(float(u[0])), abs(float(u[-1])))
-    small = u[u.abs() <= top / 8]
-    gap = float(torch.diff(small if small.numel() >= 3 else u).min())
-    span = float(u[-1] - u[0])
-    if not gap > 0:
-        return False
-    slack = 2 * eps * top / 8 / gap
-    if slack >= 0.5:
-        return False
-    lo = max(1, math.floor(span / (gap * (1 + slack))))
-    hi = min(GRID_LEVELS, math.ceil(span / (gap * (1 - slack))))
-    for n in range(lo, hi + 1):
-        step = span / n
-        if step < 2 * eps * top:
-            break
-        k = (u - u[0]) / step
-        tol = GRID_TOL + eps * (u.abs() + abs(float(u[0])) + 2 * top * k / n) / step
-        if bool(((k - torch.round(k)).abs() <= tol).all()):
-            return True
-    return False
 
 
 def _as_float(t: torch.Tensor) -> torch.Tensor:
