@@ -1,4 +1,4 @@
-"""Schema v1 round trip: writer -> file -> reader, bf16 losslessness, crash consistency."""
+"""Schema round trip: writer -> file -> reader, bf16 losslessness, crash consistency."""
 
 from __future__ import annotations
 
@@ -54,23 +54,31 @@ def test_round_trip(dtype, tmp_path):
         assert f["data"][f"clean_{dtype}_16"].chunks is not None
 
 
-def test_a_data_set_sorting_first_that_appears_later_keeps_the_records_right(tmp_path):
-    """``causal_*`` sorts before ``clean_*``: first written in the second round, the ids of the
-    records already written move with it."""
+@pytest.mark.parametrize("version", [4, schema.SCHEMA_VERSION])
+def test_a_data_set_sorting_first_that_appears_later_keeps_the_records_right(tmp_path,
+                                                                            version):
+    """``causal_*`` (a schema-4 probe record) and ``clean_bfloat16_*`` sort before
+    ``clean_float32_*``: first written in the second round, the ids of the records already
+    written move with them."""
     rng = np.random.default_rng(0)
     rounds = [_round(i, rng) for i in range(3)]
     extra = rng.standard_normal((2, 5, 16)).astype(np.float32)
     rounds[1].tensors.append(Tensor(layer=0, array=extra, dtype="float32",
                                     kind=schema.KIND_CAUSAL))
-    w = DumpWriter(str(tmp_path / "a.h5"), {}, ["b.0", "b.1", "b.2"])
+    rounds[2].tensors.append(Tensor(layer=1, site=0, array=schema.float32_to_bf16_bits(extra),
+                                    dtype="bfloat16"))
+    w = DumpWriter(str(tmp_path / "a.h5"), {}, ["b.0", "b.1", "b.2"], ["b.1.mlp"],
+                   version=version)
     for r in rounds:
         w.submit(r)
     with DumpReader(w.close()) as rd:
-        assert rd.data_names == ["causal_float32_16", "clean_float32_16"]
+        probes = "causal_float32_16" if version < 5 else "probes_float32_16"
+        assert rd.data_names == sorted([probes, "clean_bfloat16_16", "clean_float32_16"])
         for i, r in enumerate(rounds):
             for t in r.tensors:
-                (rec,) = [x for x in rd.select(t.layer, kind=t.kind) if x["round"] == i]
-                np.testing.assert_array_equal(rd.read(rec), t.array)
+                (rec,) = [x for x in rd.select(t.layer, kind=t.kind, site=t.site)
+                          if x["round"] == i]
+                np.testing.assert_array_equal(rd.read(rec), schema.decode(t.array, t.dtype))
 
 
 def test_bf16_codec_is_exact_for_every_bit_pattern():

@@ -1,4 +1,5 @@
-"""Reader of schema-v1 dump files. numpy + h5py only (no torch, no pickle).
+"""Reader of dump files of every schema version (format/schema.py). numpy + h5py only (no
+torch, no pickle).
 
 Every file is checked against the schema before anything is read, and the check is what keeps
 damaged or hostile files harmless: data sets must be plain numbers (no object, reference or
@@ -74,6 +75,12 @@ class DumpReader:
     Attributes: ``meta`` (dict), ``layers`` (names), ``rounds`` and ``records`` (structured
     arrays in the schema's dtypes), ``complete`` (False for a file cut short by a crash),
     ``status`` (dict).
+
+    ``records`` has one row per tensor in every schema version: a schema-5 file's KIND_PROBES
+    records (a site's probe outputs of a round, described in /probes) are shown as the
+    per-probe records an older file stores, each pointing at its rows of the group, so every
+    reader of records reads both layouts alike. ``group`` gives each row's KIND_PROBES record
+    (an index into ``stored_records``, the /records table as stored; -1: a record of its own).
     """
 
     def __init__(self, path: str):
@@ -124,7 +131,10 @@ class DumpReader:
         self.layers = self._names(s.LAYERS)
         self.sites = self._names(s.SITES) if s.SITES in f else []
         self.rounds = self._table(s.ROUNDS, s.ROUND_DTYPE)
-        self.records = self._table(s.RECORDS, s.RECORD_DTYPE)
+        self.stored_records = self._table(s.RECORDS, s.RECORD_DTYPE)
+        self.version = int(version)
+        probes = (self._table(s.PROBES, s.PROBE_DTYPE) if version >= 5 and s.PROBES in f
+                  else np.zeros(0, s.PROBE_DTYPE))
         data = f[s.DATA]
         if not isinstance(data, h5py.Group):
             raise DumpError(f"{path}: /{s.DATA} is not a group")
@@ -145,7 +155,14 @@ class DumpReader:
             for name in (s.POSITIONS, s.TOKEN_IDS, s.PROBE_ROWS)
         }
         self._check_rounds(lengths)
-        self._check_records()
+        stored = self.stored_records
+        grouped = stored["kind"] == s.KIND_PROBES
+        if version < 5 and grouped.any():
+            raise DumpError(f"{path}: grouped probe records in a schema-{version} file "
+                            "(damaged file)")
+        self._check_records(stored, shapes=~grouped)
+        self.records, self.group = self._expand(stored, grouped, probes)
+        self._check_records(self.records)
         self.stat_columns: list[str] = []
         self.stats_index = np.zeros(0, s.STATS_INDEX_DTYPE)
         self._stats_values: h5py.Dataset | None = None
@@ -293,10 +310,46 @@ class DumpReader:
                         f"{limit} rows (damaged file)"
                     )
 
-    def _check_records(self) -> None:
-        """Records must point inside their data and have their round's shape. Records of a
-        round without a /rounds row (cut off by a crash) are ignored by every reader."""
-        r = self.records
+    def _expand(self, stored: np.ndarray, grouped: np.ndarray, probes: np.ndarray
+                ) -> tuple[np.ndarray, np.ndarray]:
+        """The per-probe view of the records (see the class) and each row's group (-1: a
+        record of its own). A group without /probes rows (cut off by a crash) shows none."""
+        if not grouped.any():
+            return stored, np.full(len(stored), -1, dtype=np.int64)
+        owner = probes["record"].astype(np.int64)
+        n = probes["batch"].astype(np.int64) * probes["ntok"].astype(np.int64)
+        inside = (owner >= 0) & (owner < len(stored))
+        at = np.where(inside, owner, 0)
+        bad = (~inside | ~grouped[at] | (probes["row0"] < 0) | (probes["batch"] < 1)
+               | (probes["ntok"] < 1) | (probes["row0"] > stored["nrows"][at] - n))
+        if bad.any():
+            raise DumpError(f"{self.path}: {int(bad.sum())} probe rows point outside their "
+                            "records (damaged file)")
+        order = np.argsort(owner, kind="stable")
+        probes, owner, n = probes[order], owner[order], n[order]
+        counts = np.bincount(owner, minlength=len(stored))
+        sizes = np.where(grouped, counts, 1)
+        starts = np.cumsum(sizes) - sizes
+        out = np.zeros(int(sizes.sum()), dtype=s.RECORD_DTYPE)
+        group = np.full(len(out), -1, dtype=np.int64)
+        own = np.flatnonzero(~grouped)
+        out[starts[own]] = stored[own]
+        first = np.cumsum(counts) - counts  # each group's first row in the sorted probes
+        at = starts[owner] + np.arange(len(owner)) - first[owner]
+        parent = stored[owner]
+        for name in ("round", "layer", "site", "data", "width"):
+            out[name][at] = parent[name]
+        for name in ("kind", "probe", "param", "seed", "pert_rms", "subset", "batch", "ntok"):
+            out[name][at] = probes[name]
+        out["row0"][at] = parent["row0"] + probes["row0"]
+        out["nrows"][at] = n
+        group[at] = owner
+        return out, group
+
+    def _check_records(self, r: np.ndarray, shapes: np.ndarray | None = None) -> None:
+        """Records must point inside their data and have their round's shape (where
+        ``shapes``: a KIND_PROBES record has the shapes of its probes). Records of a round
+        without a /rounds row (cut off by a crash) are ignored by every reader."""
         if not len(r):
             return
         ids = r["data"]
@@ -321,7 +374,8 @@ class DumpReader:
             subset = r["subset"] != 0
             want_batch = np.where(subset, 1, rnd["batch"])
             want_ntok = np.where(subset, rnd["prow_len"], rnd["ntok"])
-            bad |= known & ((batch != want_batch) | (ntok != want_ntok))
+            mismatch = (batch != want_batch) | (ntok != want_ntok)
+            bad |= known & (mismatch if shapes is None else mismatch & shapes)
         if bad.any():
             raise DumpError(
                 f"{self.path}: {int(bad.sum())} records point outside their data (damaged file)"

@@ -1,15 +1,18 @@
-"""HDF5 dump schema v4: the single definition shared by the writer and the reader.
+"""HDF5 dump schema v5: the single definition shared by the writer and the reader.
 
 Layout of one file (one per process), all readable with plain h5py:
 
-    /                     attrs: format="srdd-dump", schema_version=1, meta (JSON), complete (0/1)
+    /                     attrs: format="srdd-dump", schema_version=5, meta (JSON), complete (0/1)
     /layers               (L,) utf-8 strings: captured module names, index = layer number
     /sites                (S,) utf-8 strings: sub-layer modules probed/captured (may be empty)
     /rounds               (R,) ROUND_DTYPE: one row per captured forward round
     /token_ids            (T,) int64: input ids of every round, sliced by rounds.tok_off/tok_len
     /positions            (P,) int32: kept token positions of every round (pos_off/pos_len)
     /probe_rows           (Q,) int32: rows kept for probe records of a round (prow_off/prow_len)
-    /records              (N,) RECORD_DTYPE: one row per stored tensor, pointing into /data
+    /records              (N,) RECORD_DTYPE: one row per stored tensor, pointing into /data;
+                          a round's probe outputs of one site are one KIND_PROBES record
+    /probes               (M,) PROBE_DTYPE: one row per probe output, a slice of its
+                          KIND_PROBES record (schema 5; absent in older files)
     /data/<name>          (rows, width) chunked, resizable; attr dtype = logical dtype name
     /stats/index          (K,) STATS_INDEX_DTYPE: one row per (round, layer, site) reduced on
                           the device (``--store stats``; absent otherwise)
@@ -29,7 +32,10 @@ FORMAT_NAME = "srdd-dump"
 # 2: record kinds scale, causal and host (a v1 reader would take them for probe replays); v1
 # files are read as before. 3: /stats (the statistics store); v1 and v2 files are read as before.
 # 4: mixture-of-experts sites (roles router, experts, expert_slots, expert; KIND_ROUTE).
-SCHEMA_VERSION = 4
+# 5: the probe outputs of one site in one round are one KIND_PROBES record (per logical dtype),
+# described probe by probe in /probes; v1-v4 files (one record per probe output) are read as
+# before (a v4 reader would have ignored the unknown kind and seen no probes).
+SCHEMA_VERSION = 5
 PARTIAL_SUFFIX = ".partial"
 # A file whose write failed half-way (disk full) is renamed to <name>.h5.broken and not read:
 # HDF5 may have recorded data that never reached the disk.
@@ -54,6 +60,7 @@ ROUNDS = "rounds"
 TOKEN_IDS = "token_ids"
 POSITIONS = "positions"
 RECORDS = "records"
+PROBES = "probes"
 DATA = "data"
 
 STACK_INPUT = -1  # layer number of the block stack's input (embedding output)
@@ -84,6 +91,10 @@ KIND_ROUTE = 9
 # The zero identity of a bias-free expert (its weights are all it has): the slots' outputs for
 # all-zero input rows, replayed in one call with the probe rows; healthy: exactly 0.
 KIND_ZERO = 10
+# Schema 5: every probe output of one (round, layer, site) in one logical dtype, their rows
+# concatenated in the order capture made them (stored as batch 1, ntok = all the rows); /probes
+# says which rows are which probe (kind, probe, param, seed, pert_rms, subset, shape).
+KIND_PROBES = 11
 KIND_NAMES = {
     KIND_CLEAN: "clean",
     KIND_GAIN: "gain",
@@ -96,7 +107,11 @@ KIND_NAMES = {
     KIND_HOST: "host",
     KIND_ROUTE: "route",
     KIND_ZERO: "zero",
+    KIND_PROBES: "probes",
 }
+# Kinds a record of its own holds in every schema: the rest are probe outputs, grouped into a
+# KIND_PROBES record from schema 5 on.
+OWN_RECORD_KINDS = frozenset({KIND_CLEAN, KIND_MASK, KIND_ROUTE, KIND_PROBES})
 
 ROUND_DTYPE = np.dtype(
     [
@@ -133,6 +148,24 @@ RECORD_DTYPE = np.dtype(
         ("batch", "<i4"),
         ("ntok", "<i4"),
         ("width", "<i4"),
+    ]
+)
+
+# /probes (schema 5): one row per probe output, rows ``row0 : row0 + batch * ntok`` of the
+# KIND_PROBES record ``record`` (an index into /records); the other fields mean what they mean
+# in RECORD_DTYPE.
+PROBE_DTYPE = np.dtype(
+    [
+        ("record", "<i8"),
+        ("kind", "u1"),
+        ("probe", "<i4"),
+        ("param", "<f8"),
+        ("seed", "<i8"),
+        ("pert_rms", "<f8"),
+        ("subset", "u1"),
+        ("row0", "<i8"),  # first row within the KIND_PROBES record
+        ("batch", "<i4"),
+        ("ntok", "<i4"),
     ]
 )
 

@@ -49,6 +49,24 @@ class StatRow:
 
 
 @dataclass
+class _Unit:
+    """One record of a round as the writer lays it out: a tensor of its own, or (schema 5)
+    the probe outputs of one site grouped into a KIND_PROBES record."""
+
+    name: str  # its /data set
+    dtype: str
+    width: int
+    record: Tensor  # the tensor (a group: its first probe, for layer and site)
+    arrays: list[np.ndarray]
+    probes: list[Tensor] = field(default_factory=list)  # a group's probes, in order
+    row0: int = 0
+
+    @property
+    def rows(self) -> int:
+        return sum(a.size // max(1, self.width) for a in self.arrays)
+
+
+@dataclass
 class Round:
     sample: int
     step: int
@@ -117,9 +135,13 @@ class _H5File:
     """Synchronous part: owns the h5py handle."""
 
     def __init__(self, partial_path: str, meta: dict, layers: list[str], sites: list[str],
-                 stat_columns: list[str] | None = None):
+                 stat_columns: list[str] | None = None, version: int = s.SCHEMA_VERSION):
         self.path = partial_path
         self._close_tried = False
+        # version 4 and older: one record per probe output (written for the tests that read
+        # old files); 5: a site's probe outputs of a round in one KIND_PROBES record
+        self.version = version
+        self.grouped = version >= 5
         self._check_room(ROOM_RESERVE, 0)
         self.f = h5py.File(partial_path, "w")
         try:
@@ -134,7 +156,7 @@ class _H5File:
     def _create(self, meta: dict, layers: list[str], sites: list[str]) -> None:
         f = self.f
         f.attrs[s.ATTR_FORMAT] = s.FORMAT_NAME
-        f.attrs[s.ATTR_VERSION] = s.SCHEMA_VERSION
+        f.attrs[s.ATTR_VERSION] = self.version
         f.attrs[s.ATTR_META] = json.dumps(meta, default=str)
         f.attrs[s.ATTR_COMPLETE] = 0
         for name, names in ((s.LAYERS, layers), (s.SITES, sites)):
@@ -145,6 +167,7 @@ class _H5File:
             (s.TOKEN_IDS, np.dtype("<i8"), 8192),
             (s.POSITIONS, np.dtype("<i4"), 8192),
             (s.PROBE_ROWS, np.dtype("<i4"), 8192),
+            *([(s.PROBES, s.PROBE_DTYPE, 1024)] if self.grouped else []),
         ):
             f.create_dataset(name, shape=(0,), maxshape=(None,), dtype=dtype, chunks=(chunk,))
         f.create_group(s.DATA)
@@ -193,23 +216,47 @@ class _H5File:
         table["data"] = new_id[table["data"]]
         records[:] = table
 
+    def _units(self, tensors: list[Tensor]) -> list[_Unit]:
+        """The records of a round's tensors, in order: each clean, mask or route tensor is a
+        record of its own; from schema 5 on, the probe outputs of one (layer, site, logical
+        dtype, width) are one KIND_PROBES record at the place of its first."""
+        units: list[_Unit] = []
+        groups: dict[tuple, _Unit] = {}
+        for t in tensors:
+            width = t.array.shape[-1]
+            if not self.grouped or t.kind in s.OWN_RECORD_KINDS:
+                units.append(_Unit(s.data_name(t.kind, t.dtype, width), t.dtype, width, t,
+                                   [t.array]))
+                continue
+            key = (t.layer, t.site, t.dtype, width)
+            unit = groups.get(key)
+            if unit is None:
+                unit = groups[key] = _Unit(s.data_name(s.KIND_PROBES, t.dtype, width),
+                                           t.dtype, width, t, [], [])
+                units.append(unit)
+            unit.arrays.append(t.array)
+            unit.probes.append(t)
+        return units
+
     def room_needed(self, r: Round) -> int:
         """Upper bound of the bytes writing ``r`` adds to the file, with ROOM_RESERVE."""
         f, need = self.f, ROOM_RESERVE
         group = f[s.DATA]
         by_name: dict[str, list[int]] = {}
-        for t in r.tensors:
-            name = s.data_name(t.kind, t.dtype, t.array.shape[-1])
-            width, itemsize = t.array.shape[-1], s.STORAGE_DTYPES[t.dtype].itemsize
+        units = self._units(r.tensors)
+        for unit in units:
+            name, width = unit.name, unit.width
+            itemsize = s.STORAGE_DTYPES[unit.dtype].itemsize
             entry = by_name.setdefault(name, [0, width * itemsize, s.chunk_rows(width, itemsize)])
-            entry[0] += t.array.size // max(1, width)
+            entry[0] += unit.rows
         for name, (rows, row_bytes, chunk) in by_name.items():
             need += _growth(group.get(name), rows, chunk, row_bytes)
         tok = 0 if r.token_ids is None else int(np.size(r.token_ids))
         prows = 0 if r.probe_rows is None else len(r.probe_rows)
         for name, rows in (
             (s.POSITIONS, len(r.positions)), (s.TOKEN_IDS, tok), (s.PROBE_ROWS, prows),
-            (s.RECORDS, len(r.tensors)), (s.ROUNDS, 1),
+            (s.RECORDS, len(units)), (s.PROBES, sum(len(u.probes) for u in units)),
+            (s.ROUNDS, 1),
             (s.STATS_INDEX, len(r.stats)), (s.STATS_VALUES, len(r.stats)),
         ):
             ds = f.get(name)
@@ -249,27 +296,45 @@ class _H5File:
         prows = np.zeros(0, "<i4") if r.probe_rows is None else np.asarray(r.probe_rows, "<i4")
         prow_off = _append(f[s.PROBE_ROWS], prows) if prows.size else f[s.PROBE_ROWS].shape[0]
 
-        by_name: dict[str, list[Tensor]] = {}
-        for t in r.tensors:
-            by_name.setdefault(s.data_name(t.kind, t.dtype, t.array.shape[-1]), []).append(t)
-        placed: list[tuple[Tensor, str, int]] = []
-        for name, ts in by_name.items():
-            width = ts[0].array.shape[-1]
-            ds = self._dataset(name, ts[0].dtype, width)
-            rows = np.concatenate([t.array.reshape(-1, width) for t in ts], axis=0)
+        units = self._units(r.tensors)
+        by_name: dict[str, list[_Unit]] = {}
+        for unit in units:
+            by_name.setdefault(unit.name, []).append(unit)
+        for name, group in by_name.items():
+            width = group[0].width
+            ds = self._dataset(name, group[0].dtype, width)
+            rows = np.concatenate([a.reshape(-1, width) for u in group for a in u.arrays],
+                                  axis=0)
             start = _append(ds, rows)
-            for t in ts:
-                placed.append((t, name, start))
-                start += t.array.shape[0] * t.array.shape[1]
+            for unit in group:
+                unit.row0 = start
+                start += unit.rows
+        units = [u for group in by_name.values() for u in group]  # records in data order
 
-        records = np.zeros(len(placed), dtype=s.RECORD_DTYPE)
-        for i, (t, name, row0) in enumerate(placed):
+        records = np.zeros(len(units), dtype=s.RECORD_DTYPE)
+        first = f[s.RECORDS].shape[0]
+        probes = []
+        for i, unit in enumerate(units):
+            t = unit.record
+            if unit.probes:  # a KIND_PROBES record: batch 1, every row of its probes
+                records[i] = (self.n_rounds, t.layer, t.site, s.KIND_PROBES, len(unit.probes),
+                              0.0, 0, 0.0, 0, self.data_index[unit.name], unit.row0,
+                              unit.rows, 1, unit.rows, unit.width)
+                offset = 0
+                for p in unit.probes:
+                    b, n, _ = p.array.shape
+                    probes.append((first + i, p.kind, p.probe, p.param, p.seed, p.pert_rms,
+                                   int(p.subset), offset, b, n))
+                    offset += b * n
+                continue
             b, n, w = t.array.shape
             records[i] = (
                 self.n_rounds, t.layer, t.site, t.kind, t.probe, t.param, t.seed, t.pert_rms,
-                int(t.subset), self.data_index[name], row0, b * n, b, n, w,
+                int(t.subset), self.data_index[unit.name], unit.row0, b * n, b, n, w,
             )
         _append(f[s.RECORDS], records)
+        if probes:  # after the records they point to
+            _append(f[s.PROBES], np.array(probes, dtype=s.PROBE_DTYPE))
         if r.stats:
             index = np.zeros(len(r.stats), dtype=s.STATS_INDEX_DTYPE)
             index["round"] = self.n_rounds
@@ -346,16 +411,19 @@ class DumpWriter:
     def __init__(
         self, path: str, meta: dict, layers: list[str], sites: list[str] | None = None,
         max_pending: int = 4, stat_columns: list[str] | None = None,
+        version: int = s.SCHEMA_VERSION,
     ):
         """``max_pending``: rounds queued for the writing thread; 0: no thread, ``submit``
-        writes the round before it returns (one round in memory at a time)."""
+        writes the round before it returns (one round in memory at a time). ``version``: an
+        older schema's layout (4: one record per probe output), for tests of old files."""
         self.path = path
         self.partial_path = path + s.PARTIAL_SUFFIX
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         self.error: str | None = None
         self.rounds_written = 0
         self._broken = False  # a write failed: the HDF5 file must be abandoned, not closed
-        self._file = _H5File(self.partial_path, meta, layers, sites or [], stat_columns)
+        self._file = _H5File(self.partial_path, meta, layers, sites or [], stat_columns,
+                             version)
         self._queue: queue.Queue = queue.Queue(maxsize=max(max_pending, 1))
         self._thread: threading.Thread | None = None
         if max_pending > 0:
