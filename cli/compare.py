@@ -123,6 +123,11 @@ def compare(
     ),
 ) -> None:
     try:
+        if baseline is None and (jobs is None or jobs > 1):
+            # the workers start first: they boot while this process imports and inspects
+            from srdd_dump.compare.early import start_workers
+
+            start_workers(dumps, jobs, run)
         # imported here, in the supervised child: --help and --version stay fast
         from srdd_dump import compare as modes
         from srdd_dump.compare.results import FAIL_ON

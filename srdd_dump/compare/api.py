@@ -18,14 +18,15 @@ from .baseline_task import run_task as run_row_task
 from .consistency import finish as finish_consistency
 from .consistency import plan as plan_consistency
 from .consistency_task import run_task as run_consistency_task
+from .early import SIGNAL_TASKS
 from .mapping_file import read_mapping
-from .pipeline import check_jobs, default_jobs, scan
+from .pipeline import check_jobs, default_jobs, discard_started, prestart, scan
 from .readers import close_readers
 from .reference_free import finish as finish_reference_free
 from .reference_free import plan as plan_reference_free
 from .results import BaselineResult, CompareResult, ConsistencyResult
 from .signal_reader import run_task as run_signal_task
-from .sources import DumpFile, find_sources, inspect, no_usable_file
+from .sources import DumpFile, find_sources, inspect, inspect_all, locate, no_usable_file
 
 
 def compare_path(path: str, *, jobs: int | None = 1, progress: bool | None = None,
@@ -43,10 +44,12 @@ def compare_path(path: str, *, jobs: int | None = 1, progress: bool | None = Non
     """
     show = _show(progress)
     try:
-        found = find_sources(path, run=run)
-        files = found.files
-        jobs = default_jobs(files) if jobs is None else jobs
+        paths, root, note = locate(path, run=run)
+        jobs = default_jobs(paths) if jobs is None else jobs
         check_jobs(jobs)
+        prestart(jobs, SIGNAL_TASKS)  # the workers start while the files are inspected
+        found = inspect_all(paths, root, note)
+        files = found.files
         tasks = plan_reference_free(files, jobs)
         results = scan(run_signal_task, tasks, jobs, progress=show, desc="reference-free")
         result = finish_reference_free(path, files, tasks, results)
@@ -59,6 +62,7 @@ def compare_path(path: str, *, jobs: int | None = 1, progress: bool | None = Non
         result.consistency = _consistency(files, None, jobs, show)
         return result
     finally:
+        discard_started()
         close_readers()
 
 

@@ -11,17 +11,18 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
 import os
 import sys
-from collections.abc import Iterator, Sequence
-from concurrent.futures import BrokenExecutor
+from collections.abc import Iterable, Iterator, Sequence
+from concurrent.futures import BrokenExecutor, ProcessPoolExecutor
 from typing import Callable, TypeVar
 
 from ..analysis import sums
 from ..errors import UserError
 from ..runtime.blas import one_blas_thread, pin_blas_for_process
 from ..runtime.memory import keep_freed_memory, keeps_freed_memory
-from ..runtime.pool import run_tasks
+from ..runtime.pool import run_tasks, spawn_pool
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -46,16 +47,55 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
-def default_jobs(files) -> int:
-    """Processes for a compare of ``files`` (DumpFile): one, and one more per BYTES_PER_JOB of
-    dump, up to the usable cores."""
+def default_jobs(files: Iterable) -> int:
+    """Processes for a compare of ``files`` (DumpFile, or paths): one, and one more per
+    BYTES_PER_JOB of dump, up to the usable cores."""
     size = 0
     for f in files:
         try:
-            size += os.path.getsize(f.path)
+            size += os.path.getsize(f if isinstance(f, str) else f.path)
         except OSError:
             pass
     return max(1, min(usable_cores(), size // BYTES_PER_JOB + 1))
+
+
+# Workers started before the files are inspected (``prestart``): (jobs, the pool), taken by the
+# next ``scan`` with as many jobs.
+_started: tuple[int, ProcessPoolExecutor] | None = None
+
+
+def prestart(jobs: int, task_module: str) -> None:
+    """Start the ``jobs - 1`` workers of the next scan now, each importing ``task_module``
+    (the module of the tasks it will run): a worker takes about 0.3 s to start, which then
+    passes while this process inspects the files and plans (and imports what it needs after
+    that), not while the work waits. Nothing happens with one job or when workers are already
+    started; ``discard_started`` ends workers no scan took."""
+    global _started
+    if jobs <= 1 or _started is not None:
+        return
+    init = functools.partial(_init_worker, keeps_freed_memory())
+    _started = (jobs, spawn_pool(jobs - 1, init, functools.partial(_import, task_module)))
+
+
+def discard_started() -> None:
+    """End the workers ``prestart`` started if no scan took them."""
+    global _started
+    if _started is not None:
+        _started[1].shutdown(wait=False, cancel_futures=True)
+        _started = None
+
+
+def _take(jobs: int) -> ProcessPoolExecutor | None:
+    global _started
+    if _started is None or _started[0] != jobs:
+        discard_started()
+        return None
+    pool, _started = _started[1], None
+    return pool
+
+
+def _import(module: str) -> None:
+    importlib.import_module(module)
 
 
 def scan(
@@ -64,9 +104,11 @@ def scan(
 ) -> list[R]:
     """``[run_task(t) for t in tasks]`` on ``jobs`` processes, in task order."""
     init = functools.partial(_init_worker, keeps_freed_memory())
+    pool = _take(jobs)
     with single_threaded_kernels():
         try:
-            return run_tasks(run_task, tasks, jobs, show=progress, desc=desc, worker_init=init)
+            return run_tasks(run_task, tasks, jobs, show=progress, desc=desc, worker_init=init,
+                             pool=pool)
         except BrokenExecutor:
             if jobs <= 1:
                 raise

@@ -116,16 +116,32 @@ def find_sources(path: str, option: str = "", run: str | None = None) -> Sources
     or card, arranged by hand) are all used: they are the sources of one comparison. ``run``
     names the run(s) to use instead (folder name, or path relative to ``path``), or is "all".
     ``option`` names the command-line option that gave the path, for messages."""
+    paths, root, note = locate(path, option, run)
+    return inspect_all(paths, root, note)
+
+
+def locate(path: str, option: str = "", run: str | None = None, convert: bool = True
+           ) -> tuple[list[str], str, str]:
+    """The dump files ``find_sources`` inspects, the folder their sources are named from and
+    its note, without opening any. ``convert`` False: None for an msprobe dump not yet
+    converted (``find_sources`` converts it)."""
     if not os.path.exists(path):
         raise UserError(f"{option}{path}: no such file or directory")
     if os.path.isdir(path) and not find_dump_files(path) and is_msprobe_dump(path):
+        if not convert:
+            return [], "", ""
         path = msprobe_as_srdd(path)
     found = find_dump_files(path)
     if not found:
         raise UserError(f"{option}{path}: no dump files (*.h5 or *.h5.partial) found")
     root = path if os.path.isdir(path) else os.path.dirname(path)
     found, note = _choose_runs(path, root, found, option, run)
-    return Sources([inspect(f, os.path.relpath(f, root) if root else f) for f in found], note)
+    return found, root, note
+
+
+def inspect_all(paths: list[str], root: str, note: str = "") -> Sources:
+    """``locate``'s files inspected."""
+    return Sources([inspect(f, os.path.relpath(f, root) if root else f) for f in paths], note)
 
 
 def msprobe_as_srdd(path: str) -> str:

@@ -3,10 +3,13 @@ processes (concurrent.futures), results in task order."""
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
+import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import CancelledError, Executor, Future, ProcessPoolExecutor
+from importlib.machinery import ModuleSpec
 from typing import Callable, TypeVar
 
 from tqdm import tqdm
@@ -29,6 +32,7 @@ def check_can_spawn(jobs: int) -> None:
 def run_tasks(
     fn: Callable[[T], R], tasks: Sequence[T], jobs: int = 1, *, show: bool = False,
     desc: str = "compare", worker_init: Callable[[], object] | None = None,
+    pool: ProcessPoolExecutor | None = None,
 ) -> list[R]:
     """``[fn(t) for t in tasks]``, shared by ``jobs`` processes when jobs > 1: this one and
     ``jobs - 1`` spawned workers (``worker_init`` runs once in each). Each task goes to whoever
@@ -36,29 +40,65 @@ def run_tasks(
 
     ``fn`` and ``worker_init`` must be module-level functions (or partials of them). Workers
     are spawned, never forked: the parent may hold HDF5 or torch state that a fork would copy.
+    ``pool``: the ``jobs - 1`` workers started earlier (``spawn_pool``), used and shut down
+    here.
     """
     bar = tqdm(total=len(tasks), desc=desc, unit="task", disable=not show, leave=False)
     try:
         if jobs <= 1 or len(tasks) <= 1:
+            if pool is not None:
+                pool.shutdown(wait=False, cancel_futures=True)
             out = []
             for task in tasks:
                 out.append(fn(task))
                 bar.update()
             return out
         workers = min(jobs - 1, len(tasks))
-        with spawn_pool(workers, worker_init) as pool:
-            return share(tasks, fn, fn, pool, workers, bar.update)
+        with pool if pool is not None else spawn_pool(workers, worker_init) as running:
+            return share(tasks, fn, fn, running, workers, bar.update)
     finally:
         bar.close()
 
 
-def spawn_pool(workers: int, initializer: Callable[[], object] | None = None
-               ) -> ProcessPoolExecutor:
-    """``workers`` spawned worker processes, each running ``initializer`` first."""
+def spawn_pool(workers: int, initializer: Callable[[], object] | None = None,
+               warm: Callable[[], object] | None = None) -> ProcessPoolExecutor:
+    """``workers`` spawned worker processes, each running ``initializer`` first, started
+    now (each is handed ``warm``, a module-level function, e.g. one that imports what its
+    tasks need), not at the first task."""
     check_can_spawn(workers + 1)
-    return ProcessPoolExecutor(max_workers=max(1, workers),
+    pool = ProcessPoolExecutor(max_workers=max(1, workers),
                                mp_context=multiprocessing.get_context("spawn"),
                                initializer=initializer)
+    with _main_left_alone():
+        for _ in range(max(1, workers)):
+            pool.submit(warm or _nothing)
+    return pool
+
+
+def _nothing() -> None:
+    """A worker's first call when no warm-up is given: it makes the process start."""
+
+
+@contextlib.contextmanager
+def _main_left_alone() -> Iterator[None]:
+    """While workers are spawned, ``__main__`` shows multiprocessing the spec of a package's
+    ``__main__``, which a spawned child does not import again. The workers run module-level
+    functions of this library only; re-running the parent's script (the srdd-compare entry
+    point: typer and the CLI's imports) cost each one about 0.2 s of CPU before its first
+    task."""
+    main = sys.modules.get("__main__")
+    if main is None:
+        yield
+        return
+    had, before = hasattr(main, "__spec__"), getattr(main, "__spec__", None)
+    main.__spec__ = ModuleSpec("__main__", None)
+    try:
+        yield
+    finally:
+        if had:
+            main.__spec__ = before
+        else:
+            del main.__spec__
 
 
 def share(
