@@ -123,6 +123,9 @@ def compare(
     ),
 ) -> None:
     try:
+        from srdd_dump.runtime.pool import main_is_ours
+
+        main_is_ours()  # the workers need not run this entry point again
         if baseline is None and (jobs is None or jobs > 1):
             # the workers start first: they boot while this process imports and inspects
             from srdd_dump.compare.early import start_workers

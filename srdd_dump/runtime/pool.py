@@ -79,15 +79,25 @@ def _nothing() -> None:
     """A worker's first call when no warm-up is given: it makes the process start."""
 
 
+_main_is_ours = False  # __main__ is an entry point of this library (``main_is_ours``)
+
+
+def main_is_ours() -> None:
+    """Say that ``__main__`` is an entry point of this library (the srdd-compare command), which
+    spawned workers need not run again. A user's script stays what multiprocessing re-runs in
+    each worker (hence its ``__main__`` guard, ``check_can_spawn``)."""
+    global _main_is_ours
+    _main_is_ours = True
+
+
 @contextlib.contextmanager
 def _main_left_alone() -> Iterator[None]:
-    """While workers are spawned, ``__main__`` shows multiprocessing the spec of a package's
-    ``__main__``, which a spawned child does not import again. The workers run module-level
-    functions of this library only; re-running the parent's script (the srdd-compare entry
-    point: typer and the CLI's imports) cost each one about 0.2 s of CPU before its first
-    task."""
+    """After ``main_is_ours``: while workers are spawned, ``__main__`` shows multiprocessing the
+    spec of a package's ``__main__``, which a spawned child does not import again. The workers
+    run module-level functions of this library only; re-running the srdd-compare entry point
+    (typer and the CLI's imports) cost each one about 0.2 s of CPU before its first task."""
     main = sys.modules.get("__main__")
-    if main is None:
+    if main is None or not _main_is_ours:
         yield
         return
     had, before = hasattr(main, "__spec__"), getattr(main, "__spec__", None)
