@@ -14,7 +14,8 @@ the CPU time of the command and its children and the load average around each ru
 of the dump's files is the disk-speed floor, ``srdd-compare --version`` the start-up floor.
 ``--tree NAME=PATH`` adds the srdd-compare of another source tree (e.g. a ``git worktree`` of
 an older commit: its ``srdd_dump`` imported through PYTHONPATH, its ``cli/`` linked as
-``srdd_dump/cli``) on the same dumps.
+``srdd_dump/cli``) on the dumps of ``--tree-on`` (default: the schema-4 copy and the stats
+dump, which an older tree reads).
 """
 
 from __future__ import annotations
@@ -126,7 +127,7 @@ def commands(args, dumps: dict[str, str], report: str) -> dict[str, tuple[list[s
     for name, folder in dumps.items():
         out[f"cat {name}"] = (["cat", *dump_files(folder)], env)
         out[f"srdd-compare {name}"] = ([compare, folder, "-o", report, "-q"], env)
-        for tree in args.tree:
+        for tree in args.tree if name in args.tree_on.split(",") else ():
             label, _, path = tree.partition("=")
             tree_env = dict(env, PYTHONPATH=os.path.abspath(path))
             out[f"srdd-compare {name} [{label}]"] = (
@@ -142,6 +143,9 @@ def main() -> None:
                     help="also time the full dump written in the schema-4 layout")
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--tree", action="append", default=[], metavar="NAME=PATH")
+    ap.add_argument("--tree-on", default="full_v4,stats",
+                    help="the dumps the --tree commands compare (an older tree reads no "
+                    "newer schema)")
     ap.add_argument("--out", default=os.path.join(HERE, "results",
                                                   "compare_speed_issue29.json"))
     args = ap.parse_args()

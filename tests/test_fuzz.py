@@ -77,8 +77,9 @@ def dumps(tmp_path_factory) -> dict:
     work.mkdir()
     with DumpReader(llama) as r:
         assert r.complete and r.n_samples == 2 and len(r.rounds) == 4
-        kinds = {n.split("_")[0] for n in r.data_names}
+        kinds = {s.KIND_NAMES[int(k)] for k in r.records["kind"]}
         assert {"clean", "gain", "dc", "repeat", "replay"} <= kinds
+        assert {n.split("_")[0] for n in r.data_names} == {"clean", "probes"}  # schema 5
     return {"llama": llama, "gpt2": gpt2, "narrow": narrow, "work": work,
             "blob": open(llama, "rb").read()}
 
