@@ -35,6 +35,8 @@ CONFIGS = {
     "default without the causality probe": {"probes": "gain,dc,repeat,scale,attention,mlp"},
     "default without the sub-layer references": {"probes": "gain,dc,repeat,scale,causal"},
     "default without the norm sites": {"sublayers": "self_attn,mlp"},
+    "default, no repeats": {"repeats": 0},
+    "default, no gain or dc": {"probes": "repeat,scale,causal,attention,mlp,norm"},
     "hunt: --granularity op": {"granularity": "op"},
     "hunt: --granularity op --reference host": {"granularity": "op", "reference": "host"},
 }

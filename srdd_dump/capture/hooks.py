@@ -382,7 +382,8 @@ class CaptureSession:
         try:
             self.replays.replay(module, layer, site, args, kwargs, hidden, self._ctx)
         finally:
-            self._finish_site(layer, site)
+            if not self.replays.finishes_later(layer, site):
+                self._finish_site(layer, site)
         if site == schema.BLOCK_SITE and self._ctx.step == 0:
             self._bar.update(1)
         if last:
@@ -444,7 +445,7 @@ class CaptureSession:
             "error": self.error, "samples": self.samples,
             "requests": self._rounds.requests.requests,
             **self.replays.status(), "records_dropped": self.records_dropped,
-            "site_errors": self.site_errors, **self._tp.status(),
+            "site_errors": self.site_errors + self.replays.site_errors, **self._tp.status(),
             "sites_never_run": len(silent) if partial else 0,
             "coverage": self.coverage.as_dict(), "untested_versions": self.version_notes,
             **self._sink.status(),

@@ -112,20 +112,18 @@ class ExpertCapture:
         x = kept(ctx.as_round(hidden), ctx.positions, ctx.rows)
         index = kept(ctx.as_round(routing.index), ctx.positions, ctx.rows)[0]
         recorded = kept(ctx.as_round(slots), ctx.positions, ctx.rows)
+        # the zero identity's rows in the same call as the probe rows (one batched call of
+        # the experts serves the gain, dc and zero probes): a per-call statistic (a range)
+        # sees the real rows too
+        zero = ((schema.KIND_ZERO, torch.zeros_like(x)),) if bias_free(module) else ()
         outputs, _ = run_probes(SlotReplay(module, index), (x,), {}, recorded,
-                                replace(spec, repeats=0), ctx.seeds(layer, slots_site))
+                                replace(spec, repeats=0), ctx.seeds(layer, slots_site),
+                                extra=zero)
         # repeats are compared with the clean slots: they re-run the clean call's rows, so each
         # expert sees the same tokens (its GEMM's rounding depends on how many it gets)
         for t in range(spec.repeats):
             again = slot_outputs(module, hidden, routing.index)
             outputs.append(ProbeOutput(schema.KIND_REPEAT, t, 0.0, 0,
                                        kept(ctx.as_round(again), ctx.positions, ctx.rows), None))
-        if bias_free(module):
-            # zero rows in the same call as the probe rows: a per-call statistic (a range)
-            # sees the real rows too
-            both = slot_outputs(module, torch.cat([x, torch.zeros_like(x)], dim=-2),
-                                torch.cat([index, index]))
-            zero = both[..., x.shape[-2]:, :]
-            outputs.append(ProbeOutput(schema.KIND_ZERO, 0, 0.0, 0, zero, None))
         return outputs, index
 

@@ -299,12 +299,18 @@ def run_probes(
     causal_cut: int | None = None,
     stream: bool = False,
     causal_stop: int | None = None,
+    around_repeat: Callable[[int], contextlib.AbstractContextManager] | None = None,
+    extra: tuple[tuple[int, torch.Tensor], ...] = (),
 ) -> tuple[list[ProbeOutput], bool]:
     """Replay ``module`` on perturbed copies of its input; returns (outputs, batched?).
 
     The first output is the reference (KIND_REPLAY) the perturbed outputs are compared with.
     ``cache``: the layer's KV cache before the recorded call (a decode step). ``stream``: the
-    module is a serving block of the stack (``hidden_input``).
+    module is a serving block of the stack (``hidden_input``). ``around_repeat(t)``: a context
+    entered around the module's repeat ``t`` (the repeats of the sites inside it are taken
+    from it: replays.SharedRepeats). ``extra``: (kind, input) copies replayed in the same
+    batched call as the perturbed ones (the zero identity of a fused experts call), recorded
+    without a perturbation.
     """
     args, kwargs = replay_arguments(args, kwargs, cache)
     x, rebuild = hidden_input(args, kwargs, module, stream)
@@ -313,6 +319,8 @@ def run_probes(
     results: list[ProbeOutput] = []
     with torch.no_grad(), preserved_rng(x.device):
         perturbed = perturbed_inputs(x, spec, seeds, causal_cut, causal_stop)
+        n_perturbed = len(perturbed)
+        perturbed += [(kind, 0, 0.0, 0, xe) for kind, xe in extra]
         batched = (spec.batched and bool(perturbed) and x.dim() >= 2
                    and not serving.replays_alone(module))
         outputs = None
@@ -322,14 +330,32 @@ def run_probes(
         if outputs is None:
             outputs = [recorded] + [_call(module, *rebuild(xp)) for *_, xp in perturbed]
         results.append(ProbeOutput(schema.KIND_REPLAY, 0, 0.0, 0, outputs[0], None))
-        for (kind, probe, param, seed, xp), out in zip(perturbed, outputs[1:]):
-            results.append(ProbeOutput(kind, probe, param, seed, out, xp.float() - x.float()))
+        for i, ((kind, probe, param, seed, xp), out) in enumerate(zip(perturbed, outputs[1:])):
+            delta = xp.float() - x.float() if i < n_perturbed else None
+            results.append(ProbeOutput(kind, probe, param, seed, out, delta))
         for t in range(spec.repeats):
-            out = _call(module, *rebuild(x))
+            with around_repeat(t) if around_repeat is not None else contextlib.nullcontext():
+                out = _call(module, *rebuild(x))
             results.append(ProbeOutput(schema.KIND_REPEAT, t, 0.0, 0, out, None))
-        if perturbed and not spec.repeats and serving.replays_alone(module):
+        if n_perturbed and not spec.repeats and serving.replays_alone(module):
             _call(module, *rebuild(x))  # writes back the KV cache entries the call wrote
     return results, batched
+
+
+def repeat_call(module: nn.Module, args: tuple, kwargs: dict, cache: FrozenCache | None = None
+                ) -> tuple[torch.Tensor, Callable[[], torch.Tensor]]:
+    """The hidden-state input of a recorded call and a function that re-runs the call
+    unperturbed (a repeat), as ``run_probes`` does."""
+    args, kwargs = replay_arguments(args, kwargs, cache)
+    x, rebuild = hidden_input(args, kwargs, module)
+    if x is None:
+        raise TypeError(f"cannot find the hidden-state input of {type(module).__name__}")
+
+    def again() -> torch.Tensor:
+        with torch.no_grad(), preserved_rng(x.device):
+            return _call(module, *rebuild(x))
+
+    return x, again
 
 
 def other_kernels(outputs: list[ProbeOutput], recorded: torch.Tensor) -> bool:

@@ -18,7 +18,7 @@ from torch import nn
 
 from ..format import schema
 from ..format.coverage import Coverage
-from ..vocabulary import BLOCK, EXPERTS, LINEAR, NORM, ROTARY, ROUTER
+from ..vocabulary import BLOCK, EXPERTS, LINEAR, NORM, ROTARY, ROUTER, SUBLAYER
 from . import serving
 from .attention_reference import (
     AttentionLayout,
@@ -47,11 +47,13 @@ from .probes import (
     outside_output_recording,
     preserved_rng,
     probe_seed,
+    repeat_call,
     run_probes,
     snapshot_cache,
 )
 from .roles import EXPERT_CALLS, NO_REPLAY, ROLE_CAPTURE, ROWS, WHOLE
 from .rounds import RoundContext
+from .shared_repeats import SharedRepeats, Waiting
 from .sinks import RecordSink
 from .tensors import kept
 
@@ -76,6 +78,11 @@ class Replays:
         self.weights = mlp.weights if mlp is not None else HostWeights()
         self.host, self.serving, self.moe, self.levels = host, serving_blocks, moe, levels
         self.causal = causal_modules(blocks, sites)
+        self.blocks = blocks
+        # sub-layers inside their layer's block: their repeats come from the block's
+        self.shared = SharedRepeats(spec.repeats)
+        self._nested = {i for i, s in enumerate(sites) if s.role == SUBLAYER and any(
+            m is s.module for m in blocks[s.layer].modules())}
         self.active = False  # a replay is running: the session's hooks ignore its calls
         self.compiled_round = False  # this round runs as torch.compile'd code
         self.caches: dict[int, Any] = {}  # cache layer -> its KV cache before this decode step
@@ -83,6 +90,7 @@ class Replays:
         self._cache_layer: dict[int, int | None] = {}  # id(module) -> the cache layer it uses
         self.batched = self.sequential = 0
         self.decode_skipped = 0
+        self.site_errors = 0  # sub-layers whose own repeat failed (shared_repeats.py)
         self.host_done = self.host_failed = 0
         self.compiled_dropped = 0
         self._by_kind: dict[str, Replay] = {
@@ -92,6 +100,7 @@ class Replays:
 
     def status(self) -> dict:
         return {"batched_replays": self.batched, "sequential_replays": self.sequential,
+                "repeats_from_blocks": self.shared.taken,
                 "decode_replays_skipped": self.decode_skipped, "host_replays": self.host_done,
                 "host_replays_failed": self.host_failed,
                 "compiled_probes_dropped": self.compiled_dropped}
@@ -99,6 +108,7 @@ class Replays:
     def open_round(self, compiled: bool) -> None:
         self.caches.clear()
         self.pasts.clear()
+        self.shared.clear()
         self.compiled_round = compiled
 
     @contextmanager
@@ -137,7 +147,37 @@ class Replays:
         if not ctx.probed and kind != EXPERT_CALLS:
             return
         with outside_output_recording():
-            self._by_kind[kind](module, layer, site, role, args, kwargs, hidden, ctx)
+            try:
+                self._by_kind[kind](module, layer, site, role, args, kwargs, hidden, ctx)
+            finally:
+                if site == schema.BLOCK_SITE:
+                    self._finish_waiting(layer, ctx)
+
+    def finishes_later(self, layer: int, site: int) -> bool:
+        """The site's records are completed by its block's replay (shared_repeats.py)."""
+        return self.shared.deferred(layer, site)
+
+    def _shares_repeats(self, module: nn.Module, layer: int, site: int, spec: ProbeSpec,
+                        decode: bool) -> bool:
+        """A sub-layer whose repeats its block's repeats can give."""
+        if site not in self._nested or not spec.repeats:
+            return False
+        block = self.blocks[layer]
+        return (id(block) not in self.serving and not serving.overwrites_inputs(module)
+                and not serving.replays_alone(module) and self.tp.may_replay(block)
+                and self.tp.batched(block) == self.tp.batched(module))
+
+    def _finish_waiting(self, layer: int, ctx: RoundContext) -> None:
+        if not self.shared.waiting.get(layer):
+            return
+        with self.running(), (self.moe.pinned() if self.moe is not None else nullcontext()):
+            failed = self.shared.finish(layer)
+        for waiting, _ in failed:  # its clean record is kept, as for any failed replay
+            if ctx.step == 0:
+                self.site_errors += 1
+            else:
+                self.decode_skipped += 1
+            self.sink.finish_site(ctx, layer, waiting.site)
 
     def _family(self, ctx: RoundContext, site: int, what: str) -> str:
         return family(ctx.phase, self.levels[site], what)
@@ -173,13 +213,21 @@ class Replays:
                                      "not be copied (a cache layout srdd-dump does not know)")
             return
         if probes:
+            share = self._shares_repeats(module, layer, site, spec, decode)
+            around = None
+            if site == schema.BLOCK_SITE and self.shared.waiting.get(layer):
+                def around(t: int, layer=layer):
+                    return self.shared.around(layer, t)
             try:
                 with self.running(), self.coverage.attempt(probes), (
                         self.moe.pinned() if self.moe is not None else nullcontext()):
-                    outputs, batched = run_probes(module, args, kwargs, hidden, spec,
-                                                  ctx.seeds(layer, site), cache, cut,
-                                                  stream=id(module) in self.serving,
-                                                  causal_stop=stop)
+                    outputs, batched = run_probes(
+                        module, args, kwargs, hidden,
+                        dataclasses.replace(spec, repeats=0) if share else spec,
+                        ctx.seeds(layer, site), cache, cut, stream=id(module) in self.serving,
+                        causal_stop=stop, around_repeat=around)
+                    if share:
+                        x, again = repeat_call(module, args, kwargs, cache)
             except Exception:
                 if not decode:
                     raise
@@ -191,7 +239,15 @@ class Replays:
                 self.batched += 1
             else:
                 self.sequential += 1
-            if self._keep_probes(module, outputs, hidden):
+            if share:
+                def emit(outputs, module=module, layer=layer, site=site, hidden=hidden,
+                         ctx=ctx):
+                    if self._keep_probes(module, outputs, hidden):
+                        self.sink.probe_outputs(ctx, layer, site, outputs,
+                                                (ctx.positions, ctx.rows))
+                    self.sink.finish_site(ctx, layer, site)
+                self.shared.defer(layer, Waiting(module, site, x, again, outputs, emit))
+            elif self._keep_probes(module, outputs, hidden):
                 self.sink.probe_outputs(ctx, layer, site, outputs, (ctx.positions, ctx.rows))
         if host:
             self.host_record(module, layer, site, args, kwargs, cache, ctx)
