@@ -92,15 +92,21 @@ class FrozenCache:
     def update(self, key_states, value_states, *args, **kwargs):
         # whatever else the library passes (layer index, cache_kwargs=, kwargs=...) is about
         # where to store the new entries, which a frozen cache never does
-        keys, values = self.keys, self.values
-        if keys.shape[0] != key_states.shape[0]:  # a batched replay of stacked copies
-            reps = key_states.shape[0] // max(1, keys.shape[0])
-            keys, values = keys.repeat(reps, 1, 1, 1), values.repeat(reps, 1, 1, 1)
-        return (torch.cat([keys, key_states.to(keys.dtype)], dim=-2),
-                torch.cat([values, value_states.to(values.dtype)], dim=-2))
+        return _after(self.keys, key_states), _after(self.values, value_states)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return int(self.keys.shape[-2])
+
+
+def _after(past: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    """``past`` followed by ``new`` along the sequence, in one copy; a batched replay of
+    stacked copies (``new`` holding several batches) gets the past once per copy."""
+    reps = new.shape[0] // max(1, past.shape[0])
+    out = past.new_empty((past.shape[0] * reps, *past.shape[1:-2],
+                          past.shape[-2] + new.shape[-2], past.shape[-1]))
+    out.view(reps, past.shape[0], *out.shape[1:])[..., :past.shape[-2], :] = past
+    out[..., past.shape[-2]:, :] = new
+    return out
 
 
 def layer_index(module: nn.Module) -> int | None:
