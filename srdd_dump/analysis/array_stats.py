@@ -78,12 +78,42 @@ def median(x: np.ndarray) -> float:
     n = x.size
     if not n:
         return float("nan")
-    ordered = np.sort(x)
     half = n // 2
+    middle = _middle(x) if n >= SELECT_MIN else None
+    if middle is None:
+        ordered = np.sort(x)
+        middle = ordered[half - 1: half + 1] if n % 2 == 0 else ordered[half: half + 1]
     if n % 2:
-        return float(ordered[half])
+        return float(middle[-1])
     # np.mean of the two middle values, in their dtype (numpy's median), without its overhead
-    return float((ordered[half - 1: half + 1].sum(dtype=ordered.dtype)) / ordered.dtype.type(2))
+    return float((middle.sum(dtype=middle.dtype)) / middle.dtype.type(2))
+
+
+SELECT_MIN = 8192  # values from which median() selects the middle ones instead of sorting
+_SAMPLE = 2048  # values of a median's first guess
+
+
+def _middle(x: np.ndarray) -> np.ndarray | None:
+    """The values of ranks n // 2 - 1 and n // 2 (one: rank n // 2 when n is odd) of a 1-D
+    array without NaN, as sorted ``x`` holds them, or None (then sort). A sample's quantiles
+    bracket the middle; the values outside the bracket are only counted, the few inside
+    sorted: the same values as a full sort (which cost 0.5 ms for 23,000 float32 values, a
+    quarter of a probed round's compare), found in about a fifth of its time."""
+    n = x.size
+    half = n // 2
+    first = half - 1 if n % 2 == 0 else half  # rank of the lower middle value
+    sample = np.sort(x[:: max(1, n // _SAMPLE)])
+    m = sample.size
+    # +- 4 standard deviations of a sample median's rank
+    spread = int(4 * math.sqrt(m) / 2) + 2
+    lo = sample[max(0, m // 2 - spread)]
+    hi = sample[min(m - 1, m // 2 + spread)]
+    below = int(np.count_nonzero(x < lo))
+    inside = x[(x >= lo) & (x <= hi)]
+    if below > first or below + inside.size <= half:
+        return None  # the middle is outside the bracket
+    inside.sort()
+    return inside[first - below: half - below + 1]
 
 
 def percentile(x: np.ndarray, q: float) -> float:
