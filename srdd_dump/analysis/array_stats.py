@@ -43,19 +43,6 @@ def std(x: np.ndarray) -> float:
         return math.sqrt(dot(c, c) / c.size)
 
 
-def stds(rows: np.ndarray) -> list[float]:
-    """``std`` of each row of a 2-D array (the draws of one probe, stacked): one conversion
-    for all, each row's sums as ``std`` adds them (the same float64 results)."""
-    n = rows.shape[1]
-    if not n:
-        return [float("nan")] * rows.shape[0]
-    c = rows.astype(np.float64)
-    with np.errstate(over="ignore", invalid="ignore"):
-        for row in c:
-            row -= total(row) / n
-        return [math.sqrt(dot(row, row) / n) for row in c]
-
-
 def fraction(mask: np.ndarray) -> float:
     """``np.mean(mask)`` of a boolean array, without converting it to float64."""
     return np.count_nonzero(mask) / mask.size if mask.size else float("nan")

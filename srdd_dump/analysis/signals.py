@@ -243,18 +243,8 @@ def _probes(out: RoundStats, clean_rows: np.ndarray, probes: list[Probe]) -> Non
     top_sigma = max((float(p.param) for p in probes if p.kind == "gain"), default=0.0)
     top_sigma = max(top_sigma, 0.0)
     flat = np.ones(clean_rows.shape, dtype=bool)
-    gains = [p for p in probes if p.kind == "gain" and p.pert_rms > 0]
-    if _stackable(gains, ref):
-        # the draws stacked: one subtraction and conversion for all, each draw's std by
-        # the same sums as st.std
-        d = np.stack([p.data.reshape(ref.shape) for p in gains]) - ref
-        for p, spread in zip(gains, st.stds(d.reshape(len(gains), -1))):
-            out.gains.append((float(p.param), spread / p.pert_rms))
-        for p, d_p in zip(gains, d):
-            if p.param == top_sigma:
-                flat &= d_p == 0
-    else:
-        for p in gains:
+    for p in probes:
+        if p.kind == "gain" and p.pert_rms > 0:
             d = st.rows_of(p.data) - ref
             out.gains.append((float(p.param), st.std(d) / p.pert_rms))
             if p.param == top_sigma:
@@ -288,38 +278,21 @@ def _probes(out: RoundStats, clean_rows: np.ndarray, probes: list[Probe]) -> Non
     if not repeats:
         return
     scale = st.rms(clean_rows)
-    if _stackable(repeats, clean_rows):
-        # the repeats stacked: one subtraction and one finiteness test for all
-        d_all = np.stack([p.data.reshape(clean_rows.shape) for p in repeats]) - clean_rows
-        fin = np.isfinite(d_all)
+    for p in repeats:
+        d = st.rows_of(p.data) - clean_rows
+        fin = np.isfinite(d)
         if not fin.all():
-            d_all = np.where(fin, d_all, 0.0)
-        counts = np.count_nonzero(d_all.reshape(len(repeats), -1), axis=1)
-        pairs = list(zip(d_all, counts))
-    else:
-        pairs = []
-        for p in repeats:
-            d = st.rows_of(p.data) - clean_rows
-            fin = np.isfinite(d)
-            if not fin.all():
-                d = np.where(fin, d, 0.0)
-            pairs.append((d, np.count_nonzero(d)))
-    for d, changed in pairs:
+            d = np.where(fin, d, 0.0)
+        nz = d != 0
+        changed = np.count_nonzero(nz)
         # the usual case: the repeat is bit-identical, its rms is 0
         d_rms = st.rms(d) if changed or not d.size else 0.0
         out.repeats.append((d_rms / scale if scale > 0 else float("nan"),
-                            changed / d.size if d.size else float("nan")))
+                            changed / nz.size if nz.size else float("nan")))
         if changed:
             diffs.append(d.reshape(-1))
     if diffs:
         out.diffs = Moments().add(np.concatenate(diffs))
-
-
-def _stackable(probes: list[Probe], rows: np.ndarray) -> bool:
-    """Two or more probe outputs of ``rows``'s shape and one dtype: analysed stacked."""
-    return (len(probes) > 1 and rows.size > 0 and len({p.data.dtype for p in probes}) == 1
-            and all(p.data.size == rows.size and p.data.shape[-1] == rows.shape[-1]
-                    for p in probes))
 
 
 class LayerSignals:
