@@ -38,7 +38,13 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--prompts", type=int, default=2)
     parser.add_argument("--dense", action="store_true", help="SmolLM2 itself, for comparison")
+    parser.add_argument("--cpu", action="store_true",
+                        help="one torch thread, CPU time of the process (steady on a shared "
+                             "machine) instead of wall time")
     args = parser.parse_args()
+    clock = time.process_time if args.cpu else time.perf_counter
+    if args.cpu:
+        torch.set_num_threads(1)
     if args.dense:
         from smollm2 import load
 
@@ -50,18 +56,19 @@ def main() -> None:
     generate(model, ids[:1])  # warm-up
     plain, captured, sizes = [], [], []
     for _ in range(args.repeats):
-        t = time.perf_counter()
+        t = clock()
         generate(model, ids)
-        plain.append(time.perf_counter() - t)
+        plain.append(clock() - t)
         tmp = tempfile.mkdtemp(prefix="srdd-moe-cost-")
-        t = time.perf_counter()
+        t = clock()
         with register_hook(model, DumpConfig(dump_path=tmp, samples=len(ids), progress=False)):
             generate(model, ids)
-        captured.append(time.perf_counter() - t)
+        captured.append(clock() - t)
         sizes.append(sum(os.path.getsize(os.path.join(tmp, f)) for f in os.listdir(tmp)))
         shutil.rmtree(tmp)
     p, c = statistics.median(plain), statistics.median(captured)
-    print(f"tokens per prompt: {[x.shape[1] for x in ids]}; {NEW_TOKENS} new tokens")
+    print(f"{'CPU' if args.cpu else 'wall'} time; tokens per prompt: "
+          f"{[x.shape[1] for x in ids]}; {NEW_TOKENS} new tokens")
     print(f"plain {p:.2f} s {[round(x, 2) for x in plain]}; captured {c:.2f} s "
           f"{[round(x, 2) for x in captured]}; ratio {c / p:.2f}x; dump "
           f"{statistics.median(sizes) / 1e6:.1f} MB")

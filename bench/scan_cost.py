@@ -50,8 +50,15 @@ def main() -> None:
     ap.add_argument("--out", default=os.path.join(HERE, "results", "scan_cost.json"))
     ap.add_argument("--model", choices=("smollm2", "gemma3"), default="smollm2")
     ap.add_argument("--only", nargs="*", help="only these configurations (names above)")
+    ap.add_argument("--cpu", action="store_true",
+                    help="one torch thread, CPU time of the process (steady on a shared "
+                         "machine) instead of wall time")
     args = ap.parse_args()
     import torch
+
+    clock = time.process_time if args.cpu else time.perf_counter
+    if args.cpu:
+        torch.set_num_threads(1)
 
     from srdd_dump import DumpConfig, register_hook
 
@@ -60,9 +67,9 @@ def main() -> None:
     else:
         from smollm2 import load
 
-    t = time.perf_counter()
+    t = clock()
     model, tok = load("float32")
-    load_s = time.perf_counter() - t
+    load_s = clock() - t
     with open(os.path.join(HERE, "..", "fixtures", "prompts.txt")) as fh:
         prompts = [line.strip() for line in fh if line.strip()][: args.prompts]
     if args.model == "gemma3":  # a base model: plain text
@@ -81,19 +88,19 @@ def main() -> None:
     def captured(config: dict) -> float:
         tmp = tempfile.mkdtemp()
         try:
-            start = time.perf_counter()
+            start = clock()
             with register_hook(model, DumpConfig(dump_path=tmp, progress=False, **config)):
                 generate()
-            return time.perf_counter() - start
+            return clock() - start
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
 
     generate()  # warm-up
     times: dict[str, list[float]] = {"plain": [], **{k: [] for k in configs}}
     for _ in range(args.repeats):
-        start = time.perf_counter()
+        start = clock()
         generate()
-        times["plain"].append(time.perf_counter() - start)
+        times["plain"].append(clock() - start)
         for name, config in configs.items():
             times[name].append(captured(config))
     plain = statistics.median(times["plain"])
@@ -107,7 +114,8 @@ def main() -> None:
     print(f"model load {load_s:.1f} s")
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as fh:
-        json.dump({"model": args.model, "load_s": load_s, "prompts": args.prompts,
+        json.dump({"model": args.model, "clock": "cpu" if args.cpu else "wall",
+                   "load_s": load_s, "prompts": args.prompts,
                    "new_tokens": args.new_tokens,
                    "rows": rows, "times": times}, fh, indent=1)
 

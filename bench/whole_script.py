@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shlex
 import shutil
 import statistics
@@ -24,11 +25,18 @@ ROOT = os.path.dirname(HERE)
 SCRIPTS = {"smollm2": "fixtures/infer_smollm2.py", "gemma3": "fixtures/infer_gemma3.py"}
 
 
-def timed(cmd: list[str]) -> float:
-    start = time.perf_counter()
+def _children_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def timed(cmd: list[str]) -> tuple[float, float]:
+    """(wall, CPU) seconds of a whole process and its descendants: the CPU time is steady
+    on a shared machine where the wall time is not."""
+    start, cpu = time.perf_counter(), _children_cpu()
     subprocess.run(cmd, cwd=ROOT, check=True, stdout=subprocess.DEVNULL,
                    stderr=subprocess.DEVNULL)
-    return time.perf_counter() - start
+    return time.perf_counter() - start, _children_cpu() - cpu
 
 
 def main() -> None:
@@ -44,6 +52,7 @@ def main() -> None:
               f"--new-tokens {args.new_tokens}")
     srdd = shutil.which("srdd-dump") or "srdd-dump"
     plain_s, scan_s, ratios = [], [], []
+    plain_cpu, scan_cpu, cpu_ratios = [], [], []
     for i in range(args.pairs + 1):  # the first pair warms the caches, not counted
         out = tempfile.mkdtemp(prefix="srdd-whole-")
         order = ("plain", "scan") if i % 2 else ("scan", "plain")  # alternated within pairs
@@ -56,20 +65,28 @@ def main() -> None:
                     shutil.rmtree(out, ignore_errors=True)
             else:
                 took[which] = timed(shlex.split(script))
-        scan, plain = took["scan"], took["plain"]
+        (scan, scan_c), (plain, plain_c) = took["scan"], took["plain"]
         if i:
             scan_s.append(scan)
             plain_s.append(plain)
             ratios.append(scan / plain)
-        print(f"pair {i}{' (warm-up)' if not i else ''}: scan {scan:.2f} s, plain {plain:.2f} s",
-              flush=True)
+            scan_cpu.append(scan_c)
+            plain_cpu.append(plain_c)
+            cpu_ratios.append(scan_c / plain_c)
+        print(f"pair {i}{' (warm-up)' if not i else ''}: scan {scan:.2f} s ({scan_c:.2f} s CPU), "
+              f"plain {plain:.2f} s ({plain_c:.2f} s CPU)", flush=True)
     result = {"model": args.model, "prompts": args.prompts, "new_tokens": args.new_tokens,
               "options": args.options, "plain_s": plain_s, "scan_s": scan_s,
               "ratio_median": statistics.median(ratios), "ratios": ratios,
-              "load_average": os.getloadavg()}
+              "plain_cpu_s": plain_cpu, "scan_cpu_s": scan_cpu,
+              "cpu_ratio_median": statistics.median(cpu_ratios), "cpu_ratios": cpu_ratios,
+              "load_average": os.getloadavg(), "pythonpath": os.environ.get("PYTHONPATH")}
     print(f"whole script: plain {statistics.median(plain_s):.2f} s, scan "
           f"{statistics.median(scan_s):.2f} s, median ratio {result['ratio_median']:.2f}x "
-          f"(range {min(ratios):.2f}-{max(ratios):.2f})")
+          f"(range {min(ratios):.2f}-{max(ratios):.2f}); CPU time: plain "
+          f"{statistics.median(plain_cpu):.2f} s, scan {statistics.median(scan_cpu):.2f} s, "
+          f"median ratio {result['cpu_ratio_median']:.2f}x "
+          f"(range {min(cpu_ratios):.2f}-{max(cpu_ratios):.2f})")
     if args.out:
         with open(args.out, "w") as fh:
             json.dump(result, fh, indent=1)
