@@ -59,6 +59,42 @@ def test_median_matches_numpy():
         assert array_stats.median(x) == float(np.median(x))
 
 
+def test_median_selection_matches_numpy():
+    """Large arrays: the middle values selected between a sample's quantiles (ties, sorted
+    input, infinities, few distinct values) are np.median's."""
+    n = 23040
+    base = RNG.standard_normal(n).astype(np.float32)
+    cases = [np.abs(base), np.sort(base), np.round(base * 2), np.zeros(n, np.float32),
+             np.where(base > 1.5, np.inf, base), np.abs(base)[:-1], np.repeat(base[:64], 360)]
+    for x in cases:
+        assert array_stats.median(x) == float(np.median(x))
+
+
+def _grid_reference(rows: np.ndarray, dtype: str) -> float:
+    from srdd_dump.vocabulary import GRID_MIN_VALUES, UNIT_ROUNDOFF, grid_row_picks, on_grid
+    tested = on = 0
+    for r in grid_row_picks(rows.shape[0]):
+        v = rows[r][np.isfinite(rows[r])]
+        if np.count_nonzero(v) >= GRID_MIN_VALUES:
+            tested += 1
+            on += on_grid(np.unique(v.astype(np.float64)), UNIT_ROUNDOFF[dtype])
+    return on / tested if tested else float("nan")
+
+
+def test_grid_rows_match_one_row_at_a_time():
+    """The grid test's shortcuts (rows sorted at once, rows of 258 distinct first values
+    ruled out) give the answers of np.unique row by row."""
+    x = RNG.standard_normal((40, 576)).astype(np.float32)
+    scale = np.abs(x).max(axis=1, keepdims=True) / 127
+    cases = [x, x[:1], (np.rint(x / scale) * scale).astype(np.float32),
+             bf16_bits_to_float32(float32_to_bf16_bits(x)), np.where(x > 0, x, 0),
+             np.rint(x * 3), np.vstack([np.rint(x[:1] * 3), x[1:]])]
+    for rows in cases:
+        for dtype in ("float32", "bfloat16", "float16"):
+            got, want = array_stats.grid_rows(rows, dtype), _grid_reference(rows, dtype)
+            assert (math.isnan(got) and math.isnan(want)) or got == want
+
+
 def _ties_reference(rows: np.ndarray) -> float:
     rows = np.unique(rows, axis=0)
     if rows.shape[0] < 2:
