@@ -308,7 +308,11 @@ def _levels(col: torch.Tensor, top: float, bottom: float) -> float:
     return abs(top - bottom) / step if step > 0 else float("inf")
 
 
-def _near_copies(rows: torch.Tensor, tied: torch.Tensor) -> bool:
+def _near_copies(rows: torch.Tensor, tied: torch.Tensor, spread: dict) -> bool:
+    """``spread``: the round's median channel spread, computed at the first need and kept for
+    the other candidate channels (it does not depend on them); the spreads in float32 (a
+    bfloat16 std on a CPU is several times a forward's cost, and numpy reads the same values
+    as float32)."""
     if int(tied.sum()) < 2:
         return False
     group = rows[tied]
@@ -316,8 +320,10 @@ def _near_copies(rows: torch.Tensor, tied: torch.Tensor) -> bool:
     equal = int((group.amax(dim=0) == group.amin(dim=0)).sum())
     if equal >= max(8, 0.05 * width):
         return True
-    spread_all = _median(rows.std(dim=0, unbiased=False))
-    return spread_all > 0 and _median(group.std(dim=0, unbiased=False)) < 0.1 * spread_all
+    if "all" not in spread:
+        spread["all"] = _median(rows.float().std(dim=0, unbiased=False))
+    spread_all = spread["all"]
+    return spread_all > 0 and _median(group.float().std(dim=0, unbiased=False)) < 0.1 * spread_all
 
 
 def ties(rows: torch.Tensor, candidates: int = TIE_CANDIDATES, distinct: bool = False
@@ -334,6 +340,7 @@ def ties(rows: torch.Tensor, candidates: int = TIE_CANDIDATES, distinct: bool = 
     if count < 2:
         return float(count), 1.0
     best = (1.0, 1)
+    spread: dict = {}
     for at, ext, sign in ((at_hi, hi, 1.0), (at_lo, lo, -1.0)):
         order = torch.sort(-at, stable=True).indices[:candidates].tolist()
         counts_at = at[order].tolist()
@@ -347,7 +354,7 @@ def ties(rows: torch.Tensor, candidates: int = TIE_CANDIDATES, distinct: bool = 
             values, counts = torch.unique(inner, return_counts=True)
             if values.numel() and _levels(col, top, float(values[0])) < TIE_MIN_LEVELS:
                 continue
-            if _near_copies(rows, col == top):
+            if _near_copies(rows, col == top, spread):
                 continue
             neighbours = float(counts[-2:].double().mean()) if counts.numel() else 1.0
             best = max(best, (n / max(1.0, neighbours), n))
