@@ -81,3 +81,66 @@ def test_a_sublayer_whose_input_differs_in_the_block_run_repeats_alone(tmp_path)
         assert len(pairs) == 6
         for clean, again in pairs:
             np.testing.assert_array_equal(again, clean)
+
+
+def _falcon():
+    """A block that adds into its MLP's output in place after the MLP returns (HF Falcon with
+    parallel attention: ``mlp_output += attention_output``)."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    config = tf.FalconConfig(vocab_size=128, hidden_size=64, num_hidden_layers=2,
+                             num_attention_heads=4, parallel_attn=True,
+                             new_decoder_architecture=False, multi_query=False, bias=False)
+    return tf.FalconForCausalLM(config).eval()
+
+
+def _run(tmp_path, model, **options) -> DumpReader:
+    session = register_hook(model, DumpConfig(dump_path=str(tmp_path), samples=1,
+                                              progress=False, steps="0", **options))
+    with torch.no_grad():
+        model(PROMPT)
+    session.close()
+    return DumpReader(glob.glob(str(tmp_path / "*.h5"))[0])
+
+
+def test_a_sublayer_output_changed_in_place_by_its_block_is_recorded_as_it_was(tmp_path):
+    model = _falcon()
+    mlp = "transformer.h.1.mlp"
+    # unbatched probes: the MLP's replay record is its own recorded output
+    reader = _run(tmp_path / "full", model, batch_probes=False)
+    site = reader.sites.index(mlp)
+    clean = reader.read(reader.select(layer=1, site=site)[0]).reshape(-1, 64)
+    replay = reader.read(reader.select(layer=1, kind=schema.KIND_REPLAY, site=site)[0])
+    np.testing.assert_array_equal(replay.reshape(-1, 64),
+                                  clean[reader.probe_rows(reader.rounds[0])])
+    # the statistics store reduces the MLP's output as the MLP returned it
+    stats = _run(tmp_path / "stats", model, store="stats")
+    row = next(i for i, r in enumerate(stats.stats_index)
+               if int(r["layer"]) == 1 and int(r["site"]) == stats.sites.index(mlp))
+    values = stats.stats_row(row)
+    assert values["absmax"] == pytest.approx(float(np.abs(clean).max()), rel=1e-6)
+    assert values["mean"] == pytest.approx(float(clean.astype(np.float64).mean()), abs=1e-7)
+
+
+def test_a_failed_hand_over_is_one_site_error_and_the_capture_goes_on(tmp_path, monkeypatch):
+    from srdd_dump.capture import sinks
+
+    model = build("llama", layers=3)
+    with register_hook(model, DumpConfig(dump_path=str(tmp_path / "none"))) as session:
+        sublayers = {session.site_names.index(f"model.layers.1.{name}")
+                     for name in ("self_attn", "mlp")}
+    real = sinks.TensorSink.probe
+
+    def failing(self, ctx, layer, site, rows, kind, *args, **kwargs):
+        if site in sublayers and kind == schema.KIND_REPEAT:
+            raise RuntimeError("a sink that fails")
+        return real(self, ctx, layer, site, rows, kind, *args, **kwargs)
+
+    monkeypatch.setattr(sinks.TensorSink, "probe", failing)
+    reader = _dump(tmp_path, model)
+    assert reader.complete
+    # layer 1's attention and MLP at the prefill (a decode step's failure is a skipped replay)
+    assert reader.status["site_errors"] == 2
+    assert reader.status["decode_replays_skipped"] == 2
+    assert len(reader.select(layer=2, kind=schema.KIND_REPEAT, site=None)) > 0

@@ -350,12 +350,13 @@ def run_probes(
 
 def repeat_call(module: nn.Module, args: tuple, kwargs: dict, cache: FrozenCache | None = None
                 ) -> tuple[torch.Tensor, Callable[[], torch.Tensor]]:
-    """The hidden-state input of a recorded call and a function that re-runs the call
-    unperturbed (a repeat), as ``run_probes`` does."""
+    """A copy of the hidden-state input of a recorded call and a function that re-runs the
+    call on it unperturbed (a repeat), as ``run_probes`` does."""
     args, kwargs = replay_arguments(args, kwargs, cache)
     x, rebuild = hidden_input(args, kwargs, module)
     if x is None:
         raise TypeError(f"cannot find the hidden-state input of {type(module).__name__}")
+    x = x.clone()  # the recorded input as it was: the model may change it in place later
 
     def again() -> torch.Tensor:
         with torch.no_grad(), preserved_rng(x.device):

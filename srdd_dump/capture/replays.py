@@ -157,8 +157,8 @@ class Replays:
         """The site's records are completed by its block's replay (shared_repeats.py)."""
         return self.shared.deferred(layer, site)
 
-    def _shares_repeats(self, module: nn.Module, layer: int, site: int, spec: ProbeSpec,
-                        decode: bool) -> bool:
+    def _shares_repeats(self, module: nn.Module, layer: int, site: int, spec: ProbeSpec
+                        ) -> bool:
         """A sub-layer whose repeats its block's repeats can give."""
         if site not in self._nested or not spec.repeats:
             return False
@@ -166,6 +166,28 @@ class Replays:
         return (id(block) not in self.serving and not serving.overwrites_inputs(module)
                 and not serving.replays_alone(module) and self.tp.may_replay(block)
                 and self.tp.batched(block) == self.tp.batched(module))
+
+    def _defer(self, module: nn.Module, layer: int, site: int, x: torch.Tensor,
+               again: Callable[[], torch.Tensor], outputs: list, hidden: torch.Tensor,
+               ctx: RoundContext) -> None:
+        """A sub-layer waits for its block's repeats holding copies of what it will hand on
+        (its outputs cut to the stored rows; the stats store's clean entry): the block may
+        change the sub-layer's tensors in place meanwhile (Falcon adds the attention into the
+        MLP's output)."""
+        def cut(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else kept(ctx.as_round(t), ctx.positions, ctx.rows)
+
+        held = [dataclasses.replace(p, output=cut(p.output), perturbation=cut(p.perturbation))
+                for p in outputs]
+        recorded = cut(hidden)
+        self.sink.hold(ctx, layer, site)
+
+        def emit(outputs: list) -> None:
+            if self._keep_probes(module, outputs, recorded):
+                self.sink.probe_outputs(ctx, layer, site, outputs)
+            self.sink.finish_site(ctx, layer, site)
+
+        self.shared.defer(layer, Waiting(module, site, x, lambda: cut(again()), held, emit))
 
     def _finish_waiting(self, layer: int, ctx: RoundContext) -> None:
         if not self.shared.waiting.get(layer):
@@ -177,7 +199,10 @@ class Replays:
                 self.site_errors += 1
             else:
                 self.decode_skipped += 1
-            self.sink.finish_site(ctx, layer, waiting.site)
+            try:
+                self.sink.finish_site(ctx, layer, waiting.site)
+            except Exception:  # noqa: BLE001 (its hand-over failed half-way: counted above)
+                pass
 
     def _family(self, ctx: RoundContext, site: int, what: str) -> str:
         return family(ctx.phase, self.levels[site], what)
@@ -213,11 +238,12 @@ class Replays:
                                      "not be copied (a cache layout srdd-dump does not know)")
             return
         if probes:
-            share = self._shares_repeats(module, layer, site, spec, decode)
+            share = self._shares_repeats(module, layer, site, spec)
             around = None
             if site == schema.BLOCK_SITE and self.shared.waiting.get(layer):
-                def around(t: int, layer=layer):
-                    return self.shared.around(layer, t)
+                def around(t: int, layer=layer, ctx=ctx):
+                    return self.shared.around(layer, t, lambda out: kept(
+                        ctx.as_round(out), ctx.positions, ctx.rows))
             try:
                 with self.running(), self.coverage.attempt(probes), (
                         self.moe.pinned() if self.moe is not None else nullcontext()):
@@ -240,13 +266,7 @@ class Replays:
             else:
                 self.sequential += 1
             if share:
-                def emit(outputs, module=module, layer=layer, site=site, hidden=hidden,
-                         ctx=ctx):
-                    if self._keep_probes(module, outputs, hidden):
-                        self.sink.probe_outputs(ctx, layer, site, outputs,
-                                                (ctx.positions, ctx.rows))
-                    self.sink.finish_site(ctx, layer, site)
-                self.shared.defer(layer, Waiting(module, site, x, again, outputs, emit))
+                self._defer(module, layer, site, x, again, outputs, hidden, ctx)
             elif self._keep_probes(module, outputs, hidden):
                 self.sink.probe_outputs(ctx, layer, site, outputs, (ctx.positions, ctx.rows))
         if host:

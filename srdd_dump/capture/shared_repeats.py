@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 from torch import nn
@@ -30,9 +30,9 @@ class Waiting:
 
     module: nn.Module
     site: int
-    x: torch.Tensor  # its recorded hidden-state input
-    again: Callable[[], torch.Tensor]  # its own repeat (probes.repeat_call)
-    outputs: list[ProbeOutput]  # its probe outputs so far
+    x: torch.Tensor  # a copy of its recorded hidden-state input
+    again: Callable[[], torch.Tensor]  # its own repeat on that copy, cut to its stored rows
+    outputs: list[ProbeOutput]  # its probe outputs so far, cut to its stored rows (copies)
     emit: Callable[[list[ProbeOutput]], None]  # hands the complete outputs on
     repeats: dict[int, torch.Tensor] = field(default_factory=dict)
 
@@ -55,34 +55,40 @@ class SharedRepeats:
         return any(w.site == site for w in self.waiting.get(layer, ()))
 
     @contextmanager
-    def around(self, layer: int, t: int) -> Iterator[None]:
+    def around(self, layer: int, t: int, cut: Callable[[torch.Tensor], torch.Tensor]
+               ) -> Iterator[None]:
         """Around the block's repeat ``t``: each waiting sub-layer's one call in it is kept
-        when its input is its recorded input."""
-        calls: dict[int, list[tuple[Any, Any]]] = {}
+        (``cut`` to its stored rows: a copy, which a later in-place add cannot change) when
+        its input is its recorded input. Never raises into the block's run: a call that
+        cannot be judged is not kept (the sub-layer then re-runs alone)."""
+        calls: dict[int, list[torch.Tensor | None]] = {}
         handles = []
-        for w in self.waiting.get(layer, ()):
-            def hook(module, args, kwargs, output, w=w):
-                x, _ = hidden_input(args, kwargs, module)
-                out = module_output(module, output)
-                same = (isinstance(x, torch.Tensor) and x.shape == w.x.shape
-                        and x.dtype == w.x.dtype and torch.equal(x, w.x))
-                # a parent may write into the output afterwards (a fused add): a copy
-                calls.setdefault(w.site, []).append(
-                    (same, out.clone() if isinstance(out, torch.Tensor) else None))
-            handles.append(w.module.register_forward_hook(hook, with_kwargs=True))
         try:
+            for w in self.waiting.get(layer, ()):
+                def hook(module, args, kwargs, output, w=w):
+                    try:
+                        x, _ = hidden_input(args, kwargs, module)
+                        out = module_output(module, output)
+                        same = (isinstance(x, torch.Tensor) and isinstance(out, torch.Tensor)
+                                and x.shape == w.x.shape and x.dtype == w.x.dtype
+                                and x.device == w.x.device and _bitwise_equal(x, w.x))
+                        calls.setdefault(w.site, []).append(cut(out) if same else None)
+                    except Exception:  # noqa: BLE001 (the sub-layer re-runs alone)
+                        calls.setdefault(w.site, []).append(None)
+                handles.append(w.module.register_forward_hook(hook, with_kwargs=True))
             yield
         finally:
             for h in handles:
                 h.remove()
         for w in self.waiting.get(layer, ()):
             got = calls.get(w.site, [])
-            if len(got) == 1 and got[0][0] and got[0][1] is not None:
-                w.repeats[t] = got[0][1]
+            if len(got) == 1 and got[0] is not None:
+                w.repeats[t] = got[0]
 
     def finish(self, layer: int) -> list[tuple[Waiting, Exception]]:
         """The waiting sub-layers of ``layer`` get their repeats (run alone where the block's
-        run gave none) and are handed on; those whose own repeat failed are returned."""
+        run gave none) and are handed on; those whose repeat or hand-over failed are
+        returned (each is handed on at most once)."""
         failed = []
         for w in self.waiting.pop(layer, []):
             outputs = list(w.outputs)
@@ -95,8 +101,16 @@ class SharedRepeats:
                     else:
                         self.taken += 1
                     outputs.append(ProbeOutput(schema.KIND_REPEAT, t, 0.0, 0, out, None))
-            except Exception as exc:  # noqa: BLE001 (the caller decides, as for any replay)
+                w.emit(outputs)
+            except Exception as exc:  # noqa: BLE001 (the caller counts it, as for any replay)
                 failed.append((w, exc))
-                continue
-            w.emit(outputs)
         return failed
+
+
+def _bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit for bit (torch.equal holds -0.0 == 0.0): the integer views, where the dtype has
+    one."""
+    ints = {2: torch.int16, 4: torch.int32, 8: torch.int64}.get(a.element_size())
+    if ints is None or not a.is_floating_point():
+        return torch.equal(a, b)
+    return torch.equal(a.contiguous().view(ints), b.contiguous().view(ints))

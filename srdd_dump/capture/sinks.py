@@ -69,6 +69,10 @@ class RecordSink:
         routing index is ``rows_index``."""
         raise NotImplementedError
 
+    def hold(self, ctx: RoundContext, layer: int, site: int) -> None:
+        """The site's records will be finished later (its repeats come from its block's): keep
+        copies of whatever of it is still the model's own tensor."""
+
     def finish_site(self, ctx: RoundContext, layer: int, site: int) -> None:
         """Every record of the site this round has been given."""
 
@@ -163,6 +167,9 @@ class StatsSink(RecordSink):
                                  torch.from_numpy(local) if local is not None and local.size
                                  else None)
             self._parts.append((seg, collector, mine, torch.from_numpy(kept)))
+
+    def hold(self, ctx: RoundContext, layer: int, site: int) -> None:
+        self.collector.hold(layer, site)  # a flat forward's parts hold copies already
 
     def clean(self, ctx: RoundContext, layer: int, site: int, hidden: torch.Tensor) -> None:
         t = kept(hidden, ctx.positions)

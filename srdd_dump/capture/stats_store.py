@@ -48,6 +48,13 @@ class StatsCollector:
         it), on top of the round's own mask."""
         self._clean[(layer, site)] = (kept, dtype, valid)
 
+    def hold(self, layer: int, site: int) -> None:
+        """The site's clean output as a copy (its row is reduced later, and the model may
+        change the tensor in place meanwhile)."""
+        entry = self._clean.get((layer, site))
+        if entry is not None:
+            self._clean[(layer, site)] = (entry[0].clone(), *entry[1:])
+
     def round_valid(self) -> torch.Tensor | None:
         """The round's kept rows (False at padding); None when every row counts."""
         return self._valid
