@@ -116,9 +116,15 @@ class ExpertCapture:
         # the experts serves the gain, dc and zero probes): a per-call statistic (a range)
         # sees the real rows too
         zero = ((schema.KIND_ZERO, torch.zeros_like(x)),) if bias_free(module) else ()
-        outputs, _ = run_probes(SlotReplay(module, index), (x,), {}, recorded,
-                                replace(spec, repeats=0), ctx.seeds(layer, slots_site),
-                                extra=zero)
+        outputs, batched = run_probes(SlotReplay(module, index), (x,), {}, recorded,
+                                      replace(spec, repeats=0), ctx.seeds(layer, slots_site),
+                                      extra=zero)
+        if zero and not batched:  # the copies ran one by one: the zero rows after the real
+            both = slot_outputs(module, torch.cat([x, zero[0][1]], dim=-2),  # ones, one call
+                                torch.cat([index, index]))
+            outputs = [p if p.kind != schema.KIND_ZERO else
+                       ProbeOutput(schema.KIND_ZERO, 0, 0.0, 0, both[..., x.shape[-2]:, :], None)
+                       for p in outputs]
         # repeats are compared with the clean slots: they re-run the clean call's rows, so each
         # expert sees the same tokens (its GEMM's rounding depends on how many it gets)
         for t in range(spec.repeats):
