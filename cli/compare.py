@@ -190,6 +190,10 @@ def compare(
             traceback.print_exc(file=sys.stderr)
         hint = "" if debug else " (run with --debug for the traceback)"
         _fail(f"unexpected {type(exc).__name__}: {first_line(exc)}{hint}")
+    finally:
+        from srdd_dump.compare.pipeline import discard_started
+
+        discard_started()  # workers started early that no scan took (a user error)
 
 
 def _fail_levels(option: str | None, levels: dict) -> tuple[str, ...]:

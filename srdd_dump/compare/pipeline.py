@@ -81,8 +81,8 @@ def discard_started() -> None:
     """End the workers ``prestart`` started if no scan took them."""
     global _started
     if _started is not None:
-        _started[1].shutdown(wait=False, cancel_futures=True)
-        _started = None
+        pool, _started = _started[1], None
+        pool.shutdown(wait=True, cancel_futures=True)  # gone before this process leaves
 
 
 def _take(jobs: int) -> ProcessPoolExecutor | None:

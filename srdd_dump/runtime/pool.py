@@ -4,7 +4,10 @@ processes (concurrent.futures), results in task order."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import multiprocessing
+import multiprocessing.connection
+import os
 import sys
 import threading
 from collections.abc import Iterator, Sequence
@@ -47,7 +50,7 @@ def run_tasks(
     try:
         if jobs <= 1 or len(tasks) <= 1:
             if pool is not None:
-                pool.shutdown(wait=False, cancel_futures=True)
+                pool.shutdown(wait=True, cancel_futures=True)
             out = []
             for task in tasks:
                 out.append(fn(task))
@@ -68,11 +71,27 @@ def spawn_pool(workers: int, initializer: Callable[[], object] | None = None,
     check_can_spawn(workers + 1)
     pool = ProcessPoolExecutor(max_workers=max(1, workers),
                                mp_context=multiprocessing.get_context("spawn"),
-                               initializer=initializer)
+                               initializer=functools.partial(_orphan_proof, initializer))
     with _main_left_alone():
         for _ in range(max(1, workers)):
             pool.submit(warm or _nothing)
     return pool
+
+
+def _orphan_proof(initializer: Callable[[], object] | None) -> None:
+    """A worker ends itself when its parent is gone: a parent that leaves by ``os._exit``
+    (the watchdog's child, a user error after the workers were started early) never shuts
+    its pool down, and a worker left waiting on its queue would live on, holding the
+    parent's stdout and stderr open (``out=$(srdd-compare ...)`` would never return)."""
+    parent = multiprocessing.parent_process()
+    if parent is not None:
+        def watch() -> None:
+            multiprocessing.connection.wait([parent.sentinel])
+            os._exit(0)
+
+        threading.Thread(target=watch, daemon=True, name="srdd-parent-watch").start()
+    if initializer is not None:
+        initializer()
 
 
 def _nothing() -> None:
