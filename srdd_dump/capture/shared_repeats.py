@@ -43,7 +43,7 @@ class SharedRepeats:
     def __init__(self, repeats: int):
         self.n = repeats
         self.waiting: dict[int, list[Waiting]] = {}  # layer -> its waiting sub-layers
-        self.taken = self.alone = 0  # repeats taken from a block's run / run alone
+        self.taken = 0  # repeats taken from a block's run (status: repeats_from_blocks)
 
     def clear(self) -> None:
         self.waiting.clear()
@@ -97,7 +97,6 @@ class SharedRepeats:
                     out = w.repeats.get(t)
                     if out is None:
                         out = w.again()
-                        self.alone += 1
                     else:
                         self.taken += 1
                     outputs.append(ProbeOutput(schema.KIND_REPEAT, t, 0.0, 0, out, None))
