@@ -3,7 +3,8 @@ under ``srdd-dump --exec`` (interpreter start, imports, model load, generation, 
 close), as whole processes, alternated pair by pair after a warm-up pair; medians.
 
     python bench/whole_script.py [--model smollm2|gemma3] [--prompts 8] [--new-tokens 8]
-                                 [--pairs 5] [--out JSON] [-- SRDD-DUMP OPTIONS ...]
+                                 [--pairs 5] [--dtype float32|bfloat16] [--device cpu|cuda]
+                                 [--out JSON] [-- SRDD-DUMP OPTIONS ...]
 """
 
 from __future__ import annotations
@@ -45,11 +46,15 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--new-tokens", type=int, default=8)
     ap.add_argument("--pairs", type=int, default=5)
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--device", default="cpu", help="smollm2 only: where the script runs")
     ap.add_argument("--out", default=None)
     ap.add_argument("options", nargs="*", help="srdd-dump options (after --)")
     args = ap.parse_args()
     script = (f"{shlex.quote(sys.executable)} {SCRIPTS[args.model]} --prompts {args.prompts} "
-              f"--new-tokens {args.new_tokens}")
+              f"--new-tokens {args.new_tokens} --dtype {args.dtype}")
+    if args.device != "cpu":
+        script += f" --device {args.device}"
     srdd = shutil.which("srdd-dump") or "srdd-dump"
     plain_s, scan_s, ratios = [], [], []
     plain_cpu, scan_cpu, cpu_ratios = [], [], []
@@ -76,6 +81,7 @@ def main() -> None:
         print(f"pair {i}{' (warm-up)' if not i else ''}: scan {scan:.2f} s ({scan_c:.2f} s CPU), "
               f"plain {plain:.2f} s ({plain_c:.2f} s CPU)", flush=True)
     result = {"model": args.model, "prompts": args.prompts, "new_tokens": args.new_tokens,
+              "dtype": args.dtype, "device": args.device,
               "options": args.options, "plain_s": plain_s, "scan_s": scan_s,
               "ratio_median": statistics.median(ratios), "ratios": ratios,
               "plain_cpu_s": plain_cpu, "scan_cpu_s": scan_cpu,

@@ -130,6 +130,22 @@ def test_attention_kernel_faults_are_named_at_the_attention(tmp_path, fault):
 
 
 @pytest.mark.integration
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("fault", ["double_scale", "softmax_precision,dtype=float16"])
+def test_attention_kernel_faults_run_in_half_precision_models(tmp_path, fault, dtype):
+    # the simulated kernel once cast float32's lowest value into a bf16 tensor and stopped the
+    # user's program on its first call (seen on a bf16 SmolLM2 on a GPU)
+    name = fault.split(",")[0]
+    session, result = _dump(tmp_path, build("llama", layers=4, dtype=dtype),
+                            inject=[f"{name}@layer=2" + fault[len(name):]])
+    assert session.error is None and session.site_errors == 0
+    attention = _attention_rows(result)
+    assert attention["host_red"].notna().sum() == 2 * 4  # every layer, prefill and decode
+    clean = attention[~attention["module"].str.contains(r"layers\.2\.")]
+    assert clean["host_red"].max() < 1.5e-1 / 10  # the other layers' kernels are untouched
+
+
+@pytest.mark.integration
 def test_the_simulated_kernel_is_the_model_attention_when_the_fault_is_off(tmp_path):
     # a decode-only fault: the prefill runs the faulty kernel's clean path
     model = build("llama", layers=2, dtype=torch.float32)

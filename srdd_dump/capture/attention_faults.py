@@ -130,8 +130,9 @@ class AttentionKernelFault:
             rows = torch.arange(q_len, device=scores.device)
             scores[..., rows, k_len - q_len + rows] = lowest
         dtype = self.softmax_dtype if kind == "softmax_precision" else torch.float32
-        # masked scores must stay finite in the softmax's own dtype too
-        scores = scores.clamp(min=torch.finfo(dtype).min).to(dtype)
+        # masked scores must stay finite in the softmax's own dtype too (cast first: a bf16
+        # tensor cannot hold float32's lowest value)
+        scores = scores.to(dtype).clamp(min=torch.finfo(dtype).min)
         weights = torch.softmax(scores, dim=-1).to(query.dtype)
         out = torch.matmul(weights, value)
         return out.transpose(1, 2).contiguous(), None
