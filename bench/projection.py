@@ -5,6 +5,8 @@ decoder layers, plain and under capture, in one process, interleaved, medians.
     python bench/projection.py                       # the full run (about 20 min on 2 cores)
     python bench/projection.py --quick               # a smoke test (one shape, short prompts)
     python bench/projection.py --shapes 0.5b 7b --tokens 64 256 --repeats 3 --layers 7b=2
+    python bench/projection.py --device cuda --threads 16 ...   # the layers on a GPU (the
+                                                              # float64 references on the host)
 
 What one *sample* is: a prompt of TOKENS random token ids (batch 1) and greedy decoding of 8
 tokens as explicit forwards with a KV cache (what ``model.generate(max_new_tokens=8,
@@ -59,6 +61,16 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
 
+DEVICE = "cpu"  # where the layers run (--device); timings wait for the device's queue
+
+
+def sync() -> None:
+    """Wait for the device's queued work (a GPU's forward returns before it is done)."""
+    if DEVICE != "cpu":
+        import torch
+
+        getattr(torch, DEVICE.split(":")[0]).synchronize()
+
 # The shapes of the models' config.json (Qwen2.5-0.5B, -1.5B, -7B); "layers" is the real depth.
 SHAPES = {
     "0.5b": dict(hidden_size=896, intermediate_size=4864, num_attention_heads=14,
@@ -100,7 +112,8 @@ def machine() -> dict:
     import torch
     import transformers
 
-    return {"cpu": cpu, "cores": os.cpu_count(),
+    accelerator = torch.cuda.get_device_name() if DEVICE.startswith("cuda") else DEVICE
+    return {"cpu": cpu, "device": DEVICE, "accelerator": accelerator, "cores": os.cpu_count(),
             "affinity": len(os.sched_getaffinity(0)), "mem_bytes": mem,
             "python": platform.python_version(), "torch": torch.__version__,
             "transformers": transformers.__version__, "h5py": h5py.__version__,
@@ -155,7 +168,7 @@ def build(shape: str, layers: int):
         model = tf.Qwen2ForCausalLM(tf.Qwen2Config(**cfg, num_hidden_layers=layers))
     finally:
         torch.set_default_dtype(old)
-    return model.to(torch.bfloat16).eval(), cfg
+    return model.to(torch.bfloat16).to(DEVICE).eval(), cfg
 
 
 class StackTimer:
@@ -170,9 +183,11 @@ class StackTimer:
                         layers[-1].register_forward_hook(self._stop)]
 
     def _start(self, *_):
+        sync()
         self._t0, self._c0 = time.perf_counter(), time.thread_time()
 
     def _stop(self, *_):
+        sync()
         self.times.append(time.perf_counter() - self._t0)
         self.cpu.append(time.thread_time() - self._c0)
 
@@ -194,10 +209,12 @@ def run_sample(model, ids, new_tokens: int) -> tuple[list[float], list[float]]:
         mask = torch.ones_like(ids)
         x = ids
         for _ in range(new_tokens):
+            sync()
             t, c = time.perf_counter(), time.thread_time()
             out = model(input_ids=x, attention_mask=mask, cache=cache, use_cache=True,
                         logits_to_keep=1)
             x = out.logits[:, -1].argmax(-1, keepdim=True)
+            sync()
             times.append(time.perf_counter() - t)
             cpu.append(time.thread_time() - c)
             mask = torch.cat([mask, torch.ones_like(x)], dim=1)
@@ -310,7 +327,8 @@ def measure(shape: str, layers: int, tokens: list[int], repeats: int, configs: l
               "config": cfg, "layer_params": params, "build_s": build_s, "tokens": {}}
     for n in tokens:
         g = torch.Generator().manual_seed(n)
-        prompts = [torch.randint(0, cfg["vocab_size"], (1, n), generator=g) for _ in range(2)]
+        prompts = [torch.randint(0, cfg["vocab_size"], (1, n), generator=g).to(DEVICE)
+                   for _ in range(2)]
         timer = StackTimer(model)
         run_sample(model, prompts[0], NEW_TOKENS)  # warm-up
         timer.times.clear()
@@ -694,6 +712,7 @@ def main() -> None:
     ap.add_argument("--no-full-size", dest="full_size", action="store_false",
                     help="skip the --store full size run")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    ap.add_argument("--device", default="cpu", help="where the layers run: cpu, cuda, npu")
     ap.add_argument("--quick", action="store_true",
                     help="smoke test: 0.5b, 2 layers, 32 tokens, 1 repeat")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "projection_issue29.json"))
@@ -720,6 +739,10 @@ def main() -> None:
         layers[k] = int(v)
     import torch
 
+    global DEVICE
+    DEVICE = args.device
+    if DEVICE.startswith("npu"):
+        import torch_npu  # noqa: F401  (registers the npu device)
     torch.set_num_threads(args.threads)
     started = time.time()
     lines: list[str] = []
