@@ -196,6 +196,21 @@ class StackTimer:
             h.remove()
 
 
+def cache_keyword() -> str:
+    """The forward's KV-cache keyword: ``cache`` in newer transformers 5 releases,
+    ``past_key_values`` before (an older release takes ``cache=`` as an unknown keyword and
+    runs every step without the past: the decode steps then see one token and no cache)."""
+    import inspect
+
+    import transformers as tf
+
+    return ("cache" if "cache" in inspect.signature(tf.Qwen2ForCausalLM.forward).parameters
+            else "past_key_values")
+
+
+CACHE_KEYWORD = "past_key_values"  # set in main()
+
+
 def run_sample(model, ids, new_tokens: int) -> tuple[list[float], list[float]]:
     """Greedy decoding as generate() runs it: the prefill, then new_tokens - 1 decode steps;
     the wall time and the main thread's CPU time of each forward (torch runs on the main
@@ -211,8 +226,8 @@ def run_sample(model, ids, new_tokens: int) -> tuple[list[float], list[float]]:
         for _ in range(new_tokens):
             sync()
             t, c = time.perf_counter(), time.thread_time()
-            out = model(input_ids=x, attention_mask=mask, cache=cache, use_cache=True,
-                        logits_to_keep=1)
+            out = model(input_ids=x, attention_mask=mask, **{CACHE_KEYWORD: cache},
+                        use_cache=True, logits_to_keep=1)
             x = out.logits[:, -1].argmax(-1, keepdim=True)
             sync()
             times.append(time.perf_counter() - t)
@@ -739,8 +754,9 @@ def main() -> None:
         layers[k] = int(v)
     import torch
 
-    global DEVICE
+    global DEVICE, CACHE_KEYWORD
     DEVICE = args.device
+    CACHE_KEYWORD = cache_keyword()
     if DEVICE.startswith("npu"):
         import torch_npu  # noqa: F401  (registers the npu device)
     torch.set_num_threads(args.threads)
