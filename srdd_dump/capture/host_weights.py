@@ -1,7 +1,8 @@
 """Float64 host copies of linear weights for the references: kept for later rounds while their
-total stays within a budget (a small model's weights); beyond it each call converts again, into
-one reused buffer (a fresh float64 allocation costs 5x the conversion: its pages are faulted in
-and zeroed on every call, and a 7B layer converts 1.9 GB per probed round)."""
+total stays within a budget (a small model's weights); beyond it each call copies the weight off
+the device in its own format and converts it into one reused float64 buffer (a fresh float64
+allocation costs 5x the conversion: its pages are faulted in and zeroed on every call, and a 7B
+layer converts 1.9 GB per probed round)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ class HostWeights:
     def __init__(self, budget: int | None = None):
         self.budget, self.used = BUDGET_BYTES if budget is None else budget, 0
         self._kept: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
-        self._scratch = torch.empty(0, dtype=F64, device=HOST)
+        self._scratch: dict[torch.dtype, torch.Tensor] = {}  # float64 weights, reused
+        self._staged: dict[torch.dtype, torch.Tensor] = {}  # device weights copied as they are
 
     def linear(self, module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
         """``module`` applied to float64 host rows ``x`` in float64."""
@@ -40,8 +42,19 @@ class HostWeights:
             self._kept[id(module)] = (weight, bias)
             self.used += size
             return weight, bias
-        if self._scratch.numel() < source.numel():
-            self._scratch = torch.empty(source.numel(), dtype=F64, device=HOST)
-        weight = self._scratch[:source.numel()].view(source.shape)
+        if source.device != HOST:  # off the card in its own format: a quarter of the bytes
+            source = _into(self._staged, source).copy_(source)
+        weight = _into(self._scratch, source, F64)
         weight.copy_(source)  # exact: every float format converts to float64 without rounding
         return weight, bias
+
+
+def _into(buffers: dict, like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A host tensor of ``like``'s shape in ``dtype`` (default: its own), a view of the reused
+    buffer of that dtype (grown to the largest size asked)."""
+    dtype = dtype or like.dtype
+    n = like.numel()
+    buffer = buffers.get(dtype)
+    if buffer is None or buffer.numel() < n:
+        buffer = buffers[dtype] = torch.empty(n, dtype=dtype, device=HOST)
+    return buffer[:n].view(like.shape)
