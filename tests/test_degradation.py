@@ -84,6 +84,24 @@ def test_a_broken_decode_probe_is_reported_by_both_commands(tmp_path, monkeypatc
 
 
 @pytest.mark.integration
+def test_decode_steps_run_without_their_cache_are_named_as_such(tmp_path):
+    # a decoding loop that drops its cache: each one-token call gets a fresh, empty cache
+    # from the model; the decode replays cannot be made and the reason says why
+    model = build("llama")
+    ids = torch.tensor([[5, 17, 33, 2, 91, 40, 7, 66]])
+    with register_hook(model, DumpConfig(dump_path=str(tmp_path), samples=1)) as session, \
+            torch.no_grad():
+        mask = torch.ones_like(ids)
+        x = ids
+        for _ in range(3):
+            x = model(input_ids=x, attention_mask=mask, use_cache=True).logits[:, -1:].argmax(-1)
+            mask = torch.cat([mask, torch.ones_like(x)], dim=1)
+    failed = session.coverage.as_dict()["decode block probes"]
+    assert failed["done"] == 0 and failed["expected"] > 0
+    assert "holds no earlier keys and values" in failed["first_error"], failed
+
+
+@pytest.mark.integration
 def test_healthy_capture_reports_nothing_missing(tmp_path, capsys):
     model = build("qwen2")
     with register_hook(model, DumpConfig(dump_path=str(tmp_path), samples=1)) as session:

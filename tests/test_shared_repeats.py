@@ -144,3 +144,10 @@ def test_a_failed_hand_over_is_one_site_error_and_the_capture_goes_on(tmp_path, 
     assert reader.status["site_errors"] == 2
     assert reader.status["decode_replays_skipped"] == 2
     assert len(reader.select(layer=2, kind=schema.KIND_REPEAT, site=None)) > 0
+    # and the coverage does not count those probes as done (one failed call per family)
+    coverage = reader.status["coverage"]
+    for family in ("prefill attention probes", "prefill MLP probes", "decode attention probes",
+                   "decode MLP probes"):
+        entry = coverage[family]
+        assert entry["done"] == entry["expected"] - 1, (family, entry)
+        assert "a sink that fails" in entry["first_error"]

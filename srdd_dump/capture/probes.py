@@ -118,12 +118,13 @@ def layer_index(module: nn.Module) -> int | None:
     return None
 
 
-def snapshot_cache(idx: int, args: tuple, kwargs: dict) -> FrozenCache | None:
+def snapshot_cache(idx: int, args: tuple, kwargs: dict) -> FrozenCache | str:
     """A FrozenCache of cache layer ``idx`` from the cache in a call, before the call updates
-    it; None when the call has no cache, or one of a layout this does not know."""
+    it; else why not, in words (no cache object, no past in it, a layout this does not know)."""
     cache = next((v for v in (*args, *kwargs.values()) if is_cache(v)), None)
     if cache is None:
-        return None
+        return "the call's cache is not a Cache object (a legacy tuple cache)"
+    kind = type(cache).__name__
     try:
         if hasattr(cache, "layers"):  # transformers >= 4.56
             layer = cache.layers[idx]
@@ -131,14 +132,19 @@ def snapshot_cache(idx: int, args: tuple, kwargs: dict) -> FrozenCache | None:
         else:
             keys, values = cache.key_cache[idx], cache.value_cache[idx]
     except (IndexError, AttributeError, KeyError):
-        return None
-    if not isinstance(keys, torch.Tensor) or keys.dim() != 4 or keys.shape[-2] == 0:
-        return None
+        keys = values = None
+    if keys is None or (isinstance(keys, torch.Tensor) and keys.dim() == 4
+                        and keys.shape[-2] == 0):
+        # a one-token call whose cache holds nothing yet: the program called the model
+        # without the keys and values of its earlier tokens
+        return f"its {kind} holds no earlier keys and values for layer {idx}"
+    if not isinstance(keys, torch.Tensor) or keys.dim() != 4:
+        return f"a cache layout srdd-dump does not know ({kind})"
     try:  # a static or sliding cache holds a buffer longer than the past: not reproduced
         if keys.shape[-2] != int(cache.get_seq_length(idx)):
-            return None
+            return f"its {kind} holds a buffer longer than the past (a static or sliding cache)"
     except Exception:  # noqa: BLE001 (a cache class of another layout)
-        return None
+        return f"a cache layout srdd-dump does not know ({kind})"
     return FrozenCache(idx, keys.detach().clone(), values.detach().clone())
 
 

@@ -86,6 +86,7 @@ class Replays:
         self.active = False  # a replay is running: the session's hooks ignore its calls
         self.compiled_round = False  # this round runs as torch.compile'd code
         self.caches: dict[int, Any] = {}  # cache layer -> its KV cache before this decode step
+        self.cache_refusals: dict[int, str] = {}  # cache layer -> why it could not be kept
         self.pasts: dict[int, PastKV | str | None] = {}  # the same, for the reference attention
         self._cache_layer: dict[int, int | None] = {}  # id(module) -> the cache layer it uses
         self.batched = self.sequential = 0
@@ -107,6 +108,7 @@ class Replays:
 
     def open_round(self, compiled: bool) -> None:
         self.caches.clear()
+        self.cache_refusals.clear()
         self.pasts.clear()
         self.shared.clear()
         self.compiled_round = compiled
@@ -125,7 +127,10 @@ class Replays:
         a block and its attention), so that its replays see what the device saw."""
         idx = self._layer_of(module)
         if idx is not None and idx not in self.caches:
-            self.caches[idx] = frozen = snapshot_cache(idx, args, kwargs)
+            frozen = snapshot_cache(idx, args, kwargs)
+            if isinstance(frozen, str):
+                self.cache_refusals[idx], frozen = frozen, None
+            self.caches[idx] = frozen
             if frozen is not None:
                 self.pasts[idx] = PastKV(frozen.keys, frozen.values, 0, frozen.keys.shape[-2])
             elif idx in self._referenced:
@@ -169,7 +174,7 @@ class Replays:
 
     def _defer(self, module: nn.Module, layer: int, site: int, x: torch.Tensor,
                again: Callable[[], torch.Tensor], outputs: list, hidden: torch.Tensor,
-               ctx: RoundContext) -> None:
+               ctx: RoundContext, family: str) -> None:
         """A sub-layer waits for its block's repeats holding copies of what it will hand on
         (its outputs cut to the stored rows; the stats store's clean entry): the block may
         change the sub-layer's tensors in place meanwhile (Falcon adds the attention into the
@@ -187,14 +192,16 @@ class Replays:
                 self.sink.probe_outputs(ctx, layer, site, outputs)
             self.sink.finish_site(ctx, layer, site)
 
-        self.shared.defer(layer, Waiting(module, site, x, lambda: cut(again()), held, emit))
+        self.shared.defer(layer, Waiting(module, site, x, lambda: cut(again()), held, emit,
+                                         family=family))
 
     def _finish_waiting(self, layer: int, ctx: RoundContext) -> None:
         if not self.shared.waiting.get(layer):
             return
         with self.running(), (self.moe.pinned() if self.moe is not None else nullcontext()):
             failed = self.shared.finish(layer)
-        for waiting, _ in failed:  # its clean record is kept, as for any failed replay
+        for waiting, exc in failed:  # its clean record is kept, as for any failed replay
+            self.coverage.retract(waiting.family, f"{type(exc).__name__}: {exc}")
             if ctx.step == 0:
                 self.site_errors += 1
             else:
@@ -234,8 +241,9 @@ class Replays:
             self.decode_skipped += 1
             for name in filter(None, (probes, host and self._family(ctx, site, "host replays"))):
                 self.coverage.expect(name)
+                why = self.cache_refusals.get(idx, "a cache layout srdd-dump does not know")
                 self.coverage.failed(name, f"the KV cache of {type(module).__name__} could "
-                                     "not be copied (a cache layout srdd-dump does not know)")
+                                     f"not be copied: {why}")
             return
         if probes:
             share = self._shares_repeats(module, layer, site, spec)
@@ -266,7 +274,7 @@ class Replays:
             else:
                 self.sequential += 1
             if share:
-                self._defer(module, layer, site, x, again, outputs, hidden, ctx)
+                self._defer(module, layer, site, x, again, outputs, hidden, ctx, probes)
             elif self._keep_probes(module, outputs, hidden):
                 self.sink.probe_outputs(ctx, layer, site, outputs, (ctx.positions, ctx.rows))
         if host:

@@ -47,6 +47,12 @@ class Coverage:
         if entry.first_error is None:
             entry.first_error = _shortened(first_line(why))
 
+    def retract(self, family: str, why: str) -> None:
+        """A call counted as ``ran`` failed after all (its work was finished later)."""
+        entry = self.families.setdefault(family, Family())
+        entry.done = max(0, entry.done - 1)
+        self.failed(family, why)
+
     @contextlib.contextmanager
     def attempt(self, family: str) -> Iterator[None]:
         """``expect``, then ``ran`` when the block ends, or ``failed`` with its exception
