@@ -69,7 +69,7 @@ def sync() -> None:
     if DEVICE != "cpu":
         import torch
 
-        getattr(torch, DEVICE.split(":")[0]).synchronize()
+        getattr(torch, DEVICE.split(":")[0]).synchronize(DEVICE)
 
 # The shapes of the models' config.json (Qwen2.5-0.5B, -1.5B, -7B); "layers" is the real depth.
 SHAPES = {
@@ -112,7 +112,7 @@ def machine() -> dict:
     import torch
     import transformers
 
-    accelerator = torch.cuda.get_device_name() if DEVICE.startswith("cuda") else DEVICE
+    accelerator = torch.cuda.get_device_name(DEVICE) if DEVICE.startswith("cuda") else DEVICE
     return {"cpu": cpu, "device": DEVICE, "accelerator": accelerator, "cores": os.cpu_count(),
             "affinity": len(os.sched_getaffinity(0)), "mem_bytes": mem,
             "python": platform.python_version(), "torch": torch.__version__,

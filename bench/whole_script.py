@@ -51,6 +51,8 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("options", nargs="*", help="srdd-dump options (after --)")
     args = ap.parse_args()
+    if args.device != "cpu" and args.model != "smollm2":
+        ap.error("--device: only the smollm2 script takes it")
     script = (f"{shlex.quote(sys.executable)} {SCRIPTS[args.model]} --prompts {args.prompts} "
               f"--new-tokens {args.new_tokens} --dtype {args.dtype}")
     if args.device != "cpu":

@@ -30,6 +30,13 @@ class HostWeights:
         y = x @ weight.T  # a new tensor: the scratch buffer may be reused by the next call
         return y if bias is None else y + bias
 
+    def release(self) -> None:
+        """Drop the kept weights and the reused buffers (the session is closed)."""
+        self._kept.clear()
+        self._scratch.clear()
+        self._staged.clear()
+        self.used = 0
+
     def _weights(self, module: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
         found = self._kept.get(id(module))
         if found is not None:
@@ -37,6 +44,8 @@ class HostWeights:
         source = module.weight.detach()
         bias = None if module.bias is None else module.bias.detach().to(HOST, F64)
         size = source.numel() * 8
+        if type(source) is not torch.Tensor:  # a tensor subclass (DTensor, quantised): its own
+            return source.to(HOST, F64), bias  # conversion, never kept
         if self.used + size <= self.budget:
             weight = source.to(HOST, F64)
             self._kept[id(module)] = (weight, bias)

@@ -127,12 +127,16 @@ def snapshot_cache(idx: int, args: tuple, kwargs: dict) -> FrozenCache | str:
     kind = type(cache).__name__
     try:
         if hasattr(cache, "layers"):  # transformers >= 4.56
-            layer = cache.layers[idx]
-            keys, values = layer.keys, layer.values
+            layers = cache.layers
+            keys = values = None
+            if idx < len(layers):
+                keys, values = layers[idx].keys, layers[idx].values
         else:
-            keys, values = cache.key_cache[idx], cache.value_cache[idx]
-    except (IndexError, AttributeError, KeyError):
-        keys = values = None
+            layers = cache.key_cache
+            keys, values = ((cache.key_cache[idx], cache.value_cache[idx]) if idx < len(layers)
+                            else (None, None))
+    except (TypeError, AttributeError, KeyError):
+        return f"a cache layout srdd-dump does not know ({kind})"
     if keys is None or (isinstance(keys, torch.Tensor) and keys.dim() == 4
                         and keys.shape[-2] == 0):
         # a one-token call whose cache holds nothing yet: the program called the model
@@ -142,7 +146,8 @@ def snapshot_cache(idx: int, args: tuple, kwargs: dict) -> FrozenCache | str:
         return f"a cache layout srdd-dump does not know ({kind})"
     try:  # a static or sliding cache holds a buffer longer than the past: not reproduced
         if keys.shape[-2] != int(cache.get_seq_length(idx)):
-            return f"its {kind} holds a buffer longer than the past (a static or sliding cache)"
+            return (f"its {kind} holds a buffer of another length than the past (a static or "
+                    "sliding-window cache)")
     except Exception:  # noqa: BLE001 (a cache class of another layout)
         return f"a cache layout srdd-dump does not know ({kind})"
     return FrozenCache(idx, keys.detach().clone(), values.detach().clone())

@@ -34,7 +34,7 @@ class Waiting:
     again: Callable[[], torch.Tensor]  # its own repeat on that copy, cut to its stored rows
     outputs: list[ProbeOutput]  # its probe outputs so far, cut to its stored rows (copies)
     emit: Callable[[list[ProbeOutput]], None]  # hands the complete outputs on
-    family: str = ""  # its probes' coverage family (counted as ran when they ran)
+    family: str  # its probes' coverage family (counted as ran when they ran)
     repeats: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
