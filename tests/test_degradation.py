@@ -101,6 +101,21 @@ def test_decode_steps_run_without_their_cache_are_named_as_such(tmp_path):
     assert "holds no earlier keys and values" in failed["first_error"], failed
 
 
+@pytest.mark.unit
+def test_a_cache_that_cannot_be_kept_is_described_by_its_cause():
+    class Other:  # a cache class of another layout (no layers, no key_cache)
+        def update(self, *args, **kwargs):
+            raise AssertionError("never called")
+
+        def get_seq_length(self, layer_idx: int = 0) -> int:
+            return 4
+
+    assert probes.snapshot_cache(0, (), {"past_key_values": Other()}) == (
+        "a cache layout srdd-dump does not know (Other)")
+    legacy = ((torch.zeros(1, 2, 4, 8), torch.zeros(1, 2, 4, 8)),)
+    assert "not a Cache object" in probes.snapshot_cache(0, (), {"past_key_values": legacy})
+
+
 @pytest.mark.integration
 def test_healthy_capture_reports_nothing_missing(tmp_path, capsys):
     model = build("qwen2")
