@@ -25,7 +25,6 @@ from .experts import (
 from .probes import ProbeOutput, ProbeSpec, run_probes
 from .rounds import RoundContext
 from .sinks import RecordSink
-from .tensors import kept
 
 
 class ExpertCapture:
@@ -109,9 +108,9 @@ class ExpertCapture:
         spec = self.spec
         if not ctx.probed or not (spec.sigmas or spec.dc or spec.repeats):
             return [], None
-        x = kept(ctx.as_round(hidden), ctx.positions, ctx.rows)
-        index = kept(ctx.as_round(routing.index), ctx.positions, ctx.rows)[0]
-        recorded = kept(ctx.as_round(slots), ctx.positions, ctx.rows)
+        x = ctx.probe_rows(hidden)
+        index = ctx.probe_rows(routing.index)[0]
+        recorded = ctx.probe_rows(slots)
         # the zero identity's rows in the same call as the probe rows (one batched call of
         # the experts serves the gain, dc and zero probes): a per-call statistic (a range)
         # sees the real rows too
@@ -130,6 +129,6 @@ class ExpertCapture:
         for t in range(spec.repeats):
             again = slot_outputs(module, hidden, routing.index)
             outputs.append(ProbeOutput(schema.KIND_REPEAT, t, 0.0, 0,
-                                       kept(ctx.as_round(again), ctx.positions, ctx.rows), None))
+                                       ctx.probe_rows(again), None))
         return outputs, index
 

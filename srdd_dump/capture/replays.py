@@ -40,6 +40,7 @@ from .model_facts import has_past
 from .moe_capture import ExpertCapture
 from .parallel import TensorParallel, to_local
 from .probes import (
+    FrozenCache,
     ProbeSpec,
     first_tensor,
     layer_index,
@@ -85,8 +86,8 @@ class Replays:
             m is s.module for m in blocks[s.layer].modules())}
         self.active = False  # a replay is running: the session's hooks ignore its calls
         self.compiled_round = False  # this round runs as torch.compile'd code
-        self.caches: dict[int, Any] = {}  # cache layer -> its KV cache before this decode step
-        self.cache_refusals: dict[int, str] = {}  # cache layer -> why it could not be kept
+        # cache layer -> its KV cache before this decode step, or why it could not be kept
+        self.caches: dict[int, FrozenCache | str] = {}
         self.pasts: dict[int, PastKV | str | None] = {}  # the same, for the reference attention
         self._cache_layer: dict[int, int | None] = {}  # id(module) -> the cache layer it uses
         self.batched = self.sequential = 0
@@ -108,10 +109,14 @@ class Replays:
 
     def open_round(self, compiled: bool) -> None:
         self.caches.clear()
-        self.cache_refusals.clear()
         self.pasts.clear()
         self.shared.clear()
         self.compiled_round = compiled
+
+    def close(self) -> None:
+        """The session is closed: the kept caches and the references' host weights go."""
+        self.open_round(False)
+        self.weights.release()
 
     @contextmanager
     def running(self) -> Iterator[None]:
@@ -127,11 +132,8 @@ class Replays:
         a block and its attention), so that its replays see what the device saw."""
         idx = self._layer_of(module)
         if idx is not None and idx not in self.caches:
-            frozen = snapshot_cache(idx, args, kwargs)
-            if isinstance(frozen, str):
-                self.cache_refusals[idx], frozen = frozen, None
-            self.caches[idx] = frozen
-            if frozen is not None:
+            self.caches[idx] = frozen = snapshot_cache(idx, args, kwargs)
+            if isinstance(frozen, FrozenCache):
                 self.pasts[idx] = PastKV(frozen.keys, frozen.values, 0, frozen.keys.shape[-2])
             elif idx in self._referenced:
                 # a cache the replays cannot take (a sliding window), for the reference
@@ -180,7 +182,7 @@ class Replays:
         change the sub-layer's tensors in place meanwhile (Falcon adds the attention into the
         MLP's output)."""
         def cut(t: torch.Tensor | None) -> torch.Tensor | None:
-            return None if t is None else kept(ctx.as_round(t), ctx.positions, ctx.rows)
+            return None if t is None else ctx.probe_rows(t)
 
         held = [dataclasses.replace(p, output=cut(p.output), perturbation=cut(p.perturbation))
                 for p in outputs]
@@ -222,7 +224,8 @@ class Replays:
         spec = self._spec(module)
         decode = ctx.step > 0
         idx = self._layer_of(module) if decode else None
-        cache = self.caches.get(idx) if idx is not None else None
+        kept_cache = self.caches.get(idx) if idx is not None else None
+        cache = kept_cache if isinstance(kept_cache, FrozenCache) else None
         cut = stop = None
         if spec.causal and not decode and self.causal.get(id(module)):
             cut, stop = self._cut(hidden, ctx)
@@ -241,7 +244,7 @@ class Replays:
             self.decode_skipped += 1
             for name in filter(None, (probes, host and self._family(ctx, site, "host replays"))):
                 self.coverage.expect(name)
-                why = self.cache_refusals.get(idx, "a cache layout srdd-dump does not know")
+                why = kept_cache or "a cache layout srdd-dump does not know"
                 self.coverage.failed(name, f"the KV cache of {type(module).__name__} could "
                                      f"not be copied: {why}")
             return
@@ -250,8 +253,7 @@ class Replays:
             around = None
             if site == schema.BLOCK_SITE and self.shared.waiting.get(layer):
                 def around(t: int, layer=layer, ctx=ctx):
-                    return self.shared.around(layer, t, lambda out: kept(
-                        ctx.as_round(out), ctx.positions, ctx.rows))
+                    return self.shared.around(layer, t, ctx.probe_rows)
             try:
                 with self.running(), self.coverage.attempt(probes), (
                         self.moe.pinned() if self.moe is not None else nullcontext()):

@@ -18,6 +18,7 @@ from . import config as cfg
 from .config import DumpConfig
 from .probes import probe_seed
 from .requests import BatchLayout, RequestTracker
+from .tensors import kept
 
 
 @dataclass
@@ -58,6 +59,11 @@ class RoundContext:
         if t.dim() == 2 and r.batch > 1 and t.shape[0] == r.batch * r.seq:
             return t.reshape(r.batch, r.seq, t.shape[-1])
         return t
+
+    def probe_rows(self, t: torch.Tensor) -> torch.Tensor:
+        """The round's probe rows of a tensor of its tokens, as they are stored (1, rows,
+        width); a copy where rows are picked, else a view."""
+        return kept(self.as_round(t), self.positions, self.rows)
 
     def token_shaped(self, t: torch.Tensor) -> bool:
         """(batch, seq, width) of the round, or (seq, width) for a batch of one: a tensor of
