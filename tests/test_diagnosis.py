@@ -207,3 +207,27 @@ def test_an_8_bit_grid_is_told_from_every_float_format():
     for name, (rows, dtype) in floats.items():
         assert grid_rows(rows, dtype) == 0.0, name
     assert np.isnan(grid_rows(x[:, :32], "float32"))  # too few values to tell
+
+
+@pytest.mark.unit
+def test_clip_limit_places_hold_what_a_clip_clips_and_little_else():
+    """at_clip_limit: a limit on a few channels leaves its clipped values at each channel's
+    extreme, shared by several tokens, while other channels pass the limit in the same rows;
+    values of a coarse grid lie anywhere, and a row repeated (a prefix shared by a batch)
+    makes no tie."""
+    from srdd_dump.analysis.array_stats import at_clip_limit, at_row_extreme
+
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((48, 64)).astype(np.float32)
+    x[:, :6] = np.clip(x[:, :6], -0.8, 0.8)  # a tenth of the channels clipped
+    clipped = np.abs(x[:, :6]) == np.float32(0.8)
+    assert clipped.sum() > 20
+    assert not at_row_extreme(x)[:, :6][clipped].any()  # larger values elsewhere in the row
+    assert at_clip_limit(x)[:, :6][clipped].all()
+    coarse = torch.from_numpy(x[:, 6:]).to(torch.float8_e4m3fn).float().numpy()
+    share = at_clip_limit(coarse).mean()  # the rows' extremes and a few channels' tied ones
+    assert share < 2 * at_row_extreme(coarse).mean() < 0.1, share
+    alone = rng.standard_normal((8, 16)).astype(np.float32)
+    top = int(np.argmax(alone[:, 3]))
+    twice = np.concatenate([alone, alone[top:top + 1]])  # the channel's top row, repeated
+    assert not at_clip_limit(twice)[:, 3].sum() > at_row_extreme(twice)[:, 3].sum()

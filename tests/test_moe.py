@@ -213,6 +213,10 @@ def test_capture_is_transparent_and_healthy_runs_clean(tmp_path, arch):
 @pytest.mark.parametrize("case,label,store", [
     ("dead_zone@layer=2,site=expert:1,quantile=0.05", "DEAD_ZONE", "sample:32768"),
     ("saturation@layer=2,site=expert:3,quantile=0.95", "SAT", "sample:32768"),
+    # a clamp of a tenth of the channels: other channels' values pass the limit, so what it
+    # clips sits at its channel's extreme, not its row's
+    ("saturation@layer=2,site=expert:3,quantile=0.8,sparsity=0.1", "SAT_SOURCE", "sample:32768"),
+    ("saturation@layer=2,site=expert:3,quantile=0.8,sparsity=0.1", "SAT_SOURCE", "stats"),
     ("noise@layer=1,site=expert:0,m=0.1,sparsity=0.1", "NOISE_SOURCE", "sample:32768"),
     ("bias@layer=3,site=expert:2,quantile=0.5", "BIAS", "sample:32768"),
     ("precision@layer=1,site=expert:2", "PRECISION", "sample:32768"),

@@ -88,16 +88,19 @@ def _assert_same(want: RoundStats, got: RoundStats) -> None:
         assert got.diffs.kurtosis == pytest.approx(want.diffs.kurtosis, rel=1e-6)
 
 
-def _probes(x_rows, rows, rng, dtype=np.float32):
-    """Every probe kind on the rows ``rows`` of ``x_rows``, with faults in some."""
+def _probes(x_rows, rows, rng, dtype=np.float32, clipped=False):
+    """Every probe kind on the rows ``rows`` of ``x_rows``, with faults in some; ``clipped``:
+    channel 5 unmoved by every probe (a clip holds it)."""
     clean = x_rows[rows]
     replay = clean.copy()
     replay[0, :3] += np.float32(1e-3)  # batch dependence
     out = [Probe("replay", 0.0, 0.0, replay)]
     for sigma in SIGMAS:
         for _ in range(DRAWS):
-            out.append(Probe("gain", sigma, 0.5, (replay + sigma * rng.standard_normal(
-                clean.shape)).astype(dtype)))
+            gain = (replay + sigma * rng.standard_normal(clean.shape)).astype(dtype)
+            if clipped:
+                gain[:, 5] = replay[:, 5]
+            out.append(Probe("gain", sigma, 0.5, gain))
     dc = replay + np.float32(0.7)
     dc[:, 5] = replay[:, 5]  # a channel the constant shift does not move
     out.append(Probe("dc", 1.0, 0.0, dc.astype(dtype)))
@@ -117,7 +120,8 @@ def _probes(x_rows, rows, rng, dtype=np.float32):
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("case", ["plain", "faulty", "bf16", "padded", "tiny", "int8"])
+@pytest.mark.parametrize("case", ["plain", "faulty", "bf16", "padded", "tiny", "int8",
+                                  "clamp"])
 def test_device_reductions_equal_the_compares(case):
     rng = np.random.default_rng(len(case))
     batch, ntok, width = (1, 3, 16) if case == "tiny" else (2, 48, 64)
@@ -129,6 +133,8 @@ def test_device_reductions_equal_the_compares(case):
         x[np.abs(x) < 0.05] = 0  # a flush
         x[0, 2, 9], x[1, 5, 1] = np.nan, np.inf
         x[:, :, 11] = 0.25  # a stuck channel
+    if case == "clamp":  # one channel of 64 clipped: other channels' values pass the limit
+        x[..., 5] = np.clip(x[..., 5], -0.5, 0.5)
     if case == "bf16":
         x = s.bf16_bits_to_float32(s.float32_to_bf16_bits(x))
         dtype = "bfloat16"
@@ -141,7 +147,7 @@ def test_device_reductions_equal_the_compares(case):
         valid[:7] = False
     positions = np.tile(np.arange(ntok), batch)
     rows = np.sort(rng.choice(batch * ntok, size=min(24, batch * ntok), replace=False))
-    probes = _probes(x.reshape(-1, width), rows, rng)
+    probes = _probes(x.reshape(-1, width), rows, rng, clipped=case == "clamp")
     want = round_stats(x, dtype, 3, before, rows, probes, valid, positions)
     got = _device_stats(x, dtype, before, rows, probes, valid, positions, sample=3)
     assert want is not None and got is not None
@@ -153,6 +159,10 @@ def test_device_reductions_equal_the_compares(case):
     assert want.scale is not None and want.scale[2] == "clip"  # the case exercises each part
     assert want.causal and want.host is not None and want.batch_dep is not None
     assert len(want.dc) == 1 and len(want.repeats) == 2 and want.diffs is not None
+    if case == "clamp":  # the clipped values, each at its channel's tied extreme
+        clipped = np.abs(x.reshape(-1, width)[rows, 5]) == np.float32(0.5)
+        assert want.dc[0][2] == pytest.approx(np.count_nonzero(clipped) / (len(rows) * width))
+        assert np.count_nonzero(clipped) >= 4
 
 
 @pytest.mark.unit

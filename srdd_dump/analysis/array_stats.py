@@ -293,6 +293,26 @@ def at_row_extreme(rows: np.ndarray) -> np.ndarray:
     return finite & ((rows == top) | (rows == bottom))
 
 
+def at_clip_limit(rows: np.ndarray) -> np.ndarray:
+    """Elements where a clip limit puts what it clips: at their row's largest or smallest
+    finite value, or at their channel's (column's) largest or smallest finite value when at
+    least two distinct rows hold it there (a limit on some channels leaves larger values in
+    the others' rows: each clipped channel's extreme, shared by every token beyond the limit).
+    A value a coarse rounding grid leaves unmoved sits anywhere, rarely at such a place."""
+    out = at_row_extreme(rows)
+    distinct = unique_rows(rows) if rows.ndim == 2 else rows
+    if distinct.shape[0] < 2:
+        return out
+    finite = np.isfinite(distinct)
+    with np.errstate(invalid="ignore"):
+        top = np.max(np.where(finite, distinct, -np.inf), axis=0)
+        bottom = np.min(np.where(finite, distinct, np.inf), axis=0)
+    tied_top = np.count_nonzero(distinct == top, axis=0) >= 2
+    tied_bottom = np.count_nonzero(distinct == bottom, axis=0) >= 2
+    return out | (np.isfinite(rows) & (((rows == top) & tied_top)
+                                       | ((rows == bottom) & tied_bottom)))
+
+
 def rows_of(x: np.ndarray) -> np.ndarray:
     return x.reshape(-1, x.shape[-1])
 

@@ -260,11 +260,11 @@ def _probes(out: RoundStats, clean_rows: np.ndarray, probes: list[Probe]) -> Non
         dead = d == 0
         flat &= dead
         ref_zero = ref == 0
-        # flat under every perturbation: 0 -> dead zone; non-zero and at its row's extreme ->
-        # clipped (a value a coarse rounding grid leaves unmoved sits anywhere in the row)
+        # flat under every perturbation: 0 -> dead zone; non-zero and where a clip limit puts
+        # values -> clipped (a value a coarse rounding grid leaves unmoved sits anywhere)
         clipped = flat & ~ref_zero
         if clipped.any():  # the usual case: no flat non-zero element, nothing to test
-            clipped &= st.at_row_extreme(ref)
+            clipped &= st.at_clip_limit(ref)
         if all_ok:
             d_ok, fractions = d.reshape(-1), (dead, flat & ref_zero, clipped)
         else:

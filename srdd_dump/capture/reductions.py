@@ -577,8 +577,10 @@ def _probes(out: dict, clean: torch.Tensor, probes: list[ProbeRows], acc: torch.
         dead = d == 0
         flat = dead if flat is None else flat & dead
         flat_zero = flat & (ref == 0)
-        # array_stats.at_row_extreme: a clipped value sits at its row's extreme
-        clipped = flat & (ref != 0) & _at_row_extreme(ref)
+        # array_stats.at_clip_limit: a clipped value sits where a clip limit puts values
+        clipped = flat & (ref != 0)
+        if bool(clipped.any()):  # the usual case: no flat non-zero element, nothing to test
+            clipped &= _at_clip_limit(ref)
         if all_ok:
             d_ok = d.reshape(-1)
         else:
@@ -616,6 +618,22 @@ def _at_row_extreme(rows: torch.Tensor) -> torch.Tensor:
     top = torch.where(finite, rows, -torch.inf).amax(dim=-1, keepdim=True)
     bottom = torch.where(finite, rows, torch.inf).amin(dim=-1, keepdim=True)
     return finite & ((rows == top) | (rows == bottom))
+
+
+def _at_clip_limit(rows: torch.Tensor) -> torch.Tensor:
+    """array_stats.at_clip_limit: at the row's extreme, or at the channel's extreme shared by
+    two distinct rows."""
+    out = _at_row_extreme(rows)
+    distinct = torch.unique(rows, dim=0) if rows.shape[0] > 1 else rows
+    if distinct.shape[0] < 2:
+        return out
+    finite = torch.isfinite(distinct)
+    top = torch.where(finite, distinct, -torch.inf).amax(dim=0)
+    bottom = torch.where(finite, distinct, torch.inf).amin(dim=0)
+    tied_top = (distinct == top).sum(dim=0) >= 2
+    tied_bottom = (distinct == bottom).sum(dim=0) >= 2
+    return out | (torch.isfinite(rows) & (((rows == top) & tied_top)
+                                          | ((rows == bottom) & tied_bottom)))
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
