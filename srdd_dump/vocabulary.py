@@ -43,6 +43,7 @@ def sublayer_kind(role: str, name: str) -> str | None:
 LOW_BITS_MASK = {"float32": 0xFFFF, "bfloat16": 0xF << 16, "float16": 0x7 << 13}
 TIE_CANDIDATES = 8  # channels looked at for ties at their extreme
 TIE_MIN_LEVELS = 16  # quantisation steps a channel must span before its extreme's ties count
+CLIP_MIN_ROWS = 4  # distinct token rows before a channel's extreme can show a clip limit
 CHANNEL_FLOOR = 0.1  # channels judged alone: rms at least this x the median channel's
 PILEUP_BINS = 100  # histogram bins of the edge pile-up
 # The 8-bit grid of a dequantised row (int8 or uint8 with a scale and zero point of its own):

@@ -212,21 +212,28 @@ def test_an_8_bit_grid_is_told_from_every_float_format():
 @pytest.mark.unit
 def test_clip_limit_places_hold_what_a_clip_clips_and_little_else():
     """at_clip_limit: a limit on a few channels leaves its clipped values at each channel's
-    extreme, shared by several tokens, while other channels pass the limit in the same rows;
-    values of a coarse grid lie anywhere, and a row repeated (a prefix shared by a batch)
-    makes no tie."""
+    extreme, shared by several tokens, while other channels pass the limit in the same rows.
+    Not there: a channel constant over the tokens (stuck), a channel spanning a few bf16
+    steps, a coarse grid's values (which lie anywhere), ties made by a repeated row."""
     from srdd_dump.analysis.array_stats import at_clip_limit, at_row_extreme
 
     rng = np.random.default_rng(1)
-    x = rng.standard_normal((48, 64)).astype(np.float32)
-    x[:, :6] = np.clip(x[:, :6], -0.8, 0.8)  # a tenth of the channels clipped
-    clipped = np.abs(x[:, :6]) == np.float32(0.8)
-    assert clipped.sum() > 20
-    assert not at_row_extreme(x)[:, :6][clipped].any()  # larger values elsewhere in the row
-    assert at_clip_limit(x)[:, :6][clipped].all()
-    coarse = torch.from_numpy(x[:, 6:]).to(torch.float8_e4m3fn).float().numpy()
-    share = at_clip_limit(coarse).mean()  # the rows' extremes and a few channels' tied ones
-    assert share < 2 * at_row_extreme(coarse).mean() < 0.1, share
+    x = rng.standard_normal((48, 576)).astype(np.float32)
+    x[:, :58] = np.clip(x[:, :58], -1.5, 1.5)  # a tenth of the channels clipped
+    clipped = np.abs(x[:, :58]) == np.float32(1.5)
+    assert clipped.sum() > 100
+    assert not at_row_extreme(x)[:, :58][clipped].any()  # larger values elsewhere in the row
+    top, bottom = x[:, :58] == np.float32(1.5), x[:, :58] == np.float32(-1.5)
+    shared = (top & (top.sum(axis=0) >= 2)) | (bottom & (bottom.sum(axis=0) >= 2))
+    assert shared.sum() > 0.8 * clipped.sum()
+    assert np.array_equal(at_clip_limit(x)[:, :58] & clipped, shared)  # one alone: no evidence
+    x[:, 100] = 0.5  # stuck
+    x[:, 101] = rng.choice([19.75, 19.875, 20.0, 20.125, 20.25], 48)  # a few bf16 steps
+    assert (x[:, 101] == x[:, 101].max()).sum() >= 2
+    found = at_clip_limit(x)
+    assert not found[:, 100].any() and not (found[:, 101] & ~at_row_extreme(x)[:, 101]).any()
+    coarse = torch.from_numpy(x[:, 200:]).to(torch.float8_e4m3fn).float().numpy()
+    assert at_clip_limit(coarse).mean() < 0.05  # a few extremes, not the grid's values
     alone = rng.standard_normal((8, 16)).astype(np.float32)
     top = int(np.argmax(alone[:, 3]))
     twice = np.concatenate([alone, alone[top:top + 1]])  # the channel's top row, repeated

@@ -135,6 +135,7 @@ def test_device_reductions_equal_the_compares(case):
         x[:, :, 11] = 0.25  # a stuck channel
     if case == "clamp":  # one channel of 64 clipped: other channels' values pass the limit
         x[..., 5] = np.clip(x[..., 5], -0.5, 0.5)
+        x[1, :3] = x[0, :3]  # repeated rows
     if case == "bf16":
         x = s.bf16_bits_to_float32(s.float32_to_bf16_bits(x))
         dtype = "bfloat16"
@@ -162,7 +163,30 @@ def test_device_reductions_equal_the_compares(case):
     if case == "clamp":  # the clipped values, each at its channel's tied extreme
         clipped = np.abs(x.reshape(-1, width)[rows, 5]) == np.float32(0.5)
         assert want.dc[0][2] == pytest.approx(np.count_nonzero(clipped) / (len(rows) * width))
-        assert np.count_nonzero(clipped) >= 4
+
+
+@pytest.mark.unit
+def test_clip_limit_places_equal_on_the_device():
+    """reductions._at_clip_limit is array_stats.at_clip_limit: clipped, stuck, few-level and
+    non-finite channels, repeated rows (with NaN in them too), few rows."""
+    from srdd_dump.analysis.array_stats import at_clip_limit
+    from srdd_dump.capture.reductions import _at_clip_limit
+
+    rng = np.random.default_rng(5)
+    for n in range(2, 40):
+        rows = rng.standard_normal((n % 13 + 2, 32)).astype(np.float32)
+        rows[:, :4] = np.clip(rows[:, :4], -0.6, 0.6)
+        rows[:, 5] = 0.25
+        rows[:, 6] = np.round(rows[:, 6] * 2) / 2 + 8
+        if n % 3 == 0:
+            rows[0, 7], rows[1, 8], rows[:, 9] = np.nan, np.inf, -np.inf
+        if n % 4 == 0:
+            rows[-1] = rows[0]
+        if n % 5 == 0:
+            rows = s.bf16_bits_to_float32(s.float32_to_bf16_bits(rows))
+        want = at_clip_limit(rows)
+        got = _at_clip_limit(torch.from_numpy(rows)).numpy()
+        assert np.array_equal(want, got), n
 
 
 @pytest.mark.unit

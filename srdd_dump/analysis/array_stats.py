@@ -12,6 +12,7 @@ import math
 import numpy as np
 
 from ..vocabulary import (
+    CLIP_MIN_ROWS,
     GRID_LEVELS,
     GRID_MIN_VALUES,
     PILEUP_BINS,
@@ -295,22 +296,50 @@ def at_row_extreme(rows: np.ndarray) -> np.ndarray:
 
 def at_clip_limit(rows: np.ndarray) -> np.ndarray:
     """Elements where a clip limit puts what it clips: at their row's largest or smallest
-    finite value, or at their channel's (column's) largest or smallest finite value when at
-    least two distinct rows hold it there (a limit on some channels leaves larger values in
-    the others' rows: each clipped channel's extreme, shared by every token beyond the limit).
-    A value a coarse rounding grid leaves unmoved sits anywhere, rarely at such a place."""
+    finite value (``at_row_extreme``), or at their channel's (column's) when the channel's
+    extreme is held by at least two of CLIP_MIN_ROWS or more distinct rows and the channel
+    spans TIE_MIN_LEVELS quantisation steps or more. A limit on some channels only leaves
+    larger values in the row's other channels, but puts every token beyond it on the
+    channel's extreme. Not counted: a channel constant over the tokens (stuck, not clipped)
+    and one spanning a few rounding steps (its extremes hold many values: ``ties``); values
+    a coarse rounding grid leaves unmoved lie anywhere, rarely at such a place."""
     out = at_row_extreme(rows)
-    distinct = unique_rows(rows) if rows.ndim == 2 else rows
-    if distinct.shape[0] < 2:
+    if rows.ndim != 2:
         return out
-    finite = np.isfinite(distinct)
+    finite = np.isfinite(rows)
+    distinct = unique_rows(rows if finite.all() else np.where(finite, rows, 0.0))
+    if distinct.shape[0] < CLIP_MIN_ROWS:
+        return out
     with np.errstate(invalid="ignore"):
-        top = np.max(np.where(finite, distinct, -np.inf), axis=0)
-        bottom = np.min(np.where(finite, distinct, np.inf), axis=0)
-    tied_top = np.count_nonzero(distinct == top, axis=0) >= 2
-    tied_bottom = np.count_nonzero(distinct == bottom, axis=0) >= 2
-    return out | (np.isfinite(rows) & (((rows == top) & tied_top)
-                                       | ((rows == bottom) & tied_bottom)))
+        top = np.max(np.where(finite, rows, -np.inf), axis=0)
+        bottom = np.min(np.where(finite, rows, np.inf), axis=0)
+    moving = top > bottom
+    tied = [moving & (np.count_nonzero(distinct == ext, axis=0) >= 2) for ext in (top, bottom)]
+    if not (tied[0].any() or tied[1].any()):
+        return out
+    for ext, held, span in zip((top, bottom), tied, _spans(rows, top, bottom)):
+        out |= finite & (rows == ext) & held & (span >= TIE_MIN_LEVELS)
+    return out
+
+
+def _spans(rows: np.ndarray, top: np.ndarray, bottom: np.ndarray
+           ) -> tuple[np.ndarray, np.ndarray]:
+    """Each channel's span (top - bottom) in steps of its values' own precision at its top and
+    at its bottom (``_levels`` of every column at once); 0 for a channel without two finite
+    values."""
+    wide = np.ascontiguousarray(np.where(np.isfinite(rows), rows, 0.0), np.float32)
+    low = np.bitwise_or.reduce(wide.view(np.uint32) & np.uint32(0x7FFFFF), axis=0)
+    lowest = low & (~low + np.uint32(1))  # the lowest mantissa bit any value uses
+    zeros = np.where(low > 0, np.log2(np.maximum(lowest, 1)).astype(np.int64), 23)
+    with np.errstate(invalid="ignore", over="ignore"):
+        span = np.where(np.isfinite(top) & np.isfinite(bottom),
+                        top.astype(np.float64) - bottom.astype(np.float64), 0.0)
+        out = []
+        for ext in (top, bottom):
+            step = np.spacing(np.abs(np.where(np.isfinite(ext), ext, 0.0)).astype(np.float32)
+                              ).astype(np.float64) * np.exp2(zeros)
+            out.append(np.where(step > 0, np.abs(span) / step, np.inf))
+    return out[0], out[1]
 
 
 def rows_of(x: np.ndarray) -> np.ndarray:

@@ -22,6 +22,7 @@ import torch
 from ..format import schema as s
 from ..vocabulary import (
     CHANNEL_FLOOR,
+    CLIP_MIN_ROWS,
     DC_LOW,
     GRID_LEVELS,
     GRID_MIN_VALUES,
@@ -621,19 +622,45 @@ def _at_row_extreme(rows: torch.Tensor) -> torch.Tensor:
 
 
 def _at_clip_limit(rows: torch.Tensor) -> torch.Tensor:
-    """array_stats.at_clip_limit: at the row's extreme, or at the channel's extreme shared by
-    two distinct rows."""
+    """array_stats.at_clip_limit: at the row's extreme, or at the channel's extreme held by
+    two distinct rows of CLIP_MIN_ROWS, in a channel not constant and spanning TIE_MIN_LEVELS
+    steps."""
     out = _at_row_extreme(rows)
-    distinct = torch.unique(rows, dim=0) if rows.shape[0] > 1 else rows
-    if distinct.shape[0] < 2:
+    finite = torch.isfinite(rows)
+    all_finite = bool(finite.all())
+    distinct = unique_rows(rows if all_finite else torch.where(finite, rows, 0.0))
+    if distinct.shape[0] < CLIP_MIN_ROWS:
         return out
-    finite = torch.isfinite(distinct)
-    top = torch.where(finite, distinct, -torch.inf).amax(dim=0)
-    bottom = torch.where(finite, distinct, torch.inf).amin(dim=0)
-    tied_top = (distinct == top).sum(dim=0) >= 2
-    tied_bottom = (distinct == bottom).sum(dim=0) >= 2
-    return out | (torch.isfinite(rows) & (((rows == top) & tied_top)
-                                          | ((rows == bottom) & tied_bottom)))
+    top = torch.where(finite, rows, -torch.inf).amax(dim=0)
+    bottom = torch.where(finite, rows, torch.inf).amin(dim=0)
+    moving = top > bottom
+    tied = [moving & ((distinct == ext).sum(dim=0) >= 2) for ext in (top, bottom)]
+    for ext, held, span in zip((top, bottom), tied, _spans(rows, finite, top, bottom)):
+        out |= finite & (rows == ext) & held & (span >= TIE_MIN_LEVELS)
+    return out
+
+
+def _spans(rows: torch.Tensor, finite: torch.Tensor, top: torch.Tensor, bottom: torch.Tensor
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """array_stats._spans: each channel's span in steps of its values' precision at its top
+    and at its bottom."""
+    wide = torch.where(finite, rows, 0.0).to(torch.float32).contiguous()
+    bits = wide.view(torch.int32) & 0x7FFFFF
+    low = bits[0].clone()
+    for row in bits[1:]:  # bitwise or over the rows (torch has no or-reduction)
+        low |= row
+    lowest = low & (-low)
+    zeros = torch.where(low > 0, torch.log2(lowest.clamp(min=1).double()).round(),
+                        torch.full_like(low, 23, dtype=torch.float64))
+    ok = torch.isfinite(top) & torch.isfinite(bottom)
+    span = torch.where(ok, top.double() - bottom.double(), 0.0).abs()
+    out = []
+    for ext in (top, bottom):
+        mag = torch.where(torch.isfinite(ext), ext, 0.0).abs().to(torch.float32).cpu().numpy()
+        step = torch.from_numpy(np.spacing(mag).astype(np.float64)).to(span.device)
+        step = step * torch.exp2(zeros)
+        out.append(torch.where(step > 0, span / step, torch.inf))
+    return out[0], out[1]
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
