@@ -9,7 +9,7 @@ decode steps are accumulated apart (``phase``): a decode kernel has signals of i
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import NamedTuple
 
 import numpy as np
@@ -113,7 +113,9 @@ class Signals:
     topk_margin: float = float("nan")
 
     def as_dict(self) -> dict:
-        return asdict(self)
+        # every field is a number or a string: no deep copy (dataclasses.asdict's recursion
+        # cost 0.2 ms a row, 60 ms of a report of 300 rows)
+        return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
 @dataclass
