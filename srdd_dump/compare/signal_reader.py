@@ -142,14 +142,17 @@ def read_signals(
         return [layers[k].result() for k in keys]
     all_rows = reader.all_probe_rows()
     all_positions = reader.all_positions()
-    rounds_of = recs["round"][need]
-    order = np.argsort(rounds_of, kind="stable")
+    # the fields every record's loop reads, as Python lists (a structured array's field and
+    # element cost a microsecond each)
+    round_of, kind_of = recs["round"].tolist(), recs["kind"].tolist()
+    layer_of, site_of = recs["layer"].tolist(), recs["site"].tolist()
+    order = np.argsort(recs["round"][need], kind="stable")
     first = {}
     for i in need.tolist():
-        first.setdefault(int(recs["round"][i]), i)
+        first.setdefault(round_of[i], i)
     groups: dict[int, list[int]] = {}
     for i in need[order].tolist():
-        groups.setdefault(int(recs["round"][i]), []).append(i)
+        groups.setdefault(round_of[i], []).append(i)
     width_bytes = recs["nrows"].astype(np.int64) * recs["width"] * 4
     masks = {int(recs["round"][i]): int(i) for i in np.flatnonzero(recs["kind"] == s.KIND_MASK)}
     holds: dict[tuple[int, int], list[tuple[tuple[int, int], int]]] = {}
@@ -174,9 +177,8 @@ def read_signals(
         per_key: dict[tuple[int, int], list[int]] = {}
         clean_prev: dict[int, int] = {}  # layer -> last clean block record of the round
         for i in index:
-            r = recs[i]
-            key = (int(r["layer"]), int(r["site"]))
-            if r["site"] == s.BLOCK_SITE and r["kind"] == s.KIND_CLEAN:
+            key = (layer_of[i], site_of[i])
+            if key[1] == s.BLOCK_SITE and kind_of[i] == s.KIND_CLEAN:
                 clean_prev[key[0]] = i
             if key in layers or key in holds:
                 per_key.setdefault(key, []).append(i)
@@ -186,13 +188,13 @@ def read_signals(
             batch.append(key)
             size += int(width_bytes[per_key[key]].sum())
             if size >= SPAN_BYTES:
-                _round_batch(reader, recs, batch, per_key, clean_prev,
+                _round_batch(reader, recs, kind_of, batch, per_key, clean_prev,
                              layers if prefill else decode, sample, prow, valid, positions,
                              holds)
                 batch, size = [], 0
         if batch:
-            _round_batch(reader, recs, batch, per_key, clean_prev, layers if prefill else decode,
-                         sample, prow, valid, positions, holds)
+            _round_batch(reader, recs, kind_of, batch, per_key, clean_prev,
+                         layers if prefill else decode, sample, prow, valid, positions, holds)
     # decode steps run other kernels than the prefill: their own signals, kept apart so that
     # neither phase's evidence is averaged away by the other's rounds
     return [layers[k].result() for k in keys] + [
@@ -217,8 +219,8 @@ def _stats_signals(reader: DumpReader, by_round: dict, layers: dict, decode: dic
                                                  s.DTYPE_CODES[int(index["dtype"][i])]))
 
 
-def _round_batch(reader, recs, batch, per_key, clean_prev, layers, sample, prow, valid=None,
-                 positions=None, holds=None):
+def _round_batch(reader, recs, kind_of, batch, per_key, clean_prev, layers, sample, prow,
+                 valid=None, positions=None, holds=None):
     index: list[int] = []
     for key in batch:
         index += per_key[key]
@@ -232,9 +234,9 @@ def _round_batch(reader, recs, batch, per_key, clean_prev, layers, sample, prow,
                 _add_experts(reader, recs, mine, data, holds[key], layers, sample, prow, valid,
                              positions)
                 continue
-            clean = [i for i in mine if recs["kind"][i] == s.KIND_CLEAN]
+            clean = [i for i in mine if kind_of[i] == s.KIND_CLEAN]
             probes = [_probe(recs[i], data[i]) for i in mine
-                      if recs["kind"][i] != s.KIND_CLEAN and int(recs["kind"][i]) in s.KIND_NAMES]
+                      if kind_of[i] != s.KIND_CLEAN and kind_of[i] in s.KIND_NAMES]
             before = None
             if key[1] == s.BLOCK_SITE and key[0] - 1 in clean_prev:
                 before = data[clean_prev[key[0] - 1]]
