@@ -635,31 +635,34 @@ def _at_clip_limit(rows: torch.Tensor) -> torch.Tensor:
     bottom = torch.where(finite, rows, torch.inf).amin(dim=0)
     moving = top > bottom
     tied = [moving & ((distinct == ext).sum(dim=0) >= 2) for ext in (top, bottom)]
-    for ext, held, span in zip((top, bottom), tied, _spans(rows, finite, top, bottom)):
-        out |= finite & (rows == ext) & held & (span >= TIE_MIN_LEVELS)
+    for ext, held, wide in zip((top, bottom), tied, _wide(rows, finite, top, bottom)):
+        out |= finite & (rows == ext) & held & wide
     return out
 
 
-def _spans(rows: torch.Tensor, finite: torch.Tensor, top: torch.Tensor, bottom: torch.Tensor
-           ) -> tuple[torch.Tensor, torch.Tensor]:
-    """array_stats._spans: each channel's span in steps of its values' precision at its top
-    and at its bottom."""
-    wide = torch.where(finite, rows, 0.0).to(torch.float32).contiguous()
-    bits = wide.view(torch.int32) & 0x7FFFFF
+def _wide(rows: torch.Tensor, finite: torch.Tensor, top: torch.Tensor, bottom: torch.Tensor
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """array_stats._spans >= TIE_MIN_LEVELS: the channels spanning enough steps of their values'
+    precision at their top and at their bottom. The per-channel arithmetic runs in float64 on
+    the host (an NPU or MPS has no float64): three vectors of the width cross, not the rows."""
+    bits = torch.where(finite, rows, 0.0).to(torch.float32).contiguous().view(torch.int32)
+    bits = bits & 0x7FFFFF
     low = bits[0].clone()
     for row in bits[1:]:  # bitwise or over the rows (torch has no or-reduction)
         low |= row
-    lowest = low & (-low)
-    zeros = torch.where(low > 0, torch.log2(lowest.clamp(min=1).double()).round(),
-                        torch.full_like(low, 23, dtype=torch.float64))
-    ok = torch.isfinite(top) & torch.isfinite(bottom)
-    span = torch.where(ok, top.double() - bottom.double(), 0.0).abs()
-    out = []
-    for ext in (top, bottom):
-        mag = torch.where(torch.isfinite(ext), ext, 0.0).abs().to(torch.float32).cpu().numpy()
-        step = torch.from_numpy(np.spacing(mag).astype(np.float64)).to(span.device)
-        step = step * torch.exp2(zeros)
-        out.append(torch.where(step > 0, span / step, torch.inf))
+    low = low.cpu().numpy().view(np.uint32)
+    top_h, bottom_h = top.cpu().numpy(), bottom.cpu().numpy()
+    lowest = low & (~low + np.uint32(1))
+    zeros = np.where(low > 0, np.log2(np.maximum(lowest, 1)).astype(np.int64), 23)
+    with np.errstate(invalid="ignore", over="ignore"):
+        span = np.where(np.isfinite(top_h) & np.isfinite(bottom_h),
+                        top_h.astype(np.float64) - bottom_h.astype(np.float64), 0.0)
+        out = []
+        for ext in (top_h, bottom_h):
+            step = np.spacing(np.abs(np.where(np.isfinite(ext), ext, 0.0)).astype(np.float32)
+                              ).astype(np.float64) * np.exp2(zeros)
+            levels = np.where(step > 0, np.abs(span) / step, np.inf)
+            out.append(torch.from_numpy(levels >= TIE_MIN_LEVELS).to(top.device))
     return out[0], out[1]
 
 
