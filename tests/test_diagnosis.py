@@ -213,28 +213,41 @@ def test_an_8_bit_grid_is_told_from_every_float_format():
 def test_clip_limit_places_hold_what_a_clip_clips_and_little_else():
     """at_clip_limit: a limit on a few channels leaves its clipped values at each channel's
     extreme, shared by several tokens, while other channels pass the limit in the same rows.
-    Not there: a channel constant over the tokens (stuck), a channel spanning a few bf16
-    steps, a coarse grid's values (which lie anywhere), ties made by a repeated row."""
-    from srdd_dump.analysis.array_stats import at_clip_limit, at_row_extreme
+    Not there: a channel constant over the tokens (stuck), a channel spanning a few steps of
+    its values' precision, a coarse grid's values (which lie anywhere), ties made by a
+    repeated row."""
+    from srdd_dump.analysis.array_stats import _levels, _spans, at_clip_limit, at_row_extreme
 
     rng = np.random.default_rng(1)
     x = rng.standard_normal((48, 576)).astype(np.float32)
     x[:, :58] = np.clip(x[:, :58], -1.5, 1.5)  # a tenth of the channels clipped
     clipped = np.abs(x[:, :58]) == np.float32(1.5)
-    assert clipped.sum() > 100
     assert not at_row_extreme(x)[:, :58][clipped].any()  # larger values elsewhere in the row
     top, bottom = x[:, :58] == np.float32(1.5), x[:, :58] == np.float32(-1.5)
     shared = (top & (top.sum(axis=0) >= 2)) | (bottom & (bottom.sum(axis=0) >= 2))
     assert shared.sum() > 0.8 * clipped.sum()
     assert np.array_equal(at_clip_limit(x)[:, :58] & clipped, shared)  # one alone: no evidence
     x[:, 100] = 0.5  # stuck
-    x[:, 101] = rng.choice([19.75, 19.875, 20.0, 20.125, 20.25], 48)  # a few bf16 steps
-    assert (x[:, 101] == x[:, 101].max()).sum() >= 2
-    found = at_clip_limit(x)
-    assert not found[:, 100].any() and not (found[:, 101] & ~at_row_extreme(x)[:, 101]).any()
+    steps = rng.integers(-3, 4, 48)
+    steps[:2], steps[2:4] = 3, -3  # ties at both ends
+    x[:, 101] = 0.5 + steps * 2.0 ** -8  # 6 steps of its own precision (2^-8)
+    steps = rng.integers(-10, 11, 48)
+    steps[:2], steps[2:4] = 10, -10
+    x[:, 102] = 0.5 + steps * 2.0 ** -8  # 20 steps
+    found, extreme = at_clip_limit(x), at_row_extreme(x)
+    assert not (found[:, 100:102] | extreme[:, 100:102]).any()
+    assert found[:4, 102].all() and found[:, 102].sum() == np.isin(steps, (-10, 10)).sum()
+    # the spans are ties()' levels: step at the top's magnitude for the top, the bottom's for it
+    cols = [0, 101, 102, 300]
+    up, down = _spans(x[:, cols], x[:, cols].max(axis=0), x[:, cols].min(axis=0))
+    for j, c in enumerate(cols):
+        col = x[:, c]
+        assert up[j] == pytest.approx(_levels(col, col.max(), col.min()))
+        assert down[j] == pytest.approx(_levels(-col, -col.min(), -col.max()))
     coarse = torch.from_numpy(x[:, 200:]).to(torch.float8_e4m3fn).float().numpy()
     assert at_clip_limit(coarse).mean() < 0.05  # a few extremes, not the grid's values
-    alone = rng.standard_normal((8, 16)).astype(np.float32)
-    top = int(np.argmax(alone[:, 3]))
-    twice = np.concatenate([alone, alone[top:top + 1]])  # the channel's top row, repeated
-    assert not at_clip_limit(twice)[:, 3].sum() > at_row_extreme(twice)[:, 3].sum()
+    alone = rng.standard_normal((8, 64)).astype(np.float32)
+    row_top = alone.argmax(axis=0)
+    c = next(c for c in range(64) if not at_row_extreme(alone)[row_top[c], c])
+    twice = np.concatenate([alone, alone[row_top[c]:row_top[c] + 1]])  # its top row, repeated
+    assert not at_clip_limit(twice)[row_top[c], c]

@@ -177,7 +177,9 @@ def test_clip_limit_places_equal_on_the_device():
         rows = rng.standard_normal((n % 13 + 2, 32)).astype(np.float32)
         rows[:, :4] = np.clip(rows[:, :4], -0.6, 0.6)
         rows[:, 5] = 0.25
-        rows[:, 6] = np.round(rows[:, 6] * 2) / 2 + 8
+        rows[:, 6] = 0.5 + rng.integers(-3, 4, len(rows)) * 2.0 ** -8  # a few steps
+        rows[:, 10] = 0.5 + rng.integers(-10, 11, len(rows)) * 2.0 ** -8  # about 20 steps
+        rows[:2, 10], rows[2:4, 10] = 0.5 + 10 * 2.0 ** -8, 0.5 - 10 * 2.0 ** -8
         if n % 3 == 0:
             rows[0, 7], rows[1, 8], rows[:, 9] = np.nan, np.inf, -np.inf
         if n % 4 == 0:

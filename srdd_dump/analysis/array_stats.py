@@ -190,7 +190,7 @@ def _levels(col: np.ndarray, top: float, bottom: float) -> float:
                                    & np.uint32(0x7FFFFF)))
     zeros = (low & -low).bit_length() - 1 if low else 23
     step = float(np.spacing(np.float32(abs(top)))) * 2.0 ** zeros
-    return abs(top - bottom) / step if step > 0 else float("inf")
+    return abs(float(top) - float(bottom)) / step if step > 0 else float("inf")
 
 
 def ties(rows: np.ndarray, candidates: int = TIE_CANDIDATES) -> tuple[float, float]:
@@ -288,6 +288,9 @@ def at_row_extreme(rows: np.ndarray) -> np.ndarray:
     """Elements equal to their row's largest or smallest finite value (where a clip limit puts
     the values it clips)."""
     finite = np.isfinite(rows)
+    if finite.all():  # the usual case: no masking copies
+        return (rows == rows.max(axis=-1, keepdims=True)) | (
+            rows == rows.min(axis=-1, keepdims=True))
     with np.errstate(invalid="ignore"):
         top = np.max(np.where(finite, rows, -np.inf), axis=-1, keepdims=True)
         bottom = np.min(np.where(finite, rows, np.inf), axis=-1, keepdims=True)
@@ -307,18 +310,28 @@ def at_clip_limit(rows: np.ndarray) -> np.ndarray:
     if rows.ndim != 2:
         return out
     finite = np.isfinite(rows)
-    distinct = unique_rows(rows if finite.all() else np.where(finite, rows, 0.0))
+    all_finite = bool(finite.all())
+    distinct = unique_rows(rows if all_finite else np.where(finite, rows, 0.0))
     if distinct.shape[0] < CLIP_MIN_ROWS:
         return out
-    with np.errstate(invalid="ignore"):
-        top = np.max(np.where(finite, rows, -np.inf), axis=0)
-        bottom = np.min(np.where(finite, rows, np.inf), axis=0)
+    if all_finite:
+        top, bottom = rows.max(axis=0), rows.min(axis=0)
+    else:
+        with np.errstate(invalid="ignore"):
+            top = np.max(np.where(finite, rows, -np.inf), axis=0)
+            bottom = np.min(np.where(finite, rows, np.inf), axis=0)
     moving = top > bottom
     tied = [moving & (np.count_nonzero(distinct == ext, axis=0) >= 2) for ext in (top, bottom)]
-    if not (tied[0].any() or tied[1].any()):
+    columns = np.flatnonzero(tied[0] | tied[1])
+    if not columns.size:
         return out
-    for ext, held, span in zip((top, bottom), tied, _spans(rows, top, bottom)):
-        out |= finite & (rows == ext) & held & (span >= TIE_MIN_LEVELS)
+    # the spans of the tied channels only (each channel's is its own)
+    spans = _spans(rows[:, columns], top[columns], bottom[columns])
+    for ext, held, span in zip((top, bottom), tied, spans):
+        held = held.copy()
+        held[columns] &= span >= TIE_MIN_LEVELS
+        if held.any():
+            out |= (rows == ext) & held if all_finite else finite & (rows == ext) & held
     return out
 
 
@@ -327,11 +340,11 @@ def _spans(rows: np.ndarray, top: np.ndarray, bottom: np.ndarray
     """Each channel's span (top - bottom) in steps of its values' own precision at its top and
     at its bottom (``_levels`` of every column at once); 0 for a channel without two finite
     values."""
-    wide = np.ascontiguousarray(np.where(np.isfinite(rows), rows, 0.0), np.float32)
-    low = np.bitwise_or.reduce(wide.view(np.uint32) & np.uint32(0x7FFFFF), axis=0)
-    lowest = low & (~low + np.uint32(1))  # the lowest mantissa bit any value uses
-    zeros = np.where(low > 0, np.log2(np.maximum(lowest, 1)).astype(np.int64), 23)
     with np.errstate(invalid="ignore", over="ignore"):
+        wide = np.ascontiguousarray(np.where(np.isfinite(rows), rows, 0.0), np.float32)
+        low = np.bitwise_or.reduce(wide.view(np.uint32) & np.uint32(0x7FFFFF), axis=0)
+        lowest = low & (~low + np.uint32(1))  # the lowest mantissa bit any value uses
+        zeros = np.where(low > 0, np.log2(np.maximum(lowest, 1)).astype(np.int64), 23)
         span = np.where(np.isfinite(top) & np.isfinite(bottom),
                         top.astype(np.float64) - bottom.astype(np.float64), 0.0)
         out = []

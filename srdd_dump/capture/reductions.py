@@ -627,8 +627,7 @@ def _at_clip_limit(rows: torch.Tensor) -> torch.Tensor:
     steps."""
     out = _at_row_extreme(rows)
     finite = torch.isfinite(rows)
-    all_finite = bool(finite.all())
-    distinct = unique_rows(rows if all_finite else torch.where(finite, rows, 0.0))
+    distinct = unique_rows(torch.where(finite, rows, 0.0))
     if distinct.shape[0] < CLIP_MIN_ROWS:
         return out
     top = torch.where(finite, rows, -torch.inf).amax(dim=0)
@@ -647,13 +646,12 @@ def _wide(rows: torch.Tensor, finite: torch.Tensor, top: torch.Tensor, bottom: t
     the host (an NPU or MPS has no float64): three vectors of the width cross, not the rows."""
     bits = torch.where(finite, rows, 0.0).to(torch.float32).contiguous().view(torch.int32)
     bits = bits & 0x7FFFFF
-    low = bits[0].clone()
-    for row in bits[1:]:  # bitwise or over the rows (torch has no or-reduction)
-        low |= row
-    low = low.cpu().numpy().view(np.uint32)
+    # the lowest mantissa bit any value of a channel uses (torch has no or-reduction: the
+    # lowest bit of the values' or is the smallest of their lowest bits)
+    own = bits & (-bits)
+    lowest = torch.where(own > 0, own, 1 << 23).amin(dim=0).cpu().numpy()
     top_h, bottom_h = top.cpu().numpy(), bottom.cpu().numpy()
-    lowest = low & (~low + np.uint32(1))
-    zeros = np.where(low > 0, np.log2(np.maximum(lowest, 1)).astype(np.int64), 23)
+    zeros = np.log2(lowest).astype(np.int64)  # 23: no value with a mantissa bit
     with np.errstate(invalid="ignore", over="ignore"):
         span = np.where(np.isfinite(top_h) & np.isfinite(bottom_h),
                         top_h.astype(np.float64) - bottom_h.astype(np.float64), 0.0)
