@@ -70,6 +70,7 @@ def prompt_ids(tokenizer, prompt_set: int, n: int = 2, tokens: int | None = None
 
 HUNT = dict(granularity="op", reference="host")  # the README's options for a hunt
 STORE: str | None = None  # --store: the store every case dumps with (None: the default)
+PROBE_SAMPLES: int | None = None  # --probe-samples: probed samples of every case (None: default)
 
 
 def run(model, ids, inject=(), seed=0, pad=False, autocast=False, decoder=True, hunt=False):
@@ -79,7 +80,8 @@ def run(model, ids, inject=(), seed=0, pad=False, autocast=False, decoder=True, 
     t = time.perf_counter()
     config = DumpConfig(dump_path=tmp, samples=len(ids), inject=list(inject), seed=seed,
                         progress=False, **(HUNT if hunt else {}),
-                        **({"store": STORE} if STORE else {}))
+                        **({"store": STORE} if STORE else {}),
+                        **({"probe_samples": PROBE_SAMPLES} if PROBE_SAMPLES else {}))
     try:
         with register_hook(model, config), torch.no_grad(), \
                 torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
@@ -312,14 +314,16 @@ def main() -> None:
                     help="the inner-operator matrix, and the healthy runs, with the hunt options")
     ap.add_argument("--only", help="run only the cases whose spec or name contains this")
     ap.add_argument("--store", help="dump with this --store (e.g. stats) instead of the default")
+    ap.add_argument("--probe-samples", type=int,
+                    help="probe this many samples of each case instead of the default")
     ap.add_argument("--summarize", nargs="*", help="only print the summary of these CSVs")
     ap.add_argument("--plot", help="with --summarize: a PNG of detection against magnitude")
     args = ap.parse_args()
     if args.summarize:
         summarize(args.summarize, args.plot)
         return
-    global STORE
-    STORE = args.store
+    global STORE, PROBE_SAMPLES
+    STORE, PROBE_SAMPLES = args.store, args.probe_samples
     shard, shards = (int(v) for v in args.shard.split("/"))
     torch.set_num_threads(args.threads)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

@@ -31,6 +31,8 @@ CONFIGS = {
     "sub-layers, prefill only": {"steps": "0"},
     "default, no decode probes": {"probe_steps": "0"},
     "default, every sample probed": {"probe_samples": 1000},
+    "default, 2 samples probed": {"probe_samples": 2},
+    "default, 1 sample probed": {"probe_samples": 1},
     "capture only (no probes)": {"probes": "none"},
     "default without the causality probe": {"probes": "gain,dc,repeat,scale,attention,mlp"},
     "default without the sub-layer references": {"probes": "gain,dc,repeat,scale,causal"},
