@@ -1,7 +1,7 @@
 """Cost of the default scan on the upcycled SmolLM2-MoE (E=4, top-2; transformers' eager
 experts loop): the plain generation against the same generation under capture, interleaved.
 
-    python bench/moe_cost.py [--repeats 3] [--prompts 2] [--dense]
+    python bench/moe_cost.py [--repeats 3] [--prompts 2] [--dense] [--cpu] [--probe-samples N]
 """
 
 from __future__ import annotations
@@ -41,6 +41,8 @@ def main() -> None:
     parser.add_argument("--cpu", action="store_true",
                         help="one torch thread, CPU time of the process (steady on a shared "
                              "machine) instead of wall time")
+    parser.add_argument("--probe-samples", type=int,
+                        help="probe this many samples instead of the default")
     args = parser.parse_args()
     clock = time.process_time if args.cpu else time.perf_counter
     if args.cpu:
@@ -61,7 +63,9 @@ def main() -> None:
         plain.append(clock() - t)
         tmp = tempfile.mkdtemp(prefix="srdd-moe-cost-")
         t = clock()
-        with register_hook(model, DumpConfig(dump_path=tmp, samples=len(ids), progress=False)):
+        extra = {"probe_samples": args.probe_samples} if args.probe_samples else {}
+        with register_hook(model, DumpConfig(dump_path=tmp, samples=len(ids), progress=False,
+                                             **extra)):
             generate(model, ids)
         captured.append(clock() - t)
         sizes.append(sum(os.path.getsize(os.path.join(tmp, f)) for f in os.listdir(tmp)))
