@@ -105,3 +105,22 @@ def stuck_min_tokens(width: int) -> int:
     """The distinct tokens a round needs before its constant channels count as stuck."""
     return max(4, 1 + math.ceil(math.log(max(width, 1) / STUCK_BY_CHANCE)
                                 / -math.log(STUCK_VALUE_SHARE)))
+
+
+def span_levels(lowest: np.ndarray, top: np.ndarray, bottom: np.ndarray
+                ) -> tuple[np.ndarray, np.ndarray]:
+    """Each channel's span (top - bottom) in steps of its values' own precision, at its top and
+    at its bottom: the float32 spacing at the extreme's magnitude times ``lowest``, the value of
+    the lowest mantissa bit any of the channel's values uses (1 << 23 for none; bf16 values
+    leave 16 bits 0). 0 for a channel without two finite values. The channel rule of a clip
+    (array_stats.at_clip_limit, its torch twin in capture/reductions.py)."""
+    with np.errstate(invalid="ignore", over="ignore"):
+        span = np.abs(np.where(np.isfinite(top) & np.isfinite(bottom),
+                               top.astype(np.float64) - bottom.astype(np.float64), 0.0))
+        unit = lowest.astype(np.float64)  # a power of two
+        out = []
+        for ext in (top, bottom):
+            step = np.spacing(np.abs(np.where(np.isfinite(ext), ext, 0.0)).astype(np.float32)
+                              ).astype(np.float64) * unit
+            out.append(np.where(step > 0, span / step, np.inf))
+    return out[0], out[1]

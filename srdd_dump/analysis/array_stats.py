@@ -21,6 +21,7 @@ from ..vocabulary import (
     UNIT_ROUNDOFF,
     grid_row_picks,
     on_grid,
+    span_levels,
     stuck_min_tokens,
 )
 from .sums import dot, total
@@ -328,7 +329,6 @@ def at_clip_limit(rows: np.ndarray) -> np.ndarray:
     # the spans of the tied channels only (each channel's is its own)
     spans = _spans(rows[:, columns], top[columns], bottom[columns])
     for ext, held, span in zip((top, bottom), tied, spans):
-        held = held.copy()
         held[columns] &= span >= TIE_MIN_LEVELS
         if held.any():
             out |= (rows == ext) & held if all_finite else finite & (rows == ext) & held
@@ -337,22 +337,13 @@ def at_clip_limit(rows: np.ndarray) -> np.ndarray:
 
 def _spans(rows: np.ndarray, top: np.ndarray, bottom: np.ndarray
            ) -> tuple[np.ndarray, np.ndarray]:
-    """Each channel's span (top - bottom) in steps of its values' own precision at its top and
-    at its bottom (``_levels`` of every column at once); 0 for a channel without two finite
-    values."""
+    """``vocabulary.span_levels`` of each channel of ``rows`` (``_levels`` of every column at
+    once)."""
     with np.errstate(invalid="ignore", over="ignore"):
         wide = np.ascontiguousarray(np.where(np.isfinite(rows), rows, 0.0), np.float32)
-        low = np.bitwise_or.reduce(wide.view(np.uint32) & np.uint32(0x7FFFFF), axis=0)
-        lowest = low & (~low + np.uint32(1))  # the lowest mantissa bit any value uses
-        zeros = np.where(low > 0, np.log2(np.maximum(lowest, 1)).astype(np.int64), 23)
-        span = np.where(np.isfinite(top) & np.isfinite(bottom),
-                        top.astype(np.float64) - bottom.astype(np.float64), 0.0)
-        out = []
-        for ext in (top, bottom):
-            step = np.spacing(np.abs(np.where(np.isfinite(ext), ext, 0.0)).astype(np.float32)
-                              ).astype(np.float64) * np.exp2(zeros)
-            out.append(np.where(step > 0, np.abs(span) / step, np.inf))
-    return out[0], out[1]
+    low = np.bitwise_or.reduce(wide.view(np.uint32) & np.uint32(0x7FFFFF), axis=0)
+    lowest = np.where(low > 0, low & (~low + np.uint32(1)), np.uint32(1 << 23))
+    return span_levels(lowest, top, bottom)
 
 
 def rows_of(x: np.ndarray) -> np.ndarray:

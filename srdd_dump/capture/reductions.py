@@ -33,6 +33,7 @@ from ..vocabulary import (
     UNIT_ROUNDOFF,
     grid_row_picks,
     on_grid,
+    span_levels,
     stuck_min_tokens,
 )
 
@@ -642,26 +643,16 @@ def _at_clip_limit(rows: torch.Tensor) -> torch.Tensor:
 def _wide(rows: torch.Tensor, finite: torch.Tensor, top: torch.Tensor, bottom: torch.Tensor
           ) -> tuple[torch.Tensor, torch.Tensor]:
     """array_stats._spans >= TIE_MIN_LEVELS: the channels spanning enough steps of their values'
-    precision at their top and at their bottom. The per-channel arithmetic runs in float64 on
-    the host (an NPU or MPS has no float64): three vectors of the width cross, not the rows."""
+    precision at their top and at their bottom. ``span_levels`` runs in float64 on the host
+    (an NPU or MPS has no float64): three vectors of the width cross, not the rows."""
     bits = torch.where(finite, rows, 0.0).to(torch.float32).contiguous().view(torch.int32)
     bits = bits & 0x7FFFFF
     # the lowest mantissa bit any value of a channel uses (torch has no or-reduction: the
     # lowest bit of the values' or is the smallest of their lowest bits)
     own = bits & (-bits)
     lowest = torch.where(own > 0, own, 1 << 23).amin(dim=0).cpu().numpy()
-    top_h, bottom_h = top.cpu().numpy(), bottom.cpu().numpy()
-    zeros = np.log2(lowest).astype(np.int64)  # 23: no value with a mantissa bit
-    with np.errstate(invalid="ignore", over="ignore"):
-        span = np.where(np.isfinite(top_h) & np.isfinite(bottom_h),
-                        top_h.astype(np.float64) - bottom_h.astype(np.float64), 0.0)
-        out = []
-        for ext in (top_h, bottom_h):
-            step = np.spacing(np.abs(np.where(np.isfinite(ext), ext, 0.0)).astype(np.float32)
-                              ).astype(np.float64) * np.exp2(zeros)
-            levels = np.where(step > 0, np.abs(span) / step, np.inf)
-            out.append(torch.from_numpy(levels >= TIE_MIN_LEVELS).to(top.device))
-    return out[0], out[1]
+    levels = span_levels(lowest, top.cpu().numpy(), bottom.cpu().numpy())
+    return tuple(torch.from_numpy(v >= TIE_MIN_LEVELS).to(top.device) for v in levels)
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
