@@ -30,6 +30,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "..", "fixtures"))
 
+import detect  # noqa: E402
 from detect import run, score  # noqa: E402
 
 FIELDS = ["model", "kind", "group", "spec", "layer", "site", "options", "dtype", "hit",
@@ -145,11 +146,14 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--summarize", nargs="*")
     ap.add_argument("--healthy-only", action="store_true")
+    ap.add_argument("--probe-samples", type=int,
+                    help="probe this many samples of each case instead of the default")
     args = ap.parse_args()
     if args.summarize:
         summarize(args.summarize)
         return
     torch.set_num_threads(args.threads)
+    detect.PROBE_SAMPLES = args.probe_samples
     shard, shards = (int(v) for v in args.shard.split("/"))
     todo = []
     for name in args.model or ["smollm2", "gemma3"]:

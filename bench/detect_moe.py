@@ -99,10 +99,12 @@ def main() -> None:
     parser.add_argument("--store")
     parser.add_argument("--threads", type=int)
     parser.add_argument("--only", help="run only the cases whose group contains this text")
+    parser.add_argument("--probe-samples", type=int,
+                        help="probe this many samples of each case instead of the default")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    detect.STORE = args.store
+    detect.STORE, detect.PROBE_SAMPLES = args.store, args.probe_samples
     rows = []
     model, tokenizer = upcycle_smollm2(4, 2)
     model.config._experts_implementation = "eager"
