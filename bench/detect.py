@@ -71,6 +71,7 @@ def prompt_ids(tokenizer, prompt_set: int, n: int = 2, tokens: int | None = None
 HUNT = dict(granularity="op", reference="host")  # the README's options for a hunt
 STORE: str | None = None  # --store: the store every case dumps with (None: the default)
 PROBE_SAMPLES: int | None = None  # --probe-samples: probed samples of every case (None: default)
+TOKENS: int | None = None  # --tokens: the fault cases' prompts made about this long
 
 
 def run(model, ids, inject=(), seed=0, pad=False, autocast=False, decoder=True, hunt=False):
@@ -316,14 +317,17 @@ def main() -> None:
     ap.add_argument("--store", help="dump with this --store (e.g. stats) instead of the default")
     ap.add_argument("--probe-samples", type=int,
                     help="probe this many samples of each case instead of the default")
+    ap.add_argument("--tokens", type=int,
+                    help="the fault cases generate from one prompt of about this many tokens "
+                         "(the text repeated) instead of two chat prompts")
     ap.add_argument("--summarize", nargs="*", help="only print the summary of these CSVs")
     ap.add_argument("--plot", help="with --summarize: a PNG of detection against magnitude")
     args = ap.parse_args()
     if args.summarize:
         summarize(args.summarize, args.plot)
         return
-    global STORE, PROBE_SAMPLES
-    STORE, PROBE_SAMPLES = args.store, args.probe_samples
+    global STORE, PROBE_SAMPLES, TOKENS
+    STORE, PROBE_SAMPLES, TOKENS = args.store, args.probe_samples, args.tokens
     shard, shards = (int(v) for v in args.shard.split("/"))
     torch.set_num_threads(args.threads)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
@@ -386,7 +390,8 @@ def main() -> None:
                 continue
             model, tok = model_for("float32")
             seed = i % 5
-            result, secs = run(model, prompt_ids(tok, seed), specs, seed=seed, hunt=hunt)
+            result, secs = run(model, prompt_ids(tok, seed, n=1 if TOKENS else 2, tokens=TOKENS),
+                               specs, seed=seed, hunt=hunt)
             row = dict(kind="fault", group=group, spec=spec,
                        layer="+".join(map(str, layer)) if isinstance(layer, tuple) else layer,
                        site=site,

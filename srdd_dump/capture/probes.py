@@ -318,6 +318,7 @@ def run_probes(
     causal_stop: int | None = None,
     around_repeat: Callable[[int], contextlib.AbstractContextManager] | None = None,
     extra: tuple[tuple[int, torch.Tensor], ...] = (),
+    rows: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> tuple[list[ProbeOutput], bool]:
     """Replay ``module`` on perturbed copies of its input; returns (outputs, batched?).
 
@@ -327,7 +328,9 @@ def run_probes(
     entered around the module's repeat ``t`` (the repeats of the sites inside it are taken
     from it: replays.SharedRepeats). ``extra``: (kind, input) copies replayed in the same
     batched call as the perturbed ones (the zero identity of a fused experts call), recorded
-    without a perturbation.
+    without a perturbation. ``rows``: a row-wise module replayed on some rows of its input
+    alone (``recorded`` holds those rows): the inputs are perturbed whole, as without it, and
+    then cut to those rows; no repeats.
     """
     args, kwargs = replay_arguments(args, kwargs, cache)
     x, rebuild = hidden_input(args, kwargs, module, stream)
@@ -336,6 +339,9 @@ def run_probes(
     results: list[ProbeOutput] = []
     with torch.no_grad(), preserved_rng(x.device):
         perturbed = perturbed_inputs(x, spec, seeds, causal_cut, causal_stop)
+        if rows is not None:
+            x = rows(x)
+            perturbed = [(*head, rows(xp)) for *head, xp in perturbed]
         n_perturbed = len(perturbed)
         perturbed += [(kind, 0, 0.0, 0, xe) for kind, xe in extra]
         batched = (spec.batched and bool(perturbed) and x.dim() >= 2

@@ -35,12 +35,13 @@ from .evidence import family
 from .host import host_replay
 from .host_weights import HostWeights
 from .identities import causal_cut, is_causal, scale_replays
-from .mlp_reference import MlpReference
+from .mlp_reference import MlpReference, mlp_layout
 from .model_facts import has_past
 from .moe_capture import ExpertCapture
 from .parallel import TensorParallel, to_local
 from .probes import (
     FrozenCache,
+    ProbeOutput,
     ProbeSpec,
     first_tensor,
     layer_index,
@@ -59,6 +60,9 @@ from .sinks import RecordSink
 from .tensors import kept
 
 Replay = Callable[..., None]
+# a row-wise MLP is replayed on its probe rows alone when they are at most this share of its
+# call's rows: below it the whole call costs at most twice as much and keeps the call's shapes
+ROW_WISE_SHARE = 0.5
 
 
 class Replays:
@@ -95,6 +99,7 @@ class Replays:
         self.site_errors = 0  # sub-layers whose own repeat failed (shared_repeats.py)
         self.host_done = self.host_failed = 0
         self.compiled_dropped = 0
+        self._gated_mlp: dict[int, bool] = {}  # id(sub-layer) -> a gated MLP (row-wise)
         self._by_kind: dict[str, Replay] = {
             WHOLE: self._whole, ROWS: self._rows, EXPERT_CALLS: self._experts,
             NO_REPLAY: lambda *_: None,
@@ -176,16 +181,17 @@ class Replays:
 
     def _defer(self, module: nn.Module, layer: int, site: int, x: torch.Tensor,
                again: Callable[[], torch.Tensor], outputs: list, hidden: torch.Tensor,
-               ctx: RoundContext, family: str) -> None:
+               ctx: RoundContext, family: str, cut_already: bool = False) -> None:
         """A sub-layer waits for its block's repeats holding copies of what it will hand on
-        (its outputs cut to the stored rows; the stats store's clean entry): the block may
-        change the sub-layer's tensors in place meanwhile (Falcon adds the attention into the
-        MLP's output)."""
+        (its outputs cut to the stored rows, unless ``cut_already``: replayed on those rows
+        alone; the stats store's clean entry): the block may change the sub-layer's tensors
+        in place meanwhile (Falcon adds the attention into the MLP's output)."""
         def cut(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else ctx.probe_rows(t)
 
-        held = [dataclasses.replace(p, output=cut(p.output), perturbation=cut(p.perturbation))
-                for p in outputs]
+        held = outputs if cut_already else [
+            dataclasses.replace(p, output=cut(p.output), perturbation=cut(p.perturbation))
+            for p in outputs]
         recorded = cut(hidden)
         self.sink.hold(ctx, layer, site)
 
@@ -254,14 +260,22 @@ class Replays:
             if site == schema.BLOCK_SITE and self.shared.waiting.get(layer):
                 def around(t: int, layer=layer, ctx=ctx):
                     return self.shared.around(layer, t, ctx.probe_rows)
+            # a row-wise MLP whose probe rows are a small part of its call: perturbed on
+            # those rows alone (its repeats still re-run the whole call)
+            rows_only = not decode and cut is None and self._row_wise(
+                module, role, args, kwargs, hidden, ctx)
+            recorded = ctx.probe_rows(hidden) if rows_only else hidden
             try:
                 with self.running(), self.coverage.attempt(probes), (
                         self.moe.pinned() if self.moe is not None else nullcontext()):
                     outputs, batched = run_probes(
-                        module, args, kwargs, hidden,
-                        dataclasses.replace(spec, repeats=0) if share else spec,
+                        module, args, kwargs, recorded,
+                        dataclasses.replace(spec, repeats=0) if share or rows_only else spec,
                         ctx.seeds(layer, site), cache, cut, stream=id(module) in self.serving,
-                        causal_stop=stop, around_repeat=around)
+                        causal_stop=stop, around_repeat=around,
+                        rows=ctx.probe_rows if rows_only else None)
+                    if rows_only and not share and spec.repeats:
+                        outputs += self._whole_repeats(module, args, kwargs, spec, ctx)
                     if share:
                         x, again = repeat_call(module, args, kwargs, cache)
             except Exception:
@@ -276,11 +290,42 @@ class Replays:
             else:
                 self.sequential += 1
             if share:
-                self._defer(module, layer, site, x, again, outputs, hidden, ctx, probes)
+                self._defer(module, layer, site, x, again, outputs, hidden, ctx, probes,
+                            cut_already=rows_only)
+            elif rows_only:
+                if self._keep_probes(module, outputs, recorded):
+                    self.sink.probe_outputs(ctx, layer, site, outputs)
             elif self._keep_probes(module, outputs, hidden):
                 self.sink.probe_outputs(ctx, layer, site, outputs, (ctx.positions, ctx.rows))
         if host:
             self.host_record(module, layer, site, args, kwargs, cache, ctx)
+
+    def _row_wise(self, module: nn.Module, role: str, args: tuple, kwargs: dict,
+                  hidden: torch.Tensor, ctx: RoundContext) -> bool:
+        """The probes of this call may run on its probe rows alone: a gated MLP of the Hugging
+        Face kind (``down(act(gate(x)) * up(x))``: each output row depends on its input row
+        only) called on the round's tokens alone, whose probe rows are at most
+        ROW_WISE_SHARE of the call's rows (a long prompt). Its perturbed inputs are those of
+        a whole-call replay; a per-call statistic of the device (a range, a quantisation
+        scale) then spans the probe rows, not the whole call."""
+        if (role != SUBLAYER or ctx.rows is None or ctx.segments is not None
+                or id(module) in self.serving or not self.tp.batched(module)):
+            return False
+        key = id(module)
+        if key not in self._gated_mlp:
+            self._gated_mlp[key] = not isinstance(mlp_layout(module), str)
+        x = args[0] if len(args) == 1 and not kwargs else None
+        return (self._gated_mlp[key] and isinstance(x, torch.Tensor) and x.dim() == 3
+                and x.shape[:-1] == hidden.shape[:-1]
+                and len(ctx.rows) <= ROW_WISE_SHARE * x.shape[0] * x.shape[1])
+
+    def _whole_repeats(self, module: nn.Module, args: tuple, kwargs: dict, spec: ProbeSpec,
+                       ctx: RoundContext) -> list[ProbeOutput]:
+        """The repeats of a call replayed on its probe rows: the whole call again (run-to-run
+        instability is judged with the call's own shapes), cut to the probe rows."""
+        x, again = repeat_call(module, args, kwargs)
+        return [ProbeOutput(schema.KIND_REPEAT, t, 0.0, 0, ctx.probe_rows(again()), None)
+                for t in range(spec.repeats)]
 
     def attention_record(self, module: nn.Module, layer: int, site: int, args: tuple,
                          kwargs: dict, hidden: torch.Tensor, ctx: RoundContext) -> bool:
