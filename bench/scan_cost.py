@@ -3,7 +3,10 @@ generation of NEW tokens for PROMPTS chat prompts (fixtures/infer_smollm2.py's w
 under capture with several configurations, in one process, interleaved, medians.
 
     python bench/scan_cost.py [--prompts 8] [--new-tokens 8] [--repeats 3]
-                              [--model smollm2|gemma3] [--only CONFIG ...]
+                              [--model smollm2|gemma3] [--only CONFIG ...] [--tokens N]
+
+``--tokens N``: each prompt's text repeated to about N tokens (a long prompt, as a few-shot
+GSM8K prompt is).
 
 ``--model gemma3``: the real Gemma 3 270M (fixtures/gemma3.py; plain-text prompts).
 
@@ -52,6 +55,7 @@ def main() -> None:
     ap.add_argument("--out", default=os.path.join(HERE, "results", "scan_cost.json"))
     ap.add_argument("--model", choices=("smollm2", "gemma3"), default="smollm2")
     ap.add_argument("--only", nargs="*", help="only these configurations (names above)")
+    ap.add_argument("--tokens", type=int, help="each prompt repeated to about this many tokens")
     ap.add_argument("--cpu", action="store_true",
                     help="one torch thread, CPU time of the process (steady on a shared "
                          "machine) instead of wall time")
@@ -74,6 +78,8 @@ def main() -> None:
     load_s = clock() - t
     with open(os.path.join(HERE, "..", "fixtures", "prompts.txt")) as fh:
         prompts = [line.strip() for line in fh if line.strip()][: args.prompts]
+    if args.tokens:
+        prompts = [" ".join([p] * max(1, args.tokens // len(tok(p).input_ids))) for p in prompts]
     if args.model == "gemma3":  # a base model: plain text
         ids = [tok(p, return_tensors="pt").input_ids for p in prompts]
     else:
@@ -117,7 +123,7 @@ def main() -> None:
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as fh:
         json.dump({"model": args.model, "clock": "cpu" if args.cpu else "wall",
-                   "load_s": load_s, "prompts": args.prompts,
+                   "load_s": load_s, "prompts": args.prompts, "tokens": [x.shape[1] for x in ids],
                    "new_tokens": args.new_tokens,
                    "rows": rows, "times": times}, fh, indent=1)
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from srdd_dump import DumpConfig, register_hook
-from srdd_dump.analysis.diagnosis import FAULT, NORMAL, robust_z
+from srdd_dump.analysis.diagnosis import FAULT, NORMAL, diagnose, robust_z
 
 from capture_utils import run_cli
 from dumpfactory import compare_written as compare_path
@@ -251,3 +251,25 @@ def test_clip_limit_places_hold_what_a_clip_clips_and_little_else():
     c = next(c for c in range(64) if not at_row_extreme(alone)[row_top[c], c])
     twice = np.concatenate([alone, alone[row_top[c]:row_top[c] + 1]])  # its top row, repeated
     assert not at_clip_limit(twice)[row_top[c], c]
+
+
+def test_a_norms_zeros_its_input_had_are_the_inputs_in_a_round_no_probe_replayed():
+    """The only decode round is a sample after --probe-samples (no replay), and its token's
+    embedding row holds exact zeros (a GGUF model's): the first norm passes them on. Its own
+    zeros beyond its input's, or zeros its replay keeps, stay a dead zone."""
+    from srdd_dump.analysis.signals import DECODE, Signals
+    from srdd_dump.vocabulary import NORM
+
+    def run(norm_zeros: float, input_zeros: float, flat_zero: float = float("nan")):
+        signals = [Signals(layer=k, site=-1, module=f"model.layers.{k}", samples=1,
+                           phase=DECODE, dtype="float32", zero_frac=input_zeros if k < 0 else 0.0,
+                           n_values=576, offset=0.01, kurtosis=0.5) for k in range(-1, 4)]
+        signals.append(Signals(layer=0, site=0, module="model.layers.0.input_layernorm",
+                               samples=1, phase=DECODE, dtype="float32", role=NORM,
+                               zero_frac=norm_zeros, n_values=576, flat_zero=flat_zero))
+        verdicts = diagnose(signals, "float32", 4)
+        return next(v for v in verdicts if v.layer == 0)
+
+    assert run(norm_zeros=4 / 576, input_zeros=4 / 576).verdict == NORMAL
+    assert run(norm_zeros=40 / 576, input_zeros=4 / 576).verdict == FAULT  # its own zeros
+    assert run(norm_zeros=40 / 576, input_zeros=40 / 576, flat_zero=40 / 576).verdict == FAULT

@@ -216,17 +216,20 @@ def _exact_evidence(sig: Signals, dtype: str, instab_median: float, compute_dtyp
         extra = f", dc response exactly 0 on {sig.dc_dead:.1%}" if sig.dc_dead > 0 else ""
         # the module's own replay moves its zeros (few stay 0 under every perturbation): they
         # came in with its input, from an earlier layer
-        moved = (np.isfinite(sig.flat_zero) and sig.flat_zero < INHERITED * sig.zero_frac
-                 and input_zeros >= 0.5 * sig.zero_frac)
+        probed = bool(np.isfinite(sig.flat_zero))
+        had = input_zeros >= 0.5 * sig.zero_frac  # its input held about as many already
+        moved = probed and sig.flat_zero < INHERITED * sig.zero_frac and had
         # a normalisation or an activation maps an exact 0 of its input to 0: such zeros are
-        # its input's, judged where they are made
+        # its input's, judged where they are made; in rounds no probe replayed (the samples
+        # after --probe-samples), the zeros its input already had are taken as the input's
+        passed_on = sig.role in (NORM, ACTIVATION) and (moved or (had and not probed))
         # an activation's or a norm's zeros that its float64 host replay makes too are the
         # computation's own (a saturated GELU tail, a norm channel whose weight is 0): not a
         # dead zone. Only there: a bf16 flush of values under the dtype's rounding of the row
         # elsewhere would pass as "explained"
         own = (sig.role in (NORM, ACTIVATION) and np.isfinite(sig.host_zeros)
                and sig.host_zeros >= ZEROS_EXPLAINED)
-        if not (moved and sig.role in (NORM, ACTIVATION)) and not own:
+        if not passed_on and not own:
             ev.append(Evidence("DEAD_ZONE", zeros / zero_limit,
                                f"{sig.zero_frac:.2%} exact zeros in {where}{extra}",
                                inheritable=bool(moved), secondary=bool(quantized)))
