@@ -28,8 +28,10 @@ def write_dump(
     dtype: str = "float32",
     names: list[str] | None = None,
     meta: dict | None = None,
+    status: dict | None = None,
 ) -> str:
-    """One round per dict {layer: (batch, ntok, width) array}; round i is sample i, prefill."""
+    """One round per dict {layer: (batch, ntok, width) array}; round i is sample i, prefill;
+    ``status``: what the capture reports at the end (the file's status)."""
     n_layers = max(k for r in rounds for k in r) + 1
     names = names or [f"model.layers.{i}" for i in range(n_layers)]
     writer = DumpWriter(path, meta or {"rank": 0, "pid": 1234}, names)
@@ -46,7 +48,7 @@ def write_dump(
                 tensors=[Tensor(k, to_storage(v, dtype), dtype) for k, v in tensors.items()],
             )
         )
-    return writer.close()
+    return writer.close(status)
 
 
 def make_partial(final_path: str) -> str:

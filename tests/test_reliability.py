@@ -513,3 +513,24 @@ def test_compare_runs_with_unpickling_disabled(tmp_path, monkeypatch):
     golden = write_dump(str(tmp_path / "g" / "a.h5"), normal_rounds(rng))
     assert len(compare_path(mine, str(tmp_path / "r.xlsx"), progress=False).layers)
     assert len(compare_baseline(mine, golden, str(tmp_path / "b.xlsx"), progress=False).table)
+
+
+def test_a_file_finished_by_a_process_killed_before_it_reported_keeps_its_missing_evidence(
+        tmp_path):
+    """A serving engine's worker finishes its file when asked, then is killed (SIGKILL) before
+    it reports: the evidence its file says it could not get is still listed at the end."""
+    from srdd_dump.capture.launch import _collect
+
+    coverage = {"prefill attention references": {"expected": 12, "done": 0,
+                                                 "first_error": "LlamaAttention: no layout"},
+                "prefill block probes": {"expected": 4, "done": 4}}
+    path = write_dump(str(tmp_path / "srdd_rank0_pid4321.h5"),
+                      normal_rounds(np.random.default_rng(0)), meta={"rank": 0, "pid": 4321},
+                      status={"coverage": coverage})
+    status_dir = tmp_path / "status"
+    status_dir.mkdir()
+    result = _collect(0, str(status_dir), set(), {os.path.abspath(path)})
+    assert result.files == [os.path.abspath(path)]
+    assert len(result.degraded) == 1
+    assert "prefill attention references (0 of 12 calls)" in result.degraded[0]
+    assert "LlamaAttention: no layout" in result.degraded[0]

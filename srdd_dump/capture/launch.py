@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, replace
 
 from ..errors import UserError
 from ..format import schema
+from ..format.coverage import shortfall_lines
 from ..runtime.terminal import terminal_delivers_to_child
 from .config import ENV_CONFIG, ENV_STATUS_DIR, FINISH_REQUEST, LAYERS_HINT, DumpConfig
 from .diskspace import MIN_FREE_GB, check_free_space
@@ -214,16 +215,18 @@ def _partial_files(dump_path: str) -> set[str]:
     return {os.path.abspath(os.path.join(dump_path, n)) for n in names if n.endswith(suffix)}
 
 
-def _requests_seen(path: str) -> tuple[int, int]:
-    """(pid, the serving engine's requests the file's status counts: 0 when none or
-    unreadable)."""
+def _file_status(path: str) -> tuple[int, int, dict]:
+    """(pid, the serving engine's requests the file's status counts, the evidence coverage it
+    stores): 0, 0, {} when none or unreadable."""
     from ..format.reader import DumpReader
 
     try:
         with DumpReader(path) as reader:
-            return int(reader.meta.get("pid") or 0), int(reader.status.get("requests") or 0)
+            coverage = reader.status.get("coverage")
+            return (int(reader.meta.get("pid") or 0), int(reader.status.get("requests") or 0),
+                    coverage if isinstance(coverage, dict) else {})
     except Exception:  # noqa: BLE001 (a file srdd-compare will report on)
-        return 0, 0
+        return 0, 0, {}
 
 
 def _finished_files(dump_path: str) -> set[str]:
@@ -260,16 +263,26 @@ def _collect(returncode: int, status_dir: str, new_partials: set[str] | None = N
     result.untested_versions = list(dict.fromkeys(
         note for st in statuses for note in st.get("untested_versions") or []))
     reported = {os.path.abspath(f) for f in result.files}
-    for path in sorted(run_files - reported):
+    unreported = set(run_files - reported)
+    for path in sorted(unreported):
         # finished by its process, which was then killed before it could report (a serving
         # engine's worker: dump_file.FileWatch)
         result.files.append(path)
         reported.add(path)
     seen: dict[int, int] = {}  # a process's files count its requests cumulatively
+    # a process that never reported: the coverage its latest file stores (cumulative too)
+    coverage: dict[int, tuple[int, dict]] = {}
     for path in result.files:
-        pid, n = _requests_seen(path)
+        pid, n, stored = _file_status(path)
         seen[pid] = max(seen.get(pid, 0), n)
+        if path in unreported and stored and n >= coverage.get(pid, (-1, {}))[0]:
+            coverage[pid] = (n, stored)
     result.requests = sum(seen.values())
+    known = {st.get("pid") for st in statuses}
+    unheard = [{"pid": pid, "degraded": shortfall_lines(stored), "model_seen": True}
+               for pid, (_, stored) in sorted(coverage.items()) if pid not in known]
+    if unheard:
+        result.degraded = _degraded(statuses + unheard)
     for path in sorted((new_partials or set()) - reported):
         # its process died before finishing it (SIGKILL, out of memory, os._exit)
         result.problems.append(
