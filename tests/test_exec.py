@@ -147,3 +147,27 @@ def test_script_importing_srdd_dump_before_torch_is_captured(tmp_path):
     res = run_cli("srdd-dump", "--exec", f"{sys.executable} {script}", "-o", str(tmp_path / "d"))
     assert res.returncode == 0, res.stderr
     assert len(find_dump_files(str(tmp_path / "d"))) == 1
+
+
+def test_output_named_like_a_file_is_one_line_and_a_program_that_changes_folder_dumps_there(
+        tmp_path):
+    """-o naming an existing file: one line, exit 2 (it once looped forever); a relative -o
+    with a program that changes its working directory: the run folder stays where srdd-dump
+    said, and the printed path is the one it wrote."""
+    (tmp_path / "afile").write_text("")
+    res = run_cli("srdd-dump", "--exec", f"{sys.executable} -c pass", "-o", "afile",
+                  cwd=str(tmp_path), timeout=60)
+    assert res.returncode == 2 and "a file of that name exists" in res.stderr, res.stderr
+    (tmp_path / "elsewhere").mkdir()
+    script = _write(tmp_path / "moves.py", (
+        f"import os, sys; sys.path.insert(0, {FIXTURES!r})\n"
+        f"os.chdir({str(tmp_path / 'elsewhere')!r})\n"
+        "import torch\nfrom tiny_models import build\n"
+        "m = build('llama')\n"
+        "with torch.no_grad(): m(input_ids=torch.randint(0, 128, (1, 6)))\n"))
+    res = run_cli("srdd-dump", "--exec", f"{sys.executable} {script}", "-o", "dumps",
+                  cwd=str(tmp_path))
+    assert res.returncode == 0, res.stderr
+    (path,) = find_dump_files(str(tmp_path / "dumps"))
+    assert not os.path.exists(tmp_path / "elsewhere" / "dumps")
+    assert os.path.relpath(path, str(tmp_path)) in res.stderr

@@ -102,7 +102,8 @@ def run_exec(command: str, config: DumpConfig, min_free_gb: float = MIN_FREE_GB,
     argv = split_command(command)
     check_free_space(config.dump_path, min_free_gb)
     run_dir = new_run_folder(config.dump_path)
-    config = replace(config, dump_path=run_dir, command=command)
+    # the processes get it absolute: a program may change its working directory
+    config = replace(config, dump_path=os.path.abspath(run_dir), command=command)
     status_dir = tempfile.mkdtemp(prefix="srdd-status-")
     try:
         returncode = _run_forwarding_signals(argv, child_env(config, status_dir, eager),
@@ -113,8 +114,15 @@ def run_exec(command: str, config: DumpConfig, min_free_gb: float = MIN_FREE_GB,
         shutil.rmtree(status_dir, ignore_errors=True)
         with contextlib.suppress(OSError):
             os.rmdir(run_dir)  # only when nothing was written into it
+    result.files = [_as_given(f, run_dir) for f in result.files]
     result.run_dir = run_dir
     return result
+
+
+def _as_given(path: str, run_dir: str) -> str:
+    """A file of the run folder as the user named the folder (relative stays relative)."""
+    inside = os.path.relpath(os.path.abspath(path), os.path.abspath(run_dir))
+    return path if inside.startswith(os.pardir) else os.path.join(run_dir, inside)
 
 
 def new_run_folder(output: str) -> str:
@@ -122,9 +130,14 @@ def new_run_folder(output: str) -> str:
     stamp = time.strftime(schema.RUN_TIME_FORMAT, time.gmtime())
     base = os.path.join(output, schema.RUN_PREFIX + stamp)
     path, n = base, 1
+    if os.path.exists(output) and not os.path.isdir(output):
+        raise UserError(f"-o {output}: a file of that name exists; name a folder")
+    try:
+        os.makedirs(output, exist_ok=True)
+    except OSError as exc:
+        raise UserError(f"-o {output}: cannot create the folder ({exc.strerror})") from None
     while True:
         try:
-            os.makedirs(output, exist_ok=True)
             os.mkdir(path)
             return path
         except FileExistsError:
