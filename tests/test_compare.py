@@ -419,3 +419,14 @@ def test_a_csv_report_does_not_load_openpyxl(tmp_path):
     )
     out = python_words(code, str(tmp_path))
     assert out == ["False"]
+
+
+@pytest.mark.integration
+def test_a_dump_file_named_without_a_folder_part(tmp_path):
+    """`srdd-compare file.h5` in the file's folder (it once failed: "no path specified")."""
+    write_dump(str(tmp_path / "mine.h5"), normal_rounds(np.random.default_rng(0)))
+    (tmp_path / "notes.h5").write_text("not HDF5")
+    res = run_cli("mine.h5", "-o", "r.csv", "-q", cwd=str(tmp_path))
+    assert res.returncode == 0 and (tmp_path / "r.csv").exists(), res.stderr
+    res = run_cli("notes.h5", "-o", "r2.csv", "-q", cwd=str(tmp_path))
+    assert res.returncode == 2 and "notes.h5: not a readable HDF5 file" in res.stderr

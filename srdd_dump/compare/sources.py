@@ -176,7 +176,7 @@ def cache_root() -> str:
 
 def _run_of(root: str, file: str) -> tuple[str, str]:
     """(the run folder of a dump file, the folder in which it competes with other runs)."""
-    folder = os.path.relpath(os.path.dirname(file), root or ".")
+    folder = os.path.relpath(os.path.dirname(file) or ".", root or ".")
     parts = [] if folder == "." else folder.split(os.sep)
     for i in range(len(parts) - 1, -1, -1):
         if parts[i].startswith(s.RUN_PREFIX):
