@@ -187,6 +187,35 @@ def test_hooks_are_removed_when_done(tmp_path):
         assert r.select(0, kind=schema.KIND_CLEAN).shape == (1,)
 
 
+def test_a_second_session_on_a_captured_model_records_nothing_and_breaks_nothing(
+        tmp_path, capsys):
+    """Two register_hook sessions open on one model: the second is inert (one warning), the
+    first captures as asked, and a session that closes itself inside a forward (its last
+    sample done) leaves that forward running (torch still calls its removed hooks)."""
+    model = build("llama")
+    first = register_hook(model, DumpConfig(dump_path=str(tmp_path / "a"), samples=3,
+                                            progress=False))
+    second = register_hook(model, DumpConfig(dump_path=str(tmp_path / "b"), samples=1,
+                                             progress=False))
+    assert "already captured by another open session" in capsys.readouterr().err
+    with torch.no_grad():
+        for n in (6, 7, 8, 9):
+            model.generate(torch.randint(1, 100, (1, n)), max_new_tokens=2, do_sample=False,
+                           pad_token_id=0)
+    second.close()
+    assert second.path is None and not (tmp_path / "b").exists()
+    with DumpReader(first.close()) as r:
+        assert r.complete and r.n_samples == 3
+    with register_hook(model, DumpConfig(dump_path=str(tmp_path / "c"), samples=1,
+                                         progress=False)) as again:  # the model is free again
+        with torch.no_grad():
+            for n in (6, 7):  # the session closes itself in the second prefill's first block
+                model.generate(torch.randint(1, 100, (1, n)), max_new_tokens=2,
+                               do_sample=False, pad_token_id=0)
+    with DumpReader(again.path) as r:
+        assert r.complete and r.n_samples == 1
+
+
 @pytest.mark.parametrize("arch", ["llama", "mixtral"])
 def test_replays_add_nothing_to_the_outputs_the_model_collects(arch, tmp_path):
     """transformers records hidden states, attentions and router logits with forward hooks:

@@ -171,3 +171,29 @@ def test_output_named_like_a_file_is_one_line_and_a_program_that_changes_folder_
     (path,) = find_dump_files(str(tmp_path / "dumps"))
     assert not os.path.exists(tmp_path / "elsewhere" / "dumps")
     assert os.path.relpath(path, str(tmp_path)) in res.stderr
+
+
+def test_a_program_with_its_own_register_hook_runs_under_exec(tmp_path):
+    """The program opens its own session (register_hook) and srdd-dump --exec watches it too:
+    one session captures the model (the program's, in its own folder, which srdd-dump lists),
+    and the program runs to its end (it once died of a hook called after its removal)."""
+    script = _write(tmp_path / "own.py", (
+        f"import sys; sys.path.insert(0, {FIXTURES!r})\n"
+        "import torch\nfrom tiny_models import build\n"
+        "from srdd_dump import DumpConfig, register_hook\n"
+        "m = build('llama')\n"
+        f"session = register_hook(m, DumpConfig(dump_path={str(tmp_path / 'own')!r}, "
+        "samples=2, progress=False))\n"
+        "with torch.no_grad():\n"
+        "    for n in (6, 7, 8):\n"
+        "        m.generate(torch.randint(1, 100, (1, n)), max_new_tokens=2, do_sample=False,\n"
+        "                   pad_token_id=0)\n"
+        "print('finished')\n"))
+    res = run_cli("srdd-dump", "--exec", f"{sys.executable} {script}", "-o", str(tmp_path / "d"))
+    assert res.returncode == 0, res.stderr
+    assert "finished" in res.stdout and "Traceback" not in res.stderr
+    (path,) = find_dump_files(str(tmp_path / "own"))
+    assert path in res.stderr  # listed by srdd-dump
+    with DumpReader(path) as r:
+        assert r.complete and r.n_samples == 2
+    assert not find_dump_files(str(tmp_path / "d"))

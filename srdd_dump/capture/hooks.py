@@ -49,6 +49,52 @@ from .rounds import RoundContext, RoundPlanner, drop_misshapen, split_round
 from .sinks import make_sink
 from .versions import untested_notes
 
+# torch calls a module's hooks as they were when its call began: a hook its session removed
+# meanwhile (the session closed inside the call, its last sample done) is then called without
+# its keyword arguments, so the last parameter of a with_kwargs hook defaults to this or None
+# and the hook does nothing
+REMOVED = object()
+
+# id(block) -> the open session whose hooks are on it: one session per block at a time
+_open: dict[int, CaptureSession] = {}
+
+
+class AlreadyCaptured(Exception):
+    """The model's blocks carry the hooks of another open session (``session``)."""
+
+    def __init__(self, session: CaptureSession):
+        super().__init__("its blocks are captured by another open session")
+        self.session = session
+
+
+class InertSession:
+    """What ``register_hook`` returns for a model another open session captures (an earlier
+    ``register_hook``, or ``srdd-dump --exec``'s): it records nothing; that session's file is
+    the dump."""
+
+    error = None
+    degraded: list[str] = []
+    samples = 0
+
+    def __init__(self, other: CaptureSession):
+        self.other = other
+
+    @property
+    def path(self) -> str | None:
+        return None
+
+    def close(self) -> None:
+        return None
+
+    def remove(self) -> None:
+        return None
+
+    def __enter__(self) -> InertSession:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        return None
+
 
 class CaptureSession:
     """Hooks on one model; a context manager that removes them and finalises the dump.
@@ -62,6 +108,9 @@ class CaptureSession:
         self.config = config
         self.options = options = config.parsed()  # the text options, parsed once
         self.blocks = find_blocks(model, config.layers)
+        other = next((_open[id(b)] for _, b in self.blocks if id(b) in _open), None)
+        if other is not None:
+            raise AlreadyCaptured(other)
         self.layer_names = [name for name, _ in self.blocks]
         self.sites = sites_of(model, self.blocks, config)
         self.site_names = [site.name for site in self.sites]
@@ -126,6 +175,7 @@ class CaptureSession:
         self._closed = False
         skip_hook_frames()
         self._install()
+        _open.update((id(b), self) for _, b in self.blocks)
         atexit.register(self.close)
 
     @property
@@ -201,9 +251,12 @@ class CaptureSession:
         self._frozen[id(module)] = serving.frozen_call(module, args, kwargs)
 
     @opaque
-    def on_model_call(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+    def on_model_call(self, module: nn.Module, args: tuple, kwargs: dict | None = None
+                      ) -> None:
         """The model's own pre-hook (the forward watcher calls it for the call during which
         the session was made): counts the call, keeps its attention mask."""
+        if kwargs is None:  # removed inside this very call (REMOVED)
+            return
         if not self._closed:
             self.model_calls += 1
 
@@ -222,7 +275,10 @@ class CaptureSession:
         self._guard(grab)
 
     @opaque
-    def _on_stack_input(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+    def _on_stack_input(self, module: nn.Module, args: tuple, kwargs: dict | None = None
+                        ) -> None:
+        if kwargs is None:  # removed inside this very call (REMOVED)
+            return
         if not (self._closed or self.replays.active):
             self.block_calls += 1
         with self._lock:
@@ -286,8 +342,8 @@ class CaptureSession:
 
     def _output_hook(self, layer: int, site: int, last: bool):
         @opaque
-        def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-            if self._ctx is None:
+        def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any = REMOVED) -> None:
+            if self._ctx is None or output is REMOVED:
                 return
             if not self.replays.active:
                 self._fired.add((layer, site))
@@ -314,8 +370,8 @@ class CaptureSession:
 
     def _input_hook(self, layer: int, site: int):
         @opaque
-        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
-            if self._ctx is not None:
+        def hook(module: nn.Module, args: tuple, kwargs: dict | None = None) -> None:
+            if self._ctx is not None and kwargs is not None:
                 if not self.replays.active:
                     self._fired.add((layer, site))
                 self._guard(self._on_input, layer, site, args, kwargs)
@@ -335,7 +391,10 @@ class CaptureSession:
 
     def _pending_hook(self, index: int):
         @opaque
-        def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any = REMOVED) -> None:
+            if output is REMOVED:
+                return
+
             def keep() -> None:
                 out = to_local(first_tensor(output))
                 if isinstance(out, torch.Tensor):
@@ -467,6 +526,9 @@ class CaptureSession:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        for _, block in self.blocks:
+            if _open.get(id(block)) is self:
+                del _open[id(block)]
 
     def abandon(self) -> None:
         """In a forked child: the hooks, the injected faults and the file are the parent's;
@@ -532,7 +594,17 @@ class CaptureSession:
         self.remove_faults()
 
 
-def register_hook(model: nn.Module, config: DumpConfig | None = None) -> CaptureSession:
+def register_hook(model: nn.Module, config: DumpConfig | None = None
+                  ) -> CaptureSession | InertSession:
     """Start capturing ``model`` (msit style). Use the result as a context manager, or call
-    ``.close()``, to remove the hooks and finish the dump file."""
-    return CaptureSession(model, config or DumpConfig())
+    ``.close()``, to remove the hooks and finish the dump file. A model another open session
+    captures (an earlier ``register_hook`` not yet closed, or ``srdd-dump --exec``'s) is not
+    captured twice: one warning, and an InertSession that records nothing."""
+    try:
+        return CaptureSession(model, config or DumpConfig())
+    except AlreadyCaptured as exc:
+        where = exc.session.config.dump_path
+        sys.stderr.write("srdd-dump: warning: register_hook: the model is already captured by "
+                         f"another open session (dump folder {where}); this one records "
+                         "nothing\n")
+        return InertSession(exc.session)

@@ -21,13 +21,17 @@ def watch_forwards(state: dict) -> None:
             return
         # Imported at the first forward, not when torch is imported: a script that imports
         # srdd_dump (hence torch) first would otherwise meet a half-initialised hooks module.
-        from ..hooks import CaptureSession
+        from ..hooks import AlreadyCaptured, CaptureSession
 
         try:
             state["session"] = session = CaptureSession(module, state["config"])
             # this very call started before the session's own pre-hook existed: it gets the
             # call's keyword arguments (the attention mask of a padded prefill) here
             session.on_model_call(module, args, _call_kwargs(module))
+        except AlreadyCaptured as exc:
+            # the program's own register_hook came first: its session is this process's
+            # capture (its file, in its own folder, is what srdd-dump lists)
+            state["session"] = exc.session
         except NoBlocksFound as exc:
             # Remember why, and never look at this module or its children again.
             state["no_blocks"] = str(exc)
