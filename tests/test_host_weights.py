@@ -80,3 +80,40 @@ def test_the_references_are_the_same_when_no_weight_is_cached(tmp_path, monkeypa
     assert len(cached) >= 2 * 3 * 2  # attention and MLP references of 3 layers, 2 rounds
     assert cached.keys() == converted.keys()
     assert all(np.array_equal(cached[k], converted[k]) for k in cached)
+
+
+@pytest.mark.unit
+def test_kept_weights_follow_a_change_of_the_model():
+    """A training step (an in-place update), loaded weights or a new parameter between two
+    samples: the reference uses the weights as they are, not the copy kept earlier."""
+    layer = nn.Linear(16, 8)
+    weights = HostWeights()
+    x = torch.randn(3, 16, dtype=torch.float64)
+    torch.testing.assert_close(weights.linear(layer, x), _exact(layer, x), rtol=0, atol=0)
+    with torch.no_grad():
+        layer.weight.add_(0.5)  # an optimizer step
+        layer.bias.mul_(2)
+    torch.testing.assert_close(weights.linear(layer, x), _exact(layer, x), rtol=0, atol=0)
+    layer.load_state_dict({"weight": torch.randn(8, 16), "bias": torch.randn(8)})
+    torch.testing.assert_close(weights.linear(layer, x), _exact(layer, x), rtol=0, atol=0)
+    layer.weight = nn.Parameter(torch.randn(8, 16))
+    torch.testing.assert_close(weights.linear(layer, x), _exact(layer, x), rtol=0, atol=0)
+    assert weights.used == layer.weight.numel() * 8  # one conversion kept, not four
+
+
+def test_a_training_step_between_samples_is_no_reference_mismatch(tmp_path):
+    """Two samples with an optimizer step between them (fine-tuning under capture): the MLP and
+    attention references of the second sample use the updated weights: no FAULT."""
+    from dumpfactory import compare_written as compare_path
+
+    model = build("llama", layers=3)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    ids = torch.randint(1, 120, (1, 12))
+    with register_hook(model, DumpConfig(dump_path=str(tmp_path), samples=2, progress=False)):
+        for _ in range(2):
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    result = compare_path(str(tmp_path))
+    assert "FAULT" not in set(result.layers["verdict"]), result.layers.head()

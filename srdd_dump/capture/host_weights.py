@@ -20,7 +20,8 @@ class HostWeights:
 
     def __init__(self, budget: int | None = None):
         self.budget, self.used = BUDGET_BYTES if budget is None else budget, 0
-        self._kept: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
+        # id(module) -> (float64 weight, float64 bias, what they were converted from)
+        self._kept: dict[int, tuple[torch.Tensor, torch.Tensor | None, tuple]] = {}
         self._scratch: dict[torch.dtype, torch.Tensor] = {}  # float64 weights, reused
         self._staged: dict[torch.dtype, torch.Tensor] = {}  # device weights copied as they are
 
@@ -40,7 +41,11 @@ class HostWeights:
     def _weights(self, module: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
         found = self._kept.get(id(module))
         if found is not None:
-            return found
+            if found[2] == _state(module):
+                return found[0], found[1]
+            # changed since (a training step, new weights loaded): converted again
+            del self._kept[id(module)]
+            self.used -= found[0].numel() * 8
         source = module.weight.detach()
         bias = None if module.bias is None else module.bias.detach().to(HOST, F64)
         size = source.numel() * 8
@@ -48,7 +53,7 @@ class HostWeights:
             return source.to(HOST, F64), bias  # conversion, never kept
         if self.used + size <= self.budget:
             weight = source.to(HOST, F64)
-            self._kept[id(module)] = (weight, bias)
+            self._kept[id(module)] = (weight, bias, _state(module))
             self.used += size
             return weight, bias
         if source.device != HOST:  # off the card in its own format: a quarter of the bytes
@@ -56,6 +61,13 @@ class HostWeights:
         weight = _into(self._scratch, source, F64)
         weight.copy_(source)  # exact: every float format converts to float64 without rounding
         return weight, bias
+
+
+def _state(module: nn.Linear) -> tuple:
+    """What a kept conversion was made from: the parameter objects and their version counters
+    (an in-place update, as an optimizer step or ``load_state_dict`` makes, bumps them)."""
+    return tuple((id(p), p._version) if p is not None else None
+                 for p in (module.weight, module.bias))
 
 
 def _into(buffers: dict, like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
