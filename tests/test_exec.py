@@ -197,3 +197,30 @@ def test_a_program_with_its_own_register_hook_runs_under_exec(tmp_path):
     with DumpReader(path) as r:
         assert r.complete and r.n_samples == 2
     assert not find_dump_files(str(tmp_path / "d"))
+
+
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+def test_a_pool_used_as_a_context_manager_leaves_finished_files(context, tmp_path):
+    """`with Pool(...) as pool:` ends with Pool.terminate (SIGTERM to the workers): a worker
+    finishes its file first, so the run is complete and the exit code is the program's."""
+    _write(tmp_path / "work.py", (
+        f"import sys; sys.path.insert(0, {FIXTURES!r})\n"
+        "def work(n):\n"
+        "    import torch\n    from tiny_models import build\n"
+        "    m = build('llama')\n"
+        "    with torch.no_grad():\n"
+        "        out = m.generate(torch.randint(1, 100, (1, n)), max_new_tokens=2,\n"
+        "                         do_sample=False, pad_token_id=0)\n"
+        "    return out.shape[1]\n"))
+    script = _write(tmp_path / "main.py", (
+        "import multiprocessing as mp\nfrom work import work\n"
+        "if __name__ == '__main__':\n"
+        f"    with mp.get_context({context!r}).Pool(1) as pool:\n"
+        "        print(pool.map(work, [6]))\n"))
+    res = run_cli("srdd-dump", "--exec", f"{sys.executable} {script}", "-o", str(tmp_path / "d"),
+                  cwd=str(tmp_path))
+    assert res.returncode == 0, res.stderr
+    assert "[8]" in res.stdout
+    (path,) = find_dump_files(str(tmp_path / "d"))
+    with DumpReader(path) as r:
+        assert r.complete and r.n_samples == 1

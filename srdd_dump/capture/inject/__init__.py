@@ -15,7 +15,9 @@ import importlib.abc
 import importlib.util
 import json
 import os
+import signal
 import sys
+import threading
 from typing import Callable
 
 from ..config import ENV_STATUS_DIR, DumpConfig
@@ -110,6 +112,33 @@ def _on_torch_imported() -> None:
     except Exception as exc:  # never break the user's import of torch
         _state["error"] = f"{type(exc).__name__}: {exc}"
         sys.stderr.write(f"srdd-dump: warning: capture not installed: {_state['error']}\n")
+
+
+def finish_on_sigterm() -> None:
+    """A process told to stop by SIGTERM (a multiprocessing Pool's workers when the program's
+    ``with Pool(...)`` block ends: ``Pool.terminate``) finishes its dump file and reports, then
+    dies of SIGTERM as it would have. Only where the program left SIGTERM at its default, and
+    from the main thread (the only one that may set a handler)."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    try:
+        if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+            return
+
+        def on_sigterm(signum, frame) -> None:
+            if _state.get("reported"):
+                # already on its way out (a Pool worker that got its sentinel first): the
+                # report under way finishes the file, and the process ends as it was ending
+                return
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            try:
+                _report_status()
+            finally:
+                os.kill(os.getpid(), signal.SIGTERM)
+
+        signal.signal(signal.SIGTERM, on_sigterm)
+    except (ValueError, OSError):  # not settable here: the file stays .partial, as it was
+        pass
 
 
 def _after_fork_in_child() -> None:

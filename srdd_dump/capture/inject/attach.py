@@ -40,6 +40,10 @@ def watch_forwards(state: dict) -> None:
         except Exception as exc:
             state["error"] = f"{type(exc).__name__}: {exc}"
             sys.stderr.write(f"srdd-dump: warning: capture not started: {state['error']}\n")
+        else:
+            from . import finish_on_sigterm
+
+            finish_on_sigterm()
         handle.remove()
 
     handle = register_module_forward_pre_hook(on_forward)
