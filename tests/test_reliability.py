@@ -534,3 +534,25 @@ def test_a_file_finished_by_a_process_killed_before_it_reported_keeps_its_missin
     assert len(result.degraded) == 1
     assert "prefill attention references (0 of 12 calls)" in result.degraded[0]
     assert "LlamaAttention: no layout" in result.degraded[0]
+
+
+def test_forwards_srdd_dump_does_not_capture_keep_a_serving_file_open():
+    """A serving engine's file is finished after IDLE seconds without a forward: the chunks of
+    a long prefill it does not capture are forwards too (a generate call was split in two
+    files when only captured rounds counted)."""
+    from srdd_dump.capture.dump_file import FileWatch
+
+    finished = []
+    watch = FileWatch(lambda: finished.append(time.monotonic()), lambda: None, None,
+                      seconds=2.0)
+    watch.touch()  # a captured round
+    end = time.monotonic() + 3.0
+    while time.monotonic() < end:  # uncaptured forwards
+        watch.busy()
+        time.sleep(0.2)
+    assert not finished
+    deadline = time.monotonic() + 10
+    while not finished and time.monotonic() < deadline:
+        time.sleep(0.1)
+    watch.stop()
+    assert finished and finished[0] >= end + 1.5

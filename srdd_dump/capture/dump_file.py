@@ -93,6 +93,12 @@ class FileWatch:
         self._last = time.monotonic()
         self.start()
 
+    def busy(self) -> None:
+        """The engine ran a forward (captured or not: a chunk of a long prefill): an idle wait
+        under way starts again."""
+        if self._last is not None:
+            self._last = time.monotonic()
+
     def stop(self) -> None:
         self._stop.set()
 

@@ -281,6 +281,7 @@ class CaptureSession:
             return
         if not (self._closed or self.replays.active):
             self.block_calls += 1
+            self._watch.busy()
         with self._lock:
             self._guard(self._open_round, module, args, kwargs)
 
