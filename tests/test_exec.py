@@ -224,3 +224,16 @@ def test_a_pool_used_as_a_context_manager_leaves_finished_files(context, tmp_pat
     (path,) = find_dump_files(str(tmp_path / "d"))
     with DumpReader(path) as r:
         assert r.complete and r.n_samples == 1
+
+
+def test_a_script_that_does_not_exist_or_a_bad_sigma(tmp_path):
+    """The command's own error, its exit code, and one line saying why nothing was captured;
+    a negative --sigma is refused before the command runs."""
+    res = run_cli("srdd-dump", "--exec", f"{sys.executable} {tmp_path / 'nope.py'}", "-o",
+                  str(tmp_path / "d"))
+    assert res.returncode == 2 and "can't open file" in res.stderr
+    assert "the command failed (exit code 2) before any model" in res.stderr
+    res = run_cli("srdd-dump", "--exec", f"{sys.executable} -c pass", "-o", str(tmp_path / "d"),
+                  "--sigma", "-0.1")
+    assert res.returncode == 2 and "sigma must be a positive number" in res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import asdict, dataclass, field
 from typing import NamedTuple
@@ -104,6 +105,13 @@ class DumpConfig:
             raise UserError(f"probe_samples must be >= 0, got {self.probe_samples}")
         if self.draws < 0 or self.repeats < 0:
             raise UserError("draws and repeats must be >= 0")
+        bad = [v for v in self.sigmas if not (math.isfinite(v) and v > 0)]
+        if bad:
+            raise UserError(f"sigma must be a positive number (a noise size in token stds), "
+                            f"got {bad[0]}")
+        bad = [v for v in self.dc if not math.isfinite(v)]
+        if bad:
+            raise UserError(f"dc must be a finite number (a shift in token stds), got {bad[0]}")
         self.faults()
 
     def parsed(self) -> ParsedOptions:

@@ -330,6 +330,10 @@ def _collect(returncode: int, status_dir: str, new_partials: set[str] | None = N
                     "no model forward was seen: the models run inside fullgraph=True "
                     "torch.compile'd code, where srdd-dump's hooks cannot run; run eagerly: "
                     "srdd-dump --eager")
+            elif returncode != 0:
+                result.problems.append(f"nothing captured: the command failed (exit code "
+                                       f"{returncode}) before any model with a block stack "
+                                       "ran a forward: see its own error above")
             else:
                 result.problems.append("no model with a block stack ran a forward in any "
                                        "process")
