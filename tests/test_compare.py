@@ -430,3 +430,6 @@ def test_a_dump_file_named_without_a_folder_part(tmp_path):
     assert res.returncode == 0 and (tmp_path / "r.csv").exists(), res.stderr
     res = run_cli("notes.h5", "-o", "r2.csv", "-q", cwd=str(tmp_path))
     assert res.returncode == 2 and "notes.h5: not a readable HDF5 file" in res.stderr
+    # a report path under a file: the reason named
+    res = run_cli("mine.h5", "-o", "notes.h5/r.csv", "-q", cwd=str(tmp_path))
+    assert res.returncode == 2 and "notes.h5 is a file, not a folder" in res.stderr

@@ -45,4 +45,9 @@ def write_report(result: CompareResult | BaselineResult, output: str) -> list[st
             written += [p for p in extra if p not in written]
         return written
     except OSError as exc:
-        raise UserError(f"{output}: cannot write the report ({exc.strerror or exc})") from exc
+        folder = os.path.dirname(os.path.abspath(output))
+        while folder and not os.path.exists(folder):
+            folder = os.path.dirname(folder)
+        why = (f"{folder} is a file, not a folder" if folder and not os.path.isdir(folder)
+               else exc.strerror or exc)
+        raise UserError(f"{output}: cannot write the report ({why})") from exc
