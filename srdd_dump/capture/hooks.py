@@ -173,6 +173,7 @@ class CaptureSession:
         self._autocast: str | None = None  # "" when the first model call ran without autocast
         self._handles: list[Any] = []
         self._closed = False
+        self._closing = False
         skip_hook_frames()
         self._install()
         _open.update((id(b), self) for _, b in self.blocks)
@@ -548,7 +549,21 @@ class CaptureSession:
     def close(self) -> str | None:
         """Remove the hooks and finalise the dump file. Returns its path (None if empty)."""
         with self._lock:
-            return self._close()
+            self._closing = True
+            try:
+                return self._close()
+            finally:
+                self._closing = False
+
+    @property
+    def closing(self) -> bool:
+        """A close is under way (its file being finished)."""
+        return self._closing
+
+    def wait_closed(self) -> None:
+        """Return once no close is under way in another thread."""
+        with self._lock:
+            pass
 
     def _close(self) -> str | None:
         if self._closed:

@@ -18,6 +18,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from typing import Callable
 
 from ..config import ENV_STATUS_DIR, DumpConfig
@@ -126,11 +127,14 @@ def finish_on_sigterm() -> None:
             return
 
         def on_sigterm(signum, frame) -> None:
-            if _state.get("reported"):
-                # already on its way out (a Pool worker that got its sentinel first): the
-                # report under way finishes the file, and the process ends as it was ending
-                return
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            session = _state.get("session")
+            if _state.get("reported") or (session is not None and session.closing):
+                # interrupted while finishing the file (a Pool worker that got its sentinel
+                # first is on its way out): that finishes first, then the signal's end
+                threading.Thread(target=_end_after_report, daemon=True,
+                                 name="srdd-sigterm").start()
+                return
             try:
                 _report_status()
             finally:
@@ -141,13 +145,27 @@ def finish_on_sigterm() -> None:
         pass
 
 
+def _end_after_report(timeout: float = 30.0) -> None:
+    """The end SIGTERM asked for, once the file being finished and the report are done (the
+    process may well exit on its own first)."""
+    session = _state.get("session")
+    if session is not None:
+        session.wait_closed()
+    deadline = time.monotonic() + timeout
+    while not _state.get("status_written") and time.monotonic() < deadline:
+        if not _state.get("reported"):
+            _report_status()
+        time.sleep(0.05)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
 def _after_fork_in_child() -> None:
     """A forked child (multiprocessing fork or forkserver, os.fork) reports for itself: it ends
     with os._exit, past atexit, so its report runs among multiprocessing's exit finalizers. A
     session inherited from the parent is the parent's (its file, its hooks, its faults): it is
     abandoned (kept referenced, never closed) and the child's first model forward starts its
     own."""
-    _state["reported"] = False
+    _state["reported"] = _state["status_written"] = False
     inherited = _state.get("session")
     if inherited is not None:
         _state["session"] = None
@@ -181,6 +199,7 @@ def _report_status() -> None:
         session.close()
     status_dir = os.environ.get(ENV_STATUS_DIR)
     if not status_dir or not os.path.isdir(status_dir):
+        _state["status_written"] = True  # nowhere to write it
         return
     status = {
         "pid": os.getpid(),
@@ -202,3 +221,4 @@ def _report_status() -> None:
             json.dump(status, fh)
     except OSError:
         pass
+    _state["status_written"] = True
