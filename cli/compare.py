@@ -54,8 +54,9 @@ def _fail(message: str) -> None:
         "<stem>.consistency*.csv. .xlsx: one workbook (summary, layers, signals with charts, "
         "sublayers, files, consistency, consistency_summary; baseline: compare, summary "
         "with a chart, files).\n\n"
-        "Exit code: 0 report written; 1 --fail-on level reached; 2 bad input or no "
-        "usable file."
+        "Exit code: 0 report written; 1 --fail-on level reached; 2 bad input, no "
+        "usable file, or (--baseline) not one row of the two dumps compared (report "
+        "written)."
     ),
     no_args_is_help=False,
 )
@@ -174,6 +175,9 @@ def compare(
                 typer.echo(baseline_text(result, written))
             else:
                 typer.echo(diagnosis_text(result, written, explain=explain))
+        if baseline is not None and result.nothing_compared:
+            raise UserError(f"nothing was compared ({result.nothing_compared}): are both dumps "
+                            "of the same model and prompts? (report written)")
         if result.worst_verdict() in gate:
             raise typer.Exit(code=1)
     except typer.Exit:

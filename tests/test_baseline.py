@@ -661,3 +661,20 @@ def test_exact_input_births_need_one_device():
     one = mark_divergence(table, {("a", "b")})
     assert set(one.loc[one["first_divergence"], "layer"]) == {1}
     assert summarize(one, {("a", "b")}).pattern == "born"
+
+
+def test_cli_nothing_compared_is_an_error_after_the_report(tmp_path):
+    """Dumps of other prompts or another model pair no row: the report is written and the
+    command ends in one line and exit code 2 (not 0: --fail-on would pass a CI gate that
+    compared nothing)."""
+    rng = np.random.default_rng(3)
+    golden = write_dump(str(tmp_path / "g" / "g.h5"),
+                        [{k: rng.standard_normal((1, 4, 16)) for k in (-1, 0, 1)}])
+    mine = write_dump(str(tmp_path / "m" / "m.h5"),
+                      [{k: rng.standard_normal((1, 5, 16)) for k in (-1, 0, 1)}])
+    out = tmp_path / "r.csv"
+    proc = run_cli("srdd-compare", mine, "--baseline", golden, "-o", str(out), "--fail-on",
+                   "fault", "-q")
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.startswith("srdd-compare: error: nothing was compared (")
+    assert len(proc.stderr.strip().splitlines()) == 1 and out.exists()

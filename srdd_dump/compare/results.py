@@ -156,6 +156,15 @@ class BaselineResult:
     def skipped_reasons(self) -> list[str]:
         return list(self.files.loc[self.files["status"] == SKIPPED, "reason"])
 
+    @property
+    def nothing_compared(self) -> str | None:
+        """Why not one row of the two dumps could be compared (each reason with its rows), or
+        None when some were."""
+        if self.summary.pattern != "nothing":
+            return None
+        why = "; ".join(f"{n} rows: {reason}" for reason, n in self.summary.not_compared.items())
+        return why or "no round of one dump pairs with a round of the other"
+
     def worst_verdict(self) -> str:
         """In the reference-free vocabulary, for ``--fail-on``: FAIL -> FAULT, WARN -> SUSPECT."""
         verdicts = {AS_DIAGNOSIS[v] for v in set(self.table["verdict"])}
