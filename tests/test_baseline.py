@@ -658,9 +658,17 @@ def test_exact_input_births_need_one_device():
     across = mark_divergence(table)
     assert not across["first_divergence"].any()
     assert summarize(across).pattern == "gradual"
-    one = mark_divergence(table, {("a", "b")})
+    one = mark_divergence(table, {("a", "b"): True})
     assert set(one.loc[one["first_divergence"], "layer"]) == {1}
-    assert summarize(one, {("a", "b")}).pattern == "born"
+    assert summarize(one, {("a", "b"): True}).pattern == "born"
+    # files that do not name their device (msprobe dumps): a block output equal bit for bit
+    # on both sides shows one setup, so the error from it is born; rounding from layer 0 on
+    # (the stack input exact, layer 0 already apart) is not
+    unknown = {("a", "b"): False}
+    assert summarize(mark_divergence(table, unknown), unknown).pattern == "born"
+    apart = _rounds_table([[0.003, 0.005, 0.008, 0.012, 0.018, 0.025, 0.03]] * 4, "bfloat16",
+                          "bfloat16")
+    assert summarize(mark_divergence(apart, unknown), unknown).pattern == "gradual"
 
 
 def test_cli_nothing_compared_is_an_error_after_the_report(tmp_path):

@@ -239,6 +239,9 @@ def test_two_msprobe_dumps_compare_to_an_xlsx_report(tmp_path):
     assert proc.returncode == 0, proc.stderr
     finding = next(line for line in proc.stdout.splitlines() if line.startswith("finding:"))
     assert "10 (model.layers.10" in finding, proc.stdout
+    # msprobe records no device: layers 0-9 equal bit for bit show one setup, so the error
+    # from that exact input is born at layer 10 (it was called an accumulation)
+    assert finding.startswith("finding: error born at layer 10") and "exact input" in finding
     book = openpyxl.load_workbook(out)
     assert book.sheetnames == ["compare", "summary", "files", "sublayers"]
     header = [c.value for c in book["sublayers"][1]]

@@ -133,9 +133,16 @@ def _compare_baseline(target_path, baseline_path, thresholds, jobs, progress, ru
     return result
 
 
-def _same_device(pairs) -> set[tuple[str, str]]:
-    """(source, golden source) of the file pairs that ran on one device type."""
-    return {(m.source, g.source) for m, g in pairs if m.device and m.device == g.device}
+def _same_device(pairs) -> dict[tuple[str, str], bool]:
+    """(source, golden source) -> True for the file pairs that ran on one device type, False
+    where either file does not say (an msprobe dump); pairs of two device types are left out."""
+    out = {}
+    for m, g in pairs:
+        if not (m.device and g.device):
+            out[(m.source, g.source)] = False
+        elif m.device == g.device:
+            out[(m.source, g.source)] = True
+    return out
 
 
 def check_consistency(

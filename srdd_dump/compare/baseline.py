@@ -96,9 +96,10 @@ def store_notes(sides: list[Side]) -> list[str]:
 
 def finish(path: str, baseline: str, mine: list[Side], golden: list[Side],
            thresholds: Thresholds, parts: list[list[dict]],
-           same_device: set[tuple[str, str]] | None = None) -> BaselineResult:
-    """``same_device``: (source, golden source) pairs that ran on one device type, where a
-    non-zero error from an exactly equal input is the birth of an error."""
+           same_device: dict[tuple[str, str], bool] | None = None) -> BaselineResult:
+    """``same_device``: (source, golden source) -> whether they ran on one device type (True)
+    or either file does not say (False: divergence._same_setup), where a non-zero error from
+    an exactly equal input is the birth of an error."""
     rows = [row for part in parts for row in part]
     table = _table([r for r in rows if not r.get("_site")], same_device)
     sites = site_table([r for r in rows if r.get("_site")], table, same_device)
@@ -360,7 +361,8 @@ def _records(index: int | None) -> tuple[int, ...]:
 # -- the table ---------------------------------------------------------------------------------
 
 
-def _table(rows: list[dict], same_device: set[tuple[str, str]] | None = None) -> pd.DataFrame:
+def _table(rows: list[dict], same_device: dict[tuple[str, str], bool] | None = None
+           ) -> pd.DataFrame:
     columns = [c for c in BASELINE_COLUMNS if c not in DERIVED_COLUMNS]
     df = _typed(rows, columns)
     df = mark_divergence(df, same_device)
@@ -368,7 +370,7 @@ def _table(rows: list[dict], same_device: set[tuple[str, str]] | None = None) ->
 
 
 def site_table(rows: list[dict], table: pd.DataFrame,
-               same_device: set[tuple[str, str]] | None = None) -> pd.DataFrame:
+               same_device: dict[tuple[str, str], bool] | None = None) -> pd.DataFrame:
     """SITE_BASELINE_COLUMNS, in (source, sample, step, layer, completion) order, with the
     error growth of each site over its block's input and the birth site of each birth
     layer (divergence.mark_sites)."""

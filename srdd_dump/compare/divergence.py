@@ -43,12 +43,12 @@ YELLOW = "yellow"
 WORST = 5
 
 
-def mark_divergence(table: pd.DataFrame, same_device: set[tuple[str, str]] | None = None
+def mark_divergence(table: pd.DataFrame, same_device: dict[tuple[str, str], bool] | None = None
                     ) -> pd.DataFrame:
     """Add ``error_amplification``, ``highlight``, ``first_divergence`` (the birth of the error)
-    and ``first_fail`` (table in order). ``same_device``: (source, golden source) pairs run on
-    one device type, where any non-zero error from an exactly equal input of the same dtype
-    is a birth (elsewhere two devices round differently from layer 0 on)."""
+    and ``first_fail`` (table in order). ``same_device`` (``_same_setup``): where the pairs ran
+    on one device type, any non-zero error from an exactly equal input of the same dtype is a
+    birth (elsewhere two devices round differently from layer 0 on)."""
     amp = np.full(len(table), math.nan)
     highlight = np.full(len(table), "", dtype=object)
     first = np.zeros(len(table), dtype=bool)
@@ -108,7 +108,7 @@ def mark_divergence(table: pd.DataFrame, same_device: set[tuple[str, str]] | Non
 
 
 def mark_sites(sites: pd.DataFrame, table: pd.DataFrame,
-               same_device: set[tuple[str, str]] | None = None) -> pd.DataFrame:
+               same_device: dict[tuple[str, str], bool] | None = None) -> pd.DataFrame:
     """Add ``error_amplification`` (a site's relative error over its block's input's: the
     previous row of the block table) and ``first_divergence``: in each round and layer where the
     block table marks the birth of the error, the first site in the order their outputs were
@@ -162,11 +162,18 @@ def _bounded(table: pd.DataFrame) -> pd.DataFrame:
     return out
 
 
-def _same_setup(table: pd.DataFrame, same_device: set[tuple[str, str]] | None) -> np.ndarray:
-    """Per row: both sides have the same dtype and ran on one device type."""
-    pairs = same_device or set()
+def _same_setup(table: pd.DataFrame, same_device: dict[tuple[str, str], bool] | None
+                ) -> np.ndarray:
+    """Per row: both sides have the same dtype and ran on one device type. ``same_device``:
+    (source, golden source) -> True when both files name that device type, False when either
+    names none (an msprobe dump): there a row counts as one setup when its input is the output
+    of a computed block (layer 1 on), since that block's output equal bit for bit on both sides
+    shows one kernel set (a device of another type would have differed there already)."""
+    pairs = same_device or {}
     dtype = (table["my_dtype"].astype(str) == table["golden_dtype"].astype(str)).to_numpy()
-    device = np.array([(a, b) in pairs for a, b in zip(table["source"], table["golden_source"])],
+    layer = pd.to_numeric(table["layer"], errors="coerce").fillna(-1).to_numpy()
+    device = np.array([pairs.get((a, b)) is True or (pairs.get((a, b)) is False and k >= 1)
+                       for a, b, k in zip(table["source"], table["golden_source"], layer)],
                       dtype=bool)
     return dtype & device
 
@@ -198,7 +205,7 @@ def per_layer(table: pd.DataFrame) -> pd.DataFrame:
     return out[PER_LAYER_COLUMNS]
 
 
-def summarize(table: pd.DataFrame, same_device: set[tuple[str, str]] | None = None,
+def summarize(table: pd.DataFrame, same_device: dict[tuple[str, str], bool] | None = None,
               sites: pd.DataFrame | None = None) -> BaselineSummary:
     table = _bounded(table)
     counts = table["verdict"].value_counts()

@@ -14,6 +14,7 @@ from ..analysis.verdicts import (
     AS_DIAGNOSIS,
     FAULT,
     NORMAL,
+    NOT_COMPARED,
     SUSPECT,
     VERDICT_ORDER,
 )
@@ -160,8 +161,9 @@ class BaselineResult:
     def nothing_compared(self) -> str | None:
         """Why not one row of the two dumps could be compared (each reason with its rows), or
         None when some were."""
-        if self.summary.pattern != "nothing":
-            return None
+        if self.summary.pattern != "nothing" or (
+                len(self.sites) and (self.sites["verdict"] != NOT_COMPARED).any()):
+            return None  # block rows, or sub-layer and operator rows (an msprobe mix dump)
         why = "; ".join(f"{n} rows: {reason}" for reason, n in self.summary.not_compared.items())
         return why or "no round of one dump pairs with a round of the other"
 
