@@ -139,6 +139,9 @@ def compare(
         from srdd_dump.report import report_format, write_report
         from srdd_dump.report.terminal import baseline_text, diagnosis_text
 
+        if not read_timeout >= 0:
+            raise UserError(f"--read-timeout {read_timeout}: must be 0 (no limit) or more "
+                            "seconds")
         set_read_monitor(arm(read_timeout))
         gate = _fail_levels(fail_on, FAIL_ON)
         report_format(output)

@@ -52,6 +52,15 @@ def test_a_folder_of_runs_compares_the_newest_and_says_so(tmp_path):
         compare_path(str(tmp_path), progress=False, run="nope")
 
 
+def test_the_newest_run_is_the_one_its_name_says_even_after_a_copy(tmp_path):
+    """Copies without -p (scp, cp) give every file a new time: the run folder's name keeps the
+    run's own UTC time."""
+    _run(tmp_path, "srdd_dump_20261102_000000", 1_000_000)  # copied first
+    _run(tmp_path, "srdd_dump_20261101_000000", 2_000_000, layers=(-1, 0, 1, 2))
+    result = compare_path(str(tmp_path), progress=False)
+    assert set(result.layers["source"]) == {"srdd_dump_20261102_000000/srdd_rank0_pid1.h5"}
+
+
 def test_an_old_flat_dump_and_a_new_run_in_one_folder_are_not_mixed(tmp_path):
     flat = write_dump(str(tmp_path / "srdd_rank0_pid7.h5"), normal_rounds(RNG))
     os.utime(flat, (1_000_000, 1_000_000))
@@ -91,6 +100,10 @@ def test_the_cli_prints_which_run_and_baseline_runs_are_chosen_too(tmp_path):
                    str(tmp_path / "b.csv"), "-q")
     assert done.returncode == 0, done.stderr
     assert "note" not in done.stderr
+    wrong = run_cli("srdd-compare", str(tmp_path / "npu"), "--baseline", str(tmp_path / "gpu"),
+                    "--baseline-run", "nope", "-o", str(tmp_path / "c.csv"), "-q")
+    assert wrong.returncode == 2 and "error: --baseline-run nope: no run of that name under "\
+        "--baseline " in wrong.stderr, wrong.stderr
     import pandas as pd
 
     table = pd.read_csv(tmp_path / "b.csv")

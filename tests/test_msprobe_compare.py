@@ -156,7 +156,15 @@ def test_an_msprobe_dump_with_api_calls_only_is_refused_in_one_line(tmp_path):
     proc = run_cli("srdd-compare", str(tmp_path / "l1"), "-o", str(tmp_path / "r.csv"))
     assert proc.returncode != 0 and "Traceback" not in proc.stderr
     assert "no module of a numbered block" in proc.stderr
+    assert f"error: {tmp_path / 'l1'}: the msprobe dump" in proc.stderr  # the dump named
     assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_msprobe_dump_json_named_as_the_path_stands_for_its_folder(tmp_path):
+    """msprobe's own compare takes dump.json paths: so does srdd-compare (its folder)."""
+    (dump_json,) = glob.glob(os.path.join(MSPROBE, "step0", "*", "dump.json"))
+    text = _compare(tmp_path, dump_json)
+    assert "no faulty layer found" in text or "NORMAL" in text, text
 
 
 def test_an_msprobe_dump_of_vllm_is_the_golden_side_of_an_hf_run(tmp_path):

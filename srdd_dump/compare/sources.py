@@ -127,15 +127,21 @@ def locate(path: str, option: str = "", run: str | None = None, convert: bool = 
     converted (``find_sources`` converts it)."""
     if not os.path.exists(path):
         raise UserError(f"{option}{path}: no such file or directory")
+    if os.path.basename(path) == "dump.json" and os.path.isfile(path):
+        path = os.path.dirname(path) or "."  # msprobe's compare takes the dump.json: its folder
+    given = path
     if os.path.isdir(path) and not find_dump_files(path) and is_msprobe_dump(path):
         if not convert:
             return [], "", ""
-        path = msprobe_as_srdd(path)
+        try:
+            path = msprobe_as_srdd(path)
+        except UserError as exc:
+            raise UserError(f"{option}{given}: {exc}") from None
     found = find_dump_files(path)
     if not found:
         raise UserError(f"{option}{path}: no dump files (*.h5 or *.h5.partial) found")
     root = path if os.path.isdir(path) else os.path.dirname(path)
-    found, note = _choose_runs(path, root, found, option, run)
+    found, note = _choose_runs(given, root, found, option, run)
     return found, root, note
 
 
@@ -199,7 +205,8 @@ def _choose_runs(path: str, root: str, found: list[str], option: str, run: str |
     if run is not None:
         picked = [k for k in runs if run.strip("/") in (k, os.path.basename(k))]
         if not picked:
-            raise UserError(f"--run {run}: no run of that name under {option}{path}; runs: "
+            flag = "--baseline-run" if option.startswith("--baseline") else "--run"
+            raise UserError(f"{flag} {run}: no run of that name under {option}{path}; runs: "
                             f"{_names(runs)}")
         return [f for k in picked for f in runs[k]], ""
     competing: dict[str, list[str]] = {}
@@ -207,7 +214,9 @@ def _choose_runs(path: str, root: str, found: list[str], option: str, run: str |
         competing.setdefault(where, []).append(key)
     keep, notes = set(), []
     for where, keys in competing.items():
-        newest = max(keys, key=lambda k: (max(_mtime(f) for f in runs[k]), k))
+        # a run folder's name holds its UTC start time, which copies keep (scp, cp without -p
+        # give every file a new modification time); files outside run folders: file times
+        newest = max(keys, key=lambda k: (_stamp(k), max(_mtime(f) for f in runs[k]), k))
         keep.add(newest)
         if len(keys) > 1:
             others = [k for k in keys if k != newest]
@@ -222,6 +231,12 @@ def _choose_runs(path: str, root: str, found: list[str], option: str, run: str |
 def _names(runs) -> str:
     names = [os.path.basename(k) if k != "." else "(the folder itself)" for k in runs]
     return ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+
+
+def _stamp(run: str) -> str:
+    """The UTC time in a run folder's name (``srdd_dump_<time>[_n]``), "" for other folders."""
+    name = os.path.basename(run)
+    return name[len(s.RUN_PREFIX):] if name.startswith(s.RUN_PREFIX) else ""
 
 
 def _mtime(path: str) -> float:
