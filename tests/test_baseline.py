@@ -686,3 +686,18 @@ def test_cli_nothing_compared_is_an_error_after_the_report(tmp_path):
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.startswith("srdd-compare: error: nothing was compared (")
     assert len(proc.stderr.strip().splitlines()) == 1 and out.exists()
+
+
+def test_an_incomplete_file_is_named_so_in_the_baseline_summary(tmp_path):
+    """A .partial file (its process killed) is used, and the summary says it is incomplete,
+    as the reference-free summary does."""
+    from srdd_dump.report.terminal import baseline_text
+
+    from dumpfactory import make_partial
+
+    rng = np.random.default_rng(4)
+    rounds = [{k: rng.standard_normal((1, 4, 16)) for k in (-1, 0, 1)}]
+    golden = write_dump(str(tmp_path / "g" / "g.h5"), rounds)
+    make_partial(write_dump(str(tmp_path / "m" / "m.h5"), rounds))
+    text = baseline_text(compare(str(tmp_path / "m"), golden))
+    assert "my dumps: " in text and "1 files, 0 skipped, 1 incomplete" in text

@@ -137,3 +137,33 @@ def test_the_dump_a_step_or_a_rank_folder_is_read():
     assert [(r.step, r.rank) for r in read_msprobe(os.path.join(ranks, "step0"))] == whole
     (one,) = read_msprobe(os.path.join(ranks, "step0", "rank1"))
     assert (one.step, one.rank) == (0, 1)
+
+
+def test_the_conversion_cache_drops_earlier_versions_and_unused_entries(tmp_path):
+    """Each changed msprobe dump is converted again into a new folder: the earlier versions of
+    the same dump, and conversions not read for CACHE_DAYS, are removed."""
+    import os
+    import time
+
+    from srdd_dump.compare.sources import CACHE_DAYS, _prune_cache
+    from srdd_dump.format.from_msprobe import cache_folder
+
+    dump = tmp_path / "dump"
+    (dump / "step0" / "rank0").mkdir(parents=True)
+    (dump / "step0" / "rank0" / "dump.json").write_text("{}")
+    root = tmp_path / "cache"
+    root.mkdir()
+    first = cache_folder(str(dump), str(root))
+    os.makedirs(first)
+    (dump / "step0" / "rank0" / "dump.json").write_text('{"task": "tensor"}')  # changed
+    now = cache_folder(str(dump), str(root))
+    assert now != first and os.path.basename(now).rsplit("-", 1)[0] == \
+        os.path.basename(first).rsplit("-", 1)[0]
+    unused, recent = root / "msprobe-aaaaaaaaaaaa-1", root / "msprobe-bbbbbbbbbbbb-2"
+    unused.mkdir()
+    recent.mkdir()
+    old = time.time() - (CACHE_DAYS + 1) * 86400
+    os.utime(unused, (old, old))
+    os.makedirs(now)
+    _prune_cache(now)
+    assert sorted(os.listdir(root)) == sorted([os.path.basename(now), recent.name])

@@ -8,9 +8,11 @@ processes open their own.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tempfile
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -154,6 +156,7 @@ def msprobe_as_srdd(path: str) -> str:
     """The folder of srdd files made from the msprobe dump at ``path`` (format/from_msprobe.py),
     made once and kept in the temporary folder, named by the dump."""
     folder = cache_folder(path, cache_root())
+    _prune_cache(folder)
     if not find_dump_files(folder):
         partial = folder + f".{os.getpid()}.tmp"
         shutil.rmtree(partial, ignore_errors=True)
@@ -167,6 +170,33 @@ def msprobe_as_srdd(path: str) -> str:
         except OSError:  # another process made it meanwhile
             shutil.rmtree(partial, ignore_errors=True)
     return folder
+
+
+CACHE_DAYS = 7  # a converted dump not read for this long is removed from the cache
+
+
+def _prune_cache(folder: str) -> None:
+    """Mark ``folder`` used; remove the conversions of earlier versions of the same dump (the
+    same place, other contents) and any not read for CACHE_DAYS."""
+    root, name = os.path.split(folder)
+    place = name.rsplit("-", 1)[0] + "-"
+    old = time.time() - CACHE_DAYS * 86400
+    with contextlib.suppress(OSError):
+        os.utime(folder)
+    try:
+        entries = os.listdir(root)
+    except OSError:
+        return
+    for entry in entries:
+        if entry == name or not entry.startswith("msprobe-") or entry.endswith(".tmp"):
+            continue
+        path = os.path.join(root, entry)
+        try:
+            stale = entry.startswith(place) or os.stat(path).st_mtime < old
+        except OSError:
+            continue
+        if stale:
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def cache_root() -> str:

@@ -48,11 +48,12 @@ def cache_folder(path: str, root: str) -> str:
     """Where the srdd files of the msprobe dump at ``path`` are kept: named by the dump's
     absolute path, its dump.json files' sizes and times and the converter's version, so a
     changed dump is read again."""
+    place = hashlib.blake2b(os.path.abspath(path).encode(), digest_size=6).hexdigest()
     h = hashlib.blake2b(f"{CONVERTER}:{os.path.abspath(path)}".encode(), digest_size=8)
     for _, _, dump_json in dump_jsons(path):
         st = os.stat(dump_json)
         h.update(f"{dump_json}:{st.st_size}:{st.st_mtime_ns}".encode())
-    return os.path.join(root, f"msprobe-{h.hexdigest()}")
+    return os.path.join(root, f"msprobe-{place}-{h.hexdigest()}")
 
 
 def _convert_group(path: str, key: tuple, runs: list[MsprobeRun], out_dir: str) -> str:

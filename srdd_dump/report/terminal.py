@@ -93,8 +93,11 @@ def baseline_text(result: BaselineResult, written: list[str] | None = None) -> s
     for role, label in (("my", "my dumps"), ("golden", "golden dumps")):
         side = files[files["role"] == role]
         skipped = int((side["status"] == SKIPPED).sum())
+        incomplete = int((side["status"] == INCOMPLETE).sum())
         where = result.path if role == "my" else result.baseline
-        lines.append(f"{label}: {where}: {len(side)} files, {skipped} skipped")
+        lines.append(f"{label}: {where}: {len(side)} files, {skipped} skipped"
+                     + (f", {incomplete} incomplete (a process stopped before finishing it)"
+                        if incomplete else ""))
     counts = ", ".join(f"{s.verdicts[v]} {v}" for v in VERDICTS)
     lines.append(f"rows: {len(result.table)} ({s.rounds} compared rounds): {counts}")
     for reason, n in s.not_compared.items():
