@@ -701,3 +701,26 @@ def test_an_incomplete_file_is_named_so_in_the_baseline_summary(tmp_path):
     make_partial(write_dump(str(tmp_path / "m" / "m.h5"), rounds))
     text = baseline_text(compare(str(tmp_path / "m"), golden))
     assert "my dumps: " in text and "1 files, 0 skipped, 1 incomplete" in text
+
+
+@pytest.mark.unit
+def test_samples_of_other_prompt_lengths_are_not_compared_when_ids_are_unknown():
+    """A golden dump that recorded no input ids (an msprobe dump of outputs only), samples
+    paired by order: a prefill of another length is another prompt, so neither it nor the
+    decode steps after it are compared (their decode rows were compared and failed)."""
+    from srdd_dump.analysis.matching import DIFFER, SAME, UNKNOWN, pair_rounds
+    from srdd_dump.format.schema import ROUND_DTYPE
+
+    def rounds(seqs):
+        out = np.zeros(len(seqs) * 2, dtype=ROUND_DTYPE)
+        for i, seq in enumerate(seqs):
+            for step in (0, 1):
+                row = out[2 * i + step]
+                row["round"], row["sample"], row["step"] = 2 * i + step, i, step
+                row["batch"], row["seq"] = 1, seq if step == 0 else 1
+        return out
+
+    pairs = pair_rounds(rounds([40, 52]), rounds([40, 61]))
+    states = {(p.sample, p.step): p.input_match for p in pairs}
+    assert states == {(0, 0): UNKNOWN, (0, 1): UNKNOWN, (1, 0): DIFFER, (1, 1): DIFFER}
+    assert SAME not in states.values()

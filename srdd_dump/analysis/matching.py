@@ -107,6 +107,8 @@ def pair_rounds(mine: np.ndarray, golden: np.ndarray) -> list[RoundPair]:
                 ))
                 continue
             here = input_match(int(a["tokens_hash"]), int(b["tokens_hash"]))
+            if here == UNKNOWN and step == 0 and int(a["seq"]) != int(b["seq"]):
+                here = DIFFER  # ids not recorded, but prompts of other lengths: other prompts
             state = max(state, here, key=_WORSE.__getitem__)
             out.append(RoundPair(s, g, step, int(a["round"]), int(b["round"]), state))
     return out
