@@ -98,7 +98,13 @@ def test_kept_weights_follow_a_change_of_the_model():
     torch.testing.assert_close(weights.linear(layer, x), _exact(layer, x), rtol=0, atol=0)
     layer.weight = nn.Parameter(torch.randn(8, 16))
     torch.testing.assert_close(weights.linear(layer, x), _exact(layer, x), rtol=0, atol=0)
-    assert weights.used == layer.weight.numel() * 8  # one conversion kept, not four
+    layer.weight.data.copy_(torch.randn(8, 16))  # through .data: no version counter moves
+    torch.testing.assert_close(weights.linear(layer, x), _exact(layer, x), rtol=0, atol=0)
+    layer.weight.data = torch.randn(8, 16)
+    torch.testing.assert_close(weights.linear(layer, x), _exact(layer, x), rtol=0, atol=0)
+    assert weights.used == layer.weight.numel() * 8  # one conversion kept, not six
+    bf16 = nn.Linear(16, 8).to(torch.bfloat16)  # a weight numpy has no dtype for
+    torch.testing.assert_close(weights.linear(bf16, x), _exact(bf16, x), rtol=0, atol=0)
 
 
 def test_a_training_step_between_samples_is_no_reference_mismatch(tmp_path):

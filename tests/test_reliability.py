@@ -556,3 +556,41 @@ def test_forwards_srdd_dump_does_not_capture_keep_a_serving_file_open():
         time.sleep(0.1)
     watch.stop()
     assert finished and finished[0] >= end + 1.5
+
+
+def test_sigterm_inside_a_capture_hook_finishes_the_file_and_ends_the_process(tmp_path):
+    """SIGTERM lands while a capture hook holds the writer queue's lock: the handler only wakes
+    a thread, which finishes the file once the lock is free and then ends the process by
+    SIGTERM (closing from the handler itself hung the process forever)."""
+    script = tmp_path / "term.py"
+    script.write_text(textwrap.dedent(f"""
+        import os, queue, signal, sys, time
+        sys.path.insert(0, {FIXTURES!r})
+        import torch
+        from tiny_models import build
+        from srdd_dump.capture.config import DumpConfig
+        from srdd_dump.capture.hooks import CaptureSession
+        from srdd_dump.capture import inject
+        model = build("llama", layers=2)
+        session = CaptureSession(model, DumpConfig(dump_path={str(tmp_path / "d")!r},
+                                                   samples=3, progress=False))
+        inject._state["session"] = session
+        inject.finish_on_sigterm()
+        put = queue.Queue._put
+        def _put(self, item):  # Queue.put holds its mutex here
+            if item is not None and not getattr(self, "_shot", False):
+                self._shot = True
+                os.kill(os.getpid(), signal.SIGTERM)
+            put(self, item)
+        queue.Queue._put = _put
+        with torch.no_grad():
+            model(torch.randint(0, 128, (1, 8)))
+            time.sleep(30)
+        print("survived")
+    """))
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == -signal.SIGTERM and "survived" not in proc.stdout, proc.stderr
+    (path,) = find_dump_files(str(tmp_path / "d"))
+    with DumpReader(path) as r:
+        assert r.complete and len(r.rounds) == 1

@@ -57,6 +57,8 @@ REMOVED = object()
 
 # id(block) -> the open session whose hooks are on it: one session per block at a time
 _open: dict[int, CaptureSession] = {}
+if hasattr(os, "register_at_fork"):  # a forked child's sessions are its parent's, not open here
+    os.register_at_fork(after_in_child=_open.clear)
 
 
 class AlreadyCaptured(Exception):
@@ -88,6 +90,13 @@ class InertSession:
 
     def remove(self) -> None:
         return None
+
+    def remove_faults(self) -> None:
+        return None
+
+    @property
+    def faults(self) -> list:
+        return []
 
     def __enter__(self) -> InertSession:
         return self
@@ -173,7 +182,6 @@ class CaptureSession:
         self._autocast: str | None = None  # "" when the first model call ran without autocast
         self._handles: list[Any] = []
         self._closed = False
-        self._closing = False
         skip_hook_frames()
         self._install()
         _open.update((id(b), self) for _, b in self.blocks)
@@ -549,16 +557,7 @@ class CaptureSession:
     def close(self) -> str | None:
         """Remove the hooks and finalise the dump file. Returns its path (None if empty)."""
         with self._lock:
-            self._closing = True
-            try:
-                return self._close()
-            finally:
-                self._closing = False
-
-    @property
-    def closing(self) -> bool:
-        """A close is under way (its file being finished)."""
-        return self._closing
+            return self._close()
 
     def wait_closed(self) -> None:
         """Return once no close is under way in another thread."""

@@ -63,11 +63,24 @@ class HostWeights:
         return weight, bias
 
 
+SAMPLED = 256  # values of a weight compared to tell a change made through ``.data``
+
+
 def _state(module: nn.Linear) -> tuple:
-    """What a kept conversion was made from: the parameter objects and their version counters
-    (an in-place update, as an optimizer step or ``load_state_dict`` makes, bumps them)."""
-    return tuple((id(p), p._version) if p is not None else None
-                 for p in (module.weight, module.bias))
+    """What a kept conversion was made from: the parameter objects, their version counters (an
+    in-place update, as an optimizer step or ``load_state_dict`` makes, bumps them), their
+    storage and a few of their values (``p.data.copy_(...)`` or ``p.data = t`` bump no
+    counter of the parameter)."""
+    out = []
+    for p in (module.weight, module.bias):
+        if p is None:
+            out.append(None)
+            continue
+        flat = p.detach().reshape(-1)
+        sample = flat[:: max(1, flat.numel() // SAMPLED)][:SAMPLED].to("cpu", copy=True)
+        out.append((id(p), p._version, p.data_ptr(),
+                    sample.contiguous().view(torch.uint8).numpy().tobytes()))
+    return tuple(out)
 
 
 def _into(buffers: dict, like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:

@@ -119,44 +119,45 @@ def finish_on_sigterm() -> None:
     """A process told to stop by SIGTERM (a multiprocessing Pool's workers when the program's
     ``with Pool(...)`` block ends: ``Pool.terminate``) finishes its dump file and reports, then
     dies of SIGTERM as it would have. Only where the program left SIGTERM at its default, and
-    from the main thread (the only one that may set a handler)."""
+    from the main thread (the only one that may set a handler).
+
+    The handler itself only wakes a waiting thread: the main thread may be stopped inside a
+    capture hook or the writer's queue, holding locks a close needs; the thread takes them in
+    turn, once the main thread has let them go."""
     if threading.current_thread() is not threading.main_thread():
         return
     try:
         if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
             return
+        wake = threading.Event()
+        threading.Thread(target=_end_on, args=(wake,), daemon=True,
+                         name="srdd-sigterm").start()
 
         def on_sigterm(signum, frame) -> None:
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
-            session = _state.get("session")
-            if _state.get("reported") or (session is not None and session.closing):
-                # interrupted while finishing the file (a Pool worker that got its sentinel
-                # first is on its way out): that finishes first, then the signal's end
-                threading.Thread(target=_end_after_report, daemon=True,
-                                 name="srdd-sigterm").start()
-                return
-            try:
-                _report_status()
-            finally:
-                os.kill(os.getpid(), signal.SIGTERM)
+            wake.set()
 
         signal.signal(signal.SIGTERM, on_sigterm)
-    except (ValueError, OSError):  # not settable here: the file stays .partial, as it was
+        _state["sigterm_handler"] = on_sigterm
+    except (ValueError, OSError, RuntimeError):  # not settable: the file stays .partial
         pass
 
 
-def _end_after_report(timeout: float = 30.0) -> None:
-    """The end SIGTERM asked for, once the file being finished and the report are done (the
-    process may well exit on its own first)."""
-    session = _state.get("session")
-    if session is not None:
-        session.wait_closed()
-    deadline = time.monotonic() + timeout
-    while not _state.get("status_written") and time.monotonic() < deadline:
-        if not _state.get("reported"):
-            _report_status()
-        time.sleep(0.05)
-    os.kill(os.getpid(), signal.SIGTERM)
+def _end_on(wake: threading.Event, timeout: float = 10.0) -> None:
+    """Once woken by SIGTERM: the file finished and the report written (by this thread, or by
+    the process's own exit already under way), then the end SIGTERM asks for (the process may
+    well exit on its own first)."""
+    wake.wait()
+    try:
+        session = _state.get("session")
+        if session is not None:
+            session.wait_closed()  # a close under way in the main thread
+        _report_status()
+        deadline = time.monotonic() + timeout
+        while not _state.get("status_written") and time.monotonic() < deadline:
+            time.sleep(0.05)  # another thread's report under way
+    finally:
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _after_fork_in_child() -> None:
@@ -166,6 +167,10 @@ def _after_fork_in_child() -> None:
     abandoned (kept referenced, never closed) and the child's first model forward starts its
     own."""
     _state["reported"] = _state["status_written"] = False
+    handler = _state.pop("sigterm_handler", None)
+    if handler is not None and signal.getsignal(signal.SIGTERM) is handler:
+        # its waiting thread stayed in the parent: the child's own session sets its own
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
     inherited = _state.get("session")
     if inherited is not None:
         _state["session"] = None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 from torch import nn
@@ -32,6 +33,12 @@ def watch_forwards(state: dict) -> None:
             # the program's own register_hook came first: its session is this process's
             # capture (its file, in its own folder, is what srdd-dump lists)
             state["session"] = exc.session
+            sys.stderr.write(
+                "srdd-dump: note: the program captures its model itself (register_hook): its "
+                f"own options apply in pid {os.getpid()}, not srdd-dump's\n")
+            from . import finish_on_sigterm
+
+            finish_on_sigterm()
         except NoBlocksFound as exc:
             # Remember why, and never look at this module or its children again.
             state["no_blocks"] = str(exc)
