@@ -67,10 +67,9 @@ SAMPLED = 256  # values of a weight compared to tell a change made through ``.da
 
 
 def _state(module: nn.Linear) -> tuple:
-    """What a kept conversion was made from: the parameter objects, their version counters (an
-    in-place update, as an optimizer step or ``load_state_dict`` makes, bumps them), their
-    storage and a few of their values (``p.data.copy_(...)`` or ``p.data = t`` bump no
-    counter of the parameter)."""
+    """What a kept conversion was made from: the parameter objects, their storage and a few of
+    their values (an optimizer step, ``load_state_dict`` or ``p.data.copy_(...)`` change
+    values in place; ``p.data = t`` changes the storage)."""
     out = []
     for p in (module.weight, module.bias):
         if p is None:
@@ -78,7 +77,7 @@ def _state(module: nn.Linear) -> tuple:
             continue
         flat = p.detach().reshape(-1)
         sample = flat[:: max(1, flat.numel() // SAMPLED)][:SAMPLED].to("cpu", copy=True)
-        out.append((id(p), p._version, p.data_ptr(),
+        out.append((id(p), p.data_ptr(),
                     sample.contiguous().view(torch.uint8).numpy().tobytes()))
     return tuple(out)
 

@@ -109,7 +109,7 @@ def _on_torch_imported() -> None:
     try:
         from .attach import watch_forwards
 
-        watch_forwards(_state)
+        watch_forwards(_state, on_attach=finish_on_sigterm)
     except Exception as exc:  # never break the user's import of torch
         _state["error"] = f"{type(exc).__name__}: {exc}"
         sys.stderr.write(f"srdd-dump: warning: capture not installed: {_state['error']}\n")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+from typing import Callable
 
 from torch import nn
 from torch.nn.modules.module import register_module_forward_pre_hook
@@ -12,7 +13,9 @@ from ..compiled import opaque
 from ..discovery import NoBlocksFound
 
 
-def watch_forwards(state: dict) -> None:
+def watch_forwards(state: dict, on_attach: Callable[[], None] = lambda: None) -> None:
+    """Attach a session to the first module with blocks whose forward runs (``on_attach`` runs
+    once one is this process's capture)."""
     seen: set[int] = set()
     handle = None
 
@@ -36,9 +39,7 @@ def watch_forwards(state: dict) -> None:
             sys.stderr.write(
                 "srdd-dump: note: the program captures its model itself (register_hook): its "
                 f"own options apply in pid {os.getpid()}, not srdd-dump's\n")
-            from . import finish_on_sigterm
-
-            finish_on_sigterm()
+            on_attach()
         except NoBlocksFound as exc:
             # Remember why, and never look at this module or its children again.
             state["no_blocks"] = str(exc)
@@ -48,9 +49,7 @@ def watch_forwards(state: dict) -> None:
             state["error"] = f"{type(exc).__name__}: {exc}"
             sys.stderr.write(f"srdd-dump: warning: capture not started: {state['error']}\n")
         else:
-            from . import finish_on_sigterm
-
-            finish_on_sigterm()
+            on_attach()
         handle.remove()
 
     handle = register_module_forward_pre_hook(on_forward)
