@@ -16,6 +16,11 @@ from capture_utils import FIXTURES, py, run_cli
 pytestmark = [pytest.mark.integration, pytest.mark.capture]
 
 
+# a user script's start: the tiny llama of fixtures/tiny_models.py as ``m``
+TINY_LLAMA = (f"import sys; sys.path.insert(0, {FIXTURES!r})\n"
+              "import torch\nfrom tiny_models import build\nm = build('llama')\n")
+
+
 def _write(path, text):
     path.write_text(text)
     return str(path)
@@ -58,9 +63,7 @@ def test_two_process_launcher_gives_one_file_per_rank(tmp_path):
 
 def test_exit_code_propagates_and_dump_is_finalised(tmp_path):
     script = _write(tmp_path / "fails.py", (
-        f"import sys; sys.path.insert(0, {FIXTURES!r})\n"
-        "import torch\nfrom tiny_models import build\n"
-        "m = build('llama')\n"
+        TINY_LLAMA +
         "with torch.no_grad(): m(input_ids=torch.randint(0, 128, (1, 6)))\n"
         "raise SystemExit(7)\n"))
     res = run_cli("srdd-dump", "--exec", f"{sys.executable} {script}", "-o", str(tmp_path / "d"))
@@ -160,10 +163,8 @@ def test_output_named_like_a_file_is_one_line_and_a_program_that_changes_folder_
     assert res.returncode == 2 and "a file of that name exists" in res.stderr, res.stderr
     (tmp_path / "elsewhere").mkdir()
     script = _write(tmp_path / "moves.py", (
-        f"import os, sys; sys.path.insert(0, {FIXTURES!r})\n"
-        f"os.chdir({str(tmp_path / 'elsewhere')!r})\n"
-        "import torch\nfrom tiny_models import build\n"
-        "m = build('llama')\n"
+        TINY_LLAMA +
+        f"import os\nos.chdir({str(tmp_path / 'elsewhere')!r})\n"
         "with torch.no_grad(): m(input_ids=torch.randint(0, 128, (1, 6)))\n"))
     res = run_cli("srdd-dump", "--exec", f"{sys.executable} {script}", "-o", "dumps",
                   cwd=str(tmp_path))
@@ -178,10 +179,8 @@ def test_a_program_with_its_own_register_hook_runs_under_exec(tmp_path):
     one session captures the model (the program's, in its own folder, which srdd-dump lists),
     and the program runs to its end (it once died of a hook called after its removal)."""
     script = _write(tmp_path / "own.py", (
-        f"import sys; sys.path.insert(0, {FIXTURES!r})\n"
-        "import torch\nfrom tiny_models import build\n"
+        TINY_LLAMA +
         "from srdd_dump import DumpConfig, register_hook\n"
-        "m = build('llama')\n"
         f"session = register_hook(m, DumpConfig(dump_path={str(tmp_path / 'own')!r}, "
         "samples=2, progress=False))\n"
         "with torch.no_grad():\n"

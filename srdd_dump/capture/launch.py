@@ -276,7 +276,7 @@ def _collect(returncode: int, status_dir: str, new_partials: set[str] | None = N
     result.untested_versions = list(dict.fromkeys(
         note for st in statuses for note in st.get("untested_versions") or []))
     reported = {os.path.abspath(f) for f in result.files}
-    unreported = set(run_files - reported)
+    unreported = run_files - reported
     for path in sorted(unreported):
         # finished by its process, which was then killed before it could report (a serving
         # engine's worker: dump_file.FileWatch)

@@ -328,9 +328,10 @@ def run_probes(
     entered around the module's repeat ``t`` (the repeats of the sites inside it are taken
     from it: replays.SharedRepeats). ``extra``: (kind, input) copies replayed in the same
     batched call as the perturbed ones (the zero identity of a fused experts call), recorded
-    without a perturbation. ``rows``: a row-wise module replayed on some rows of its input
-    alone (``recorded`` holds those rows): the inputs are perturbed whole, as without it, and
-    then cut to those rows; no repeats.
+    without a perturbation. ``rows``: a row-wise module whose perturbed copies run on some
+    rows of its input alone (``recorded`` holds those rows): the inputs are perturbed whole,
+    as without it, then cut to those rows; its repeats re-run the whole call (the call's own
+    shapes), their outputs cut to those rows.
     """
     args, kwargs = replay_arguments(args, kwargs, cache)
     x, rebuild = hidden_input(args, kwargs, module, stream)
@@ -339,6 +340,7 @@ def run_probes(
     results: list[ProbeOutput] = []
     with torch.no_grad(), preserved_rng(x.device):
         perturbed = perturbed_inputs(x, spec, seeds, causal_cut, causal_stop)
+        whole, cut = x, rows or (lambda t: t)
         if rows is not None:
             x = rows(x)
             perturbed = [(*head, rows(xp)) for *head, xp in perturbed]
@@ -358,7 +360,7 @@ def run_probes(
             results.append(ProbeOutput(kind, probe, param, seed, out, delta))
         for t in range(spec.repeats):
             with around_repeat(t) if around_repeat is not None else contextlib.nullcontext():
-                out = _call(module, *rebuild(x))
+                out = cut(_call(module, *rebuild(whole)))
             results.append(ProbeOutput(schema.KIND_REPEAT, t, 0.0, 0, out, None))
         if n_perturbed and not spec.repeats and serving.replays_alone(module):
             _call(module, *rebuild(x))  # writes back the KV cache entries the call wrote

@@ -35,13 +35,12 @@ from .evidence import family
 from .host import host_replay
 from .host_weights import HostWeights
 from .identities import causal_cut, is_causal, scale_replays
-from .mlp_reference import MlpReference, mlp_layout
+from .mlp_reference import MlpReference
 from .model_facts import has_past
 from .moe_capture import ExpertCapture
 from .parallel import TensorParallel, to_local
 from .probes import (
     FrozenCache,
-    ProbeOutput,
     ProbeSpec,
     first_tensor,
     layer_index,
@@ -99,7 +98,6 @@ class Replays:
         self.site_errors = 0  # sub-layers whose own repeat failed (shared_repeats.py)
         self.host_done = self.host_failed = 0
         self.compiled_dropped = 0
-        self._gated_mlp: dict[int, bool] = {}  # id(sub-layer) -> a gated MLP (row-wise)
         self._by_kind: dict[str, Replay] = {
             WHOLE: self._whole, ROWS: self._rows, EXPERT_CALLS: self._experts,
             NO_REPLAY: lambda *_: None,
@@ -261,7 +259,7 @@ class Replays:
                 def around(t: int, layer=layer, ctx=ctx):
                     return self.shared.around(layer, t, ctx.probe_rows)
             # a row-wise MLP whose probe rows are a small part of its call: perturbed on
-            # those rows alone (its repeats still re-run the whole call)
+            # those rows alone (its repeats re-run the whole call)
             rows_only = not decode and cut is None and self._row_wise(
                 module, role, args, kwargs, hidden, ctx)
             recorded = ctx.probe_rows(hidden) if rows_only else hidden
@@ -270,12 +268,10 @@ class Replays:
                         self.moe.pinned() if self.moe is not None else nullcontext()):
                     outputs, batched = run_probes(
                         module, args, kwargs, recorded,
-                        dataclasses.replace(spec, repeats=0) if share or rows_only else spec,
+                        dataclasses.replace(spec, repeats=0) if share else spec,
                         ctx.seeds(layer, site), cache, cut, stream=id(module) in self.serving,
                         causal_stop=stop, around_repeat=around,
                         rows=ctx.probe_rows if rows_only else None)
-                    if rows_only and not share and spec.repeats:
-                        outputs += self._whole_repeats(module, args, kwargs, spec, ctx)
                     if share:
                         x, again = repeat_call(module, args, kwargs, cache)
             except Exception:
@@ -292,11 +288,9 @@ class Replays:
             if share:
                 self._defer(module, layer, site, x, again, outputs, hidden, ctx, probes,
                             cut_already=rows_only)
-            elif rows_only:
-                if self._keep_probes(module, outputs, recorded):
-                    self.sink.probe_outputs(ctx, layer, site, outputs)
-            elif self._keep_probes(module, outputs, hidden):
-                self.sink.probe_outputs(ctx, layer, site, outputs, (ctx.positions, ctx.rows))
+            elif self._keep_probes(module, outputs, recorded):  # rows_only: cut already
+                self.sink.probe_outputs(ctx, layer, site, outputs,
+                                        None if rows_only else (ctx.positions, ctx.rows))
         if host:
             self.host_record(module, layer, site, args, kwargs, cache, ctx)
 
@@ -308,24 +302,16 @@ class Replays:
         ROW_WISE_SHARE of the call's rows (a long prompt). Its perturbed inputs are those of
         a whole-call replay; a per-call statistic of the device (a range, a quantisation
         scale) then spans the probe rows, not the whole call."""
-        if (role != SUBLAYER or ctx.rows is None or ctx.segments is not None
-                or id(module) in self.serving or not self.tp.batched(module)):
+        if (role != SUBLAYER or self.mlp is None or ctx.rows is None
+                or ctx.segments is not None or id(module) in self.serving
+                or not self.tp.batched(module)):
             return False
-        key = id(module)
-        if key not in self._gated_mlp:
-            self._gated_mlp[key] = not isinstance(mlp_layout(module), str)
+        layout = self.mlp.layouts.get(id(module))  # the reference MLP's recognised layout
         x = args[0] if len(args) == 1 and not kwargs else None
-        return (self._gated_mlp[key] and isinstance(x, torch.Tensor) and x.dim() == 3
+        return (layout is not None and not isinstance(layout, str)
+                and isinstance(x, torch.Tensor) and x.dim() == 3
                 and x.shape[:-1] == hidden.shape[:-1]
                 and len(ctx.rows) <= ROW_WISE_SHARE * x.shape[0] * x.shape[1])
-
-    def _whole_repeats(self, module: nn.Module, args: tuple, kwargs: dict, spec: ProbeSpec,
-                       ctx: RoundContext) -> list[ProbeOutput]:
-        """The repeats of a call replayed on its probe rows: the whole call again (run-to-run
-        instability is judged with the call's own shapes), cut to the probe rows."""
-        x, again = repeat_call(module, args, kwargs)
-        return [ProbeOutput(schema.KIND_REPEAT, t, 0.0, 0, ctx.probe_rows(again()), None)
-                for t in range(spec.repeats)]
 
     def attention_record(self, module: nn.Module, layer: int, site: int, args: tuple,
                          kwargs: dict, hidden: torch.Tensor, ctx: RoundContext) -> bool:
