@@ -11,11 +11,11 @@ decoder layers, plain and under capture, in one process, interleaved, medians.
 What one *sample* is: a prompt of TOKENS random token ids (batch 1) and greedy decoding of 8
 tokens as explicit forwards with a KV cache (what ``model.generate(max_new_tokens=8,
 do_sample=False)`` runs): the prefill (step 0) and decode steps 1 to 7. The default scan captures
-steps 0, 1, 2 and 7 of 8 samples and probes steps 0, 1 and 7 of the first 4
-(srdd_dump/capture/config.py). Each captured configuration here is one session of 2 samples with
-``probe_samples=1``: sample 0 is a probed sample (the first 4 of a default run), sample 1 an
-unprobed one (the last 4); every other option is the default. A default run of 8 samples is then
-4 of each.
+steps 0, 1, 2 and 7 of 8 samples and probes steps 0, 1 and 7 of the first ``probe_samples``
+(srdd_dump/capture/config.py: 1). Each captured configuration here is one session of 2 samples
+with ``probe_samples=1``: sample 0 is a probed sample, sample 1 an unprobed one; every other
+option is the default. A default run of 8 samples is then ``probe_samples`` probed samples and
+the rest unprobed (``--probed N`` composes another count, e.g. 4 as before issue 29).
 
 Configurations (each timed per forward, the session's close timed apart):
 
@@ -421,6 +421,9 @@ def captured(model, prompts, options: dict, name: str, sizes: dict, notes: dict,
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+PROBED = 1  # probed samples of a default run of 8 (DumpConfig.probe_samples; --probed)
+
+
 def timing(rows: dict, layers: int, clock: str) -> dict:
     """Medians over repeats, per layer, on one clock ("wall" or "cpu": the main thread's CPU
     time): plain time, capture overhead and ratio for a probed sample's prefill and decode
@@ -457,8 +460,8 @@ def timing(rows: dict, layers: int, clock: str) -> dict:
             c[f"{label} sample"] = {"overhead_layer_s": med(over),
                                     "x_plain_layer": (p_sample + med(over)) / p_sample}
         close = med(r["close_s"] for r in rs) / layers if clock == "wall" else 0.0
-        run = (4 * c["probed sample"]["overhead_layer_s"]
-               + 4 * c["unprobed sample"]["overhead_layer_s"] + close)
+        run = (PROBED * c["probed sample"]["overhead_layer_s"]
+               + (8 - PROBED) * c["unprobed sample"]["overhead_layer_s"] + close)
         c["default run of 8 samples"] = {"overhead_layer_s": run / 8,
                                          "x_plain_layer": (8 * p_sample + run) / (8 * p_sample),
                                          "close_layer_s": close}
@@ -642,7 +645,8 @@ def project(data: dict, base: str = "7b") -> str:
                         cells.append("-")
                         continue
                     got = predict(cos[st], st, tg["width"], t, tg["layers"])
-                    run = 4 * got["probed"]["sample"] + 4 * got["unprobed"]["sample"]
+                    run = (PROBED * got["probed"]["sample"]
+                           + (8 - PROBED) * got["unprobed"]["sample"])
                     if "stats" in st:
                         cells.append(f"{mb(got['probed']['sample'])}, {mb(run)}")
                     elif st == "full":
@@ -712,6 +716,7 @@ def measured_table(data: dict) -> str:
 
 
 def main() -> None:
+    global PROBED
     ap = argparse.ArgumentParser(description="Scan cost and dump size per layer, for the 7B "
                                  "and 70B projection (issue 29).",
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -732,11 +737,18 @@ def main() -> None:
                     help="smoke test: 0.5b, 2 layers, 32 tokens, 1 repeat")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "projection_issue29.json"))
     ap.add_argument("--project", metavar="JSON",
-                    help="measure nothing: print the tables and the projection of a result file")
+                    help="measure nothing: print the tables and the projection of a result file "
+                         "(its summaries recomputed from its raw rows)")
+    ap.add_argument("--probed", type=int, default=PROBED,
+                    help=f"probed samples of an 8-sample run (default {PROBED}, as DumpConfig)")
     args = ap.parse_args()
+    PROBED = args.probed
     if args.project:
         with open(args.project) as fh:
             data = json.load(fh)
+        for e in data["shapes"]:
+            for te in e["tokens"].values():
+                te["summary"] = summarize(te["rows"], te["sizes"], e["layers_run"])
         print(measured_table(data))
         print()
         print(project(data))

@@ -64,6 +64,20 @@ def test_the_planner_opens_only_the_rounds_the_options_select():
     assert step2.positions is None  # one token: every position kept
 
 
+def test_a_probed_step_a_short_first_sample_never_reached_is_probed_in_the_next():
+    # a warm-up call (prefill and one decode step), then two generations of 3 new tokens
+    planner = RoundPlanner(DumpConfig(samples=3, steps="0-2", probe_steps="0,2",
+                                      probe_samples=1), probing=True)
+    probed = []
+    for seq in (3, 1, 5, 1, 1, 6, 1, 1):
+        planner.advance(seq)
+        ctx = planner.open(1, seq, WIDTH, None, None, RecordSink().round_rows)
+        if ctx is not None and ctx.probed:
+            probed.append((planner.sample, planner.step))
+    # the prefill once (the first sample's), step 2 in the first sample that reached it
+    assert probed == [(0, 0), (1, 2)]
+
+
 def test_the_planner_keeps_the_token_ids_and_the_padding_of_the_round():
     planner = RoundPlanner(DumpConfig(), probing=False)
     planner.advance(4)

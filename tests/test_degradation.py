@@ -57,7 +57,8 @@ def test_a_broken_decode_probe_is_reported_by_both_commands(tmp_path, monkeypatc
 
     monkeypatch.setattr(probes.FrozenCache, "update", broken)
     model = build("llama")
-    with register_hook(model, DumpConfig(dump_path=str(tmp_path), samples=2)) as session:
+    with register_hook(model, DumpConfig(dump_path=str(tmp_path), samples=2,
+                                         probe_samples=2)) as session:
         _generate(model)
         _generate(model, 1)
     err = capsys.readouterr().err

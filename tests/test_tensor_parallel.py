@@ -153,7 +153,7 @@ def test_lockstep_replays_find_noise_on_one_rank_and_stop_when_a_rank_stops(
                           "--out-per-rank"])
     dumps = tmp_path / "dumps"
     res = run_cli("srdd-dump", "--exec", command, "-o", str(dumps), "--samples", "2",
-                  "--granularity", "block", "--tp-replays", "lockstep",
+                  "--probe-samples", "2", "--granularity", "block", "--tp-replays", "lockstep",
                   "--inject", "noise@layer=5,site=block,rank=1,m=0.3",
                   env={"SRDD_DUMP_TP_TIMEOUT": "5"}, timeout=300)
     assert res.returncode == 3, res.stderr  # the program ran; rank 2's capture failed

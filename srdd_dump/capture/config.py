@@ -47,8 +47,9 @@ class DumpConfig:
     seed: seed of every random choice srdd-dump makes (recorded in the dump).
     probe_steps: which of the captured steps are also probed, in the syntax of ``steps``
         ("all": every captured step; "0": the prefill only).
-    probe_samples: the first N samples are probed; later ones are captured without probes
-        (the probes cost most of a scan: docs/benchmarks.md).
+    probe_samples: the first N samples are probed (default 1); later ones are captured
+        without probes, their clean statistics judged (each probed sample costs several
+        plain ones: docs/benchmarks.md, "How many samples are probed").
     probes: gain, dc, repeat (replays of perturbed inputs), scale (the linear-map identity,
         at operator granularity), causal (the causality identity of attention and blocks),
         attention, mlp, norm (the float64 references of the attention and MLP sub-layers and
@@ -73,7 +74,7 @@ class DumpConfig:
     seed: int = 0
     probes: str = "gain,dc,repeat,scale,causal,attention,mlp,norm"
     probe_steps: str = "0,1,7"
-    probe_samples: int = 4
+    probe_samples: int = 1
     sigmas: list = field(default_factory=lambda: [0.1, 0.01])
     draws: int = 2
     dc: list = field(default_factory=lambda: [1.0])

@@ -96,7 +96,9 @@ class RoundPlanner:
     """Which forwards of the model become captured rounds, and their rows. A forward of more
     than one token starts a sample (its prefill, step 0); a one-token forward is the next decode
     step of the current sample. The options pick the samples, steps and token positions kept,
-    and which of those rounds are probed (and on which rows)."""
+    and which of those rounds are probed (and on which rows): each probed step in the first
+    ``probe_samples`` samples that reach it, so a short first sample (a warm-up call, an early
+    end of sequence) passes the decode steps it never ran on to the next."""
 
     DONE = "done"  # open_requests: the requests asked for are all captured
 
@@ -104,6 +106,7 @@ class RoundPlanner:
         self.config, self.options = config, config.parsed()
         self.probing = probing  # probes or host replays asked for
         self.sample, self.step = -1, 0
+        self.probed: dict[int, set[int]] = {}  # step -> the samples in which it was probed
         self.requests = RequestTracker()  # a serving engine's requests
         # request calls within --samples, each captured (None) or why not (coverage: the
         # session counts them in the "request samples" family)
@@ -138,8 +141,7 @@ class RoundPlanner:
             ids = token_ids.detach().to("cpu").reshape(batch, seq).numpy()
         keep = attended_rows(mask, batch, seq, positions)
         rows = None
-        if (self.probing and self.sample < self.config.probe_samples
-                and cfg.step_selected(self.options.probe_steps, self.step)):
+        if self._probes(self.sample, self.step):
             rows = probe_rows(batch, len(positions), width, keep, self.options.store.elements,
                               probe_seed(self.config.seed, self.sample, 0x5EED))
         return RoundContext(
@@ -153,6 +155,17 @@ class RoundPlanner:
             rows=None if rows is None else torch.from_numpy(rows.astype(np.int64)),
             seed=self.config.seed, keep=keep, key_mask=mask,
         )
+
+    def _probes(self, sample: int, step: int) -> bool:
+        """Whether step ``step`` of ``sample`` is probed: a probed step (``--probe-steps``) not
+        yet probed in ``--probe-samples`` other samples (counted here)."""
+        if not self.probing or not cfg.step_selected(self.options.probe_steps, step):
+            return False
+        samples = self.probed.setdefault(step, set())
+        if sample not in samples and len(samples) >= self.config.probe_samples:
+            return False
+        samples.add(sample)
+        return True
 
     def open_requests(self, layout: BatchLayout, positions: np.ndarray, n_tokens: int,
                       width: int, token_ids: torch.Tensor | None, sample_rows: Callable
@@ -184,8 +197,7 @@ class RoundPlanner:
                     chosen.append(s)
         if not chosen:
             return None
-        probed = [s for s in chosen if self.probing and s.sample < config.probe_samples
-                  and cfg.step_selected(opts.probe_steps, s.step)]
+        probed = [s for s in chosen if self._probes(s.sample, s.step)]
         rows = None
         for s in probed:
             s.probed = True
