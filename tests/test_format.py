@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -12,7 +13,7 @@ import numpy as np
 import pytest
 
 from srdd_dump.format import schema
-from srdd_dump.format.reader import DumpReader
+from srdd_dump.format.reader import DumpError, DumpReader
 from srdd_dump.format.writer import DumpWriter, Round, Tensor
 
 
@@ -115,6 +116,48 @@ def test_crash_keeps_every_flushed_round(tmp_path):
         assert not rd.complete
         assert len(rd.rounds) == 2
         np.testing.assert_array_equal(rd.read(rd.select(0)[1]), np.ones((1, 4, 8)))
+
+
+@pytest.mark.parametrize("cut", ["records without their round", "a round row not written"])
+def test_a_round_cut_off_by_a_crash_is_dropped_whole(cut, tmp_path):
+    """What a process killed while writing its third round can leave on disk (HDF5 writes its
+    metadata in no set order until the flush): that round's records pointing past the data,
+    or its /rounds row's extent without its values. The two finished rounds are read."""
+    code = textwrap.dedent(f"""
+        import os, time, numpy as np
+        from srdd_dump.format.writer import DumpWriter, Round, Tensor
+        w = DumpWriter({str(tmp_path / 'c.h5')!r}, {{}}, ["b.0"])
+        for i in range(2):
+            x = np.full((1, 4, 8), i, np.float32)
+            w.submit(Round(sample=i, step=0, batch=1, seq=4, positions=np.arange(4),
+                           tensors=[Tensor(layer=0, array=x, dtype="float32")]))
+        while w.rounds_written < 2:
+            time.sleep(0.01)
+        os._exit(9)
+    """)
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 9
+    path = str(tmp_path / "c.h5.partial")
+    with h5py.File(path, "r+") as f:
+        records = f[schema.RECORDS]
+        cut_off = records[-1:].copy()
+        cut_off["round"], cut_off["row0"] = 2, 10_000
+        records.resize(records.shape[0] + 1, axis=0)
+        records[-1:] = cut_off
+        if cut == "a round row not written":
+            rounds = f[schema.ROUNDS]
+            rounds.resize(rounds.shape[0] + 1, axis=0)
+            rounds[-1:] = np.zeros(1, rounds.dtype)
+    with DumpReader(path) as rd:
+        assert len(rd.rounds) == 2 and rd.rounds["round"].tolist() == [0, 1]
+        assert set(rd.records["round"].tolist()) == {0, 1}
+        np.testing.assert_array_equal(rd.read(rd.select(0)[1]), np.ones((1, 4, 8)))
+    # a finished file is never mended: the same damage there is refused
+    with h5py.File(path, "r+") as f:
+        f.attrs[schema.ATTR_COMPLETE] = 1
+    finished = str(tmp_path / "d.h5")
+    os.rename(path, finished)
+    with pytest.raises(DumpError, match="damaged file"):
+        DumpReader(finished)
 
 
 def test_write_failure_is_kept_not_raised(tmp_path, monkeypatch):

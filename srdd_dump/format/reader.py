@@ -154,6 +154,8 @@ class DumpReader:
             name: self._index_length(name)
             for name in (s.POSITIONS, s.TOKEN_IDS, s.PROBE_ROWS)
         }
+        if not self.complete:
+            probes = self._without_cut_round(lengths, probes)
         self._check_rounds(lengths)
         stored = self.stored_records
         grouped = stored["kind"] == s.KIND_PROBES
@@ -184,6 +186,9 @@ class DumpReader:
         if not isinstance(columns, list) or not all(isinstance(c, str) for c in columns) \
                 or len(columns) != values.shape[1]:
             raise DumpError(f"{self.path}: /{s.STATS_VALUES} has no valid column names")
+        if not self.complete:  # the rows of a round cut off by a crash (_without_cut_round)
+            index = index[:values.shape[0]]
+            index = index[np.isin(index["round"], self.rounds["round"])]
         bad = (
             (index["layer"] < s.STACK_INPUT) | (index["layer"] >= len(self.layers))
             | (index["site"] < s.BLOCK_SITE) | (index["site"] >= len(self.sites))
@@ -284,7 +289,24 @@ class DumpReader:
             raise DumpError(f"{self.path}: /{name} does not hold integers")
         return ds.shape[0]
 
-    def _check_rounds(self, lengths: dict[str, int]) -> None:
+    def _without_cut_round(self, lengths: dict[str, int], probes: np.ndarray) -> np.ndarray:
+        """A file cut short by a crash: the round being written when the process died is
+        dropped whole, as if it had never begun (every finished round was flushed before it):
+        its /rounds row when that row is the last and reads as damaged (its extent written,
+        its values not), and the records and /probes rows after the last finished round's.
+        Returns the /probes rows kept."""
+        if len(self.rounds) and self._bad_rounds(lengths)[-1]:
+            self.rounds = self.rounds[:-1]
+        stored = self.stored_records
+        known = np.isin(stored["round"], self.rounds["round"])
+        keep = int(np.flatnonzero(known)[-1]) + 1 if known.any() else 0
+        if not known[keep:].any():  # only a tail of records is cut: earlier ids stay
+            self.stored_records = stored[:keep]
+            probes = probes[probes["record"].astype(np.int64) < keep]
+        return probes
+
+    def _bad_rounds(self, lengths: dict[str, int]) -> np.ndarray:
+        """Rounds that point outside their index data sets."""
         r = self.rounds
         bad = np.zeros(len(r), dtype=bool)
         for off, n, name in (
@@ -294,7 +316,11 @@ class DumpReader:
         ):
             start, count = r[off].astype(np.int64), r[n].astype(np.int64)
             bad |= (start < 0) | (count < 0) | (start > lengths[name] - count)
-        bad |= (r["batch"] < 1) | (r["seq"] < 0)
+        return bad | (r["batch"] < 1) | (r["seq"] < 0)
+
+    def _check_rounds(self, lengths: dict[str, int]) -> None:
+        r = self.rounds
+        bad = self._bad_rounds(lengths)
         if bad.any():
             raise DumpError(
                 f"{self.path}: {int(bad.sum())} rounds point outside their data (damaged file)"

@@ -343,6 +343,9 @@ class _H5File:
             index["dtype"] = [st.dtype for st in r.stats]
             _append(f[s.STATS_VALUES], np.stack([st.values for st in r.stats]))
             _append(f[s.STATS_INDEX], index)
+        # the round's data, records and index rows reach the file before its /rounds row: a
+        # crash leaves a round whole or without that row (format/reader.py drops it then)
+        f.flush()
         row = np.array(
             [(
                 self.n_rounds, r.sample, r.step, r.batch, r.seq, len(r.positions), pos_off,
