@@ -81,7 +81,7 @@ def compare(
         "by layer (msit metrics, PASS/WARN/FAIL, first divergent layer)."),
     jobs: Optional[int] = typer.Option(
         None, "--jobs", "-j", help="Processes that share the work [default: one, plus one per "
-        "512 MB of dump, up to the cores this process may use]; -j 1: this process only."),
+        "256 MB of dump, up to the cores this process may use]; -j 1: this process only."),
     run: Optional[str] = typer.Option(
         None, "--run", help="DUMPS holds several runs (srdd-dump writes each into its own "
         "srdd_dump_<time> folder): compare this one (its folder name) instead of the newest; "

@@ -28,10 +28,11 @@ T = TypeVar("T")
 R = TypeVar("R")
 
 
-# A worker costs about 0.3 s of start-up on 2 cores, the time one process compares ~400 MB in:
-# measured end to end, -j 2 was 27% slower than -j 1 on a 240 MB dump and 6% faster on 708 MB
-# (docs/benchmarks.md). So one more process per BYTES_PER_JOB of dump.
-BYTES_PER_JOB = 512 << 20
+# A worker starts while the files are inspected (prestart) but still costs about 0.2 s of CPU:
+# measured end to end on 2 cores, -j 2 against -j 1 was 15% slower on a 5 MB stats dump, even
+# on 192 MB and 20% faster on 293 MB (docs/benchmarks.md). So one more process per
+# BYTES_PER_JOB of dump.
+BYTES_PER_JOB = 256 << 20
 
 
 def check_jobs(jobs: int) -> None:
