@@ -49,8 +49,9 @@ def dump(
     probe_steps: str = typer.Option(D.probe_steps, "--probe-steps", help="Which captured "
                                     "steps are probed too (--steps syntax, or all; 0: the "
                                     "prefill only)."),
-    probe_samples: int = typer.Option(D.probe_samples, "--probe-samples", help="Probe the first "
-                                      "N samples; later ones are captured without probes."),
+    probe_samples: int = typer.Option(D.probe_samples, "--probe-samples", help="Probe each "
+                                      "probed step in the first N samples that reach it; the "
+                                      "others are captured without probes."),
     sigma: list[float] = typer.Option(D.sigmas, "--sigma", help="Gain probe noise size "
                                       "relative to each token's std (repeatable)."),
     draws: int = typer.Option(D.draws, "--draws", help="Gain noise draws per sigma."),

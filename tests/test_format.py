@@ -118,46 +118,67 @@ def test_crash_keeps_every_flushed_round(tmp_path):
         np.testing.assert_array_equal(rd.read(rd.select(0)[1]), np.ones((1, 4, 8)))
 
 
-@pytest.mark.parametrize("cut", ["records without their round", "a round row not written"])
+CRASHED_WRITER = """
+import os, time, numpy as np
+from srdd_dump.format import schema
+from srdd_dump.format.writer import DumpWriter, Round, StatRow, Tensor
+w = DumpWriter({path!r}, {{}}, ["b.0"], sites=["mlp"], stat_columns=["n", "mean"])
+for i in range(2):
+    x = np.full((1, 4, 8), i, np.float32)
+    probes = [Tensor(layer=0, array=x + k, dtype="float32", kind=schema.KIND_GAIN, probe=k)
+              for k in range(2)]
+    w.submit(Round(sample=i, step=0, batch=1, seq=4, positions=np.arange(4),
+                   tensors=[Tensor(layer=0, array=x, dtype="float32"), *probes],
+                   stats=[StatRow(layer=0, site=0, dtype=0, values=np.array([4.0, i]))]))
+while w.rounds_written < 2:
+    time.sleep(0.01)
+os._exit(9)
+"""
+
+
+def _grow(ds, rows) -> None:
+    ds.resize(ds.shape[0] + len(rows), axis=0)
+    ds[-len(rows):] = rows
+
+
+@pytest.mark.parametrize("cut", [
+    "records of a round without its /rounds row", "a /rounds row not written",
+    "a /records row not written", "a /probes row not written", "a /stats row not written"])
 def test_a_round_cut_off_by_a_crash_is_dropped_whole(cut, tmp_path):
     """What a process killed while writing its third round can leave on disk (HDF5 writes its
     metadata in no set order until the flush): that round's records pointing past the data,
-    or its /rounds row's extent without its values. The two finished rounds are read."""
-    code = textwrap.dedent(f"""
-        import os, time, numpy as np
-        from srdd_dump.format.writer import DumpWriter, Round, Tensor
-        w = DumpWriter({str(tmp_path / 'c.h5')!r}, {{}}, ["b.0"])
-        for i in range(2):
-            x = np.full((1, 4, 8), i, np.float32)
-            w.submit(Round(sample=i, step=0, batch=1, seq=4, positions=np.arange(4),
-                           tensors=[Tensor(layer=0, array=x, dtype="float32")]))
-        while w.rounds_written < 2:
-            time.sleep(0.01)
-        os._exit(9)
-    """)
+    or a table's new length without its values (a row of zeros, which claims round 0). The
+    two finished rounds are read as they were written."""
+    code = CRASHED_WRITER.format(path=str(tmp_path / "c.h5"))
     assert subprocess.run([sys.executable, "-c", code]).returncode == 9
     path = str(tmp_path / "c.h5.partial")
-    with h5py.File(path, "r+") as f:
-        records = f[schema.RECORDS]
-        cut_off = records[-1:].copy()
-        cut_off["round"], cut_off["row0"] = 2, 10_000
-        records.resize(records.shape[0] + 1, axis=0)
-        records[-1:] = cut_off
-        if cut == "a round row not written":
-            rounds = f[schema.ROUNDS]
-            rounds.resize(rounds.shape[0] + 1, axis=0)
-            rounds[-1:] = np.zeros(1, rounds.dtype)
     with DumpReader(path) as rd:
-        assert len(rd.rounds) == 2 and rd.rounds["round"].tolist() == [0, 1]
-        assert set(rd.records["round"].tolist()) == {0, 1}
-        np.testing.assert_array_equal(rd.read(rd.select(0)[1]), np.ones((1, 4, 8)))
-    # a finished file is never mended: the same damage there is refused
+        want = (rd.rounds.copy(), rd.records.copy(), rd.stats_index.copy())
     with h5py.File(path, "r+") as f:
-        f.attrs[schema.ATTR_COMPLETE] = 1
+        if cut == "records of a round without its /rounds row":
+            cut_off = f[schema.RECORDS][-1:].copy()
+            cut_off["round"], cut_off["row0"] = 2, 10_000
+            _grow(f[schema.RECORDS], cut_off)
+        else:
+            table = {"a /rounds row not written": schema.ROUNDS,
+                     "a /records row not written": schema.RECORDS,
+                     "a /probes row not written": schema.PROBES,
+                     "a /stats row not written": schema.STATS_INDEX}[cut]
+            _grow(f[table], np.zeros(1, f[table].dtype))
+            if table == schema.STATS_INDEX:
+                _grow(f[schema.STATS_VALUES], np.zeros((1, 2)))
+    with DumpReader(path) as rd:
+        assert not rd.complete
+        for got, expected in zip((rd.rounds, rd.records, rd.stats_index), want):
+            np.testing.assert_array_equal(got, expected)
+        assert len(rd.rounds) == 2 and len(rd.stats_index) == 2
+        np.testing.assert_array_equal(rd.read(rd.select(0)[1]), np.ones((1, 4, 8)))
+    # a file closed by its process is never mended: the same damage there is refused
     finished = str(tmp_path / "d.h5")
     os.rename(path, finished)
-    with pytest.raises(DumpError, match="damaged file"):
-        DumpReader(finished)
+    if cut != "a /stats row not written":  # (a stats row of round 0 is a valid row)
+        with pytest.raises(DumpError, match="damaged file"):
+            DumpReader(finished)
 
 
 def test_write_failure_is_kept_not_raised(tmp_path, monkeypatch):

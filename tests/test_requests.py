@@ -267,3 +267,19 @@ def test_the_stats_stores_kept_rows_of_a_request_do_not_depend_on_its_batch():
         mine = rows[(rows >= seg.start) & (rows < seg.stop)] - seg.start
         alone = sink.round_rows(None, None, 1, seg.stop - seg.start, seg.sample, seg.step)
         assert mine.tolist() == sorted(alone.tolist()) and mine.size
+
+
+def test_a_probed_step_goes_to_the_first_request_that_reaches_it():
+    # request 0 ends after its prefill; request 1 goes on: its decode step 1 is the first
+    planner = RoundPlanner(DumpConfig(samples=2, steps="0-2", probe_steps="0,1",
+                                      probe_samples=1, store="sample:16"), probing=True)
+    rows = RecordSink().round_rows
+    prefill = planner.open_requests(*_layout([(list(range(4)), [0]), (list(range(3)), [1])]),
+                                    7, 8, None, rows)
+    assert [(s.sample, s.step, s.probed) for s in prefill.segments] == [
+        (0, 0, True), (1, 0, False)]
+    step1 = planner.open_requests(*_layout([([3], [1])]), 1, 8, None, rows)
+    assert [(s.sample, s.step, s.probed) for s in step1.segments] == [(1, 1, True)]
+    assert step1.rows is not None
+    step2 = planner.open_requests(*_layout([([4], [1, 5])]), 1, 8, None, rows)
+    assert [(s.sample, s.step, s.probed) for s in step2.segments] == [(1, 2, False)]

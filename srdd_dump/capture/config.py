@@ -47,9 +47,10 @@ class DumpConfig:
     seed: seed of every random choice srdd-dump makes (recorded in the dump).
     probe_steps: which of the captured steps are also probed, in the syntax of ``steps``
         ("all": every captured step; "0": the prefill only).
-    probe_samples: the first N samples are probed (default 1); later ones are captured
-        without probes, their clean statistics judged (each probed sample costs several
-        plain ones: docs/benchmarks.md, "How many samples are probed").
+    probe_samples: each probed step is probed in the first N samples that reach it (default
+        1: the first sample, and a decode step it never ran in the next one that does); the
+        other rounds are captured without probes, their clean statistics judged (each probed
+        sample costs several plain ones: docs/benchmarks.md, "How many samples are probed").
     probes: gain, dc, repeat (replays of perturbed inputs), scale (the linear-map identity,
         at operator granularity), causal (the causality identity of attention and blocks),
         attention, mlp, norm (the float64 references of the attention and MLP sub-layers and

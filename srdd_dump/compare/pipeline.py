@@ -67,7 +67,7 @@ _started: tuple[int, ProcessPoolExecutor] | None = None
 
 def prestart(jobs: int, task_module: str) -> None:
     """Start the ``jobs - 1`` workers of the next scan now, each importing ``task_module``
-    (the module of the tasks it will run): a worker takes about 0.3 s to start, which then
+    (the module of the tasks it will run): a worker takes 0.2-0.3 s to start, which then
     passes while this process inspects the files and plans (and imports what it needs after
     that), not while the work waits. Nothing happens with one job or when workers are already
     started; ``discard_started`` ends workers no scan took."""

@@ -154,7 +154,8 @@ class DumpReader:
             name: self._index_length(name)
             for name in (s.POSITIONS, s.TOKEN_IDS, s.PROBE_ROWS)
         }
-        if not self.complete:
+        self.partial = path.endswith(s.PARTIAL_SUFFIX)  # its process died before closing it
+        if self.partial:
             probes = self._without_cut_round(lengths, probes)
         self._check_rounds(lengths)
         stored = self.stored_records
@@ -186,9 +187,10 @@ class DumpReader:
         if not isinstance(columns, list) or not all(isinstance(c, str) for c in columns) \
                 or len(columns) != values.shape[1]:
             raise DumpError(f"{self.path}: /{s.STATS_VALUES} has no valid column names")
-        if not self.complete:  # the rows of a round cut off by a crash (_without_cut_round)
+        if self.partial:  # the rows of a round cut off by a crash (_without_cut_round)
             index = index[:values.shape[0]]
-            index = index[np.isin(index["round"], self.rounds["round"])]
+            index = index[:_in_order(index["round"], np.isin(index["round"],
+                                                             self.rounds["round"]))]
         bad = (
             (index["layer"] < s.STACK_INPUT) | (index["layer"] >= len(self.layers))
             | (index["site"] < s.BLOCK_SITE) | (index["site"] >= len(self.sites))
@@ -290,20 +292,22 @@ class DumpReader:
         return ds.shape[0]
 
     def _without_cut_round(self, lengths: dict[str, int], probes: np.ndarray) -> np.ndarray:
-        """A file cut short by a crash: the round being written when the process died is
-        dropped whole, as if it had never begun (every finished round was flushed before it):
-        its /rounds row when that row is the last and reads as damaged (its extent written,
-        its values not), and the records and /probes rows after the last finished round's.
-        Returns the /probes rows kept."""
+        """A ``.partial`` file: the round being written when the process died is dropped
+        whole, as if it had never begun (every finished round was flushed before it). HDF5
+        writes its metadata in no set order before a flush, so a table may hold rows of that
+        round, or rows whose length was written and whose values were not (zeros: round 0):
+        each table is cut where its rows stop being finished rows in write order (a round or
+        record number that goes down, a row that reads as damaged, a round with no /rounds
+        row). Returns the /probes rows kept."""
         if len(self.rounds) and self._bad_rounds(lengths)[-1]:
             self.rounds = self.rounds[:-1]
         stored = self.stored_records
-        known = np.isin(stored["round"], self.rounds["round"])
-        keep = int(np.flatnonzero(known)[-1]) + 1 if known.any() else 0
-        if not known[keep:].any():  # only a tail of records is cut: earlier ids stay
-            self.stored_records = stored[:keep]
-            probes = probes[probes["record"].astype(np.int64) < keep]
-        return probes
+        finished = ((stored["batch"] >= 1) & (stored["ntok"] >= 1)
+                    & np.isin(stored["round"], self.rounds["round"]))
+        self.stored_records = stored[:_in_order(stored["round"], finished)]
+        owner = probes["record"].astype(np.int64)
+        ok = (owner < len(self.stored_records)) & (probes["batch"] >= 1)
+        return probes[:_in_order(owner, ok)]
 
     def _bad_rounds(self, lengths: dict[str, int]) -> np.ndarray:
         """Rounds that point outside their index data sets."""
@@ -528,3 +532,12 @@ def _attr_text(obj, name: str) -> str | None:
 
 def _text(x) -> str:
     return x.decode("utf-8", "replace") if isinstance(x, bytes) else str(x)
+
+
+def _in_order(keys: np.ndarray, ok: np.ndarray) -> int:
+    """The length of the longest prefix of a table written in order whose ``keys`` never go
+    down and whose rows are all ``ok``."""
+    keys = keys.astype(np.int64)
+    bad = ~ok
+    bad[1:] |= keys[1:] < np.maximum.accumulate(keys)[:-1]
+    return int(np.argmax(bad)) if bad.any() else len(keys)
