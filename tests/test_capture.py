@@ -93,6 +93,27 @@ def test_samples_steps_and_tokens_select_what_is_kept(tmp_path):
         assert r.n_samples == 2
 
 
+def test_a_one_token_prompt_is_a_sample_of_its_own(tmp_path):
+    # generate() starts it with an empty KV cache: its first forward is a prefill of one
+    # token, not the next decode step of the prompt before (found by a user trial)
+    model = build("llama")
+    cfg = DumpConfig(dump_path=str(tmp_path), samples=3, steps="0-2", probe_steps="0,2")
+    prompts = [torch.randint(0, 128, (1, n), generator=torch.Generator().manual_seed(n))
+               for n in (6, 1, 5)]
+    with register_hook(model, cfg) as session:
+        with torch.no_grad():
+            for ids, new in zip(prompts, (1, 3, 3)):
+                model.generate(ids, max_new_tokens=new, do_sample=False, pad_token_id=0)
+    with DumpReader(session.path) as r:
+        got = [(int(x["sample"]), int(x["step"]), int(x["seq"])) for x in r.rounds]
+        assert got == [(0, 0, 6), (1, 0, 1), (1, 1, 1), (1, 2, 1), (2, 0, 5), (2, 1, 1),
+                       (2, 2, 1)]
+        probed = sorted({(int(r.rounds[int(x["round"])]["sample"]),
+                          int(r.rounds[int(x["round"])]["step"]))
+                         for x in r.records if x["kind"] != schema.KIND_CLEAN})
+        # the prefill probed in the first sample, step 2 in the first that reached it
+        assert (0, 0) in probed and (1, 2) in probed and (2, 2) not in probed
+
 def test_kept_positions_hold_the_right_values(tmp_path):
     model = build("qwen2")
     ids = torch.randint(0, 128, (1, 10))

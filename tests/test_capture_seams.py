@@ -18,6 +18,7 @@ from srdd_dump.capture.probes import ProbeSpec
 from srdd_dump.capture.replays import Replays
 from srdd_dump.capture.rounds import RoundContext, RoundPlanner, drop_misshapen, probe_rows
 from srdd_dump.capture.sinks import RecordSink, StatsSink, TensorSink, make_sink
+from srdd_dump.errors import UserError
 from srdd_dump.format import schema
 from srdd_dump.format.coverage import Coverage
 from srdd_dump.format.writer import Round, Tensor
@@ -259,3 +260,13 @@ def test_a_whole_module_is_replayed_with_its_causality_cut():
     kinds = [r[3] for r in sink.records]
     assert kinds.count("gain") == 1 and kinds.count("repeat") == 1 and "causal" in kinds
     assert replays.batched + replays.sequential == 1
+
+
+def test_probe_steps_that_name_no_captured_step_are_refused():
+    with pytest.raises(UserError, match="--probe-steps 3 names no captured step"):
+        DumpConfig(probe_steps="3")  # --steps 0-2,7 by default
+    with pytest.raises(UserError, match="bad --probe-steps 'x'"):
+        DumpConfig(probe_steps="x")
+    DumpConfig(steps="0")  # the default probe steps 0,1,7: the prefill is probed
+    DumpConfig(probe_steps="0,3")  # the captured one is probed
+    DumpConfig(probes="none", probe_steps="3")  # nothing is probed anyway

@@ -31,7 +31,7 @@ def test_exec_is_transparent_and_dumps(arch, tmp_path):
     plain, captured = tmp_path / "plain.json", tmp_path / "captured.json"
     res = run_cli("srdd-dump", "--exec", py("infer_tiny.py", arch, str(plain)), "-o",
                   str(tmp_path / "unused"), "--samples", "0")
-    assert res.returncode == 2 and "samples must be at least 1" in res.stderr
+    assert res.returncode == 2 and "--samples must be at least 1" in res.stderr
     subprocess.run([sys.executable, os.path.join(FIXTURES, "infer_tiny.py"), arch, str(plain)],
                    check=True, capture_output=True)
     res = run_cli("srdd-dump", "--exec", py("infer_tiny.py", arch, str(captured)), "-o",

@@ -92,7 +92,7 @@ class DumpConfig:
 
     def __post_init__(self) -> None:
         if self.samples < 1:
-            raise UserError(f"samples must be at least 1, got {self.samples}")
+            raise UserError(f"--samples must be at least 1, got {self.samples}")
         self.parsed()
         if self.granularity not in GRANULARITIES:
             raise UserError(f"granularity must be one of {', '.join(GRANULARITIES)}, "
@@ -104,9 +104,9 @@ class DumpConfig:
             raise UserError(f"tp_replays must be one of {', '.join(TP_REPLAYS)}, "
                             f"got {self.tp_replays!r}")
         if self.probe_samples < 0:
-            raise UserError(f"probe_samples must be >= 0, got {self.probe_samples}")
+            raise UserError(f"--probe-samples must be >= 0, got {self.probe_samples}")
         if self.draws < 0 or self.repeats < 0:
-            raise UserError("draws and repeats must be >= 0")
+            raise UserError("--draws and --repeats must be >= 0")
         bad = [v for v in self.sigmas if not (math.isfinite(v) and v > 0)]
         if bad:
             raise UserError(f"sigma must be a positive number (a noise size in token stds), "
@@ -119,10 +119,16 @@ class DumpConfig:
     def parsed(self) -> ParsedOptions:
         """The text options parsed (UserError names a bad one): what a session reads."""
         steps = parse_steps(self.steps)
+        probe_steps = parse_steps(self.probe_steps, "--probe-steps")
+        probes = frozenset(parse_probes(self.probes))
+        if probes and steps is not None and probe_steps is not None and not any(
+                step_selected(steps, k) for lo, hi in probe_steps
+                for k in range(lo, int(min(hi, last_step(steps))) + 1)):
+            raise UserError(f"--probe-steps {self.probe_steps} names no captured step (--steps "
+                            f"{self.steps}): a probed step must be a captured one")
         return ParsedOptions(
-            steps=steps, last_step=last_step(steps), probe_steps=parse_steps(self.probe_steps),
-            tokens=parse_tokens(self.tokens), probes=frozenset(parse_probes(self.probes)),
-            store=parse_store(self.store))
+            steps=steps, last_step=last_step(steps), probe_steps=probe_steps,
+            tokens=parse_tokens(self.tokens), probes=probes, store=parse_store(self.store))
 
     def faults(self) -> list[FaultSpec]:
         """The ``inject`` specs parsed (the simulator's faults); UserError names a bad one."""
@@ -141,8 +147,9 @@ class DumpConfig:
         return cls.from_json(text) if text else None
 
 
-def parse_steps(spec: str) -> list[tuple[int, int]] | None:
-    """"0,2-5" -> [(0, 0), (2, 5)] (inclusive); "all" -> None (every step)."""
+def parse_steps(spec: str, option: str = "--steps") -> list[tuple[int, int]] | None:
+    """"0,2-5" -> [(0, 0), (2, 5)] (inclusive); "all" -> None (every step). ``option``: the
+    option named in an error."""
     spec = str(spec).strip().lower()
     if spec in ("all", "*"):
         return None
@@ -155,9 +162,9 @@ def parse_steps(spec: str) -> list[tuple[int, int]] | None:
             else:
                 lo = hi = int(part)
         except ValueError:
-            raise UserError(f"bad --steps {spec!r}: use e.g. 0 or 0,1-4 or all") from None
+            raise UserError(f"bad {option} {spec!r}: use e.g. 0 or 0,1-4 or all") from None
         if lo < 0 or hi < lo:
-            raise UserError(f"bad --steps range {part!r}: need 0 <= start <= end")
+            raise UserError(f"bad {option} range {part!r}: need 0 <= start <= end")
         ranges.append((lo, hi))
     return ranges
 

@@ -39,7 +39,7 @@ from .evidence import expect_sites, levels_of, never_run
 from .faults import install_faults
 from .host_weights import HostWeights
 from .mlp_reference import MlpReference
-from .model_facts import autocast_dtype, input_embedding, sites_of
+from .model_facts import autocast_dtype, input_embedding, sites_of, starts_sequence
 from .moe_capture import ExpertCapture
 from .parallel import TensorParallel, to_local
 from .probes import ProbeSpec, first_tensor, module_output
@@ -337,7 +337,8 @@ class CaptureSession:
             if unsplit:  # a serving batch written as one sample
                 self.coverage.expect("request samples")
                 self.coverage.failed("request samples", unsplit)
-            if not self._rounds.advance(seq):
+            starts = seq == 1 and starts_sequence(module, args, kwargs)
+            if not self._rounds.advance(seq, starts):
                 self.close()  # everything asked for is captured: stop paying for hooks
                 return
             self._ctx = self._rounds.open(batch, seq, self._width, token_ids, mask,

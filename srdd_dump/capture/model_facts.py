@@ -10,7 +10,7 @@ from torch import nn
 from ..vocabulary import NORM
 from .config import DumpConfig
 from .discovery import Site, find_operators, find_sites
-from .probes import is_cache
+from .probes import is_cache, layer_index
 
 
 def sites_of(model: nn.Module, blocks: list[tuple[str, nn.Module]], config: DumpConfig
@@ -37,6 +37,19 @@ def has_past(args: tuple, kwargs: dict) -> bool:
         return True
     return any(v is not None and ("past_key_value" in k or k == "layer_past")
                for k, v in kwargs.items())
+
+
+def starts_sequence(module: nn.Module, args: tuple, kwargs: dict) -> bool:
+    """A call whose KV cache (a Cache object) holds no earlier tokens for the module's layer:
+    the first forward of a sequence, however short (a one-token prompt is a prefill, not the
+    next decode step of the sequence before)."""
+    cache = next((v for v in (*args, *kwargs.values()) if is_cache(v)), None)
+    if cache is None:
+        return False
+    try:
+        return int(cache.get_seq_length(layer_index(module) or 0)) == 0
+    except Exception:  # noqa: BLE001 (a cache class of another layout: not known)
+        return False
 
 
 def autocast_dtype(model: nn.Module) -> str:

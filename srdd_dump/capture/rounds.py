@@ -117,9 +117,10 @@ class RoundPlanner:
         """Prefill forwards, or a serving engine's requests up to --samples."""
         return max(self.sample + 1, min(self.requests.requests, self.config.samples))
 
-    def advance(self, seq: int) -> bool:
-        """Count a forward of ``seq`` tokens; False once everything asked for is captured."""
-        if seq > 1:
+    def advance(self, seq: int, starts: bool = False) -> bool:
+        """Count a forward of ``seq`` tokens (``starts``: its KV cache holds no earlier tokens,
+        a one-token prompt); False once everything asked for is captured."""
+        if seq > 1 or starts:
             self.sample, self.step = self.sample + 1, 0
         elif self.sample >= 0:
             self.step += 1
