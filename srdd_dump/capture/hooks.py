@@ -337,7 +337,10 @@ class CaptureSession:
             if unsplit:  # a serving batch written as one sample
                 self.coverage.expect("request samples")
                 self.coverage.failed("request samples", unsplit)
-            starts = seq == 1 and starts_sequence(module, args, kwargs)
+            # a one-token prompt, not a decode step whose program dropped the cache (its
+            # attention mask still spans the earlier tokens)
+            spans_one = mask.shape[-1] == 1 if mask is not None else not unread
+            starts = seq == 1 and spans_one and starts_sequence(module, args, kwargs)
             if not self._rounds.advance(seq, starts):
                 self.close()  # everything asked for is captured: stop paying for hooks
                 return
