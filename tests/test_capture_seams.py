@@ -267,6 +267,31 @@ def test_probe_steps_that_name_no_captured_step_are_refused():
         DumpConfig(probe_steps="3")  # --steps 0-2,7 by default
     with pytest.raises(UserError, match="bad --probe-steps 'x'"):
         DumpConfig(probe_steps="x")
+    with pytest.raises(UserError, match="--probe-steps 1 names no captured step"):
+        DumpConfig(steps="0", probe_steps="1")
     DumpConfig(steps="0")  # the default probe steps 0,1,7: the prefill is probed
+    DumpConfig(steps="3-5")  # later steps captured clean: the default probes none of them
     DumpConfig(probe_steps="0,3")  # the captured one is probed
     DumpConfig(probes="none", probe_steps="3")  # nothing is probed anyway
+    DumpConfig(probe_samples=0, probe_steps="3")
+
+
+def test_a_cache_starts_a_sequence_only_when_its_length_is_known_to_be_zero():
+    from srdd_dump.capture.model_facts import starts_sequence
+
+    class Cache:  # transformers' Cache protocol: update and get_seq_length
+        def __init__(self, length):
+            self.length = length
+
+        def update(self, *args, **kwargs):
+            raise AssertionError("never called")
+
+        def get_seq_length(self, layer_idx: int = 0):
+            return self.length
+
+    block = nn.Linear(2, 2)
+    assert starts_sequence(block, (), {"past_key_values": Cache(0)})
+    assert not starts_sequence(block, (), {"past_key_values": Cache(3)})
+    # a static cache's length is a device tensor: never read (a host sync per decode step)
+    assert not starts_sequence(block, (), {"past_key_values": Cache(torch.tensor(0))})
+    assert not starts_sequence(block, (), {})  # no cache: nothing says it starts

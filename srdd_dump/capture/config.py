@@ -19,6 +19,7 @@ LAYERS_HINT = "(name them with --layers)"
 # process then finishes its file (dump_file.FileWatch)
 FINISH_REQUEST = "finish"
 ENV_STATUS_DIR = "SRDD_DUMP_STATUS_DIR"  # where child processes report how capture went
+PROBE_STEPS = "0,1,7"  # the default probed steps: the prefill, decode steps 1 and 7
 
 
 @dataclass(frozen=True)
@@ -74,7 +75,7 @@ class DumpConfig:
     layers: str | None = None
     seed: int = 0
     probes: str = "gain,dc,repeat,scale,causal,attention,mlp,norm"
-    probe_steps: str = "0,1,7"
+    probe_steps: str = PROBE_STEPS
     probe_samples: int = 1
     sigmas: list = field(default_factory=lambda: [0.1, 0.01])
     draws: int = 2
@@ -121,7 +122,10 @@ class DumpConfig:
         steps = parse_steps(self.steps)
         probe_steps = parse_steps(self.probe_steps, "--probe-steps")
         probes = frozenset(parse_probes(self.probes))
-        if probes and steps is not None and probe_steps is not None and not any(
+        # a probe-steps list the user gave that names no captured step probes nothing; the
+        # default (0,1,7) may miss a capture of later steps only (they are captured clean)
+        probing = probes and self.probe_samples > 0 and self.probe_steps != PROBE_STEPS
+        if probing and steps is not None and probe_steps is not None and not any(
                 step_selected(steps, k) for lo, hi in probe_steps
                 for k in range(lo, int(min(hi, last_step(steps))) + 1)):
             raise UserError(f"--probe-steps {self.probe_steps} names no captured step (--steps "

@@ -337,8 +337,9 @@ class CaptureSession:
             if unsplit:  # a serving batch written as one sample
                 self.coverage.expect("request samples")
                 self.coverage.failed("request samples", unsplit)
-            # a one-token prompt, not a decode step whose program dropped the cache (its
-            # attention mask still spans the earlier tokens)
+            # a one-token prompt: its attention mask, if any, spans that token alone (a
+            # decoding loop that dropped its cache still spans the earlier ones) and its cache
+            # is empty
             spans_one = mask.shape[-1] == 1 if mask is not None else not unread
             starts = seq == 1 and spans_one and starts_sequence(module, args, kwargs)
             if not self._rounds.advance(seq, starts):

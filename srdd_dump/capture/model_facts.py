@@ -47,9 +47,11 @@ def starts_sequence(module: nn.Module, args: tuple, kwargs: dict) -> bool:
     if cache is None:
         return False
     try:
-        return int(cache.get_seq_length(layer_index(module) or 0)) == 0
+        length = cache.get_seq_length(layer_index(module) or 0)
     except Exception:  # noqa: BLE001 (a cache class of another layout: not known)
         return False
+    # a static cache's length is a device tensor: not read (a host sync on every decode step)
+    return isinstance(length, int) and length == 0
 
 
 def autocast_dtype(model: nn.Module) -> str:
