@@ -295,3 +295,16 @@ def test_a_cache_starts_a_sequence_only_when_its_length_is_known_to_be_zero():
     # a static cache's length is a device tensor: never read (a host sync per decode step)
     assert not starts_sequence(block, (), {"past_key_values": Cache(torch.tensor(0))})
     assert not starts_sequence(block, (), {})  # no cache: nothing says it starts
+
+
+def test_a_one_token_prompt_leaves_the_prefill_probes_to_a_longer_one():
+    planner = RoundPlanner(DumpConfig(samples=3, steps="0-1", probe_steps="0,1",
+                                      probe_samples=1), probing=True)
+    probed = []
+    # a one-token warm-up prompt (a sample of its own) and its decode step, then a prompt
+    for seq, starts in ((1, True), (1, False), (5, False), (1, False)):
+        planner.advance(seq, starts)
+        ctx = planner.open(1, seq, WIDTH, None, None, RecordSink().round_rows)
+        if ctx.probed:
+            probed.append((planner.sample, planner.step))
+    assert probed == [(0, 1), (1, 0)]  # its decode step is a decode step like any other

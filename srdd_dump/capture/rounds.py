@@ -142,7 +142,7 @@ class RoundPlanner:
             ids = token_ids.detach().to("cpu").reshape(batch, seq).numpy()
         keep = attended_rows(mask, batch, seq, positions)
         rows = None
-        if self._probes(self.sample, self.step):
+        if self._probes(self.sample, self.step, seq):
             rows = probe_rows(batch, len(positions), width, keep, self.options.store.elements,
                               probe_seed(self.config.seed, self.sample, 0x5EED))
         return RoundContext(
@@ -157,10 +157,14 @@ class RoundPlanner:
             seed=self.config.seed, keep=keep, key_mask=mask,
         )
 
-    def _probes(self, sample: int, step: int) -> bool:
-        """Whether step ``step`` of ``sample`` is probed: a probed step (``--probe-steps``) not
-        yet probed in ``--probe-samples`` other samples (counted here)."""
+    def _probes(self, sample: int, step: int, tokens: int) -> bool:
+        """Whether step ``step`` of ``sample`` (a call of ``tokens`` tokens) is probed: a probed
+        step (``--probe-steps``) not yet probed in ``--probe-samples`` other samples (counted
+        here). A prefill of one token (a warm-up call) does not take the prefill's probes: its
+        one row is a decode step's shape, and the prefill's statistics need rows."""
         if not self.probing or not cfg.step_selected(self.options.probe_steps, step):
+            return False
+        if step == 0 and tokens < 2:
             return False
         samples = self.probed.setdefault(step, set())
         if sample not in samples and len(samples) >= self.config.probe_samples:
@@ -198,7 +202,7 @@ class RoundPlanner:
                     chosen.append(s)
         if not chosen:
             return None
-        probed = [s for s in chosen if self._probes(s.sample, s.step)]
+        probed = [s for s in chosen if self._probes(s.sample, s.step, s.stop - s.start)]
         rows = None
         for s in probed:
             s.probed = True

@@ -117,8 +117,9 @@ def _diagnose_file(f: DumpFile, signals: list[Signals]
     worst = max(verdicts, key=lambda v: v.score)
     if worst.verdict == NORMAL:
         phases = " (prefill and decode steps)" if any(g.phase == DECODE for g in signals) else ""
+        n = max(g.samples for g in blocks.values())
         line = (f"{f.source}: no faulty layer found in {len(rows)} layers x "
-                f"{max(g.samples for g in blocks.values())} samples{phases}")
+                f"{n} sample{'s' if n != 1 else ''}{phases}")
     else:
         line = f"{f.source}: {headline(worst)}"
     hunt = hunt_command(f, worst.layer, worst.site) if worst.verdict == FAULT else None
