@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from ..vocabulary import NORM
+from .attention_reference import find_cache
 from .config import DumpConfig
 from .discovery import Site, find_operators, find_sites
 from .probes import is_cache, layer_index
@@ -43,7 +44,7 @@ def starts_sequence(module: nn.Module, args: tuple, kwargs: dict) -> bool:
     """A call whose KV cache (a Cache object) holds no earlier tokens for the module's layer:
     the first forward of a sequence, however short (a one-token prompt is a prefill, not the
     next decode step of the sequence before)."""
-    cache = next((v for v in (*args, *kwargs.values()) if is_cache(v)), None)
+    cache = find_cache(args, kwargs)
     if cache is None:
         return False
     try:
