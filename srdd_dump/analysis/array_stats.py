@@ -379,7 +379,7 @@ def _grid_picks(n: int) -> np.ndarray:
     return picks
 
 
-_GRID_HEAD = GRID_LEVELS + 2  # values of a row whose distinctness rules the grid out
+GRID_HEAD = GRID_LEVELS + 2  # values of a row whose distinctness rules the grid out
 
 
 def grid_rows(rows: np.ndarray, dtype: str) -> float:
@@ -392,11 +392,11 @@ def grid_rows(rows: np.ndarray, dtype: str) -> float:
     eps = UNIT_ROUNDOFF.get(dtype, 2.0 ** -24)
     picked = rows[_grid_picks(rows.shape[0])]
     if np.isfinite(picked).all():  # the usual case: the rows sorted at once
-        if picked.shape[1] > _GRID_HEAD:
+        if picked.shape[1] > GRID_HEAD:
             # a float row holds more distinct values than a grid among its first ones: all
             # rows so are tested (> GRID_MIN_VALUES non-zero values) and off the grid
-            head = np.sort(picked[:, :_GRID_HEAD], axis=1)
-            if np.count_nonzero(head[:, 1:] != head[:, :-1]) == head.shape[0] * (_GRID_HEAD - 1):
+            head = np.sort(picked[:, :GRID_HEAD], axis=1)
+            if np.count_nonzero(head[:, 1:] != head[:, :-1]) == head.shape[0] * (GRID_HEAD - 1):
                 return 0.0
         tested_rows = picked[np.count_nonzero(picked, axis=1) >= GRID_MIN_VALUES]
         if not tested_rows.shape[0]:

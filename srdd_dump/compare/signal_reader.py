@@ -14,6 +14,7 @@ from typing import Callable
 import numpy as np
 
 from ..analysis.experts import expert_rows, split_route
+from ..analysis.row_stats import one_row_stats
 from ..analysis.signals import DECODE, LayerSignals, Probe, Signals
 from ..errors import first_line
 from ..format import schema as s
@@ -227,6 +228,7 @@ def _round_batch(reader, recs, kind_of, batch, per_key, clean_prev, layers, samp
         if key[1] == s.BLOCK_SITE and key[0] - 1 in clean_prev:
             index.append(clean_prev[key[0] - 1])
     data = _read_group(reader, recs, sorted(set(index)))
+    one_row = OneRowRecords()
     with np.errstate(all="ignore"):  # faulty layers hold NaN/Inf/1e38: expected, not noise
         for key in batch:
             mine = per_key[key]
@@ -241,8 +243,47 @@ def _round_batch(reader, recs, kind_of, batch, per_key, clean_prev, layers, samp
             if key[1] == s.BLOCK_SITE and key[0] - 1 in clean_prev:
                 before = data[clean_prev[key[0] - 1]]
             for i in clean:
-                layers[key].add(data[i], reader.dtype_of(recs[i]), sample, before, prow,
+                x = data[i]
+                if not probes and one_row.takes(x, valid):
+                    one_row.add(layers[key], x, reader.dtype_of(recs[i]), before)
+                    continue
+                layers[key].add(x, reader.dtype_of(recs[i]), sample, before, prow,
                                 probes, valid, positions)
+        one_row.finish(sample)
+
+
+class OneRowRecords:
+    """Clean one-token records without probes, reduced together (``row_stats``) by width,
+    dtype and whether a previous block's row comes with them."""
+
+    def __init__(self) -> None:
+        self.groups: dict[tuple[int, str, bool], list] = {}
+
+    @staticmethod
+    def takes(x: np.ndarray, valid: np.ndarray | None) -> bool:
+        """A one-token record whose row the attention mask keeps."""
+        if x.ndim != 3 or x.shape[0] != 1 or x.shape[1] != 1:
+            return False
+        return valid is None or valid.size != 1 or bool(valid.all())
+
+    def add(self, target: LayerSignals, x: np.ndarray, dtype: str,
+            before: np.ndarray | None) -> None:
+        if before is not None and before.shape != x.shape:
+            before = None
+        group = self.groups.setdefault((x.shape[-1], dtype, before is not None), [])
+        group.append((target, x, before))
+
+    def finish(self, sample: int) -> None:
+        """Every record added, reduced and handed to its ``LayerSignals``."""
+        for (_, dtype, with_before), group in self.groups.items():
+            x = np.concatenate([g[1].reshape(1, -1) for g in group])
+            before = (np.concatenate([g[2].reshape(1, -1) for g in group]) if with_before
+                      else None)
+            for (target, _, _), stats in zip(group, one_row_stats(x, dtype, [sample] * len(group),
+                                                                    before)):
+                if stats is not None:
+                    target.add_round(stats)
+        self.groups = {}
 
 
 def _add_experts(reader, recs, mine, data, members, layers, sample, prow, valid, positions
