@@ -1,6 +1,6 @@
 """The whole `srdd-compare DUMP -o report.csv` command, timed end to end (issue 29).
 
-    python bench/compare_speed.py --workdir DIR [--make] [--repeats 7]
+    python bench/compare_speed.py --workdir DIR [--make] [--repeats 7] [--probed N]
         [--tree NAME=PATH ...] [--relayout] [--out bench/results/compare_speed_issue29.json]
 
 With ``--make`` the dumps are made as ``make demo`` makes its dump: ``srdd-dump --exec
@@ -121,7 +121,9 @@ def timed(cmd: list[str], env: dict | None = None, cwd: str | None = None) -> di
 
 def commands(args, dumps: dict[str, str], report: str) -> dict[str, tuple[list[str], dict]]:
     compare = os.path.join(BIN, "srdd-compare")
-    env = dict(os.environ)
+    # an installed package has its .pyc files (pip compiles them); a machine that sets
+    # PYTHONDONTWRITEBYTECODE would compile every module of every run (0.1 s)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
     out: dict[str, tuple[list[str], dict]] = {
         "startup (srdd-compare --version)": ([compare, "--version"], env)}
     for name, folder in dumps.items():
@@ -142,6 +144,9 @@ def main() -> None:
     ap.add_argument("--relayout", action="store_true",
                     help="also time the full dump written in the schema-4 layout")
     ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--probed", type=int, metavar="N",
+                    help="also the full dump of the same run with --probe-samples N "
+                    "(DIR/full_probedN)")
     ap.add_argument("--tree", action="append", default=[], metavar="NAME=PATH")
     ap.add_argument("--tree-on", default="full_v4,stats",
                     help="the dumps the --tree commands compare (an older tree reads no "
@@ -151,7 +156,10 @@ def main() -> None:
     args = ap.parse_args()
     os.makedirs(args.workdir, exist_ok=True)
     dumps = {}
-    for name, store in (("full", ()), ("stats", ("--store", "stats"))):
+    made = [("full", ()), ("stats", ("--store", "stats"))]
+    if args.probed:
+        made.append((f"full_probed{args.probed}", ("--probe-samples", str(args.probed))))
+    for name, store in made:
         folder = os.path.join(args.workdir, name)
         if args.make:
             make_dump(folder, *store)

@@ -30,7 +30,13 @@ from .sums import dot, total
 def rms(x: np.ndarray) -> float:
     if not x.size:
         return float("nan")
-    x = x.reshape(-1).astype(np.float64, copy=False)
+    return rms64(x.reshape(-1).astype(np.float64, copy=False))
+
+
+def rms64(x: np.ndarray) -> float:
+    """``rms`` of a 1-D float64 array."""
+    if not x.size:
+        return float("nan")
     with np.errstate(over="ignore", invalid="ignore"):
         return math.sqrt(dot(x, x) / x.size)
 

@@ -25,6 +25,7 @@ from .identities import (
     zeros_explained,
 )
 from .moments import Moments
+from .sums import total
 
 BLOCK_SITE = -1  # Signals.site of a block's own output (the dump schema's BLOCK_SITE)
 PREFILL = "prefill"  # rounds of more than one token per sequence
@@ -175,16 +176,21 @@ def round_stats(
     finite = x.reshape(-1) if all_finite else x[fin]
     out.pileup = st.pileup(finite)
     out.ties, out.tie_excess = st.ties(st.rows_of(x if all_finite else np.where(fin, x, 0.0)))
-    update = x
+    update, fin_u, upd_finite = x, fin, all_finite
     if before is not None and before.shape == x.shape:
         update = x - before
-    fin_u = np.isfinite(update)
-    upd_finite = bool(fin_u.all())
-    upd = update.reshape(-1) if upd_finite else update[fin_u]
-    out.update_rms = upd_rms = st.rms(upd)
-    out.offset = (abs(float(upd.mean(dtype=np.float64))) / upd_rms if upd_rms > 0
-                  else float("nan"))
+        fin_u = np.isfinite(update)
+        upd_finite = bool(fin_u.all())
     u = st.rows_of(update if upd_finite else np.where(fin_u, update, 0.0)).astype(np.float64)
+    if upd_finite:  # the usual case: the float64 rows are every value, converted once
+        flat = u.reshape(-1)
+        out.update_rms = upd_rms = st.rms64(flat)
+        mean = total(flat) / flat.size if flat.size else float("nan")
+    else:
+        upd = update[fin_u]
+        out.update_rms = upd_rms = st.rms(upd)
+        mean = float(upd.mean(dtype=np.float64)) if upd.size else float("nan")
+    out.offset = abs(mean) / upd_rms if upd_rms > 0 else float("nan")
     out.dc_energy, out.consistency, out.stuck = st.channel_signals(u, st.rows_of(x))
     mask = LOW_BITS_MASK.get(dtype)
     if mask is not None and finite.dtype == np.float32:
