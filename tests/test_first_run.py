@@ -130,11 +130,11 @@ def test_each_srdd_dump_run_gets_its_own_folder(tmp_path):
 # -- the first screen ----------------------------------------------------------------------------
 
 
-def _session(tmp_path, inject=()):
+def _session(tmp_path, inject=(), **options):
     model = build("llama", layers=4)
     gen = torch.Generator().manual_seed(0)
     config = DumpConfig(dump_path=str(tmp_path), granularity="sublayer", inject=list(inject),
-                        progress=False)
+                        progress=False, **options)
     with register_hook(model, config) as session, torch.no_grad():
         for n in (20, 27):
             model(input_ids=torch.randint(0, 128, (1, n), generator=gen))
@@ -147,9 +147,18 @@ def test_healthy_first_screen_is_one_line_and_counts(tmp_path):
     result = compare_path(str(tmp_path), progress=False)
     text = diagnosis_text(result)
     first = text.splitlines()[0]
-    assert first.endswith("no faulty layer found in 4 layers x 2 samples"), text
+    assert first.endswith("no faulty layer found in 4 layers x 2 samples, 1 probed"), text
     assert "layers: 4 rows: 0 FAULT, 0 SUSPECT, 4 NORMAL" in text
     assert "NORMAL  " not in text and "flagged" not in text  # no table of NORMAL rows
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("options, says", [
+    ({"probe_samples": 2}, "x 2 samples"), ({"probes": "none"}, "x 2 samples, none probed")])
+def test_healthy_first_screen_says_how_many_samples_were_probed(tmp_path, options, says):
+    _session(tmp_path, **options)
+    first = diagnosis_text(compare_path(str(tmp_path), progress=False)).splitlines()[0]
+    assert first.endswith(f"no faulty layer found in 4 layers {says}"), first
 
 
 @pytest.mark.integration

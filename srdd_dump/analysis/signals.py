@@ -53,6 +53,7 @@ class Signals:
     site: int  # schema.BLOCK_SITE or an index into the dump's sites
     module: str
     samples: int = 0
+    probed_samples: int = 0  # of those, the samples whose rounds carried probe responses
     phase: str = PREFILL  # PREFILL or DECODE: the rounds these signals come from
     dtype: str = ""  # logical dtype of most of the module's clean records (autocast: its own)
     # clean statistics over every captured round
@@ -316,6 +317,7 @@ class LayerSignals:
         self.host_channel: list[float] = []
         self.moments = Moments()
         self.samples: set[int] = set()
+        self.probed_samples: set[int] = set()
         self.per_sample: dict[str, list[float]] = {
             k: [] for k in ("pileup", "ties", "tie_excess", "offset", "upd", "dce", "cons",
                             "stuck", "lowbits", "rows", "margin", "grid")
@@ -349,6 +351,8 @@ class LayerSignals:
         """The reductions of one round, from arrays or from a stats dump."""
         self.moments.merge(r.moments)
         self.samples.add(r.sample)
+        if r.gains or r.dc or r.repeats:
+            self.probed_samples.add(r.sample)
         self.dtypes[r.dtype] = self.dtypes.get(r.dtype, 0) + r.moments.total
         acc = self.per_sample
         for key, value in (("pileup", r.pileup), ("ties", r.ties), ("tie_excess", r.tie_excess),
@@ -388,6 +392,7 @@ class LayerSignals:
             return sig
         moments, acc, med = self.moments, self.per_sample, st.nanmedian
         sig.samples = len(self.samples)
+        sig.probed_samples = len(self.probed_samples)
         sig.mean, sig.std, sig.absmax = moments.mean, moments.std, float(moments.absmax)
         sig.kurtosis, sig.zero_frac = moments.kurtosis, moments.zero_frac
         sig.n_values = int(moments.count)

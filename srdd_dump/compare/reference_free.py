@@ -119,11 +119,20 @@ def _diagnose_file(f: DumpFile, signals: list[Signals]
         phases = " (prefill and decode steps)" if any(g.phase == DECODE for g in signals) else ""
         n = max(g.samples for g in blocks.values())
         line = (f"{f.source}: no faulty layer found in {len(rows)} layers x "
-                f"{n} sample{'s' if n != 1 else ''}{phases}")
+                f"{n} sample{'s' if n != 1 else ''}{_probed(signals, n)}{phases}")
     else:
         line = f"{f.source}: {headline(worst)}"
     hunt = hunt_command(f, worst.layer, worst.site) if worst.verdict == FAULT else None
     return rows, sites, line, hunt
+
+
+def _probed(signals: list[Signals], samples: int) -> str:
+    """", 1 probed" when the probe responses come from fewer samples than were captured (the
+    default probes the first sample only: docs/using.md)."""
+    probed = max((g.probed_samples for g in signals), default=0)
+    if probed >= samples:
+        return ""
+    return ", none probed" if not probed else f", {probed} probed"
 
 
 # -- tables ------------------------------------------------------------------------------------
