@@ -11,9 +11,12 @@ import pytest
 import torch
 
 from srdd_dump import DumpConfig, register_hook
+from srdd_dump.capture.replays import Replays
 from srdd_dump.format import schema
 from srdd_dump.format.reader import DumpReader
 
+from moe_models import build as build_moe
+from moe_models import experts_modules
 from tiny_models import build
 
 pytestmark = pytest.mark.capture
@@ -151,3 +154,95 @@ def test_a_failed_hand_over_is_one_site_error_and_the_capture_goes_on(tmp_path, 
         entry = coverage[family]
         assert entry["done"] == entry["expected"] - 1, (family, entry)
         assert "a sink that fails" in entry["first_error"]
+
+
+def _fused_moe(arch: str):
+    """A tiny MoE model with fused experts modules (transformers 5; older releases hold one
+    module per expert, captured as plain sub-modules: nothing to share)."""
+    try:
+        model = build_moe(arch, layers=3)
+    except AttributeError:  # an architecture this transformers does not have
+        pytest.skip(f"no {arch} in this transformers")
+    if not experts_modules(model):
+        pytest.skip("no fused experts module in this transformers")
+    return model
+
+
+def _moe_dump(tmp_path, model, **options) -> DumpReader:
+    session = register_hook(model, DumpConfig(dump_path=str(tmp_path), samples=1,
+                                              progress=False, **options))
+    with torch.no_grad():
+        model.generate(PROMPT, max_new_tokens=3, do_sample=False, pad_token_id=0)
+    session.close()
+    return DumpReader(glob.glob(str(tmp_path / "*.h5"))[0])
+
+
+def _records(reader: DumpReader) -> dict:
+    """Every record by (round, layer, site, kind, probe)."""
+    return {(int(r["round"]), int(r["layer"]), int(r["site"]), int(r["kind"]),
+             int(r["probe"])): reader.read(r) for r in reader.select(kind=None, site=None)}
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe"])
+def test_expert_slot_repeats_come_from_the_block_and_equal_the_slots_re_run(
+        tmp_path, monkeypatch, arch):
+    """A fused experts call's slots are repeated by the block's repeats: where the block's
+    experts call reproduced the recorded output from the recorded input, the slots' repeat
+    is the clean slots, and every record equals a dump whose slots re-ran alone."""
+    model = _fused_moe(arch)
+    shared = _moe_dump(tmp_path / "shared", model)
+    # 3 layers x (attention, MLP, slots) x 3 repeats, in each probed round (2)
+    assert shared.status["repeats_from_blocks"] == 3 * 3 * 3 * 2
+    slots = shared.sites.index("model.layers.1.mlp.experts.slots")
+    pairs = _sublayer_repeats(shared, "model.layers.1.mlp.experts.slots")
+    assert len(pairs) == 6
+    for clean, again in pairs:
+        np.testing.assert_array_equal(again, clean)
+    real = Replays._shares_repeats
+
+    def sublayers_only(self, module, layer, site, spec):
+        return self.sites[site].role != "experts" and real(self, module, layer, site, spec)
+
+    monkeypatch.setattr(Replays, "_shares_repeats", sublayers_only)
+    alone = _moe_dump(tmp_path / "alone", model)
+    assert alone.status["repeats_from_blocks"] == 3 * 2 * 3 * 2
+    got, want = _records(shared), _records(alone)
+    assert got.keys() == want.keys()
+    assert sum(key[2] == slots and key[3] == schema.KIND_REPEAT for key in got) == 6
+    for key, value in want.items():
+        np.testing.assert_array_equal(got[key], value, err_msg=str(key))
+
+
+def test_expert_slots_whose_experts_call_changes_repeat_alone(tmp_path):
+    """An experts module whose output differs at every call: the block's repeat does not
+    reproduce its recorded output, so its slots re-run alone (their repeats differ from the
+    clean slots: the instability is measured, not taken from the block)."""
+    model = _fused_moe("mixtral")
+    experts = model.model.layers[1].mlp.experts
+    calls = {"n": 0}
+
+    def unstable(module, args, output):
+        calls["n"] += 1
+        return output + 1e-3 * calls["n"]
+
+    handle = experts.register_forward_hook(unstable)
+    try:
+        reader = _moe_dump(tmp_path, model)
+    finally:
+        handle.remove()
+    # layer 1's slots ran their 3 repeats alone in both probed rounds; its MLP's input is
+    # its recorded input in the block's run, so the MLP's repeats still come from there
+    assert reader.status["repeats_from_blocks"] == 3 * 3 * 3 * 2 - 6
+    pairs = _sublayer_repeats(reader, "model.layers.1.mlp.experts.slots")
+    assert len(pairs) == 6
+    for clean, again in pairs:
+        assert not np.array_equal(again, clean)
+    for clean, again in _sublayer_repeats(reader, "model.layers.2.mlp.experts.slots"):
+        np.testing.assert_array_equal(again, clean)
+
+
+def test_expert_slots_of_the_stats_store_take_the_block_repeats(tmp_path):
+    model = _fused_moe("deepseek_v3")
+    reader = _moe_dump(tmp_path, model, store="stats")
+    assert reader.complete and reader.status["site_errors"] == 0
+    assert reader.status["repeats_from_blocks"] == 3 * 3 * 3 * 2

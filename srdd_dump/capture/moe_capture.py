@@ -1,12 +1,15 @@
 """A fused experts call of a captured round (docs/dump-format.md, "Experts"): its routing, each
 token slot's own expert output, and on the probe rows the slots' probe replays with the routing
 held fixed, handed to the record sink (sinks.py: the tensors and the routing as records, or one
-stats row per expert over the tokens routed to it)."""
+stats row per expert over the tokens routed to it). The slots' repeats of a probed round come
+from the block's repeats where the block's experts call reproduces the recorded call bit for
+bit (``PendingSlots``, shared_repeats.py); the slots call is re-run alone otherwise."""
 
 from __future__ import annotations
 
 import sys
 from dataclasses import replace
+from typing import Callable, NamedTuple
 
 import torch
 from torch import nn
@@ -24,6 +27,7 @@ from .experts import (
 )
 from .probes import ProbeOutput, ProbeSpec, run_probes
 from .rounds import RoundContext
+from .shared_repeats import bitwise_equal
 from .sinks import RecordSink
 
 
@@ -78,9 +82,12 @@ class ExpertCapture:
         self.logits[id(module)] = logits
 
     def record(self, module: nn.Module, layer: int, site: int, args: tuple, kwargs: dict,
-               ctx: RoundContext) -> None:
+               output: torch.Tensor, ctx: RoundContext, share: bool = False
+               ) -> PendingSlots | None:
         """A fused experts call of a captured round: its routing, then its slots' records
-        (its replays run here: the caller holds its hooks off)."""
+        (its replays run here: the caller holds its hooks off). ``share``: on a probed round
+        the slots' repeats may come from the block's repeats; then nothing is handed to the
+        sink yet and the call's pending slots are returned (the caller makes them wait)."""
         found = routing_of(args, kwargs)
         if found is None:  # counted (site_errors, coverage) by the session
             raise TypeError(f"the routing arguments of {type(module).__name__} (token indices "
@@ -88,23 +95,43 @@ class ExpertCapture:
         hidden, routing = found
         self.routing[id(module)] = routing
         if site not in self.sites:
-            return
+            return None
         slots_site, expert_sites = self.sites[site]
         logits = self.logits.pop(self.router_of.get(site, -1), None)
         if logits is not None and logits.numel() == hidden.shape[0] * logits.shape[-1]:
             margin = topk_margin(logits, routing.index).unsqueeze(-1)
         else:
             margin = torch.full((hidden.shape[0], 1), float("nan"), device=hidden.device)
+        spec = self.spec
+        wait = share and spec.repeats > 0 and ctx.probed and output.numel() == hidden.numel()
         with torch.no_grad():
             slots = slot_outputs(module, hidden, routing.index)
             probes, rows_index = self._probes(module, layer, slots_site, hidden, slots,
-                                              routing, ctx)
-        self.sink.experts(ctx, layer, slots_site, expert_sites, slots, routing, margin,
-                          probes, rows_index)
+                                              routing, ctx, repeats=not wait)
+        if not wait:
+            self.sink.experts(ctx, layer, slots_site, expert_sites, slots, routing, margin,
+                              probes, rows_index)
+            return None
+        # copies: the model's tensors may change after the call
+        held = Routing(routing.index.clone(), routing.weights.clone())
+        x, recorded = hidden.detach().clone(), output.detach().clone()
+        clean = ctx.probe_rows(slots)
 
-    def _probes(self, module, layer, slots_site, hidden, slots, routing, ctx):
+        def again() -> torch.Tensor:
+            with torch.no_grad():
+                return ctx.probe_rows(slot_outputs(module, x, held.index))
+
+        def emit(outputs: list[ProbeOutput]) -> None:
+            self.sink.experts(ctx, layer, slots_site, expert_sites, slots, held, margin,
+                              outputs, rows_index)
+
+        return PendingSlots(slots_site, x, again, probes, emit,
+                            lambda out: _same_call(out, recorded, clean))
+
+    def _probes(self, module, layer, slots_site, hidden, slots, routing, ctx, repeats=True):
         """The slots' probe replays on the round's probe rows (row-wise: each token's expert
-        outputs depend on its own row), and those rows' routing index (R, k)."""
+        outputs depend on its own row), and those rows' routing index (R, k); ``repeats``:
+        with the slots' repeats (else they come later: ``record``)."""
         spec = self.spec
         if not ctx.probed or not (spec.sigmas or spec.dc or spec.repeats):
             return [], None
@@ -126,9 +153,31 @@ class ExpertCapture:
                        for p in outputs]
         # repeats are compared with the clean slots: they re-run the clean call's rows, so each
         # expert sees the same tokens (its GEMM's rounding depends on how many it gets)
-        for t in range(spec.repeats):
+        for t in range(spec.repeats if repeats else 0):
             again = slot_outputs(module, hidden, routing.index)
             outputs.append(ProbeOutput(schema.KIND_REPEAT, t, 0.0, 0,
                                        ctx.probe_rows(again), None))
         return outputs, index
 
+
+class PendingSlots(NamedTuple):
+    """A probed round's slots waiting for their repeats (shared_repeats.Waiting's parts)."""
+
+    site: int  # the slots site
+    x: torch.Tensor  # a copy of the experts call's hidden input
+    again: Callable[[], torch.Tensor]  # a repeat of the slots call alone, at the probe rows
+    outputs: list[ProbeOutput]  # the slots' probes but their repeats
+    emit: Callable[[list[ProbeOutput]], None]  # every record of the call to the sink
+    # a repeat of the slots from the experts call in a block's repeat (None: not given)
+    repeat_from: Callable[[torch.Tensor], torch.Tensor | None]
+
+
+def _same_call(out: torch.Tensor, recorded: torch.Tensor, clean: torch.Tensor
+               ) -> torch.Tensor | None:
+    """In a block's repeat the experts module was called on the recorded input and routing
+    (shared_repeats checks the input): when its output is the recorded output bit for bit,
+    the call reproduced itself, and a repeat of its slots (the same experts' GEMMs on the
+    same tokens) is the clean slots; otherwise None (the slots are re-run alone)."""
+    if out.numel() != recorded.numel() or out.dtype != recorded.dtype:
+        return None
+    return clean if bitwise_equal(out.reshape(recorded.shape), recorded) else None

@@ -83,9 +83,10 @@ class Replays:
         self.host, self.serving, self.moe, self.levels = host, serving_blocks, moe, levels
         self.causal = causal_modules(blocks, sites)
         self.blocks = blocks
-        # sub-layers inside their layer's block: their repeats come from the block's
+        # sub-layers and fused experts inside their layer's block: their repeats (the
+        # experts': their slots') come from the block's
         self.shared = SharedRepeats(spec.repeats)
-        self._nested = {i for i, s in enumerate(sites) if s.role == SUBLAYER and any(
+        self._nested = {i for i, s in enumerate(sites) if s.role in (SUBLAYER, EXPERTS) and any(
             m is s.module for m in blocks[s.layer].modules())}
         self.active = False  # a replay is running: the session's hooks ignore its calls
         self.compiled_round = False  # this round runs as torch.compile'd code
@@ -198,13 +199,16 @@ class Replays:
                 self.sink.probe_outputs(ctx, layer, site, outputs)
             self.sink.finish_site(ctx, layer, site)
 
-        self.shared.defer(layer, Waiting(module, site, x, lambda: cut(again()), held, emit,
-                                         family=family))
+        def alone() -> torch.Tensor:  # routing held, as in the block's run
+            with self.moe.pinned() if self.moe is not None else nullcontext():
+                return cut(again())
+
+        self.shared.defer(layer, Waiting(module, site, x, alone, held, emit, family=family))
 
     def _finish_waiting(self, layer: int, ctx: RoundContext) -> None:
         if not self.shared.waiting.get(layer):
             return
-        with self.running(), (self.moe.pinned() if self.moe is not None else nullcontext()):
+        with self.running():
             failed = self.shared.finish(layer)
         for waiting, exc in failed:  # its clean record is kept, as for any failed replay
             self.coverage.retract(waiting.family, f"{type(exc).__name__}: {exc}")
@@ -443,13 +447,20 @@ class Replays:
     def _experts(self, module, layer, site, role, args, kwargs, hidden, ctx) -> None:
         """A fused experts call: the routing, each token slot's own expert output and, on the
         probe rows, each expert probed on its own (moe_capture.py). The experts module's own
-        records are complete first (the sum within its MLP block is probed there)."""
+        records are complete first (the sum within its MLP block is probed there). In a
+        block the slots wait for the block's repeats: where the block's experts call
+        reproduces the recorded one, no slots call is re-run for a repeat."""
         self.sink.finish_site(ctx, layer, site)
         spec = self.spec
         probed = ctx.probed and bool(spec.sigmas or spec.dc or spec.repeats)
-        with (self.coverage.attempt(self._family(ctx, site, "probes")) if probed
-              else nullcontext()), self.running():
-            self.moe.record(module, layer, site, args, kwargs, ctx)
+        name = self._family(ctx, site, "probes")
+        share = probed and self._shares_repeats(module, layer, site, spec)
+        with (self.coverage.attempt(name) if probed else nullcontext()), self.running():
+            pending = self.moe.record(module, layer, site, args, kwargs, hidden, ctx, share)
+        if pending is not None:  # its slots' repeats from the block's (shared_repeats.py)
+            self.shared.defer(layer, Waiting(module, pending.site, pending.x, pending.again,
+                                             pending.outputs, pending.emit, family=name,
+                                             repeat_from=pending.repeat_from))
 
     def _spec(self, module: nn.Module) -> ProbeSpec:
         """A tensor-parallel module whose replays cannot be batched runs them one by one."""

@@ -8,6 +8,11 @@ probes run without repeats, the sub-layer waits (``defer``), and the block's rep
 takes each waiting sub-layer's output (``around``). A sub-layer whose input differs in the
 block's run (an unstable operator before it in the block) or that was not called exactly once
 re-runs alone, as before (``finish``): what a repeat record holds does not change.
+
+A site may read its repeat off the call in another way (``Waiting.repeat_from``): a fused
+experts call's slots are a second call of the experts module on the same input, so the block's
+repeat gives them only when its experts call reproduced the recorded output bit for bit
+(moe_capture.py).
 """
 
 from __future__ import annotations
@@ -36,6 +41,9 @@ class Waiting:
     emit: Callable[[list[ProbeOutput]], None]  # hands the complete outputs on
     family: str  # its probes' coverage family (counted as ran when they ran)
     repeats: dict[int, torch.Tensor] = field(default_factory=dict)
+    # its repeat from its call's output in the block's run (None: not given there); by
+    # default that output cut to its stored rows
+    repeat_from: Callable[[torch.Tensor], torch.Tensor | None] | None = None
 
 
 class SharedRepeats:
@@ -72,8 +80,9 @@ class SharedRepeats:
                         out = module_output(module, output)
                         same = (isinstance(x, torch.Tensor) and isinstance(out, torch.Tensor)
                                 and x.shape == w.x.shape and x.dtype == w.x.dtype
-                                and x.device == w.x.device and _bitwise_equal(x, w.x))
-                        calls.setdefault(w.site, []).append(cut(out) if same else None)
+                                and x.device == w.x.device and bitwise_equal(x, w.x))
+                        take = w.repeat_from or cut
+                        calls.setdefault(w.site, []).append(take(out) if same else None)
                     except Exception:  # noqa: BLE001 (the sub-layer re-runs alone)
                         calls.setdefault(w.site, []).append(None)
                 handles.append(w.module.register_forward_hook(hook, with_kwargs=True))
@@ -107,7 +116,7 @@ class SharedRepeats:
         return failed
 
 
-def _bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Bit for bit (torch.equal holds -0.0 == 0.0): the integer views, where the dtype has
     one."""
     ints = {2: torch.int16, 4: torch.int32, 8: torch.int64}.get(a.element_size())
