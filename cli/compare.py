@@ -133,11 +133,11 @@ def compare(
 
             start_workers(dumps, jobs, run)
         # imported here, in the supervised child: --help and --version stay fast
+        # (pandas, for the report tables, is imported while the files are read: compare/api.py)
         from srdd_dump import compare as modes
-        from srdd_dump.compare.results import FAIL_ON
+        from srdd_dump.analysis.verdicts import FAIL_ON
         from srdd_dump.format.reader import set_read_monitor
         from srdd_dump.report import report_format, write_report
-        from srdd_dump.report.terminal import baseline_text, diagnosis_text
 
         if not read_timeout >= 0:
             raise UserError(f"--read-timeout {read_timeout}: must be 0 (no limit) or more "
@@ -174,6 +174,8 @@ def compare(
 
             written.append(write_aqn(result.layers, aqn_config))
         if not quiet:
+            from srdd_dump.report.terminal import baseline_text, diagnosis_text
+
             if baseline is not None:
                 typer.echo(baseline_text(result, written))
             else:

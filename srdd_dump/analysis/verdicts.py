@@ -16,5 +16,8 @@ NOT_COMPARED = "N/A"
 VERDICTS = (PASS, WARN, FAIL, NOT_COMPARED)
 VERDICT_RANK = {PASS: 0, WARN: 1, FAIL: 2, NOT_COMPARED: -1}
 
+# --fail-on: the worst verdicts that make the command exit 1, by level
+FAIL_ON = {"fault": (FAULT,), "suspect": (FAULT, SUSPECT)}
+
 # the baseline verdicts in the reference-free vocabulary, for --fail-on
 AS_DIAGNOSIS = {FAIL: FAULT, WARN: SUSPECT, PASS: NORMAL, NOT_COMPARED: NORMAL}

@@ -1,9 +1,15 @@
-"""The three compare modes, each: find the files once, plan, ``pipeline.scan``, finish."""
+"""The three compare modes, each: find the files once, plan, ``pipeline.scan``, finish.
+
+The modules of the result tables (pandas: 0.25 s to import) are imported where a mode needs
+them: the reference-free mode imports them on a thread of their own while its workers read the
+records (``pipeline.import_meanwhile``), not before.
+"""
 
 from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from ..analysis.signals import Signals, set_kurtosis_change
 from ..analysis.tolerance import Thresholds
@@ -11,22 +17,24 @@ from ..errors import UserError
 
 # the modes' modules by their own names, never through the package (its __init__ re-exports
 # this module's functions: importing it here would be an import circle)
-from .baseline import finish as finish_baseline
-from .baseline import pair_files, prepare, store_notes, unused_rule_notes
-from .baseline import plan as plan_baseline
-from .baseline_task import run_task as run_row_task
-from .consistency import finish as finish_consistency
-from .consistency import plan as plan_consistency
-from .consistency_task import run_task as run_consistency_task
 from .early import SIGNAL_TASKS
-from .mapping_file import read_mapping
-from .pipeline import check_jobs, default_jobs, discard_started, prestart, scan
+from .early import plan as plan_reference_free
+from .pipeline import (
+    check_jobs,
+    default_jobs,
+    discard_started,
+    import_meanwhile,
+    prestart,
+    scan,
+)
 from .readers import close_readers
-from .reference_free import finish as finish_reference_free
-from .reference_free import plan as plan_reference_free
-from .results import BaselineResult, CompareResult, ConsistencyResult
 from .signal_reader import run_task as run_signal_task
 from .sources import DumpFile, find_sources, inspect, inspect_all, locate, no_usable_file
+
+if TYPE_CHECKING:
+    from .results import BaselineResult, CompareResult, ConsistencyResult
+
+REFERENCE_FREE = __package__ + ".reference_free"  # its tables: pandas
 
 
 def compare_path(path: str, *, jobs: int | None = 1, progress: bool | None = None,
@@ -51,7 +59,11 @@ def compare_path(path: str, *, jobs: int | None = 1, progress: bool | None = Non
         found = inspect_all(paths, root, note)
         files = found.files
         tasks = plan_reference_free(files, jobs)
+        if jobs > 1 and len(tasks) > 1:
+            import_meanwhile(REFERENCE_FREE)  # while the workers read: a core is busy anyway
         results = scan(run_signal_task, tasks, jobs, progress=show, desc="reference-free")
+        from .reference_free import finish as finish_reference_free
+
         result = finish_reference_free(path, files, tasks, results)
         result.notes = ([found.note] if found.note else []) + [
             note for f in files if f.usable for note in f.capture_notes]
@@ -98,6 +110,8 @@ def compare_baseline(
     the newest); ``jobs`` None: the cores this process may use; ``mapping``: a YAML file pairing
     sites the automatic pairing does not (compare/mapping_file.py). Raises UserError on bad
     arguments or when either side has no usable file."""
+    from .mapping_file import read_mapping
+
     thresholds = (thresholds or Thresholds()).validate()
     rules = read_mapping(mapping) if mapping is not None else ()
     try:
@@ -109,6 +123,11 @@ def compare_baseline(
 
 def _compare_baseline(target_path, baseline_path, thresholds, jobs, progress, run,
                       baseline_run, rules) -> BaselineResult:
+    from .baseline import finish as finish_baseline
+    from .baseline import pair_files, prepare, store_notes, unused_rule_notes
+    from .baseline import plan as plan_baseline
+    from .baseline_task import run_task as run_row_task
+
     sides, notes = [], []
     for path, option, name in ((target_path, "", run),
                                (baseline_path, "--baseline ", baseline_run)):
@@ -163,6 +182,10 @@ def check_consistency(
 
 def _consistency(files: list[DumpFile], thresholds: Thresholds | None, jobs: int,
                  show: bool) -> ConsistencyResult | None:
+    from .consistency import finish as finish_consistency
+    from .consistency import plan as plan_consistency
+    from .consistency_task import run_task as run_consistency_task
+
     tasks, groups, tolerance = plan_consistency(files, thresholds)
     if not groups:
         return None

@@ -1,13 +1,23 @@
-"""The reference-free compare's worker processes started first, before the imports and the
-inspection of the files (``start_workers``): the CLI calls it as soon as its options are
-parsed, and ``api.compare_path`` takes the workers (``pipeline.prestart``). Imports no pandas.
+"""What the reference-free compare does before it reads a record: its worker processes started
+first, before the imports and the inspection of the files (``start_workers``: the CLI calls it
+as soon as its options are parsed, and ``api.compare_path`` takes the workers through
+``pipeline.prestart``), and its tasks planned (``plan``). Imports no pandas: the report tables'
+modules load while the records are read.
 """
 
 from __future__ import annotations
 
+from ..vocabulary import NORM
 from .pipeline import default_jobs, prestart
-from .signal_reader import run_task
-from .sources import locate
+from .signal_reader import (
+    SignalTask,
+    chunks,
+    expert_sites,
+    present_keys,
+    run_task,
+    with_experts,
+)
+from .sources import DumpFile, locate
 
 SIGNAL_TASKS = run_task.__module__  # the module a reference-free worker runs tasks of
 
@@ -22,3 +32,19 @@ def start_workers(path: str, jobs: int | None = None, run: str | None = None) ->
             prestart(default_jobs(paths) if jobs is None else jobs, SIGNAL_TASKS)
     except Exception:  # noqa: BLE001 (the compare reports it)
         pass
+
+
+def plan(files: list[DumpFile], jobs: int) -> list[SignalTask]:
+    """The signal tasks of the usable ``files``: runs of consecutive layers (``chunks``) when
+    ``jobs`` processes share them, else one task per file."""
+    tasks = []
+    for n, f in enumerate(files):
+        if not f.usable:
+            continue
+        table = f.records if f.stats_index is None else f.stats_index
+        keys = with_experts(present_keys(table, stack_input=NORM in f.site_roles),
+                            expert_sites(f.sites, f.site_roles))
+        parts = chunks(table, keys, jobs) if jobs > 1 and len(keys) > 1 else [keys]
+        tasks += [SignalTask(n, f.path, part, f.layers, f.sites, f.site_roles)
+                  for part in parts]
+    return tasks

@@ -1,8 +1,9 @@
 """Reference-free mode: the signals of every block and sub-layer of each dump file, then one
 verdict row per block layer (``analysis.diagnosis``).
 
-Tasks (``signal_reader.SignalTask``) are runs of consecutive layers of one file (the whole
-file with one process), so the processes of ``-j N`` share the files and the layers in them.
+Tasks (``signal_reader.SignalTask``, planned by ``early.plan``) are runs of consecutive layers
+of one file (the whole file with one process), so the processes of ``-j N`` share the files
+and the layers in them.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from ..analysis.diagnosis import LayerVerdict, diagnose, headline, site_verdicts
 from ..analysis.signals import DECODE, PREFILL, Signals, set_kurtosis_change
 from ..analysis.verdicts import FAULT, NORMAL, VERDICT_ORDER
 from ..format import schema as s
-from ..vocabulary import EXPERT, NORM
+from ..vocabulary import EXPERT
 from .hunt import hunt_command
 from .results import (
     FILE_COLUMNS,
@@ -25,22 +26,8 @@ from .results import (
     SKIPPED,
     CompareResult,
 )
-from .signal_reader import SignalTask, chunks, expert_sites, present_keys, with_experts
+from .signal_reader import SignalTask
 from .sources import DumpFile
-
-
-def plan(files: list[DumpFile], jobs: int) -> list[SignalTask]:
-    tasks = []
-    for n, f in enumerate(files):
-        if not f.usable:
-            continue
-        table = f.records if f.stats_index is None else f.stats_index
-        keys = with_experts(present_keys(table, stack_input=NORM in f.site_roles),
-                            expert_sites(f.sites, f.site_roles))
-        parts = chunks(table, keys, jobs) if jobs > 1 and len(keys) > 1 else [keys]
-        tasks += [SignalTask(n, f.path, part, f.layers, f.sites, f.site_roles)
-                  for part in parts]
-    return tasks
 
 
 def finish(path: str, files: list[DumpFile], tasks: list[SignalTask],

@@ -4,9 +4,12 @@
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
-from ..compare.results import BaselineResult, CompareResult
 from ..errors import UserError
+
+if TYPE_CHECKING:  # the result modules import pandas: not before a compare has run
+    from ..compare.results import BaselineResult, CompareResult
 
 REPORT_FORMATS = (".csv", ".xlsx")
 
@@ -24,6 +27,8 @@ def report_format(output: str) -> str:
 def write_report(result: CompareResult | BaselineResult, output: str) -> list[str]:
     """Write ``result`` in the format of ``output``'s extension; returns the files written
     (the main report first)."""
+    from ..compare.results import BaselineResult
+
     ext = report_format(output)
     try:
         os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
