@@ -69,7 +69,7 @@ def dump(
                                   "the device against it."),
     store: str = typer.Option(D.store, "--store", help="sample:N (probe outputs on about N "
                               "elements of seeded token rows), full, or stats[:R]: statistics "
-                              "reduced on the device instead of tensors, ~1%% of the size, "
+                              "reduced on the device instead of tensors, ~1% of the size, "
                               "and R seeded rows (default 2) of each block for --baseline."),
     inject: list[str] = typer.Option([], "--inject", help="Simulated fault, e.g. "
                                      "'dead_zone@layer=10,m=0.3,sparsity=0.1,site=mlp' "

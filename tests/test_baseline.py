@@ -193,6 +193,31 @@ def test_consistency_flags_nan_on_one_card(tmp_path):
     t = result.table
     assert t.loc[t["first_departure"], ["source", "layer", "nan_inf"]].values.tolist() == [
         ["c.h5", 1, 1]]
+    # --fail-on fault: the odd card out is a FAULT of the run, though no file's own layers are
+    from srdd_dump.compare.results import CompareResult
+
+    layers = pd.DataFrame({"verdict": ["NORMAL"]})
+    assert CompareResult("x", layers, pd.DataFrame(), consistency=result).worst_verdict() \
+        == "FAULT"
+    assert CompareResult("x", layers, pd.DataFrame()).worst_verdict() == "NORMAL"
+
+
+def test_a_dump_of_some_layers_pairs_its_stack_input_with_the_block_before(runs, tmp_path):
+    """A hunt dump (--layers) starts at a later block: its stack input is the output of the
+    golden run's block before that one, not the golden embedding output (a healthy run was
+    once blamed on "the stack input" with cosine -0.01)."""
+    model = build("llama", layers=4)
+    cfg = DumpConfig(dump_path=str(tmp_path / "some"), probes="none", layers="model.layers.[23]")
+    with register_hook(model, cfg) as session, torch.no_grad():
+        for ids in PROMPTS[:1]:
+            model(input_ids=ids)
+    for mine, golden in ((session.path, runs["golden"]), (runs["golden"], session.path)):
+        result = compare(mine, golden)
+        t = result.table[result.table["verdict"] != NOT_COMPARED]
+        assert set(t["verdict"]) == {"PASS"}, t[["layer", "golden_layer", "verdict"]]
+        stack = t[(t["layer"] == -1) | (t["golden_layer"] == -1)]
+        assert len(stack) == 1 and stack["relative_euclidean_distance"].iloc[0] == 0
+        assert result.summary.pattern == "clean", result.summary.message
 
 
 # -- (d) mismatched models ---------------------------------------------------------------------
@@ -644,6 +669,44 @@ def test_a_birth_by_growth_must_recur_to_be_named():
     often = mark_divergence(_rounds_table([jump] * 4 + [smooth] * 6))
     summary = summarize(often)
     assert summary.pattern == "born" and summary.first_layer == 2 and summary.first_rounds == 4
+
+
+def _site_rows(table, layer, verdicts_amps):
+    """One mlp row per round at ``layer``: (verdict, error_amplification) per round."""
+    rows = []
+    for sample, (verdict, amp) in enumerate(verdicts_amps):
+        rows.append(dict(source="a", golden_source="b", sample=sample, golden_sample=sample,
+                         step=0, layer=layer, module=f"l.{layer}.mlp", golden_module="",
+                         verdict=verdict,
+                         error_amplification=amp, relative_euclidean_distance=0.18,
+                         cosine_similarity=0.98, tolerance="bfloat16", cmp_fail_reason=""))
+    return pd.DataFrame(rows)
+
+
+@pytest.mark.unit
+def test_a_sub_layer_birth_is_named_when_no_block_multiplies_the_error_tenfold():
+    """bf16 against fp32 with a fault in layer 3's MLP whose error is of the size of the two
+    setups' rounding difference: the block's error grows x3, below a block birth, while the
+    MLP's output FAILs at x12 its block input's error (a user's dead zone in SmolLM2 did
+    this). The finding names layer 3 and its MLP, and --fail-on fault fires."""
+    from srdd_dump.compare.divergence import mark_divergence, summarize
+    from srdd_dump.compare.results import BaselineResult
+
+    table = mark_divergence(_rounds_table([[0.004, 0.006, 0.009, 0.03, 0.035, 0.04]] * 4))
+    assert summarize(table).pattern == "gradual"
+    summary = summarize(table, sites=_site_rows(table, 3, [("FAIL", 12.0)] * 3
+                                                + [("FAIL", 6.0)]))
+    assert summary.pattern == "site" and summary.first_layer == 3, summary.message
+    assert summary.first_site == "l.3.mlp" and summary.first_site_rounds == 3
+    assert "error born inside layer 3 (l.3)" in summary.message
+    result = BaselineResult("a", "b", table, pd.DataFrame(), summary, None)
+    assert result.worst_verdict() == "FAULT"
+    # not a finding: a WARN (within FAIL's limit), or a tenfold growth in one round only
+    for rows in ([("WARN", 12.0)] * 4, [("FAIL", 12.0)] + [("FAIL", 3.0)] * 3):
+        quiet = summarize(table, sites=_site_rows(table, 3, rows))
+        assert quiet.pattern == "gradual", quiet.message
+        assert BaselineResult("a", "b", table, pd.DataFrame(), quiet, None).worst_verdict() \
+            == "SUSPECT"
 
 
 @pytest.mark.unit

@@ -421,6 +421,23 @@ def test_a_csv_report_does_not_load_openpyxl(tmp_path):
     assert out == ["False"]
 
 
+def test_pandas_is_not_loaded_before_the_records_are_read(tmp_path):
+    """pandas (0.25 s) is for the report tables: with workers it loads on a thread while they
+    read (pipeline.import_meanwhile); nothing imports it before the scan."""
+    faulty_dump(str(tmp_path))
+    code = (
+        "import sys\nfrom srdd_dump.compare import api\n"
+        "seen = []\nreal = api.scan\n"
+        "def scan(*a, **k):\n    seen.append('pandas' in sys.modules)\n"
+        "    return real(*a, **k)\n"
+        "api.scan = scan\n"
+        "from srdd_dump.report import write_report\n"
+        "write_report(api.compare_path(sys.argv[1], progress=False), sys.argv[1] + '/r.csv')\n"
+        "print(seen[0], 'pandas' in sys.modules)\n"
+    )
+    assert python_words(code, str(tmp_path)) == ["False", "True"]
+
+
 @pytest.mark.integration
 def test_a_dump_file_named_without_a_folder_part(tmp_path):
     """`srdd-compare file.h5` in the file's folder (it once failed: "no path specified")."""
@@ -433,3 +450,19 @@ def test_a_dump_file_named_without_a_folder_part(tmp_path):
     # a report path under a file: the reason named
     res = run_cli("mine.h5", "-o", "notes.h5/r.csv", "-q", cwd=str(tmp_path))
     assert res.returncode == 2 and "notes.h5 is a file, not a folder" in res.stderr
+
+
+def test_the_documented_layer_columns_are_the_report_columns():
+    """docs/cli.md lists the layer table's columns in order: it stays the report's."""
+    import re
+
+    from srdd_dump.compare.results import LAYER_COLUMNS
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "docs", "cli.md")) as fh:
+        text = fh.read()
+    para = text[text.index("Layer table columns, in this order:"):]
+    para = para[: para.index("Rows are sorted")]
+    listed = [name for span in re.findall(r"`([^`]+)`", para)
+              for name in re.split(r",\s*", span)]
+    assert listed == LAYER_COLUMNS

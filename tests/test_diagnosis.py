@@ -273,3 +273,26 @@ def test_a_norms_zeros_its_input_had_are_the_inputs_in_a_round_no_probe_replayed
     assert run(norm_zeros=4 / 576, input_zeros=4 / 576).verdict == NORMAL
     assert run(norm_zeros=40 / 576, input_zeros=4 / 576).verdict == FAULT  # its own zeros
     assert run(norm_zeros=40 / 576, input_zeros=40 / 576, flat_zero=40 / 576).verdict == FAULT
+
+
+def test_without_repeat_runs_the_exact_identities_are_suspect_at_most():
+    """--repeats 0: a noise fault breaks causality and the batched replay like a mask bug would
+    (fresh noise per call), and nothing measured that the layer is deterministic. The evidence
+    stays, SUSPECT at most and saying why; with repeats that found the layer bit-stable it is
+    a FAULT."""
+    from srdd_dump.analysis.signals import Signals
+    from srdd_dump.analysis.verdicts import SUSPECT
+
+    def run(instability: float):
+        signals = [Signals(layer=k, site=-1, module=f"model.layers.{k}", samples=1,
+                           dtype="float32", n_values=4000, offset=0.01, kurtosis=0.5,
+                           instability=instability, instab_changed=0.0)
+                   for k in range(8)]
+        signals[5].causal_broken, signals[5].causal_n = 1.0, 4000
+        signals[5].causal_size = 0.1
+        return next(v for v in diagnose(signals, "float32", 8) if v.layer == 5)
+
+    assert run(0.0).verdict == FAULT
+    unrepeated = run(float("nan"))
+    assert unrepeated.verdict == SUSPECT
+    assert "no repeat runs were made" in unrepeated.evidence[0].text

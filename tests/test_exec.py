@@ -118,6 +118,17 @@ def test_bad_exec_commands(command, message, tmp_path):
     assert "Traceback" not in res.stderr and len(res.stderr.strip().splitlines()) == 1
 
 
+def test_a_script_without_its_execute_bit_and_a_negative_free_space(tmp_path):
+    script = tmp_path / "infer.py"
+    script.write_text("print('hi')\n")
+    res = run_cli("srdd-dump", "--exec", str(script), "-o", str(tmp_path / "d"))
+    assert res.returncode == 2 and "permission denied (not executable" in res.stderr
+    res = run_cli("srdd-dump", "--exec", f"{sys.executable} {script}", "-o",
+                  str(tmp_path / "d"), "--min-free-gb", "-1")
+    assert res.returncode == 2 and "--min-free-gb -1.0: must be 0" in res.stderr
+    assert "hi" not in res.stdout and not (tmp_path / "d").exists()
+
+
 def test_exec_never_uses_a_shell(tmp_path):
     marker = tmp_path / "pwned"
     res = run_cli("srdd-dump", "--exec", f"echo hi; touch {marker}", "-o", str(tmp_path / "d"))

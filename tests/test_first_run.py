@@ -3,6 +3,7 @@ in-code API wrote, the default number of compare processes."""
 
 from __future__ import annotations
 
+import calendar
 import os
 import re
 
@@ -67,9 +68,20 @@ def test_an_old_flat_dump_and_a_new_run_in_one_folder_are_not_mixed(tmp_path):
     _run(tmp_path, "srdd_dump_20261102_000000", 2_000_000)
     result = compare_path(str(tmp_path), progress=False)
     assert list(result.files["source"]) == ["srdd_dump_20261102_000000/srdd_rank0_pid1.h5"]
-    assert "(the folder itself)" in result.notes[0]
+    assert "--run NAME for another (.) or --run all" in result.notes[0]
     older = compare_path(str(tmp_path), progress=False, run=".")
     assert list(older.files["source"]) == ["srdd_rank0_pid7.h5"]
+    # the golden side's note names its own option
+    from srdd_dump.compare.sources import find_sources
+
+    assert "--baseline-run NAME for another (.)" in find_sources(
+        str(tmp_path), "--baseline ").note
+    # a flat dump written after the run folder's start time is the newer run
+    later = calendar.timegm((2026, 11, 3, 0, 0, 0, 0, 0, 0))
+    os.utime(flat, (later, later))
+    newer = compare_path(str(tmp_path), progress=False)
+    assert list(newer.files["source"]) == ["srdd_rank0_pid7.h5"]
+    assert "--run NAME for another (srdd_dump_20261102_000000)" in newer.notes[0]
 
 
 def test_runs_of_different_hosts_are_compared_together(tmp_path):

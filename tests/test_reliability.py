@@ -216,6 +216,22 @@ def test_ctrl_c_reaches_the_program_and_the_dump_is_finalised(tmp_path):
     assert compare_path(path, progress=False).files["status"].tolist() == ["ok"]
 
 
+def test_ctrl_c_before_any_model_ran_is_said_as_such(tmp_path):
+    """Ctrl-C while the program loads its model: one line that the command was stopped by
+    SIGINT, not "failed (exit code -2)" beside "killed by SIGINT (exit code 130)"."""
+    script = tmp_path / "slow.py"
+    script.write_text("import time\nimport torch\nprint('forward 1 0', flush=True)\n"
+                      "time.sleep(60)\n")
+    proc = _start("--exec", f"{sys.executable} {script}", "-o", str(tmp_path / "d"),
+                  "--min-free-gb", "0")
+    _wait_for_forward(proc, 1)
+    os.kill(proc.pid, signal.SIGINT)
+    code, _, err = _finish(proc)
+    assert code == 128 + signal.SIGINT, err
+    assert "was stopped by SIGINT before any model" in err, err
+    assert "exit code -" not in err
+
+
 # -- file-size limit, full disk ----------------------------------------------------------------
 
 

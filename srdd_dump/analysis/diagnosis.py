@@ -36,6 +36,7 @@ from ..vocabulary import (
     NORM,
     ROTARY,
     SUBLAYER,
+    UNIT_ROUNDOFF,
     sublayer_kind,
 )
 from .identities import CLIP, OFFSET, OTHER, ZERO
@@ -94,6 +95,7 @@ BATCH_DEP_FEW = 0.01
 # |z| = 262 (gain, layer 0) and 1143 (kurtosis drop, layer 9) through natural structure.
 Z_OFFSET = 12.0
 RELATIVE_MIN_LAYERS = 8  # layers of a kind the relative z needs to reach FAULT
+UNDER_FAULT = 1.0 - 1e-9  # the largest strength (score) of a SUSPECT
 
 # Exact identities (docs/method.md): healthy value exactly 0 on every architecture and dtype
 # measured; FAULT when the lower bound of the broken share reaches these.
@@ -148,15 +150,15 @@ class LayerVerdict:
         return "; ".join(f"{e.text} [{e.strength:.2g}x]" for e in items)
 
 
-def robust_z(values: np.ndarray) -> np.ndarray:
-    """(v - median) / (1.4826 * max(MAD, 1% of |median|, 1e-12)), NaN-safe."""
+def robust_z(values: np.ndarray, floor: float = 1e-12) -> np.ndarray:
+    """(v - median) / (1.4826 * max(MAD, 1% of |median|, floor)), NaN-safe."""
     v = np.asarray(values, dtype=np.float64)
     ok = np.isfinite(v)
     if ok.sum() < 3:
         return np.zeros_like(v)
     med = np.median(v[ok])
     mad = np.median(np.abs(v[ok] - med))
-    scale = 1.4826 * max(mad, 0.01 * abs(med), 1e-12)
+    scale = 1.4826 * max(mad, 0.01 * abs(med), floor)
     z = (v - med) / scale
     z[~ok] = 0.0
     return z
@@ -273,13 +275,13 @@ def _exact_evidence(sig: Signals, dtype: str, instab_median: float, compute_dtyp
         # the other inputs of the batch: a range (max, scale) taken over the whole batch
         at_edge = (sig.batch_dep_level >= BATCH_DEP_EXTREME
                    and sig.batch_dep_moved < BATCH_DEP_FEW and not quantized)
-        ev.append(Evidence(
+        ev.append(_unless_unrepeated(sig, Evidence(
             "SAT_SOURCE" if at_edge else "BATCH_DEP", sig.batch_dep / batch_limit,
             f"the output of {where} for one input changes with the rest of its batch by "
             f"{sig.batch_dep:.2g} of max|x|"
             + (f", at its extremes ({sig.batch_dep_moved:.2%} of the elements, at "
                f"{sig.batch_dep_level:.2f} max|x|): a clip limit taken from the whole batch"
-               if at_edge else ""), secondary=True))
+               if at_edge else ""), secondary=True)))
     if quantized:
         ev.append(Evidence("QUANTIZED", sig.grid / GRID_SHARE,
                            f"{sig.grid:.0%} of the rows of {where} lie on an even grid of at "
@@ -295,6 +297,16 @@ def _exact_evidence(sig: Signals, dtype: str, instab_median: float, compute_dtyp
             if e.family in REFERENCE_FAMILIES:
                 e.secondary = True
     return ev
+
+
+def _unless_unrepeated(sig: Signals, e: Evidence) -> Evidence:
+    """Evidence that holds the module to bit equality (an identity, the batched replay), made
+    SUSPECT at most when no repeat run measured whether the module is deterministic
+    (--repeats 0): an output that varies from run to run breaks it too."""
+    if not np.isfinite(sig.instability):
+        e.strength = min(e.strength, UNDER_FAULT)
+        e.text += " (no repeat runs were made: a non-deterministic output would do this too)"
+    return e
 
 
 def _identity_evidence(sig: Signals, where: str, dtype: str) -> list[Evidence]:
@@ -328,6 +340,7 @@ def _identity_evidence(sig: Signals, where: str, dtype: str) -> list[Evidence]:
             "CAUSALITY", causal / CAUSAL_BROKEN,
             f"perturbing later tokens moved {sig.causal_broken:.2%} of the elements of earlier "
             f"rows of {where}"))
+    ev = [_unless_unrepeated(sig, e) for e in ev]
     if np.isfinite(sig.host_red) or sig.host_red == float("inf"):
         limits = DEFAULT_LIMITS.get(dtype, DEFAULT_LIMITS["float32"])
         channel = sig.host_channel_red if np.isfinite(sig.host_channel_red) else 0.0
@@ -370,8 +383,12 @@ def relative_z(group: list[Signals]) -> dict[str, np.ndarray]:
     """Robust z of the offset, log gain and the drop of log kurtosis (vs the previous layer)
     among the layers of one site kind, in the order of ``group``."""
     kurt = _log([g.kurtosis + 3 for g in group])  # plain kurtosis > 0
+    # offsets within the dtype's rounding of the values are the rounding's own (a normalised
+    # output's mean is 0 up to it): their spread among layers is no evidence
+    rounding = max((UNIT_ROUNDOFF.get(g.dtype, 0.0) for g in group), default=0.0)
     return {
-        "offset": robust_z(np.array([g.offset for g in group], dtype=np.float64)),
+        "offset": robust_z(np.array([g.offset for g in group], dtype=np.float64),
+                           max(rounding, 1e-12)),
         "gain": robust_z(_log([g.gain for g in group])),
         "kurt_drop": -robust_z(np.concatenate([[np.nan], np.diff(kurt)])),
     }
@@ -383,7 +400,7 @@ def _relative_evidence(group: list[Signals]) -> dict[int, list[Evidence]]:
         return out
     z = relative_z(group)
     # a median and MAD of a few layers cannot carry a z threshold: SUSPECT at most there
-    cap = math.inf if len(group) >= RELATIVE_MIN_LAYERS else 1.0 - 1e-9
+    cap = math.inf if len(group) >= RELATIVE_MIN_LAYERS else UNDER_FAULT
     for i, g in enumerate(group):
         if z["offset"][i] > SUSPECT_RATIO * Z_OFFSET:
             out[i].append(Evidence("BIAS", min(z["offset"][i] / Z_OFFSET, cap),
@@ -580,7 +597,7 @@ def _mark_propagation(verdicts: list[LayerVerdict], signals: list[Signals]) -> N
             v.diagnosis = ",".join(f"{f.replace('_SOURCE', '')}_PROP" for f in families)
             if v.verdict == FAULT:
                 v.verdict = SUSPECT
-                v.score = min(v.score, 1.0 - 1e-9)
+                v.score = min(v.score, UNDER_FAULT)
             continue
         if v.verdict == FAULT:
             for f in families:

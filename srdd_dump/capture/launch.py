@@ -72,6 +72,9 @@ def split_command(command: str) -> list[str]:
     if not argv:
         raise UserError("--exec needs a command, e.g. --exec \"python infer.py\"")
     if shutil.which(argv[0]) is None:
+        if os.sep in argv[0] and os.path.isfile(argv[0]):  # ./infer.py without its x bit
+            raise UserError(f"--exec: {argv[0]}: permission denied (not executable: chmod +x "
+                            f"it, or run it as --exec \"python {argv[0]}\")")
         raise UserError(f"--exec: command not found: {argv[0]}")
     return argv
 
@@ -100,6 +103,8 @@ def run_exec(command: str, config: DumpConfig, min_free_gb: float = MIN_FREE_GB,
     ``eager``: torch.compile is turned off in the command (``EAGER_ENV``).
     """
     argv = split_command(command)
+    if not min_free_gb >= 0:
+        raise UserError(f"--min-free-gb {min_free_gb}: must be 0 (no check) or more")
     check_free_space(config.dump_path, min_free_gb)
     run_dir = new_run_folder(config.dump_path)
     # the processes get it absolute: a program may change its working directory
@@ -306,7 +311,7 @@ def _collect(returncode: int, status_dir: str, new_partials: set[str] | None = N
         reasons = [st["no_blocks"] for st in statuses if st.get("no_blocks")]
         silent = [f"pid {st['pid']}: nothing captured: "
                   + (st["silence"] if returncode == 0 or LAYERS_HINT not in st["silence"] else
-                     f"the command failed (exit code {returncode}) after the model was called "
+                     f"the command {_ended(returncode)} after the model was called "
                      "and before any of its blocks ran: see the command's own error above")
                   for st in statuses if st.get("silence")]
         if silent:
@@ -331,9 +336,9 @@ def _collect(returncode: int, status_dir: str, new_partials: set[str] | None = N
                     "torch.compile'd code, where srdd-dump's hooks cannot run; run eagerly: "
                     "srdd-dump --eager")
             elif returncode != 0:
-                result.problems.append(f"nothing captured: the command failed (exit code "
-                                       f"{returncode}) before any model with a block stack "
-                                       "ran a forward: see its own error above")
+                result.problems.append(f"nothing captured: the command {_ended(returncode)} "
+                                       "before any model with a block stack ran a forward"
+                                       + ("" if returncode < 0 else ": see its own error above"))
             else:
                 result.problems.append("no model with a block stack ran a forward in any "
                                        "process")
@@ -342,6 +347,17 @@ def _collect(returncode: int, status_dir: str, new_partials: set[str] | None = N
                 "no model forward with more than one token was captured (no prefill seen)"
             )
     return result
+
+
+def _ended(returncode: int) -> str:
+    """'failed (exit code 1)', or for a command a signal ended: 'was stopped by SIGINT'."""
+    if returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = f"signal {-returncode}"
+        return f"was stopped by {name}"
+    return f"failed (exit code {returncode})"
 
 
 def _degraded(statuses: list[dict]) -> list[str]:

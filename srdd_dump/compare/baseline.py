@@ -171,9 +171,7 @@ def plan(pairs: list[tuple[Side, Side]], thresholds: Thresholds,
     to ``rules_used``)."""
     tasks: dict[tuple, RowTask] = {}
     for p, (mine, golden) in enumerate(pairs):
-        layer_pairs = pair_layers(mine.layers, golden.layers)
-        if _has_layer(mine, s.STACK_INPUT) or _has_layer(golden, s.STACK_INPUT):
-            layer_pairs = [(s.STACK_INPUT, s.STACK_INPUT)] + layer_pairs
+        layer_pairs = _with_stack_input(mine, golden, pair_layers(mine.layers, golden.layers))
         sites = SitePlan(mine, golden, layer_pairs, rules)
         if rules_used is not None:
             rules_used.update(*(p.rules_used for p in sites.pairing.values()))
@@ -309,6 +307,30 @@ def _completion_order(f: Side) -> dict:
 
 def _has_layer(f: Side, layer: int) -> bool:
     return any(k[1] == layer for k in f.clean_blocks)
+
+
+def _with_stack_input(mine: Side, golden: Side, pairs: list[tuple[int | None, int | None]]
+                      ) -> list[tuple[int | None, int | None]]:
+    """The layer pairs with the stack input (the hidden-state input of a dump's first block)
+    first. Both dumps start at the same block: their stack inputs pair. One starts later (a
+    dump of some layers, ``--layers``): its stack input is the output of the other's block
+    before that one, so those pair; the earlier dump's own stack input pairs with nothing.
+    Dumps whose first blocks are unrelated: no stack input row (it would compare the inputs of
+    two different blocks)."""
+    has_mine, has_golden = _has_layer(mine, s.STACK_INPUT), _has_layer(golden, s.STACK_INPUT)
+    if not (has_mine or has_golden):
+        return pairs
+    first_mine = mine.layers[0] if mine.layers else ""
+    first_golden = golden.layers[0] if golden.layers else ""
+    if first_mine == first_golden or not (first_mine and first_golden):
+        return [(s.STACK_INPUT, s.STACK_INPUT)] + pairs
+    if has_mine and first_mine in golden.layers[1:]:
+        before = golden.layers.index(first_mine) - 1
+        return [(s.STACK_INPUT, before)] + [p for p in pairs if p != (None, before)]
+    if has_golden and first_golden in mine.layers[1:]:
+        before = mine.layers.index(first_golden) - 1
+        return [(before, s.STACK_INPUT)] + [p for p in pairs if p != (before, None)]
+    return pairs
 
 
 def _layer_spec(

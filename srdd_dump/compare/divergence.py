@@ -231,12 +231,17 @@ def summarize(table: pd.DataFrame, same_device: dict[tuple[str, str], bool] | No
         layer = int(firsts["layer"].min())
         at = firsts[firsts["layer"] == layer]
         summary.first_layer, summary.first_module = layer, str(at["module"].iloc[0])
+        if layer < 0:  # the stack input: named by the block it feeds
+            blocks = table.loc[table["layer"] == 0, "module"]
+            summary.first_module = str(blocks.iloc[0]) if len(blocks) else ""
         summary.first_rounds = len(at)
         birth = int(at[RED_COLUMN].fillna(-1.0).idxmax())
         summary.first_exact_input = _input_red(table, birth) == 0
         if sites is not None:
             _first_site(summary, at, sites)
     summary.pattern, summary.message = _explain(summary, compared, same_setup)
+    if summary.pattern in ("gradual", "clean") and sites is not None:
+        _site_origin(summary, table, sites)
     if compared.empty and sites is not None:
         summary.message = _sites_only(sites) or summary.message
     if summary.first_site:
@@ -245,6 +250,45 @@ def summarize(table: pd.DataFrame, same_device: dict[tuple[str, str], bool] | No
     if sites is not None:
         summary.unmatched = unmatched_lines(sites)
     return summary
+
+
+def _site_origin(summary: BaselineSummary, table: pd.DataFrame, sites: pd.DataFrame) -> None:
+    """No block multiplied the error BIRTH_GROWTH-fold, but a sub-layer or operator did: it
+    FAILs with BIRTH_GROWTH times its block input's relative error. A fault whose error is of
+    the size of the rounding difference of the two setups (bf16 against fp32: about 1% by the
+    middle layers) grows its block's error a few times only, while the sub-layer it sits in
+    still grows it tenfold. Named as the finding (pattern "site") when it recurs at its layer
+    as a birth must (``_recurring``); the earliest such layer."""
+    amp = pd.to_numeric(sites["error_amplification"], errors="coerce")
+    born = sites[(sites["verdict"] == FAIL) & sites["layer"].notna()
+                 & (amp >= BIRTH_GROWTH).to_numpy()]
+    if born.empty:
+        return
+    breaking = table[table["verdict"].isin([WARN, FAIL])][GROUP].drop_duplicates()
+    need = max(2, BIRTH_SHARE * len(breaking))
+    rounds = born.drop_duplicates(GROUP + ["layer"])["layer"].value_counts()
+    layers = sorted(int(k) for k, n in rounds.items() if n >= need)
+    if not layers:
+        return
+    layer = layers[0]
+    at = born[born["layer"] == layer]
+    counts = at.drop_duplicates(GROUP)["module"].value_counts()  # a round's first, in order
+    block = table[(table["layer"] == layer) & (table["verdict"] != NOT_COMPARED)]
+    summary.first_layer = layer
+    summary.first_module = str(block["module"].iloc[0]) if len(block) else ""
+    summary.first_rounds = int(rounds[layer])
+    summary.first_site, summary.first_site_rounds = str(counts.index[0]), int(counts.iloc[0])
+    worst = at.loc[pd.to_numeric(at[RED_COLUMN], errors="coerce").fillna(-1.0).idxmax()]
+    growth = block["error_amplification"].max() if len(block) else math.nan
+    tol = ", ".join(sorted(set(at["tolerance"].astype(str))))
+    summary.pattern = "site"
+    summary.message = (
+        f"error born inside layer {layer} ({summary.first_module}): a sub-layer's output "
+        f"FAILs with x{worst['error_amplification']:.3g} its block input's relative error "
+        f"(relative error {worst[RED_COLUMN]:.3g}, cosine {worst['cosine_similarity']:.6f}) "
+        f"in {summary.first_rounds} of {summary.rounds} compared rounds at {tol} tolerance, "
+        f"while the block's own output grows it x{growth:.3g} at most (the rounding difference "
+        "of the two setups is of the same size there): look at this layer first")
 
 
 def _first_site(summary: BaselineSummary, births: pd.DataFrame, sites: pd.DataFrame) -> None:
@@ -328,7 +372,8 @@ def _explain(s: BaselineSummary, compared: pd.DataFrame, same_setup: np.ndarray
     tol = ", ".join(sorted(set(compared["tolerance"])))
     if s.first_layer is not None:
         where = (
-            "the stack input (embedding output, before layer 0)" if s.first_layer < 0
+            f"the stack input (the input of {s.first_module or 'the first block'})"
+            if s.first_layer < 0
             else f"layer {s.first_layer} ({s.first_module})"
         )
         at = s.first_divergence[s.first_divergence["layer"] == s.first_layer]

@@ -12,6 +12,7 @@ import pandas as pd
 
 from ..analysis.verdicts import (
     AS_DIAGNOSIS,
+    FAIL_ON,
     FAULT,
     NORMAL,
     NOT_COMPARED,
@@ -20,7 +21,8 @@ from ..analysis.verdicts import (
 )
 from .sources import INCOMPLETE, OK, SKIPPED
 
-__all__ = ["INCOMPLETE", "OK", "SKIPPED"]  # file statuses, defined with the files
+# file statuses, defined with the files; --fail-on's levels, with the verdicts
+__all__ = ["FAIL_ON", "INCOMPLETE", "OK", "SKIPPED"]
 
 # -- reference-free ----------------------------------------------------------------------------
 
@@ -68,8 +70,11 @@ class CompareResult:
         return list(self.files.loc[self.files["status"] == SKIPPED, "reason"])
 
     def worst_verdict(self) -> str:
-        """FAULT, SUSPECT or NORMAL: the worst layer verdict of every file."""
+        """FAULT, SUSPECT or NORMAL: the worst layer verdict of every file; an odd card out
+        of the consistency check (one card of a group departs from the others) is a FAULT."""
         verdicts = set(self.layers["verdict"])
+        if self.consistency is not None and self.consistency.odd_sources:
+            verdicts.add(FAULT)
         return next((v for v in (FAULT, SUSPECT) if v in verdicts), NORMAL)
 
 
@@ -129,7 +134,7 @@ class BaselineSummary:
     worst: pd.DataFrame  # the layers with the largest relative error, PER_LAYER_COLUMNS
     not_compared: dict[str, int] = field(default_factory=dict)  # reason -> rows
     first_exact_input: bool = False  # the birth layer's input equals the golden run's
-    pattern: str = ""  # introduced | born | gradual | clean | nothing
+    pattern: str = ""  # introduced | born | site | gradual | clean | nothing
     message: str = ""  # the finding, one sentence
     first_site: str = ""  # inside first_layer: the sub-layer or operator where it was born
     first_site_rounds: int = 0  # of the first_rounds, those in which first_site was
@@ -168,8 +173,11 @@ class BaselineResult:
         return why or "no round of one dump pairs with a round of the other"
 
     def worst_verdict(self) -> str:
-        """In the reference-free vocabulary, for ``--fail-on``: FAIL -> FAULT, WARN -> SUSPECT."""
+        """In the reference-free vocabulary, for ``--fail-on``: FAIL -> FAULT, WARN -> SUSPECT;
+        a sub-layer FAIL named as the finding (pattern "site") is a FAULT too."""
         verdicts = {AS_DIAGNOSIS[v] for v in set(self.table["verdict"])}
+        if self.summary.pattern == "site":
+            verdicts.add(FAULT)
         return min(verdicts | {NORMAL}, key=VERDICT_ORDER.__getitem__)
 
 
@@ -200,7 +208,3 @@ class ConsistencyResult:
     def odd_sources(self) -> list[str]:
         return list(self.summary.loc[self.summary["odd"], "source"])
 
-
-# -- --fail-on: the worst verdicts that make the command exit 1, by level --------------------
-
-FAIL_ON = {"fault": (FAULT,), "suspect": (FAULT, SUSPECT)}

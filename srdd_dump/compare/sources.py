@@ -8,6 +8,7 @@ processes open their own.
 
 from __future__ import annotations
 
+import calendar
 import contextlib
 import os
 import shutil
@@ -246,27 +247,35 @@ def _choose_runs(path: str, root: str, found: list[str], option: str, run: str |
     for where, keys in competing.items():
         # a run folder's name holds its UTC start time, which copies keep (scp, cp without -p
         # give every file a new modification time); files outside run folders: file times
-        newest = max(keys, key=lambda k: (_stamp(k), max(_mtime(f) for f in runs[k]), k))
+        newest = max(keys, key=lambda k: (_started(k, runs[k]), k))
         keep.add(newest)
         if len(keys) > 1:
             others = [k for k in keys if k != newest]
             shown = os.path.normpath(os.path.join(path, where)) if where != "." else path
             n = len(runs[newest])
+            flag = "--baseline-run" if option.startswith("--baseline") else "--run"
             notes.append(f"{option}{shown} holds {len(keys)} runs; comparing the newest, "
-                         f"{os.path.basename(newest)} ({n} file{'s' if n > 1 else ''}); "
-                         f"--run NAME for another ({_names(others)}) or --run all")
+                         f"{_names([newest])} ({n} file{'s' if n > 1 else ''}); "
+                         f"{flag} NAME for another ({_names(others)}) or {flag} all")
     return [f for key, files in runs.items() if key in keep for f in files], "; ".join(notes)
 
 
 def _names(runs) -> str:
-    names = [os.path.basename(k) if k != "." else "(the folder itself)" for k in runs]
+    """The runs as --run takes them: a run folder's name, "." for the files of the folder
+    itself."""
+    names = [os.path.basename(k) if k != "." else "." for k in runs]
     return ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
 
 
-def _stamp(run: str) -> str:
-    """The UTC time in a run folder's name (``srdd_dump_<time>[_n]``), "" for other folders."""
+def _started(run: str, files: list[str]) -> float:
+    """When a run started: the UTC time in a run folder's name (``srdd_dump_<time>[_n]``,
+    kept by copies), else its newest file's modification time."""
     name = os.path.basename(run)
-    return name[len(s.RUN_PREFIX):] if name.startswith(s.RUN_PREFIX) else ""
+    if name.startswith(s.RUN_PREFIX):
+        stamp = name[len(s.RUN_PREFIX):][:15]
+        with contextlib.suppress(ValueError, OverflowError):
+            return calendar.timegm(time.strptime(stamp, s.RUN_TIME_FORMAT))
+    return max(_mtime(f) for f in files)
 
 
 def _mtime(path: str) -> float:

@@ -105,7 +105,9 @@ def baseline_text(result: BaselineResult, written: list[str] | None = None) -> s
     lines.append(f"finding: {s.message}")
     if s.first_layer is not None:
         inside = f", inside it {s.first_site}" if s.first_site else ""
-        lines.append(f"first divergence: layer {s.first_layer} ({s.first_module}){inside}")
+        where = (f"layer {s.first_layer} ({s.first_module})" if s.first_layer >= 0
+                 else f"the stack input (the input of {s.first_module or 'the first block'})")
+        lines.append(f"first divergence: {where}{inside}")
     if len(result.sites):
         compared = int((result.sites["verdict"] != NOT_COMPARED).sum())
         pairs = result.sites.loc[result.sites["verdict"] != NOT_COMPARED, "matched_by"]
