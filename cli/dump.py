@@ -128,7 +128,7 @@ def dump(
         typer.echo(f"srdd-dump: note: {note}", err=True)
     for line in result.degraded:
         typer.echo(f"srdd-dump: warning: evidence missing: {line}", err=True)
-    for problem in result.problems:
+    for problem in result.refused + result.problems:
         typer.echo(f"srdd-dump: error: {problem}", err=True)
     ended = result.describe_exit()
     if ended:

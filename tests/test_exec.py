@@ -107,6 +107,32 @@ def test_capture_failure_gives_nonzero_exit_after_the_command(tmp_path):
     assert "simulated capture bug" in res.stderr and "Traceback" not in res.stderr
 
 
+@pytest.mark.parametrize("fault, message", [
+    ("bias@layer=99", "--inject: layer 99 out of range (model has 4)"),
+    ("bias@layer=1,site=nope", "--inject: no site 'nope' in model.layers.1"),
+])
+def test_an_inject_the_model_lacks_stops_the_command_before_its_model_runs(
+        fault, message, tmp_path):
+    """An --inject that no block of the model fits is known only when the model runs: the
+    command stops there (exit 2, bad options), not after a whole run without capture."""
+    script = _write(tmp_path / "two.py", (
+        f"import sys; sys.path.insert(0, {FIXTURES!r})\n"
+        "import torch\nfrom tiny_models import build\nm = build('llama')\n"
+        "with torch.no_grad():\n"
+        "    for _ in range(2):\n"
+        "        m(input_ids=torch.randint(0, 128, (1, 6)))\n"
+        "        print('forward done', flush=True)\n"))
+    res = run_cli("srdd-dump", "--exec", f"{sys.executable} {script}", "-o", str(tmp_path / "d"),
+                  "--inject", fault)
+    assert res.returncode == 2
+    assert "forward done" not in res.stdout  # stopped at the first call of the model
+    lines = [line for line in res.stderr.splitlines() if line.startswith("srdd-dump")]
+    assert len(lines) == 1 and lines[0].startswith(f"srdd-dump: error: {message}"), res.stderr
+    assert "stopped at its model's first call" in lines[0]
+    assert "Traceback" not in res.stderr
+    assert not find_dump_files(str(tmp_path / "d"))
+
+
 @pytest.mark.parametrize("command, message", [
     ("", "needs a command"),
     ("no-such-program-xyz --flag", "command not found: no-such-program-xyz"),

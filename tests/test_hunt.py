@@ -37,9 +37,15 @@ def test_the_hunt_is_one_layer_with_the_runs_options():
     assert words[-6:] == ["--granularity", "op", "--reference", "host", "--layers",
                           "model.layers.2"]
     assert "--samples" in words and words[words.index("--samples") + 1] == "2"
-    # the faults of that layer, as layer 0 of the hunt's one block; the others cannot go along
+    # the faults of that layer, by the model's number of the hunt's one block (a negative
+    # position made that number); the others cannot go along
     injected = [words[i + 1] for i, w in enumerate(words) if w == "--inject"]
-    assert injected == ["dead_zone@layer=0,site=mlp.act_fn", "bias@layer=0,m=2"]
+    assert injected == ["dead_zone@layer=2,site=mlp.act_fn", "bias@layer=2,m=2"]
+    # blocks without numbers in their names: the hunt's one block is its layer 0
+    unnamed = _file(inject=["bias@layer=2,m=2"])
+    unnamed.layers = ["encoder.first", "encoder.second", "encoder.third", "encoder.last"]
+    words = shlex.split(hunt_command(unnamed, 2, "model.layers.2.mlp"))
+    assert words[words.index("--inject") + 1] == "bias@layer=0,m=2"
     assert hunt_command(f, 2, "model.layers.2.mlp.act_fn") is None  # an operator: named
     assert hunt_command(_file(granularity="op"), 2, "model.layers.2") is None
     assert words[words.index("--probe-steps") + 1] == "0,1,7"
@@ -64,5 +70,6 @@ def test_the_printed_hunt_names_the_operator(tmp_path):
     again = run_cli("srdd-compare", out, "-o", str(tmp_path / "h.csv"))  # the newest run
     top = pd.read_csv(tmp_path / "h.csv").iloc[0]
     assert top["verdict"] == "FAULT" and top["module"] == "model.layers.2"
+    assert top["layer"] == 2  # the model's number of the one block the hunt captured
     assert top["site"] == "model.layers.2.mlp.act_fn", again.stdout
     assert HUNT not in again.stdout  # its operators are in the dump: nothing left to hunt

@@ -19,6 +19,7 @@ LAYERS_HINT = "(name them with --layers)"
 # process then finishes its file (dump_file.FileWatch)
 FINISH_REQUEST = "finish"
 ENV_STATUS_DIR = "SRDD_DUMP_STATUS_DIR"  # where child processes report how capture went
+EXIT_BAD_OPTIONS = 2  # srdd-dump's exit code for options that do not fit (a process stopped)
 PROBE_STEPS = "0,1,7"  # the default probed steps: the prefill, decode steps 1 and 7
 
 

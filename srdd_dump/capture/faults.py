@@ -4,7 +4,9 @@ Spec syntax (``srdd-dump --inject``, repeatable)::
 
     TYPE@layer=K[,site=block|attn|mlp|MODULE.PATH][,m=0.3][,sparsity=0.1][,seed=0][,key=value]
 
-``m`` is the magnitude (default 0.3). ``sparsity`` < 1 restricts the fault to a fixed, seeded
+``layer=K`` is the model's layer K (the block named ``...layers.K``, also when ``--layers``
+captures only some blocks); a negative K counts from the last captured block. ``m`` is the
+magnitude (default 0.3). ``sparsity`` < 1 restricts the fault to a fixed, seeded
 subset of that fraction of hidden channels; the other channels pass through untouched, and
 max|h|, std(h) and mean|h| below are taken over the affected channels only. ``h`` below
 is the module's output hidden state. Those statistics are taken over the whole output tensor
@@ -69,6 +71,7 @@ import torch
 from torch import nn
 
 from ..errors import UserError
+from ..format.layer_numbers import layer_numbers
 from ..vocabulary import EXPERT, EXPERTS, ROUTER
 from . import serving
 from .attention_faults import AttentionKernelFault
@@ -87,9 +90,7 @@ SITE_NAMES = {
 
 def fault_site(blocks: list[tuple[str, nn.Module]], model: nn.Module, spec: FaultSpec):
     """(name, module) where the fault sits."""
-    if not -len(blocks) <= spec.layer < len(blocks):
-        raise UserError(f"--inject: layer {spec.layer} out of range (model has {len(blocks)})")
-    name, block = blocks[spec.layer]
+    name, block = fault_block(blocks, spec)
     if spec.site == "block":
         return name, block
     if spec.site == "router" or spec.site.startswith("expert:"):
@@ -103,6 +104,20 @@ def fault_site(blocks: list[tuple[str, nn.Module]], model: nn.Module, spec: Faul
         if path in modules:
             return path, modules[path]
     raise UserError(f"--inject: no site {spec.site!r} in {name} (children: {sorted(children)})")
+
+
+def fault_block(blocks: list[tuple[str, nn.Module]], spec: FaultSpec) -> tuple[str, nn.Module]:
+    """The block of ``layer=K``: the block the model numbers K (``model.layers.K``, whichever
+    blocks --layers captures), or the K-th from the end for a negative K."""
+    numbers = layer_numbers([name for name, _ in blocks])
+    if spec.layer in numbers:
+        return blocks[numbers.index(spec.layer)]
+    if -len(blocks) <= spec.layer < 0:
+        return blocks[spec.layer]
+    if numbers == list(range(len(blocks))):
+        raise UserError(f"--inject: layer {spec.layer} out of range (model has {len(blocks)})")
+    raise UserError(f"--inject: layer {spec.layer} is not a captured block (the captured blocks "
+                    f"are layers {', '.join(map(str, numbers))}: {blocks[0][0]}, ...)")
 
 
 def _moe_site(name: str, block: nn.Module, spec: FaultSpec) -> tuple[str, nn.Module]:
@@ -353,7 +368,7 @@ def install_faults(
             table = None if rotary is None else getattr(*rotary[0]).detach().float()
             handles.append(AttentionKernelFault(spec, module, table))
         elif spec.site.startswith("expert:"):
-            fault = _ExpertFault(spec, blocks[spec.layer][1])
+            fault = _ExpertFault(spec, fault_block(blocks, spec)[1])
             handles.append(fault.block_hook)
             handles.append(module.register_forward_hook(fault, prepend=True, with_kwargs=True))
         elif spec.site == "router":

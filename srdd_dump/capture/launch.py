@@ -18,7 +18,14 @@ from ..errors import UserError
 from ..format import schema
 from ..format.coverage import shortfall_lines
 from ..runtime.terminal import terminal_delivers_to_child
-from .config import ENV_CONFIG, ENV_STATUS_DIR, FINISH_REQUEST, LAYERS_HINT, DumpConfig
+from .config import (
+    ENV_CONFIG,
+    ENV_STATUS_DIR,
+    EXIT_BAD_OPTIONS,
+    FINISH_REQUEST,
+    LAYERS_HINT,
+    DumpConfig,
+)
 from .diskspace import MIN_FREE_GB, check_free_space
 
 EXIT_CAPTURE_FAILED = 3
@@ -42,9 +49,13 @@ class ExecResult:
     degraded: list[str] = field(default_factory=list)
     untested_versions: list[str] = field(default_factory=list)  # capture/versions.py
     requests: int = 0  # a serving engine's requests the files say were seen
+    # options that did not fit the model: its process stopped at the model's first call
+    refused: list[str] = field(default_factory=list)
 
     @property
     def exit_code(self) -> int:
+        if self.refused:
+            return EXIT_BAD_OPTIONS
         if self.returncode < 0:  # killed by a signal: the shell's convention, 128 + signal
             return 128 - self.returncode
         if self.returncode != 0:
@@ -52,7 +63,10 @@ class ExecResult:
         return EXIT_CAPTURE_FAILED if self.problems else 0
 
     def describe_exit(self) -> str | None:
-        """How the command ended, when it did not succeed."""
+        """How the command ended, when it did not succeed (for itself: not stopped by
+        srdd-dump for options that do not fit)."""
+        if self.refused:
+            return None
         if self.returncode < 0:
             try:
                 name = signal.Signals(-self.returncode).name
@@ -277,6 +291,13 @@ def _collect(returncode: int, status_dir: str, new_partials: set[str] | None = N
             result.files.append(file)
         if st.get("error"):
             result.problems.append(f"pid {st['pid']}: capture failed: {st['error']}")
+    refused: dict[str, list] = {}  # reason -> the processes stopped for it (every TP rank)
+    for st in statuses:
+        if st.get("refused"):
+            refused.setdefault(st["refused"], []).append(st["pid"])
+    result.refused = [f"{reason}: the command was stopped at its model's first call (pid "
+                      f"{', '.join(map(str, pids))}), before anything was captured"
+                      for reason, pids in refused.items()]
     result.degraded = _degraded(statuses)
     result.untested_versions = list(dict.fromkeys(
         note for st in statuses for note in st.get("untested_versions") or []))
@@ -307,7 +328,7 @@ def _collect(returncode: int, status_dir: str, new_partials: set[str] | None = N
             f"{path}: the process writing it ended without finishing it; srdd-compare uses the "
             "rounds written before (marked incomplete)"
         )
-    if not result.files and not result.problems:
+    if not result.files and not result.problems and not result.refused:
         reasons = [st["no_blocks"] for st in statuses if st.get("no_blocks")]
         silent = [f"pid {st['pid']}: nothing captured: "
                   + (st["silence"] if returncode == 0 or LAYERS_HINT not in st["silence"] else

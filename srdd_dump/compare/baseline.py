@@ -19,6 +19,7 @@ from ..analysis.metrics import METRIC_NAMES
 from ..analysis.site_names import SitePair, SitePairing, SiteRule, pair_sites
 from ..analysis.tolerance import Thresholds
 from ..format import schema as s
+from ..format.layer_numbers import layer_numbers, number_of
 from ..vocabulary import EXPERT, EXPERT_SLOTS
 from .baseline_task import TASK_ROWS, RowSpec, RowTask
 from .divergence import mark_divergence, mark_sites, summarize
@@ -101,6 +102,7 @@ def finish(path: str, baseline: str, mine: list[Side], golden: list[Side],
     or either file does not say (False: divergence._same_setup), where a non-zero error from
     an exactly equal input is the birth of an error."""
     rows = [row for part in parts for row in part]
+    _number_layers(rows, mine, golden)
     table = _table([r for r in rows if not r.get("_site")], same_device)
     sites = site_table([r for r in rows if r.get("_site")], table, same_device)
     files = pd.DataFrame([_file_row(f) for f in mine + golden], columns=BASELINE_FILE_COLUMNS)
@@ -109,6 +111,17 @@ def finish(path: str, baseline: str, mine: list[Side], golden: list[Side],
     return BaselineResult(path=path, baseline=baseline, table=table, files=files,
                           summary=summarize(table, same_device, sites), thresholds=thresholds,
                           sites=sites)
+
+
+def _number_layers(rows: list[dict], mine: list[Side], golden: list[Side]) -> None:
+    """The rows' ``layer`` and ``golden_layer``: the model's layer numbers, not the files'
+    positions (a dump of some blocks: format.layer_numbers)."""
+    numbers = {f.source: layer_numbers(f.layers) for f in mine + golden}
+    for row in rows:
+        for key, source in (("layer", "source"), ("golden_layer", "golden_source")):
+            at = numbers.get(row.get(source))
+            if at is not None and row.get(key) is not None:
+                row[key] = number_of(at, row[key])
 
 
 # -- files -------------------------------------------------------------------------------------
@@ -315,7 +328,8 @@ def _with_stack_input(mine: Side, golden: Side, pairs: list[tuple[int | None, in
     first. Both dumps start at the same block: their stack inputs pair. One starts later (a
     dump of some layers, ``--layers``): its stack input is the output of the other's block
     before that one, so those pair; the earlier dump's own stack input pairs with nothing.
-    Dumps whose first blocks are unrelated: no stack input row (it would compare the inputs of
+    Stacks named apart (their blocks pair in order): the stack inputs too. Dumps whose first
+    blocks are unrelated blocks of one stack: no stack input row (it would compare the inputs of
     two different blocks)."""
     has_mine, has_golden = _has_layer(mine, s.STACK_INPUT), _has_layer(golden, s.STACK_INPUT)
     if not (has_mine or has_golden):
@@ -330,6 +344,8 @@ def _with_stack_input(mine: Side, golden: Side, pairs: list[tuple[int | None, in
     if has_golden and first_golden in mine.layers[1:]:
         before = mine.layers.index(first_golden) - 1
         return [(before, s.STACK_INPUT)] + [p for p in pairs if p != (before, None)]
+    if not set(mine.layers) & set(golden.layers):  # stacks named apart: paired in order
+        return [(s.STACK_INPUT, s.STACK_INPUT)] + pairs
     return pairs
 
 

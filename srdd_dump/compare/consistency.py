@@ -16,6 +16,7 @@ import pandas as pd
 
 from ..analysis.tolerance import Thresholds, tolerance_dtype
 from ..format import schema as s
+from ..format.layer_numbers import layer_numbers, number_of
 from .consistency_task import ConsistencyTask
 from .results import CONSISTENCY_COLUMNS, CONSISTENCY_SUMMARY_COLUMNS, ConsistencyResult
 from .sources import DumpFile
@@ -81,7 +82,8 @@ def finish(tasks: list[ConsistencyTask], groups: list[list[_Source]], tolerance:
         members = groups[task.group]
         for src, res in zip(members, results):
             rows.append(dict(
-                res, group=task.group, source=src.source, layer=task.layer,
+                res, group=task.group, source=src.source,
+                layer=number_of(layer_numbers(src.file.layers), task.layer),
                 module=src.file.module(task.layer), rounds=n_rounds,
                 tolerance=tolerance[task.group],
             ))

@@ -232,7 +232,8 @@ def summarize(table: pd.DataFrame, same_device: dict[tuple[str, str], bool] | No
         at = firsts[firsts["layer"] == layer]
         summary.first_layer, summary.first_module = layer, str(at["module"].iloc[0])
         if layer < 0:  # the stack input: named by the block it feeds
-            blocks = table.loc[table["layer"] == 0, "module"]
+            blocks = table.loc[table["layer"] == table.loc[table["layer"] >= 0, "layer"].min(),
+                               "module"]
             summary.first_module = str(blocks.iloc[0]) if len(blocks) else ""
         summary.first_rounds = len(at)
         birth = int(at[RED_COLUMN].fillna(-1.0).idxmax())

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import shlex
 
+from ..format.layer_numbers import layer_numbers
 from ..vocabulary import BLOCK, SUBLAYER
 from .sources import DumpFile
 
@@ -41,18 +42,20 @@ def hunt_command(f: DumpFile, layer: int, site: str) -> str | None:
         value = options.get(key)
         if value is not None and value != "":
             words += [flag, str(value)]
+    numbers = layer_numbers(f.layers)
     for spec in options.get("inject") or []:
-        kept = _in_layer(str(spec), layer, len(f.layers))
+        kept = _in_layer(str(spec), numbers, layer, layer_numbers(f.layers[layer:layer + 1])[0])
         if kept is not None:
             words += ["--inject", kept]
     words += ["--granularity", "op", "--reference", "host", "--layers", f.layers[layer]]
     return shlex.join(words)
 
 
-def _in_layer(spec: str, layer: int, n_layers: int) -> str | None:
-    """A simulated fault (``--inject TYPE@layer=K,...``) of the hunted layer, numbered among
-    the hunt's blocks (its one block is layer 0); None for a fault of another layer, which the
-    hunt's one block cannot hold."""
+def _in_layer(spec: str, numbers: list[int], layer: int, hunted: int) -> str | None:
+    """A simulated fault (``--inject TYPE@layer=K,...``, K the model's layer number or a
+    negative position) of the block at position ``layer``, renumbered as the hunt's one block
+    is numbered (``hunted``); None for a fault of another layer, which the hunt's one block
+    cannot hold."""
     kind, _, rest = spec.partition("@")
     items = rest.split(",") if rest else []
     for i, item in enumerate(items):
@@ -62,9 +65,10 @@ def _in_layer(spec: str, layer: int, n_layers: int) -> str | None:
                 at = int(value)
             except ValueError:
                 return None
-            if at % n_layers != layer:
+            mine = at in numbers and numbers.index(at) == layer
+            if not mine and not (-len(numbers) <= at < 0 and at % len(numbers) == layer):
                 return None
-            items[i] = "layer=0"
+            items[i] = f"layer={hunted}"
             return f"{kind}@{','.join(items)}"
     return None
 

@@ -16,6 +16,7 @@ from ..analysis.diagnosis import LayerVerdict, diagnose, headline, site_verdicts
 from ..analysis.signals import DECODE, PREFILL, Signals, set_kurtosis_change
 from ..analysis.verdicts import FAULT, NORMAL, VERDICT_ORDER
 from ..format import schema as s
+from ..format.layer_numbers import layer_numbers, number_of
 from ..vocabulary import EXPERT
 from .hunt import hunt_command
 from .results import (
@@ -91,17 +92,21 @@ def _diagnose_file(f: DumpFile, signals: list[Signals]
                         compute_dtype=f.compute_dtype)
     experts = {name: int(name.rsplit(".", 1)[1])
                for name, role in zip(f.sites, f.site_roles) if role == EXPERT}
+    worst = max(verdicts, key=lambda v: v.score)
+    hunt = hunt_command(f, worst.layer, worst.site) if worst.verdict == FAULT else None
+    numbers = layer_numbers(f.layers)  # the rows name the model's layers, not file positions
     rows = []
     for v in verdicts:
-        if v.layer in blocks:
-            v.module = blocks[v.layer].module
-            rows.append(layer_row(f.source, blocks[v.layer], v, f.rank, f.pid,
+        position, v.layer = v.layer, number_of(numbers, v.layer)
+        if position in blocks:
+            v.module = blocks[position].module
+            rows.append(layer_row(f.source, blocks[position], v, f.rank, f.pid,
                                   experts.get(v.site)))
     shown = {id(g) for g in blocks.values()}
     judged = site_verdicts(verdicts)
-    sites = [site_row(f.source, g, f.rank, f.pid, judged.get((g.module, g.phase)))
+    sites = [site_row(f.source, g, f.rank, f.pid, judged.get((g.module, g.phase)),
+                      number_of(numbers, g.layer))
              for g in signals if g.samples and id(g) not in shown and g.layer >= 0]
-    worst = max(verdicts, key=lambda v: v.score)
     if worst.verdict == NORMAL:
         phases = " (prefill and decode steps)" if any(g.phase == DECODE for g in signals) else ""
         n = max(g.samples for g in blocks.values())
@@ -109,7 +114,6 @@ def _diagnose_file(f: DumpFile, signals: list[Signals]
                 f"{n} sample{'s' if n != 1 else ''}{_probed(signals, n)}{phases}")
     else:
         line = f"{f.source}: {headline(worst)}"
-    hunt = hunt_command(f, worst.layer, worst.site) if worst.verdict == FAULT else None
     return rows, sites, line, hunt
 
 
@@ -141,10 +145,12 @@ def layer_row(source: str, sig: Signals, verdict: LayerVerdict, rank: int | None
 
 
 def site_row(source: str, sig: Signals, rank: int | None = None, pid: int | None = None,
-             judged: tuple[float, str, str] | None = None) -> dict:
+             judged: tuple[float, str, str] | None = None, layer: int | None = None) -> dict:
     """A sub-layer or operator row (a block's decode steps too): its signals and the verdict
-    of the evidence seen at that module."""
+    of the evidence seen at that module (``layer``: its block's number, if not the signals')."""
     row = {k: v for k, v in sig.as_dict().items() if k in SITE_COLUMNS}
+    if layer is not None:
+        row["layer"] = layer
     score, verdict, labels = judged or (0.0, NORMAL, "")
     row.update(source=source, rank=rank, pid=pid, score=round(score, 4), verdict=verdict,
                diagnosis=labels,

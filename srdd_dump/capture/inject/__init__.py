@@ -21,7 +21,7 @@ import threading
 import time
 from typing import Callable
 
-from ..config import ENV_STATUS_DIR, DumpConfig
+from ..config import ENV_STATUS_DIR, EXIT_BAD_OPTIONS, DumpConfig
 
 SITE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "site")
 
@@ -109,10 +109,22 @@ def _on_torch_imported() -> None:
     try:
         from .attach import watch_forwards
 
-        watch_forwards(_state, on_attach=finish_on_sigterm)
+        watch_forwards(_state, on_attach=finish_on_sigterm, on_refused=stop_refused)
     except Exception as exc:  # never break the user's import of torch
         _state["error"] = f"{type(exc).__name__}: {exc}"
         sys.stderr.write(f"srdd-dump: warning: capture not installed: {_state['error']}\n")
+
+
+def stop_refused() -> None:
+    """Options that do not fit the model (``_state["refused"]``): the process reports and
+    stops at its model's first call, before anything has run, with exit code 2 (bad options)
+    rather than running the whole program uncaptured."""
+    if not os.environ.get(ENV_STATUS_DIR):  # else srdd-dump says it, once for every process
+        sys.stderr.write(f"srdd-dump: error: {_state['refused']}\n")
+    _report_status()
+    sys.stderr.flush()
+    sys.stdout.flush()
+    os._exit(EXIT_BAD_OPTIONS)
 
 
 def finish_on_sigterm() -> None:
@@ -212,6 +224,7 @@ def _report_status() -> None:
         "file": getattr(session, "path", None),
         "samples": session.samples if session is not None else 0,
         "error": getattr(session, "error", None) or _state.get("error"),
+        "refused": _state.get("refused"),
         "no_blocks": _state.get("no_blocks"),
         "model_seen": session is not None,
         "silence": getattr(session, "silence", None),

@@ -9,13 +9,16 @@ from typing import Callable
 from torch import nn
 from torch.nn.modules.module import register_module_forward_pre_hook
 
+from ...errors import UserError
 from ..compiled import opaque
 from ..discovery import NoBlocksFound
 
 
-def watch_forwards(state: dict, on_attach: Callable[[], None] = lambda: None) -> None:
+def watch_forwards(state: dict, on_attach: Callable[[], None] = lambda: None,
+                   on_refused: Callable[[], None] = lambda: None) -> None:
     """Attach a session to the first module with blocks whose forward runs (``on_attach`` runs
-    once one is this process's capture)."""
+    once one is this process's capture; ``on_refused`` when the options do not fit that model,
+    with the reason in ``state["refused"]``)."""
     seen: set[int] = set()
     handle = None
 
@@ -44,6 +47,13 @@ def watch_forwards(state: dict, on_attach: Callable[[], None] = lambda: None) ->
             # Remember why, and never look at this module or its children again.
             state["no_blocks"] = str(exc)
             seen.update(id(m) for m in module.modules())
+            return
+        except UserError as exc:
+            # options that do not fit this model (--inject layer=K of a block it lacks): the
+            # run would capture nothing, and the model has not run yet
+            state["refused"] = str(exc)
+            handle.remove()
+            on_refused()
             return
         except Exception as exc:
             state["error"] = f"{type(exc).__name__}: {exc}"
