@@ -116,10 +116,11 @@ def dump(
         raise typer.Exit(2) from None
     for path in result.files:
         typer.echo(f"srdd-dump: wrote {path}", err=True)
-    if result.files:
-        typer.echo(f"srdd-dump: run folder {result.run_dir} ({len(result.files)} file"
-                   f"{'s' if len(result.files) > 1 else ''}); compare it with: "
-                   f"srdd-compare {result.run_dir}", err=True)
+    for folder, files in result.folders().items():
+        what = "run folder" if folder == result.run_dir else "the program's own folder"
+        typer.echo(f"srdd-dump: {what} {folder} ({len(files)} file"
+                   f"{'s' if len(files) > 1 else ''}); compare it with: "
+                   f"srdd-compare {folder}", err=True)
     if result.requests:
         typer.echo(f"srdd-dump: {result.requests} request{'s' if result.requests > 1 else ''} "
                    f"seen by the serving engine; the first {min(result.requests, samples)} "

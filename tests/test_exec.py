@@ -233,6 +233,31 @@ def test_a_program_with_its_own_register_hook_runs_under_exec(tmp_path):
     with DumpReader(path) as r:
         assert r.complete and r.n_samples == 2
     assert not find_dump_files(str(tmp_path / "d"))
+    # the folder to compare is the program's own, not srdd-dump's run folder, which is empty
+    assert f"compare it with: srdd-compare {tmp_path / 'own'}" in res.stderr
+    assert "run folder" not in res.stderr
+
+
+def test_two_sessions_of_the_program_in_two_folders_are_both_listed(tmp_path):
+    """A program that captures two models itself, each into its own folder: srdd-dump lists
+    both files and both folders to compare (the second was once not mentioned at all)."""
+    script = _write(tmp_path / "two.py", (
+        TINY_LLAMA +
+        "m2 = build('llama', seed=1)\n"
+        "from srdd_dump import DumpConfig, register_hook\n"
+        f"a = register_hook(m, DumpConfig(dump_path={str(tmp_path / 'a')!r}, progress=False))\n"
+        f"b = register_hook(m2, DumpConfig(dump_path={str(tmp_path / 'b')!r}, progress=False))\n"
+        "with torch.no_grad():\n"
+        "    for n in (6, 7):\n"
+        "        m(torch.randint(1, 100, (1, n))); m2(torch.randint(1, 100, (1, n)))\n"
+        "print('finished')\n"))
+    res = run_cli("srdd-dump", "--exec", f"{sys.executable} {script}", "-o", str(tmp_path / "d"))
+    assert res.returncode == 0, res.stderr
+    for folder in ("a", "b"):
+        (path,) = find_dump_files(str(tmp_path / folder))
+        assert f"srdd-dump: wrote {path}" in res.stderr
+        assert f"compare it with: srdd-compare {tmp_path / folder}" in res.stderr
+    assert "run folder" not in res.stderr
 
 
 @pytest.mark.parametrize("context", ["fork", "spawn"])

@@ -21,6 +21,15 @@ from .model_facts import float32_matmul
 from .parallel import env_rank
 from .versions import loaded_version
 
+_finished: list[str] = []  # every dump file this process finished, by any session
+os.register_at_fork(after_in_child=_finished.clear)
+
+
+def finished_files() -> list[str]:
+    """The dump files this process has finished (or set aside), in order: the sessions of
+    srdd-dump and of the program's own register_hook alike."""
+    return list(_finished)
+
 
 class DumpOutput:
     """The file a session writes, opened with its first captured round."""
@@ -51,6 +60,8 @@ class DumpOutput:
         except Exception as exc:  # runs at exit too: never a traceback in the user's program
             self.path = self.writer.partial_path
             self.writer.error = self.writer.error or describe_error(exc)
+        if self.path:
+            _finished.append(os.path.abspath(self.path))
         return f"cannot write {self.path}: {self.writer.error}" if self.writer.error else None
 
     def finish_file(self, status: dict) -> str | None:

@@ -62,6 +62,18 @@ class ExecResult:
             return self.returncode
         return EXIT_CAPTURE_FAILED if self.problems else 0
 
+    def folders(self) -> dict[str, list[str]]:
+        """The files by the folder to compare: the run folder, and the folders the program's
+        own register_hook sessions wrote in (a file of a process's own folder in the run
+        folder counts as the run's)."""
+        out: dict[str, list[str]] = {}
+        run = os.path.abspath(self.run_dir) if self.run_dir else None
+        for path in self.files:
+            folder = os.path.dirname(os.path.abspath(path))
+            inside = run is not None and (folder == run or folder.startswith(run + os.sep))
+            out.setdefault(self.run_dir if inside else folder, []).append(path)
+        return out
+
     def describe_exit(self) -> str | None:
         """How the command ended, when it did not succeed (for itself: not stopped by
         srdd-dump for options that do not fit)."""
@@ -282,13 +294,13 @@ def _collect(returncode: int, status_dir: str, new_partials: set[str] | None = N
         except (OSError, ValueError):
             continue
     for st in statuses:
-        file = st.get("file")
-        if file and file.endswith(schema.BROKEN_SUFFIX):
-            result.problems.append(
-                f"{file}: a write failed half-way, so the file is set aside and not used"
-            )
-        elif file:
-            result.files.append(file)
+        for file in dict.fromkeys([*(st.get("files") or []), st.get("file")]):
+            if file and file.endswith(schema.BROKEN_SUFFIX):
+                result.problems.append(
+                    f"{file}: a write failed half-way, so the file is set aside and not used"
+                )
+            elif file and file not in result.files:
+                result.files.append(file)
         if st.get("error"):
             result.problems.append(f"pid {st['pid']}: capture failed: {st['error']}")
     refused: dict[str, list] = {}  # reason -> the processes stopped for it (every TP rank)

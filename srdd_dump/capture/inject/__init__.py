@@ -201,6 +201,13 @@ def _register_exit_finalizer(_obj) -> None:
         mp_util.Finalize(None, _report_status, exitpriority=100)
 
 
+def _finished_files() -> list[str]:
+    """Every dump file this process finished (capture/dump_file.py, if loaded): the program's
+    own register_hook sessions' too, wherever they write."""
+    dump_file = sys.modules.get("srdd_dump.capture.dump_file")
+    return dump_file.finished_files() if dump_file is not None else []
+
+
 def _compiled_out() -> bool:
     """A hook was compiled out of a fullgraph=True graph (capture/compiled.py, if loaded)."""
     compiled = sys.modules.get("srdd_dump.capture.compiled")
@@ -222,6 +229,7 @@ def _report_status() -> None:
         "pid": os.getpid(),
         "argv": sys.argv,
         "file": getattr(session, "path", None),
+        "files": _finished_files(),
         "samples": session.samples if session is not None else 0,
         "error": getattr(session, "error", None) or _state.get("error"),
         "refused": _state.get("refused"),
