@@ -155,6 +155,15 @@ def test_a_script_without_its_execute_bit_and_a_negative_free_space(tmp_path):
     assert "hi" not in res.stdout and not (tmp_path / "d").exists()
 
 
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux's /proc")
+def test_an_output_folder_on_a_file_system_of_no_size_says_it_cannot_be_created(tmp_path):
+    """/proc holds no files: the folder cannot be made (it once said '0.00 GB free')."""
+    res = run_cli("srdd-dump", "--exec", f"{sys.executable} -c print(1)", "-o", "/proc/nope")
+    assert res.returncode == 2
+    assert res.stderr.strip().splitlines() == [
+        "srdd-dump: error: -o /proc/nope: cannot create the folder (No such file or directory)"]
+
+
 def test_exec_never_uses_a_shell(tmp_path):
     marker = tmp_path / "pwned"
     res = run_cli("srdd-dump", "--exec", f"echo hi; touch {marker}", "-o", str(tmp_path / "d"))

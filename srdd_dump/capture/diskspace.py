@@ -11,15 +11,18 @@ GB = 1 << 30
 MIN_FREE_GB = 2.0  # srdd-dump refuses to start with less free space (msit: 2 GB)
 
 
-def free_bytes(path: str) -> int:
-    """Free space for an unprivileged user on the file system that holds (or will hold) path."""
+def free_bytes(path: str) -> int | None:
+    """Free space for an unprivileged user on the file system that holds (or will hold) path;
+    None for a file system of no size (/proc, /sys: it holds no files, and creating the folder
+    says why)."""
     probe = os.path.abspath(path)
     while not os.path.exists(probe):
         parent = os.path.dirname(probe)
         if parent == probe:
             break
         probe = parent
-    return shutil.disk_usage(probe).free
+    usage = shutil.disk_usage(probe)
+    return usage.free if usage.total else None
 
 
 def check_free_space(path: str, min_free_gb: float) -> None:
@@ -31,7 +34,7 @@ def check_free_space(path: str, min_free_gb: float) -> None:
         free = free_bytes(path)
     except OSError as exc:
         raise UserError(f"-o {path}: cannot check the free space ({exc.strerror})") from None
-    if free < min_free_gb * GB:
+    if free is not None and free < min_free_gb * GB:
         raise UserError(
             f"-o {path}: only {free / GB:.2f} GB free on its file system, {min_free_gb:g} GB "
             "required; free some space, choose another -o, or pass --min-free-gb 0 to skip "
