@@ -108,29 +108,51 @@ def test_capture_failure_gives_nonzero_exit_after_the_command(tmp_path):
 
 
 @pytest.mark.parametrize("fault, message", [
-    ("bias@layer=99", "--inject: layer 99 out of range (model has 4)"),
+    ("bias@layer=99", "--inject: layer 99 out of range: the captured blocks are layers 0-3 "
+     "(model.layers.0 to model.layers.3)"),
     ("bias@layer=1,site=nope", "--inject: no site 'nope' in model.layers.1"),
 ])
-def test_an_inject_the_model_lacks_stops_the_command_before_its_model_runs(
-        fault, message, tmp_path):
+def test_an_inject_the_model_lacks_stops_the_command(fault, message, tmp_path):
     """An --inject that no block of the model fits is known only when the model runs: the
-    command stops there (exit 2, bad options), not after a whole run without capture."""
-    script = _write(tmp_path / "two.py", (
-        f"import sys; sys.path.insert(0, {FIXTURES!r})\n"
-        "import torch\nfrom tiny_models import build\nm = build('llama')\n"
+    command is stopped then (exit 2, bad options), not after a whole run without capture."""
+    script = _write(tmp_path / "long.py", (
+        TINY_LLAMA + "import time\n"
         "with torch.no_grad():\n"
-        "    for _ in range(2):\n"
+        "    for _ in range(600):\n"
         "        m(input_ids=torch.randint(0, 128, (1, 6)))\n"
-        "        print('forward done', flush=True)\n"))
+        "        time.sleep(0.1)\n"
+        "print('finished')\n"))
     res = run_cli("srdd-dump", "--exec", f"{sys.executable} {script}", "-o", str(tmp_path / "d"),
                   "--inject", fault)
     assert res.returncode == 2
-    assert "forward done" not in res.stdout  # stopped at the first call of the model
+    assert "finished" not in res.stdout  # stopped, not run to its end (a minute) uncaptured
     lines = [line for line in res.stderr.splitlines() if line.startswith("srdd-dump")]
     assert len(lines) == 1 and lines[0].startswith(f"srdd-dump: error: {message}"), res.stderr
-    assert "stopped at its model's first call" in lines[0]
-    assert "Traceback" not in res.stderr
+    assert "the command was stopped" in lines[0] and "Traceback" not in res.stderr
     assert not find_dump_files(str(tmp_path / "d"))
+
+
+def test_an_inject_a_pool_workers_model_lacks_stops_the_program_too(tmp_path):
+    """The model runs in a multiprocessing Pool's worker: the program is stopped as a whole
+    (a worker that exited alone would leave Pool.map waiting for ever)."""
+    script = _write(tmp_path / "pool.py", (
+        f"import sys, time; sys.path.insert(0, {FIXTURES!r})\n"
+        "import multiprocessing as mp\n"
+        "def work(n):\n"
+        "    import torch\n    from tiny_models import build\n    m = build('llama')\n"
+        "    with torch.no_grad():\n"
+        "        for _ in range(600):\n"
+        "            m(input_ids=torch.randint(0, 128, (1, 6)))\n"
+        "            time.sleep(0.1)\n"
+        "    return n\n"
+        "if __name__ == '__main__':\n"
+        "    with mp.get_context('spawn').Pool(1) as pool:\n"
+        "        print(pool.map(work, [1, 2]))\n"
+        "    print('finished')\n"))
+    res = run_cli("srdd-dump", "--exec", f"{sys.executable} {script}", "-o", str(tmp_path / "d"),
+                  "--inject", "bias@layer=99", timeout=300)
+    assert res.returncode == 2 and "finished" not in res.stdout
+    assert "srdd-dump: error: --inject: layer 99 out of range" in res.stderr
 
 
 @pytest.mark.parametrize("command, message", [

@@ -57,7 +57,8 @@ def test_a_dump_of_some_layers_reports_and_injects_by_the_models_numbers(tmp_pat
 
 @pytest.mark.capture
 def test_inject_names_a_block_the_dump_does_not_capture(tmp_path):
-    with pytest.raises(UserError, match=r"layer 0 is not a captured block .*layers 2, 3"):
+    with pytest.raises(UserError, match=r"layer 0 out of range: the captured blocks are "
+                                        r"layers 2-3 \(model.layers.2 to model.layers.3\)"):
         _capture(tmp_path, "model.layers.[23]", ["bias@layer=0"])
     # a negative layer counts from the last captured block
     session = _capture(tmp_path / "neg", "model.layers.[23]", ["bias@layer=-1,m=2"])

@@ -38,6 +38,14 @@ class DumpOutput:
         self.dump_path = dump_path
         self.path: str | None = None
         self.writer: DumpWriter | None = None
+        self._folder = ""  # the file's folder, absolute when it was opened (a program may cd)
+
+    @property
+    def absolute_path(self) -> str | None:
+        """``path`` made absolute from the working directory of the time the file opened."""
+        if not self.path:
+            return None
+        return os.path.join(self._folder, os.path.basename(self.path))
 
     def submit(self, r: Round, meta, layer_names: list[str], site_names: list[str],
                stat_columns: list[str] | None) -> str | None:
@@ -45,6 +53,7 @@ class DumpOutput:
         Returns why the file cannot be written (None: queued)."""
         if self.writer is None:
             self.path = dump_file_name(self.dump_path)
+            self._folder = os.path.dirname(os.path.abspath(self.path))
             self.writer = DumpWriter(self.path, meta(), layer_names, site_names,
                                      stat_columns=stat_columns)
         if self.writer.error:
@@ -61,7 +70,7 @@ class DumpOutput:
             self.path = self.writer.partial_path
             self.writer.error = self.writer.error or describe_error(exc)
         if self.path:
-            _finished.append(os.path.abspath(self.path))
+            _finished.append(self.absolute_path)
         return f"cannot write {self.path}: {self.writer.error}" if self.writer.error else None
 
     def finish_file(self, status: dict) -> str | None:

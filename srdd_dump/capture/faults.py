@@ -114,10 +114,12 @@ def fault_block(blocks: list[tuple[str, nn.Module]], spec: FaultSpec) -> tuple[s
         return blocks[numbers.index(spec.layer)]
     if -len(blocks) <= spec.layer < 0:
         return blocks[spec.layer]
-    if numbers == list(range(len(blocks))):
-        raise UserError(f"--inject: layer {spec.layer} out of range (model has {len(blocks)})")
-    raise UserError(f"--inject: layer {spec.layer} is not a captured block (the captured blocks "
-                    f"are layers {', '.join(map(str, numbers))}: {blocks[0][0]}, ...)")
+    contiguous = numbers == list(range(numbers[0], numbers[0] + len(numbers)))
+    listed = (f"{numbers[0]}-{numbers[-1]}" if contiguous and len(numbers) > 1
+              else ", ".join(map(str, numbers)))
+    raise UserError(f"--inject: layer {spec.layer} out of range: the captured blocks are layers "
+                    f"{listed} ({blocks[0][0]}" + (f" to {blocks[-1][0]})" if len(blocks) > 1
+                                                   else ")"))
 
 
 def _moe_site(name: str, block: nn.Module, spec: FaultSpec) -> tuple[str, nn.Module]:

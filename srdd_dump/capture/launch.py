@@ -49,7 +49,7 @@ class ExecResult:
     degraded: list[str] = field(default_factory=list)
     untested_versions: list[str] = field(default_factory=list)  # capture/versions.py
     requests: int = 0  # a serving engine's requests the files say were seen
-    # options that did not fit the model: its process stopped at the model's first call
+    # options that did not fit the model: the command was stopped when the model first ran
     refused: list[str] = field(default_factory=list)
 
     @property
@@ -209,13 +209,57 @@ def _run_forwarding_signals(argv: list[str], env: dict[str, str], status_dir: st
         procs.append(subprocess.Popen(argv, env=env, shell=False))
         for signum in pending:
             procs[0].send_signal(signum)
-        return procs[0].wait()
+        return _wait_unless_refused(procs[0], status_dir, run_dir)
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
 
 
 FINISH_WAIT_SECONDS = 5.0
+REFUSED_POLL_SECONDS = 0.25
+STOP_WAIT_SECONDS = 10.0  # after SIGTERM, before SIGKILL
+
+
+def _wait_unless_refused(proc: subprocess.Popen, status_dir: str, run_dir: str) -> int:
+    """The command's exit code; a process that reports options that do not fit its model
+    (inject.stop_refused) stops the command: the other processes finish their files, then the
+    command gets SIGTERM (SIGKILL if it is still alive STOP_WAIT_SECONDS later)."""
+    while True:
+        try:
+            return proc.wait(timeout=REFUSED_POLL_SECONDS)
+        except subprocess.TimeoutExpired:
+            pass
+        refused = _refused(status_dir) if status_dir else []
+        if refused:
+            break
+    _finish_files(status_dir, run_dir)
+    for pid in refused:  # a worker process of the command outlives its main one
+        if pid != proc.pid:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGTERM)
+    with contextlib.suppress(ProcessLookupError):
+        proc.terminate()
+    try:
+        return proc.wait(timeout=STOP_WAIT_SECONDS)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return proc.wait()
+
+
+def _refused(status_dir: str) -> list[int]:
+    """The processes of the command that reported options that do not fit their model."""
+    pids = []
+    for name in os.listdir(status_dir):
+        if not name.endswith(".json"):
+            continue
+        try:
+            with open(os.path.join(status_dir, name)) as fh:
+                status = json.load(fh)
+        except (OSError, ValueError):
+            continue
+        if status.get("refused") and isinstance(status.get("pid"), int):
+            pids.append(status["pid"])
+    return pids
 
 
 def _finish_files(status_dir: str, run_dir: str) -> None:
@@ -307,8 +351,8 @@ def _collect(returncode: int, status_dir: str, new_partials: set[str] | None = N
     for st in statuses:
         if st.get("refused"):
             refused.setdefault(st["refused"], []).append(st["pid"])
-    result.refused = [f"{reason}: the command was stopped at its model's first call (pid "
-                      f"{', '.join(map(str, pids))}), before anything was captured"
+    result.refused = [f"{reason}: the command was stopped when its model first ran, since "
+                      f"pid {', '.join(map(str, pids))} would capture nothing"
                       for reason, pids in refused.items()]
     result.degraded = _degraded(statuses)
     result.untested_versions = list(dict.fromkeys(

@@ -116,9 +116,10 @@ def finish(path: str, baseline: str, mine: list[Side], golden: list[Side],
 def _number_layers(rows: list[dict], mine: list[Side], golden: list[Side]) -> None:
     """The rows' ``layer`` and ``golden_layer``: the model's layer numbers, not the files'
     positions (a dump of some blocks: format.layer_numbers)."""
-    numbers = {f.source: layer_numbers(f.layers) for f in mine + golden}
+    sides = (("layer", "source", {f.source: layer_numbers(f.layers) for f in mine}),
+             ("golden_layer", "golden_source", {f.source: layer_numbers(f.layers) for f in golden}))
     for row in rows:
-        for key, source in (("layer", "source"), ("golden_layer", "golden_source")):
+        for key, source, numbers in sides:
             at = numbers.get(row.get(source))
             if at is not None and row.get(key) is not None:
                 row[key] = number_of(at, row[key])
@@ -328,9 +329,9 @@ def _with_stack_input(mine: Side, golden: Side, pairs: list[tuple[int | None, in
     first. Both dumps start at the same block: their stack inputs pair. One starts later (a
     dump of some layers, ``--layers``): its stack input is the output of the other's block
     before that one, so those pair; the earlier dump's own stack input pairs with nothing.
-    Stacks named apart (their blocks pair in order): the stack inputs too. Dumps whose first
-    blocks are unrelated blocks of one stack: no stack input row (it would compare the inputs of
-    two different blocks)."""
+    Stacks named apart that start at the same layer number (their blocks pair in order): the
+    stack inputs too. Dumps whose first blocks are other blocks: no stack input row (it would
+    compare the inputs of two different blocks)."""
     has_mine, has_golden = _has_layer(mine, s.STACK_INPUT), _has_layer(golden, s.STACK_INPUT)
     if not (has_mine or has_golden):
         return pairs
@@ -344,7 +345,8 @@ def _with_stack_input(mine: Side, golden: Side, pairs: list[tuple[int | None, in
     if has_golden and first_golden in mine.layers[1:]:
         before = mine.layers.index(first_golden) - 1
         return [(before, s.STACK_INPUT)] + [p for p in pairs if p != (before, None)]
-    if not set(mine.layers) & set(golden.layers):  # stacks named apart: paired in order
+    if (not set(mine.layers) & set(golden.layers)  # stacks named apart, from the same layer
+            and layer_numbers(mine.layers)[0] == layer_numbers(golden.layers)[0]):
         return [(s.STACK_INPUT, s.STACK_INPUT)] + pairs
     return pairs
 
@@ -360,9 +362,11 @@ def _layer_spec(
     my_sum = _summary(mine, rp.round, i, s.BLOCK_SITE) if my_rec is None else None
     golden_sum = _summary(golden, rp.golden_round, j, s.BLOCK_SITE) if golden_rec is None else None
     if i is None:
-        reason = f"no counterpart: golden layer {j} ({keys['golden_module']}) is not in my dump"
+        reason = (f"no counterpart: golden layer {number_of(layer_numbers(golden.layers), j)} "
+                  f"({keys['golden_module']}) is not in my dump")
     elif j is None:
-        reason = f"no counterpart: my layer {i} ({keys['module']}) is not in the golden dump"
+        reason = (f"no counterpart: my layer {number_of(layer_numbers(mine.layers), i)} "
+                  f"({keys['module']}) is not in the golden dump")
     else:
         reason = _why_not(rp, _either(my_rec, my_sum), _either(golden_rec, golden_sum))
     return RowSpec((), keys, _records(my_rec), _records(golden_rec), not reason, reason,

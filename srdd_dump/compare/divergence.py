@@ -167,12 +167,16 @@ def _same_setup(table: pd.DataFrame, same_device: dict[tuple[str, str], bool] | 
     """Per row: both sides have the same dtype and ran on one device type. ``same_device``:
     (source, golden source) -> True when both files name that device type, False when either
     names none (an msprobe dump): there a row counts as one setup when its input is the output
-    of a computed block (layer 1 on), since that block's output equal bit for bit on both sides
-    shows one kernel set (a device of another type would have differed there already)."""
+    of a computed block (any but the first block of its dump: the layer numbers are the model's,
+    and a dump of some blocks starts later), since that block's output equal bit for bit on
+    both sides shows one kernel set (a device of another type would have differed there
+    already)."""
     pairs = same_device or {}
     dtype = (table["my_dtype"].astype(str) == table["golden_dtype"].astype(str)).to_numpy()
-    layer = pd.to_numeric(table["layer"], errors="coerce").fillna(-1).to_numpy()
-    device = np.array([pairs.get((a, b)) is True or (pairs.get((a, b)) is False and k >= 1)
+    layer = pd.to_numeric(table["layer"], errors="coerce").fillna(-1)
+    first = layer[layer >= 0].groupby(table["source"]).min().to_dict()
+    device = np.array([pairs.get((a, b)) is True
+                       or (pairs.get((a, b)) is False and k > first.get(a, math.inf))
                        for a, b, k in zip(table["source"], table["golden_source"], layer)],
                       dtype=bool)
     return dtype & device

@@ -21,7 +21,7 @@ import threading
 import time
 from typing import Callable
 
-from ..config import ENV_STATUS_DIR, EXIT_BAD_OPTIONS, DumpConfig
+from ..config import ENV_STATUS_DIR, DumpConfig
 
 SITE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "site")
 
@@ -116,15 +116,13 @@ def _on_torch_imported() -> None:
 
 
 def stop_refused() -> None:
-    """Options that do not fit the model (``_state["refused"]``): the process reports and
-    stops at its model's first call, before anything has run, with exit code 2 (bad options)
-    rather than running the whole program uncaptured."""
-    if not os.environ.get(ENV_STATUS_DIR):  # else srdd-dump says it, once for every process
-        sys.stderr.write(f"srdd-dump: error: {_state['refused']}\n")
+    """Options that do not fit the model (``_state["refused"]``): nothing will be captured in
+    this process. It reports at once; srdd-dump, which watches the reports, stops the command
+    (every process of it: a Pool worker or an engine's worker process that exited on its own
+    would leave the program waiting for it) and exits 2. The program runs on until then."""
+    sys.stderr.write(f"srdd-dump: error: {_state['refused']}\n" if not os.environ.get(
+        ENV_STATUS_DIR) else "")  # else srdd-dump says it, once for every process
     _report_status()
-    sys.stderr.flush()
-    sys.stdout.flush()
-    os._exit(EXIT_BAD_OPTIONS)
 
 
 def finish_on_sigterm() -> None:
@@ -228,7 +226,7 @@ def _report_status() -> None:
     status = {
         "pid": os.getpid(),
         "argv": sys.argv,
-        "file": getattr(session, "path", None),
+        "file": getattr(session, "absolute_path", None),
         "files": _finished_files(),
         "samples": session.samples if session is not None else 0,
         "error": getattr(session, "error", None) or _state.get("error"),
