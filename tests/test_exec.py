@@ -277,13 +277,15 @@ def test_two_sessions_of_the_program_in_two_folders_are_both_listed(tmp_path):
         "m2 = build('llama', seed=1)\n"
         "from srdd_dump import DumpConfig, register_hook\n"
         f"a = register_hook(m, DumpConfig(dump_path={str(tmp_path / 'a')!r}, progress=False))\n"
-        f"b = register_hook(m2, DumpConfig(dump_path={str(tmp_path / 'b')!r}, progress=False))\n"
+        "b = register_hook(m2, DumpConfig(dump_path='b', progress=False))\n"  # relative
         "with torch.no_grad():\n"
         "    for n in (6, 7):\n"
         "        m(torch.randint(1, 100, (1, n))); m2(torch.randint(1, 100, (1, n)))\n"
         "print('finished')\n"))
-    res = run_cli("srdd-dump", "--exec", f"{sys.executable} {script}", "-o", str(tmp_path / "d"))
+    res = run_cli("srdd-dump", "--exec", f"{sys.executable} {script}", "-o", str(tmp_path / "d"),
+                  cwd=str(tmp_path))
     assert res.returncode == 0, res.stderr
+    assert res.stderr.count("srdd-dump: wrote ") == 2, res.stderr  # each file once
     for folder in ("a", "b"):
         (path,) = find_dump_files(str(tmp_path / folder))
         assert f"srdd-dump: wrote {path}" in res.stderr

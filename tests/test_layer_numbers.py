@@ -5,6 +5,8 @@ not its position 0 in the file (a new user's hunt dump once reported "Layer 0
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -63,3 +65,55 @@ def test_inject_names_a_block_the_dump_does_not_capture(tmp_path):
     # a negative layer counts from the last captured block
     session = _capture(tmp_path / "neg", "model.layers.[23]", ["bias@layer=-1,m=2"])
     assert [f["module"] for f in session.faults] == ["model.layers.3"]
+
+
+@pytest.mark.unit
+def test_a_dump_from_a_later_layer_is_judged_as_one_from_the_first():
+    """Baseline divergence without device names (msprobe dumps): a dump of layers 10-12 reads
+    like one of layers 0-2 (its first block's input is no computed block's output; it once
+    read as 'error born at layer 10 from an exact input')."""
+    import pandas as pd
+
+    from srdd_dump.compare.divergence import mark_divergence, summarize
+    from srdd_dump.compare.results import BASELINE_COLUMNS, DERIVED_COLUMNS
+
+    def pattern(layers: list[int]) -> tuple[str, str]:
+        rows = [dict(source="r0.h5", golden_source="r0.h5", sample=0, golden_sample=0, step=0,
+                     layer=k, golden_layer=k, module=f"model.layers.{k}",
+                     golden_module=f"model.layers.{k}", input_match="unknown", verdict=v,
+                     relative_euclidean_distance=red, cosine_similarity=1 - red,
+                     tolerance="bfloat16", my_dtype="bfloat16", golden_dtype="bfloat16",
+                     golden_nan_inf=0, my_nan_inf=0, cmp_fail_reason="")
+                for k, red, v in zip(layers, (3e-3, 6e-3, 1.2e-2), ("PASS", "PASS", "WARN"))]
+        table = pd.DataFrame(rows).reindex(
+            columns=[c for c in BASELINE_COLUMNS if c not in DERIVED_COLUMNS])
+        same = {("r0.h5", "r0.h5"): False}
+        summary = summarize(mark_divergence(table, same), same)
+        return summary.pattern, summary.message
+
+    first, later = pattern([0, 1, 2]), pattern([10, 11, 12])
+    assert first[0] == later[0] == "gradual", (first, later)
+
+
+@pytest.mark.capture
+def test_baseline_numbers_each_side_by_its_own_blocks_when_the_file_names_match(tmp_path):
+    """Two dumps whose files are named alike (rank 0 of the same pid, two msprobe dumps):
+    my layers of a dump of layers 2-3 are 2 and 3, paired with the golden 2 and 3 (they
+    were numbered by the golden file's blocks: 0 and 1)."""
+    from srdd_dump.compare import compare_baseline
+
+    model = build("llama", layers=4)
+    ids = torch.randint(0, 128, (1, 16), generator=torch.Generator().manual_seed(0))
+    paths = {}
+    for side, layers in (("golden", None), ("mine", "model.layers.[23]")):
+        cfg = DumpConfig(dump_path=str(tmp_path / side), probes="none", layers=layers)
+        with register_hook(model, cfg) as session, torch.no_grad():
+            model(input_ids=ids)
+        paths[side] = session.path
+    assert os.path.basename(paths["mine"]) == os.path.basename(paths["golden"])
+    t = compare_baseline(paths["mine"], paths["golden"]).table
+    blocks = t[t["layer"].notna() & t["golden_layer"].notna()]
+    # my stack input (-1) is the output of the golden layer 1, the block before my first
+    assert sorted(zip(blocks["layer"], blocks["golden_layer"])) == [(-1, 1), (2, 2), (3, 3)], \
+        blocks[["layer", "golden_layer", "module", "golden_module"]]
+    assert set(blocks["verdict"]) == {"PASS"}
