@@ -224,12 +224,13 @@ def _wait_unless_refused(proc: subprocess.Popen, status_dir: str, run_dir: str) 
     """The command's exit code; a process that reports options that do not fit its model
     (inject.stop_refused) stops the command: the other processes finish their files, then the
     command gets SIGTERM (SIGKILL if it is still alive STOP_WAIT_SECONDS later)."""
+    read: set[str] = set()  # the reports read whole already (each process writes one)
     while True:
         try:
             return proc.wait(timeout=REFUSED_POLL_SECONDS)
         except subprocess.TimeoutExpired:
             pass
-        refused = _refused(status_dir) if status_dir else []
+        refused = _refused(status_dir, read) if status_dir else []
         if refused:
             break
     _finish_files(status_dir, run_dir)
@@ -246,17 +247,19 @@ def _wait_unless_refused(proc: subprocess.Popen, status_dir: str, run_dir: str) 
         return proc.wait()
 
 
-def _refused(status_dir: str) -> list[int]:
-    """The processes of the command that reported options that do not fit their model."""
+def _refused(status_dir: str, read: set[str]) -> list[int]:
+    """The processes of the command that reported options that do not fit their model, among
+    the reports not in ``read`` (those read whole are added to it)."""
     pids = []
     for name in os.listdir(status_dir):
-        if not name.endswith(".json"):
+        if not name.endswith(".json") or name in read:
             continue
         try:
             with open(os.path.join(status_dir, name)) as fh:
                 status = json.load(fh)
-        except (OSError, ValueError):
+        except (OSError, ValueError):  # being written: read again next time
             continue
+        read.add(name)
         if status.get("refused") and isinstance(status.get("pid"), int):
             pids.append(status["pid"])
     return pids
