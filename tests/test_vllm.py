@@ -127,6 +127,19 @@ def test_offline_bf16_single_process_fault_is_named(tmp_path):
     assert _top(run) == ("FAULT", 10)
 
 
+def test_an_inject_the_engine_model_lacks_stops_the_engine_and_its_program(tmp_path):
+    """The engine's model runs in its own process (vLLM's engine core): a fault of a layer it
+    lacks stops the program with one line and exit 2 (not a whole run uncaptured, not a hang
+    of the front end waiting for a dead engine)."""
+    proc = run_cli("srdd-dump", "--exec", f"python infer_vllm.py --prompts {PROMPTS} "
+                   f"--new-tokens {NEW_TOKENS}", "-o", str(tmp_path / "d"), "-q",
+                   "--inject", "bias@layer=99", cwd=FIXTURES, timeout=900)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    # one line of srdd-dump's (vLLM's progress bar, cut short, may precede it on its line)
+    assert proc.stderr.count("srdd-dump:") == 1, proc.stderr[-3000:]
+    assert "srdd-dump: error: --inject: layer 99 out of range" in proc.stderr
+
+
 def test_eager_option_runs_a_compiled_engine_eagerly(tmp_path):
     run, _ = _dump(tmp_path, "eager", "python infer_vllm.py --prompts 2 --new-tokens 3 "
                    "--compiled", "--eager")
