@@ -80,7 +80,9 @@ def compare_path(path: str, *, jobs: int | None = 1, progress: bool | None = Non
 
 def file_signals(path: str, *, jobs: int = 1) -> list[Signals]:
     """The reference-free signals of every block and sub-layer of one dump file, in (layer,
-    site) order, as the diagnosis sees them."""
+    site) order, as the diagnosis sees them. ``Signals.layer`` is the block's position in the
+    file, as the diagnosis takes it; ``format.layer_numbers`` gives the model's numbers the
+    reports show (a dump of some blocks: position 0 may be layer 10)."""
     check_jobs(jobs)
     try:
         f = inspect(path, path)
