@@ -117,3 +117,32 @@ def test_baseline_numbers_each_side_by_its_own_blocks_when_the_file_names_match(
     assert sorted(zip(blocks["layer"], blocks["golden_layer"])) == [(-1, 1), (2, 2), (3, 3)], \
         blocks[["layer", "golden_layer", "module", "golden_module"]]
     assert set(blocks["verdict"]) == {"PASS"}
+
+
+@pytest.mark.capture
+def test_baseline_with_a_dump_of_some_layers_names_no_birth_it_cannot_see(tmp_path):
+    """A fault before the layers a subset dump holds: no layer 'introduced' it (the first
+    layer both dumps hold has an unknown input); the finding bounds where it was born. A fault
+    inside them is named as before (a new user's trial got 'layer 9 introduced the error' for a
+    fault at layer 5, and a missed fault at layer 10 against a subset golden dump)."""
+    from srdd_dump.compare import compare_baseline
+
+    ids = torch.randint(0, 128, (1, 16), generator=torch.Generator().manual_seed(0))
+
+    def dump(name: str, layers: str | None = None, inject: tuple[str, ...] = ()) -> str:
+        model = build("llama", layers=4)
+        cfg = DumpConfig(dump_path=str(tmp_path / name), probes="none", layers=layers,
+                         inject=list(inject))
+        with register_hook(model, cfg) as session, torch.no_grad():
+            model(input_ids=ids)
+        return session.path
+
+    early = dump("early", inject=("bias@layer=1,site=mlp,m=3",))
+    inside = dump("inside", inject=("bias@layer=2,site=mlp,m=3",))
+    some = dump("some", layers="model.layers.[23]")
+    for mine, golden in ((early, some), (some, early)):
+        summary = compare_baseline(mine, golden).summary
+        assert summary.pattern == "unlocated", summary.message
+        assert "introduced" not in summary.message and "born at" not in summary.message
+    summary = compare_baseline(inside, some).summary
+    assert (summary.pattern, summary.first_layer) == ("introduced", 2), summary.message

@@ -43,6 +43,66 @@ YELLOW = "yellow"
 WORST = 5
 
 
+# a row's input, besides a row: the input ids (of the model's stack input), or unknown; apart
+# from every layer number (the stack input is -1)
+TOKENS, UNKNOWN = -10, -20
+
+
+def input_rows(table: pd.DataFrame) -> np.ndarray:
+    """Per row (position), the row whose outputs are its inputs on both sides: the row of the
+    block just before on each side (the model's numbers: layer k's input is layer k-1's output,
+    a dump's first block's is its stack input), TOKENS for the model's stack input on both
+    sides (both dumps start at layer 0), UNKNOWN when either side's input is not in the table
+    (a dump of some layers: the input of its stack input, of a block after a gap)."""
+    out = np.full(len(table), UNKNOWN, dtype=np.int64)
+    keys = table[GROUP].astype(object).where(table[GROUP].notna(), None)
+    mine = pd.to_numeric(table["layer"], errors="coerce").to_numpy()
+    golden = pd.to_numeric(table["golden_layer"], errors="coerce").to_numpy()
+    groups: dict[tuple, list[int]] = {}
+    for pos, key in enumerate(map(tuple, keys.to_numpy())):
+        groups.setdefault(key, []).append(pos)
+    for rows in groups.values():
+        my_layers = {int(mine[p]) for p in rows if not np.isnan(mine[p])}
+        golden_layers = {int(golden[p]) for p in rows if not np.isnan(golden[p])}
+        at = {(int(mine[p]), int(golden[p])): p for p in rows
+              if not (np.isnan(mine[p]) or np.isnan(golden[p]))}
+        for (i, j), pos in at.items():
+            a, b = _before(i, my_layers), _before(j, golden_layers)
+            if a == TOKENS and b == TOKENS:
+                out[pos] = TOKENS
+            elif a is not None and b is not None:
+                out[pos] = at.get((a, b), UNKNOWN)
+    return out
+
+
+def _before(layer: int, present: set[int]) -> int | None:
+    """The layer whose output is ``layer``'s input on one side (STACK_INPUT -1 for its first
+    block), TOKENS for a stack input of a dump that starts at layer 0, None when unknown."""
+    blocks = [k for k in present if k >= 0]
+    first = min(blocks) if blocks else None
+    if layer < 0:
+        return TOKENS if first == 0 else None
+    if layer == first:
+        return -1 if -1 in present else None
+    return layer - 1 if layer - 1 in present else None
+
+
+def input_reds(table: pd.DataFrame, rows: np.ndarray | None = None) -> np.ndarray:
+    """Per row, the relative error of its input (``input_rows``): 0 from agreeing input ids,
+    NaN when unknown or not compared."""
+    rows = input_rows(table) if rows is None else rows
+    red = _bounded(table)[RED_COLUMN].to_numpy(dtype=float)
+    verdict = table["verdict"].to_numpy()
+    match = table["input_match"].to_numpy()
+    out = np.full(len(table), math.nan)
+    for pos, src in enumerate(rows):
+        if src == TOKENS:
+            out[pos] = 0.0 if match[pos] != DIFFER else math.nan
+        elif src >= 0 and verdict[src] != NOT_COMPARED:
+            out[pos] = red[src]
+    return out
+
+
 def mark_divergence(table: pd.DataFrame, same_device: dict[tuple[str, str], bool] | None = None
                     ) -> pd.DataFrame:
     """Add ``error_amplification``, ``highlight``, ``first_divergence`` (the birth of the error)
@@ -67,18 +127,17 @@ def mark_divergence(table: pd.DataFrame, same_device: dict[tuple[str, str], bool
     match = table["input_match"].to_numpy()
     same_setup = _same_setup(table, same_device)
     nonfinite = (table["golden_nan_inf"].fillna(0) + table["my_nan_inf"].fillna(0)).to_numpy()
+    sources = input_rows(table)
+    reds = input_reds(table, sources)
     for rows in groups.values():
         found = False
         candidates: list[int] = []
         breaks = None  # the round's first WARN/FAIL row
-        for k, pos in enumerate(rows):
-            if k == 0:
-                input_ok = match[pos] != DIFFER
-                input_red = 0.0 if input_ok else math.nan
-            else:
-                prev = rows[k - 1]
-                input_ok = verdict[prev] == PASS
-                input_red = red[prev] if verdict[prev] != NOT_COMPARED else math.nan
+        for pos in rows:
+            src = sources[pos]
+            input_ok = (match[pos] != DIFFER if src == TOKENS
+                        else src >= 0 and verdict[src] == PASS)
+            input_red = reds[pos]
             if verdict[pos] == NOT_COMPARED:
                 continue
             floor = UNIT_ROUNDOFF.get(tolerance[pos], 0.0)
@@ -118,15 +177,11 @@ def mark_sites(sites: pd.DataFrame, table: pd.DataFrame,
     sites = _bounded(sites)
     inputs: dict[tuple, tuple[float, bool]] = {}  # (group, layer) -> (input RED, birth layer)
     keys = table[GROUP].astype(object).where(table[GROUP].notna(), None)
-    previous: dict[tuple, float] = {}
-    for key, layer, red, verdict, match, first in zip(
-            map(tuple, keys.to_numpy()), table["layer"], table[RED_COLUMN], table["verdict"],
-            table["input_match"], table["first_divergence"]):
-        if pd.isna(layer):
-            continue
-        start = 0.0 if match != DIFFER else math.nan
-        inputs[(key, int(layer))] = (previous.get(key, start), bool(first))
-        previous[key] = float(red) if verdict != NOT_COMPARED else math.nan
+    for key, layer, input_red, first in zip(
+            map(tuple, keys.to_numpy()), table["layer"], input_reds(table),
+            table["first_divergence"]):
+        if not pd.isna(layer):
+            inputs[(key, int(layer))] = (float(input_red), bool(first))
     amp = np.full(len(sites), math.nan)
     first = np.zeros(len(sites), dtype=bool)
     same_setup = _same_setup(sites, same_device)
@@ -241,10 +296,11 @@ def summarize(table: pd.DataFrame, same_device: dict[tuple[str, str], bool] | No
             summary.first_module = str(blocks.iloc[0]) if len(blocks) else ""
         summary.first_rounds = len(at)
         birth = int(at[RED_COLUMN].fillna(-1.0).idxmax())
-        summary.first_exact_input = _input_red(table, birth) == 0
+        summary.first_exact_input = input_reds(table)[birth] == 0
         if sites is not None:
             _first_site(summary, at, sites)
-    summary.pattern, summary.message = _explain(summary, compared, same_setup)
+    summary.pattern, summary.message = _explain(summary, compared, same_setup,
+                                                input_reds(table))
     if summary.pattern in ("gradual", "clean") and sites is not None:
         _site_origin(summary, table, sites)
     if compared.empty and sites is not None:
@@ -328,25 +384,11 @@ def _recurring(table: pd.DataFrame, births: pd.DataFrame, same_setup: np.ndarray
         return births
     breaking = table[table["verdict"].isin([WARN, FAIL])][GROUP].drop_duplicates()
     need = max(2, BIRTH_SHARE * len(breaking))
-    exact = np.array([_input_red(table, int(pos)) == 0 and bool(same_setup[int(pos)])
+    reds = input_reds(table)
+    exact = np.array([reds[int(pos)] == 0 and bool(same_setup[int(pos)])
                       for pos in births.index], dtype=bool)
     counts = births["layer"].map(births["layer"].value_counts())
     return births[exact | (counts.to_numpy() >= need)]
-
-
-def _input_red(table: pd.DataFrame, pos: int) -> float:
-    """The relative error of a row's input: the previous row of its round, or 0 for the first
-    row when the input ids agree."""
-    row = table.iloc[pos]
-    if pos > 0:
-        prev = table.iloc[pos - 1]
-        if all(_same(prev[c], row[c]) for c in GROUP):
-            return float(prev[RED_COLUMN]) if prev["verdict"] != NOT_COMPARED else math.nan
-    return 0.0 if row["input_match"] != DIFFER else math.nan
-
-
-def _same(a, b) -> bool:
-    return (pd.isna(a) and pd.isna(b)) or a == b
 
 
 def _reason_kinds(reasons: pd.Series) -> pd.Series:
@@ -370,8 +412,10 @@ def _sites_only(sites: pd.DataFrame) -> str:
     return text
 
 
-def _explain(s: BaselineSummary, compared: pd.DataFrame, same_setup: np.ndarray
-             ) -> tuple[str, str]:
+def _explain(s: BaselineSummary, compared: pd.DataFrame, same_setup: np.ndarray,
+             reds: np.ndarray) -> tuple[str, str]:
+    """The summary's pattern and finding. ``same_setup`` and ``reds`` (``input_reds``) are
+    indexed like the whole table, whose index labels ``compared`` keeps."""
     if compared.empty:
         return "nothing", "nothing was compared (see cmp_fail_reason)"
     tol = ", ".join(sorted(set(compared["tolerance"])))
@@ -408,9 +452,13 @@ def _explain(s: BaselineSummary, compared: pd.DataFrame, same_setup: np.ndarray
         return "clean", (
             f"every compared layer PASSes at {tol} tolerance "
             f"(largest relative error {s.per_layer['max_relative_euclidean_distance'].max():.3g})"
-            + _first_difference(compared, same_setup)
+            + _first_difference(compared, same_setup, reds)
         )
     start = bad.iloc[0]
+    broken = compared[(compared["layer"] == start["layer"])
+                      & compared["verdict"].isin([WARN, FAIL])]
+    if np.isnan(reds[broken.index.to_numpy()]).all():
+        return "unlocated", _unlocated(s, start, tol)
     growth = s.per_layer["max_error_amplification"].max()
     isolated = " in more than isolated rounds" if growth >= BIRTH_GROWTH else ""
     return "gradual", (
@@ -422,14 +470,33 @@ def _explain(s: BaselineSummary, compared: pd.DataFrame, same_setup: np.ndarray
     )
 
 
-def _first_difference(compared: pd.DataFrame, same_setup: np.ndarray) -> str:
+def _unlocated(s: BaselineSummary, start: pd.Series, tol: str) -> str:
+    """The first layer beyond tolerance, whose input is not compared (the layer before it is
+    not in both dumps): where the error was born is only bounded."""
+    layer = int(start["layer"])
+    passing = s.per_layer[(s.per_layer["layer"] < layer) & (s.per_layer["verdict"] == PASS)]
+    after = (f" and after layer {int(passing['layer'].max())}, the last before it that both "
+             "dumps hold and that passes" if len(passing) else "")
+    blocks = s.per_layer[s.per_layer["layer"] >= 0]
+    fed = blocks["module"].iloc[0] if len(blocks) else "the first block"
+    what = (f"the stack input (the input of {fed}" if layer < 0
+            else f"layer {layer} ({start['module']}")
+    return (f"the error is already beyond {tol} tolerance at {what}, "
+            f"{start['verdict']}, relative error "
+            f"{start['max_relative_euclidean_distance']:.3g}), whose input is not in both dumps: "
+            f"it was born there or before it{after}; dump the layers before it on both sides "
+            "(--layers) to name the layer")
+
+
+def _first_difference(compared: pd.DataFrame, same_setup: np.ndarray, reds: np.ndarray
+                      ) -> str:
     """'; the outputs first differ at layer K (xN from an exact input)' when both sides have
     the same dtype and device type and some layer turns an exactly equal input into a
     different output. ``same_setup`` is indexed like the whole table."""
     for pos in range(len(compared)):
         row = compared.iloc[pos]
         if (row[RED_COLUMN] > 0 and same_setup[compared.index[pos]]
-                and pd.notna(row["layer"]) and _input_red(compared, pos) == 0):
+                and pd.notna(row["layer"]) and reds[compared.index[pos]] == 0):
             return (f"; the outputs first differ at layer {int(row['layer'])} "
                     f"({row['module']}, x{row['error_amplification']:.3g} from an exact input)")
     return ""
