@@ -22,6 +22,10 @@ from tiny_models import build
 def test_the_numbers_are_the_names_trailing_integers_of_one_stack():
     assert layer_numbers(["model.layers.10", "model.layers.11"]) == [10, 11]
     assert layer_numbers(["transformer.h.0", "transformer.h.7"]) == [0, 7]
+    # --layers naming modules inside the blocks; names that end in their number
+    assert layer_numbers(["model.layers.10.mlp", "model.layers.12.mlp"]) == [10, 12]
+    assert layer_numbers(["layers.3.mlp.fc1", "layers.4.mlp.fc1"]) == [3, 4]
+    assert layer_numbers(["block1", "block2"]) == [1, 2]
     # two stacks (an encoder's and a decoder's), or names without numbers: positions
     assert layer_numbers(["encoder.layer.0", "encoder.layer.1", "decoder.layer.0"]) == [0, 1, 2]
     assert layer_numbers(["blocks.first", "blocks.second"]) == [0, 1]
@@ -117,6 +121,10 @@ def test_baseline_numbers_each_side_by_its_own_blocks_when_the_file_names_match(
     assert sorted(zip(blocks["layer"], blocks["golden_layer"])) == [(-1, 1), (2, 2), (3, 3)], \
         blocks[["layer", "golden_layer", "module", "golden_module"]]
     assert set(blocks["verdict"]) == {"PASS"}
+    # the golden stack input pairs with nothing, and says so (it was dropped)
+    alone = t[t["layer"].isna() & (t["golden_layer"] == -1)]
+    assert len(alone) == 1
+    assert alone["cmp_fail_reason"].iloc[0].startswith("no counterpart: the golden stack input")
 
 
 @pytest.mark.capture

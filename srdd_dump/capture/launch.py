@@ -234,17 +234,32 @@ def _wait_unless_refused(proc: subprocess.Popen, status_dir: str, run_dir: str) 
         if refused:
             break
     _finish_files(status_dir, run_dir)
-    for pid in refused:  # a worker process of the command outlives its main one
-        if pid != proc.pid:
-            with contextlib.suppress(OSError):
-                os.kill(pid, signal.SIGTERM)
+    others = [pid for pid in refused if pid != proc.pid]  # they may outlive the main process
+    for pid in others:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGTERM)
     with contextlib.suppress(ProcessLookupError):
         proc.terminate()
+    deadline = time.monotonic() + STOP_WAIT_SECONDS
     try:
-        return proc.wait(timeout=STOP_WAIT_SECONDS)
+        code = proc.wait(timeout=STOP_WAIT_SECONDS)
     except subprocess.TimeoutExpired:
         proc.kill()
-        return proc.wait()
+        code = proc.wait()
+    while any(_alive(pid) for pid in others) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    for pid in others:  # one that ignores SIGTERM would run on uncaptured, orphaned
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+    return code
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except OSError:
+        return False
+    return True
 
 
 def _refused(status_dir: str, read: set[str]) -> list[int]:

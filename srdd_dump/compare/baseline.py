@@ -341,10 +341,12 @@ def _with_stack_input(mine: Side, golden: Side, pairs: list[tuple[int | None, in
         return [(s.STACK_INPUT, s.STACK_INPUT)] + pairs
     if has_mine and first_mine in golden.layers[1:]:
         before = golden.layers.index(first_mine) - 1
-        return [(s.STACK_INPUT, before)] + [p for p in pairs if p != (None, before)]
+        alone = [(None, s.STACK_INPUT)] if has_golden else []  # a row that says so
+        return alone + [(s.STACK_INPUT, before)] + [p for p in pairs if p != (None, before)]
     if has_golden and first_golden in mine.layers[1:]:
         before = mine.layers.index(first_golden) - 1
-        return [(before, s.STACK_INPUT)] + [p for p in pairs if p != (before, None)]
+        alone = [(s.STACK_INPUT, None)] if has_mine else []
+        return alone + [(before, s.STACK_INPUT)] + [p for p in pairs if p != (before, None)]
     if (not set(mine.layers) & set(golden.layers)  # stacks named apart, from the same layer
             and layer_numbers(mine.layers)[0] == layer_numbers(golden.layers)[0]):
         return [(s.STACK_INPUT, s.STACK_INPUT)] + pairs
@@ -361,7 +363,13 @@ def _layer_spec(
     golden_rec = golden.clean_blocks.get((rp.golden_round, j)) if j is not None else None
     my_sum = _summary(mine, rp.round, i, s.BLOCK_SITE) if my_rec is None else None
     golden_sum = _summary(golden, rp.golden_round, j, s.BLOCK_SITE) if golden_rec is None else None
-    if i is None:
+    if i is None and j == s.STACK_INPUT:
+        reason = ("no counterpart: the golden stack input is the input of its first block, "
+                  "which my dump starts after")
+    elif j is None and i == s.STACK_INPUT:
+        reason = ("no counterpart: my stack input is the input of my first block, which the "
+                  "golden dump starts after")
+    elif i is None:
         reason = (f"no counterpart: golden layer {number_of(layer_numbers(golden.layers), j)} "
                   f"({keys['golden_module']}) is not in my dump")
     elif j is None:

@@ -13,16 +13,22 @@ _TRAILING = re.compile(r"(\d+)$")
 
 
 def layer_numbers(names: Sequence[str]) -> list[int]:
-    """Each block's number: the integer its module name ends with (``model.layers.10`` -> 10)
-    when every name ends with one and they increase in stack order (one numbered stack),
-    else its position (two stacks, an encoder's and a decoder's, or names without numbers)."""
-    found = [_TRAILING.search(str(name)) for name in names]
-    if not all(found):
-        return list(range(len(names)))
-    numbers = [int(m.group(1)) for m in found]
-    if any(b <= a for a, b in zip(numbers, numbers[1:])):
+    """Each block's number: the last all-digit part of its module name (``model.layers.10`` and
+    ``model.layers.10.mlp`` -> 10), else the integer the name ends with (``block7``), when
+    every name has one and they increase in stack order (one numbered stack), else its
+    position (two stacks, an encoder's and a decoder's, or names without numbers)."""
+    numbers = [_number(str(name)) for name in names]
+    if None in numbers or any(b <= a for a, b in zip(numbers, numbers[1:])):
         return list(range(len(names)))
     return numbers
+
+
+def _number(name: str) -> int | None:
+    parts = [part for part in name.split(".") if part.isdigit()]
+    if parts:
+        return int(parts[-1])
+    found = _TRAILING.search(name)
+    return int(found.group(1)) if found else None
 
 
 def number_of(numbers: Sequence[int], position: int | None) -> int | None:
