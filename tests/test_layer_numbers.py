@@ -99,6 +99,28 @@ def test_a_dump_from_a_later_layer_is_judged_as_one_from_the_first():
     assert first[0] == later[0] == "gradual", (first, later)
 
 
+@pytest.mark.unit
+def test_layer_0_of_dumps_without_a_stack_input_takes_the_input_ids():
+    """msprobe dumps of block outputs only hold no stack input: layer 0's input is still the
+    input ids, so a fault at layer 0 is introduced there (not 'unlocated')."""
+    import pandas as pd
+
+    from srdd_dump.compare.divergence import mark_divergence, summarize
+    from srdd_dump.compare.results import BASELINE_COLUMNS, DERIVED_COLUMNS
+
+    rows = [dict(source="r0.h5", golden_source="r0.h5", sample=0, golden_sample=0, step=0,
+                 layer=k, golden_layer=k, module=f"model.layers.{k}",
+                 golden_module=f"model.layers.{k}", input_match="same", verdict="FAIL",
+                 relative_euclidean_distance=0.2, cosine_similarity=0.98, tolerance="float32",
+                 my_dtype="float32", golden_dtype="float32", golden_nan_inf=0, my_nan_inf=0,
+                 cmp_fail_reason="") for k in range(3)]
+    table = pd.DataFrame(rows).reindex(
+        columns=[c for c in BASELINE_COLUMNS if c not in DERIVED_COLUMNS])
+    same = {("r0.h5", "r0.h5"): True}
+    summary = summarize(mark_divergence(table, same), same)
+    assert (summary.pattern, summary.first_layer) == ("introduced", 0), summary.message
+
+
 @pytest.mark.capture
 def test_baseline_numbers_each_side_by_its_own_blocks_when_the_file_names_match(tmp_path):
     """Two dumps whose files are named alike (rank 0 of the same pid, two msprobe dumps):

@@ -248,7 +248,7 @@ def _wait_unless_refused(proc: subprocess.Popen, status_dir: str, run_dir: str) 
         code = proc.wait()
     while any(_alive(pid) for pid in others) and time.monotonic() < deadline:
         time.sleep(0.1)
-    for pid in others:  # one that ignores SIGTERM would run on uncaptured, orphaned
+    for pid in filter(_alive, others):  # one that ignores SIGTERM would run on, orphaned
         with contextlib.suppress(OSError):
             os.kill(pid, signal.SIGKILL)
     return code

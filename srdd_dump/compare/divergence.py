@@ -56,18 +56,18 @@ def input_rows(table: pd.DataFrame) -> np.ndarray:
     (a dump of some layers: the input of its stack input, of a block after a gap)."""
     out = np.full(len(table), UNKNOWN, dtype=np.int64)
     keys = table[GROUP].astype(object).where(table[GROUP].notna(), None)
-    mine = pd.to_numeric(table["layer"], errors="coerce").to_numpy()
-    golden = pd.to_numeric(table["golden_layer"], errors="coerce").to_numpy()
+    mine = _numbers(table["layer"])
+    golden = _numbers(table["golden_layer"])
     groups: dict[tuple, list[int]] = {}
     for pos, key in enumerate(map(tuple, keys.to_numpy())):
         groups.setdefault(key, []).append(pos)
     for rows in groups.values():
-        my_layers = {int(mine[p]) for p in rows if not np.isnan(mine[p])}
-        golden_layers = {int(golden[p]) for p in rows if not np.isnan(golden[p])}
+        my_side = _Side({int(mine[p]) for p in rows if not np.isnan(mine[p])})
+        golden_side = _Side({int(golden[p]) for p in rows if not np.isnan(golden[p])})
         at = {(int(mine[p]), int(golden[p])): p for p in rows
               if not (np.isnan(mine[p]) or np.isnan(golden[p]))}
         for (i, j), pos in at.items():
-            a, b = _before(i, my_layers), _before(j, golden_layers)
+            a, b = my_side.before(i), golden_side.before(j)
             if a == TOKENS and b == TOKENS:
                 out[pos] = TOKENS
             elif a is not None and b is not None:
@@ -75,23 +75,37 @@ def input_rows(table: pd.DataFrame) -> np.ndarray:
     return out
 
 
-def _before(layer: int, present: set[int]) -> int | None:
-    """The layer whose output is ``layer``'s input on one side (STACK_INPUT -1 for its first
-    block), TOKENS for a stack input of a dump that starts at layer 0, None when unknown."""
-    blocks = [k for k in present if k >= 0]
-    first = min(blocks) if blocks else None
-    if layer < 0:
-        return TOKENS if first == 0 else None
-    if layer == first:
-        return -1 if -1 in present else None
-    return layer - 1 if layer - 1 in present else None
+def _numbers(column: pd.Series) -> np.ndarray:
+    """A layer column as floats, NaN where empty (nullable Int64 columns included)."""
+    return pd.to_numeric(column, errors="coerce").astype("float64").to_numpy(
+        dtype=float, na_value=np.nan)
+
+
+class _Side:
+    """The layers one side of a round holds."""
+
+    def __init__(self, present: set[int]):
+        self.present = present
+        blocks = [k for k in present if k >= 0]
+        self.first = min(blocks) if blocks else None
+
+    def before(self, layer: int) -> int | None:
+        """The layer whose output is ``layer``'s input (STACK_INPUT -1 for the first block),
+        TOKENS for the input of a dump that starts at the model's layer 0, None when unknown."""
+        if layer < 0:
+            return TOKENS if self.first == 0 else None
+        if layer == self.first:
+            if -1 in self.present:
+                return -1
+            return TOKENS if layer == 0 else None  # no stack input record: layer 0's is the ids
+        return layer - 1 if layer - 1 in self.present else None
 
 
 def input_reds(table: pd.DataFrame, rows: np.ndarray | None = None) -> np.ndarray:
     """Per row, the relative error of its input (``input_rows``): 0 from agreeing input ids,
     NaN when unknown or not compared."""
     rows = input_rows(table) if rows is None else rows
-    red = _bounded(table)[RED_COLUMN].to_numpy(dtype=float)
+    red = _bounded(table)[RED_COLUMN].to_numpy(dtype=float, na_value=np.nan)
     verdict = table["verdict"].to_numpy()
     match = table["input_match"].to_numpy()
     out = np.full(len(table), math.nan)
@@ -284,7 +298,9 @@ def summarize(table: pd.DataFrame, same_device: dict[tuple[str, str], bool] | No
         not_compared=not_compared,
     )
     same_setup = _same_setup(table, same_device)
-    firsts = _recurring(table, firsts, same_setup)
+    sources = input_rows(table)
+    reds = input_reds(table, sources)
+    firsts = _recurring(table, firsts, same_setup, reds)
     summary.first_divergence = firsts
     if len(firsts):
         layer = int(firsts["layer"].min())
@@ -296,11 +312,10 @@ def summarize(table: pd.DataFrame, same_device: dict[tuple[str, str], bool] | No
             summary.first_module = str(blocks.iloc[0]) if len(blocks) else ""
         summary.first_rounds = len(at)
         birth = int(at[RED_COLUMN].fillna(-1.0).idxmax())
-        summary.first_exact_input = input_reds(table)[birth] == 0
+        summary.first_exact_input = reds[birth] == 0
         if sites is not None:
             _first_site(summary, at, sites)
-    summary.pattern, summary.message = _explain(summary, compared, same_setup,
-                                                input_reds(table))
+    summary.pattern, summary.message = _explain(summary, compared, same_setup, reds, sources)
     if summary.pattern in ("gradual", "clean") and sites is not None:
         _site_origin(summary, table, sites)
     if compared.empty and sites is not None:
@@ -374,8 +389,8 @@ def unmatched_lines(sites: pd.DataFrame) -> list[str]:
             for (side, name), layers in sorted(found.items())]
 
 
-def _recurring(table: pd.DataFrame, births: pd.DataFrame, same_setup: np.ndarray
-               ) -> pd.DataFrame:
+def _recurring(table: pd.DataFrame, births: pd.DataFrame, same_setup: np.ndarray,
+               reds: np.ndarray) -> pd.DataFrame:
     """The births the summary names. One from an exactly equal input with the same dtype on
     both sides is conclusive on its own; one found by growth alone must recur at its layer, in
     at least 2 rounds and BIRTH_SHARE of the rounds that break tolerance: one decode step of
@@ -384,7 +399,6 @@ def _recurring(table: pd.DataFrame, births: pd.DataFrame, same_setup: np.ndarray
         return births
     breaking = table[table["verdict"].isin([WARN, FAIL])][GROUP].drop_duplicates()
     need = max(2, BIRTH_SHARE * len(breaking))
-    reds = input_reds(table)
     exact = np.array([reds[int(pos)] == 0 and bool(same_setup[int(pos)])
                       for pos in births.index], dtype=bool)
     counts = births["layer"].map(births["layer"].value_counts())
@@ -413,9 +427,10 @@ def _sites_only(sites: pd.DataFrame) -> str:
 
 
 def _explain(s: BaselineSummary, compared: pd.DataFrame, same_setup: np.ndarray,
-             reds: np.ndarray) -> tuple[str, str]:
-    """The summary's pattern and finding. ``same_setup`` and ``reds`` (``input_reds``) are
-    indexed like the whole table, whose index labels ``compared`` keeps."""
+             reds: np.ndarray, sources: np.ndarray) -> tuple[str, str]:
+    """The summary's pattern and finding. ``same_setup``, ``reds`` (``input_reds``) and
+    ``sources`` (``input_rows``) are indexed like the whole table, whose index labels
+    ``compared`` keeps."""
     if compared.empty:
         return "nothing", "nothing was compared (see cmp_fail_reason)"
     tol = ", ".join(sorted(set(compared["tolerance"])))
@@ -458,7 +473,8 @@ def _explain(s: BaselineSummary, compared: pd.DataFrame, same_setup: np.ndarray,
     broken = compared[(compared["layer"] == start["layer"])
                       & compared["verdict"].isin([WARN, FAIL])]
     if np.isnan(reds[broken.index.to_numpy()]).all():
-        return "unlocated", _unlocated(s, start, tol)
+        held = (sources[broken.index.to_numpy()] >= 0).any()  # in both dumps, not compared
+        return "unlocated", _unlocated(s, start, tol, held)
     growth = s.per_layer["max_error_amplification"].max()
     isolated = " in more than isolated rounds" if growth >= BIRTH_GROWTH else ""
     return "gradual", (
@@ -470,9 +486,10 @@ def _explain(s: BaselineSummary, compared: pd.DataFrame, same_setup: np.ndarray,
     )
 
 
-def _unlocated(s: BaselineSummary, start: pd.Series, tol: str) -> str:
+def _unlocated(s: BaselineSummary, start: pd.Series, tol: str, held: bool) -> str:
     """The first layer beyond tolerance, whose input is not compared (the layer before it is
-    not in both dumps): where the error was born is only bounded."""
+    not in both dumps, or, ``held``, not compared there): where the error was born is only
+    bounded."""
     layer = int(start["layer"])
     passing = s.per_layer[(s.per_layer["layer"] < layer) & (s.per_layer["verdict"] == PASS)]
     after = (f" and after layer {int(passing['layer'].max())}, the last before it that both "
@@ -483,9 +500,12 @@ def _unlocated(s: BaselineSummary, start: pd.Series, tol: str) -> str:
             else f"layer {layer} ({start['module']}")
     return (f"the error is already beyond {tol} tolerance at {what}, "
             f"{start['verdict']}, relative error "
-            f"{start['max_relative_euclidean_distance']:.3g}), whose input is not in both dumps: "
-            f"it was born there or before it{after}; dump the layers before it on both sides "
-            "(--layers) to name the layer")
+            f"{start['max_relative_euclidean_distance']:.3g}), whose input "
+            + ("was not compared (see the cmp_fail_reason of the layer before it)"
+               if held else "is not in both dumps")
+            + f": it was born there or before it{after}"
+            + ("" if held else "; dump the layers before it on both sides (--layers) to name "
+               "the layer"))
 
 
 def _first_difference(compared: pd.DataFrame, same_setup: np.ndarray, reds: np.ndarray
