@@ -40,13 +40,6 @@ class DumpOutput:
         self.writer: DumpWriter | None = None
         self._folder = ""  # the file's folder, absolute when it was opened (a program may cd)
 
-    @property
-    def absolute_path(self) -> str | None:
-        """``path`` made absolute from the working directory of the time the file opened."""
-        if not self.path:
-            return None
-        return os.path.join(self._folder, os.path.basename(self.path))
-
     def submit(self, r: Round, meta, layer_names: list[str], site_names: list[str],
                stat_columns: list[str] | None) -> str | None:
         """Queue a finished round; ``meta()`` gives the file's meta when the first opens it.
@@ -70,7 +63,7 @@ class DumpOutput:
             self.path = self.writer.partial_path
             self.writer.error = self.writer.error or describe_error(exc)
         if self.path:
-            _finished.append(self.absolute_path)
+            _finished.append(os.path.join(self._folder, os.path.basename(self.path)))
         return f"cannot write {self.path}: {self.writer.error}" if self.writer.error else None
 
     def finish_file(self, status: dict) -> str | None:

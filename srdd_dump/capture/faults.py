@@ -71,7 +71,7 @@ import torch
 from torch import nn
 
 from ..errors import UserError
-from ..format.layer_numbers import layer_numbers
+from ..format.layer_numbers import layer_numbers, position_of
 from ..vocabulary import EXPERT, EXPERTS, ROUTER
 from . import serving
 from .attention_faults import AttentionKernelFault
@@ -110,10 +110,9 @@ def fault_block(blocks: list[tuple[str, nn.Module]], spec: FaultSpec) -> tuple[s
     """The block of ``layer=K``: the block the model numbers K (``model.layers.K``, whichever
     blocks --layers captures), or the K-th from the end for a negative K."""
     numbers = layer_numbers([name for name, _ in blocks])
-    if spec.layer in numbers:
-        return blocks[numbers.index(spec.layer)]
-    if -len(blocks) <= spec.layer < 0:
-        return blocks[spec.layer]
+    position = position_of(numbers, spec.layer)
+    if position is not None:
+        return blocks[position]
     contiguous = numbers == list(range(numbers[0], numbers[0] + len(numbers)))
     listed = (f"{numbers[0]}-{numbers[-1]}" if contiguous and len(numbers) > 1
               else ", ".join(map(str, numbers)))

@@ -530,11 +530,6 @@ class CaptureSession:
         """The dump file (None until the first round is captured)."""
         return self.output.path
 
-    @property
-    def absolute_path(self) -> str | None:
-        """``path``, absolute (from the working directory of the time it opened)."""
-        return self.output.absolute_path
-
     # -- lifecycle ------------------------------------------------------------------------
     def _fail(self, reason: str) -> None:
         self.error = reason

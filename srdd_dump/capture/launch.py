@@ -356,12 +356,12 @@ def _collect(returncode: int, status_dir: str, new_partials: set[str] | None = N
         except (OSError, ValueError):
             continue
     for st in statuses:
-        for file in dict.fromkeys([*(st.get("files") or []), st.get("file")]):
-            if file and file.endswith(schema.BROKEN_SUFFIX):
+        for file in st.get("files") or []:
+            if file.endswith(schema.BROKEN_SUFFIX):
                 result.problems.append(
                     f"{file}: a write failed half-way, so the file is set aside and not used"
                 )
-            elif file and file not in result.files:
+            elif file not in result.files:
                 result.files.append(file)
         if st.get("error"):
             result.problems.append(f"pid {st['pid']}: capture failed: {st['error']}")

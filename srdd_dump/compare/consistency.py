@@ -77,13 +77,14 @@ def plan(files: list[DumpFile], thresholds: Thresholds | None = None
 def finish(tasks: list[ConsistencyTask], groups: list[list[_Source]], tolerance: list[str],
            parts: list[tuple[list[dict], int, int]]) -> ConsistencyResult:
     rows, skipped = [], 0
+    numbers = {id(m): layer_numbers(m.file.layers) for g in groups for m in g}
     for task, (results, n_rounds, n_skipped) in zip(tasks, parts):
         skipped += n_skipped
         members = groups[task.group]
         for src, res in zip(members, results):
             rows.append(dict(
                 res, group=task.group, source=src.source,
-                layer=number_of(layer_numbers(src.file.layers), task.layer),
+                layer=number_of(numbers[id(src)], task.layer),
                 module=src.file.module(task.layer), rounds=n_rounds,
                 tolerance=tolerance[task.group],
             ))

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import shlex
 
-from ..format.layer_numbers import layer_numbers
+from ..format.layer_numbers import layer_numbers, position_of
 from ..vocabulary import BLOCK, SUBLAYER
 from .sources import DumpFile
 
@@ -65,8 +65,7 @@ def _in_layer(spec: str, numbers: list[int], layer: int, hunted: int) -> str | N
                 at = int(value)
             except ValueError:
                 return None
-            mine = at in numbers and numbers.index(at) == layer
-            if not mine and not (-len(numbers) <= at < 0 and at % len(numbers) == layer):
+            if position_of(numbers, at) != layer:
                 return None
             items[i] = f"layer={hunted}"
             return f"{kind}@{','.join(items)}"

@@ -9,14 +9,18 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 
+# a module of a numbered block: the block itself or one of its children (the first number in
+# the path: model.layers.3.mlp.experts.5.up_proj -> model.layers, 3)
+NUMBERED_PREFIX = re.compile(r"^(?P<stack>.+?)\.(?P<index>\d+)(?:\.|$)")
 _TRAILING = re.compile(r"(\d+)$")
 
 
 def layer_numbers(names: Sequence[str]) -> list[int]:
-    """Each block's number: the last all-digit part of its module name (``model.layers.10`` and
-    ``model.layers.10.mlp`` -> 10), else the integer the name ends with (``block7``), when
-    every name has one and they increase in stack order (one numbered stack), else its
-    position (two stacks, an encoder's and a decoder's, or names without numbers)."""
+    """Each block's number: the first number in its module path (``NUMBERED_PREFIX``, as the
+    msprobe reader numbers blocks: ``model.layers.10`` and ``model.layers.10.mlp`` -> 10),
+    else the integer its name ends with (``block7``), when every name has one and they
+    increase in stack order (one numbered stack), else its position (two stacks, an
+    encoder's and a decoder's, or names without numbers)."""
     numbers = [_number(str(name)) for name in names]
     if None in numbers or any(b <= a for a, b in zip(numbers, numbers[1:])):
         return list(range(len(names)))
@@ -24,11 +28,8 @@ def layer_numbers(names: Sequence[str]) -> list[int]:
 
 
 def _number(name: str) -> int | None:
-    parts = [part for part in name.split(".") if part.isdigit()]
-    if parts:
-        return int(parts[-1])
-    found = _TRAILING.search(name)
-    return int(found.group(1)) if found else None
+    found = NUMBERED_PREFIX.match(name) or _TRAILING.search(name)
+    return int(found.group(found.lastindex)) if found else None
 
 
 def number_of(numbers: Sequence[int], position: int | None) -> int | None:
@@ -37,3 +38,13 @@ def number_of(numbers: Sequence[int], position: int | None) -> int | None:
     if position is None or not 0 <= position < len(numbers):
         return position
     return numbers[position]
+
+
+def position_of(numbers: Sequence[int], layer: int) -> int | None:
+    """The position of the block a user names ``layer`` (``--inject layer=K``): the block the
+    model numbers K, or for a negative K the K-th from the last; None when none is."""
+    if layer in numbers:
+        return list(numbers).index(layer)
+    if -len(numbers) <= layer < 0:
+        return len(numbers) + layer
+    return None

@@ -7,19 +7,16 @@ from __future__ import annotations
 
 import collections
 import math
-import re
 
 import numpy as np
 
 from ..errors import UserError
 from ..vocabulary import ATTENTION_NAMES, LINEAR, MLP_NAMES, NORM, SUBLAYER
 from . import schema
+from .layer_numbers import NUMBERED_PREFIX
 from .msprobe import FLOATING, INTEGER, LOGICAL, ModuleCall, MsprobeRun, dims, statistic
 from .writer import Round, StatRow, Tensor
 
-# a module of a numbered block: the block itself or one of its children (the first number in
-# the path: model.layers.3.mlp.experts.5.up_proj -> model.layers, 3)
-NUMBERED_PREFIX = re.compile(r"^(?P<stack>.+?)\.(?P<index>\d+)(?:\.|$)")
 # a statistics-mode dump's columns: Max, Min, Mean, Norm as moments where they are some
 STAT_COLUMNS = ("n", "mean", "m2", "absmax", "nan", "inf", *schema.SUMMARY_COLUMNS)
 POSITION_NAMES = ("position_ids", "positions")

@@ -120,8 +120,8 @@ def stop_refused() -> None:
     this process. It reports at once; srdd-dump, which watches the reports, stops the command
     (every process of it: a Pool worker or an engine's worker process that exited on its own
     would leave the program waiting for it) and exits 2. The program runs on until then."""
-    sys.stderr.write(f"srdd-dump: error: {_state['refused']}\n" if not os.environ.get(
-        ENV_STATUS_DIR) else "")  # else srdd-dump says it, once for every process
+    if not os.environ.get(ENV_STATUS_DIR):  # else srdd-dump says it, once for every process
+        sys.stderr.write(f"srdd-dump: error: {_state['refused']}\n")
     _report_status()
 
 
@@ -226,8 +226,7 @@ def _report_status() -> None:
     status = {
         "pid": os.getpid(),
         "argv": sys.argv,
-        "file": getattr(session, "absolute_path", None),
-        "files": _finished_files(),
+        "files": _finished_files(),  # the session's, and the program's own sessions' too
         "samples": session.samples if session is not None else 0,
         "error": getattr(session, "error", None) or _state.get("error"),
         "refused": _state.get("refused"),
