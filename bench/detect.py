@@ -71,6 +71,7 @@ def prompt_ids(tokenizer, prompt_set: int, n: int = 2, tokens: int | None = None
 HUNT = dict(granularity="op", reference="host")  # the README's options for a hunt
 STORE: str | None = None  # --store: the store every case dumps with (None: the default)
 PROBE_SAMPLES: int | None = None  # --probe-samples: probed samples of every case (None: default)
+PROBE_STEPS: str | None = None  # --probe-steps: probed steps of every case (None: the default)
 TOKENS: int | None = None  # --tokens: the fault cases' prompts made about this long
 
 
@@ -82,7 +83,8 @@ def run(model, ids, inject=(), seed=0, pad=False, autocast=False, decoder=True, 
     config = DumpConfig(dump_path=tmp, samples=len(ids), inject=list(inject), seed=seed,
                         progress=False, **(HUNT if hunt else {}),
                         **({"store": STORE} if STORE else {}),
-                        **({"probe_samples": PROBE_SAMPLES} if PROBE_SAMPLES else {}))
+                        **({"probe_samples": PROBE_SAMPLES} if PROBE_SAMPLES else {}),
+                        **({"probe_steps": PROBE_STEPS} if PROBE_STEPS else {}))
     try:
         with register_hook(model, config), torch.no_grad(), \
                 torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
@@ -317,6 +319,7 @@ def main() -> None:
     ap.add_argument("--store", help="dump with this --store (e.g. stats) instead of the default")
     ap.add_argument("--probe-samples", type=int,
                     help="probe this many samples of each case instead of the default")
+    ap.add_argument("--probe-steps", help="probe these steps of each case instead of the default")
     ap.add_argument("--tokens", type=int,
                     help="the fault cases generate from one prompt of about this many tokens "
                          "(the text repeated) instead of two chat prompts")
@@ -326,8 +329,9 @@ def main() -> None:
     if args.summarize:
         summarize(args.summarize, args.plot)
         return
-    global STORE, PROBE_SAMPLES, TOKENS
+    global STORE, PROBE_SAMPLES, PROBE_STEPS, TOKENS
     STORE, PROBE_SAMPLES, TOKENS = args.store, args.probe_samples, args.tokens
+    PROBE_STEPS = args.probe_steps
     shard, shards = (int(v) for v in args.shard.split("/"))
     torch.set_num_threads(args.threads)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

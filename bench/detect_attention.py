@@ -148,12 +148,13 @@ def main() -> None:
     ap.add_argument("--healthy-only", action="store_true")
     ap.add_argument("--probe-samples", type=int,
                     help="probe this many samples of each case instead of the default")
+    ap.add_argument("--probe-steps", help="probe these steps of each case instead of the default")
     args = ap.parse_args()
     if args.summarize:
         summarize(args.summarize)
         return
     torch.set_num_threads(args.threads)
-    detect.PROBE_SAMPLES = args.probe_samples
+    detect.PROBE_SAMPLES, detect.PROBE_STEPS = args.probe_samples, args.probe_steps
     shard, shards = (int(v) for v in args.shard.split("/"))
     todo = []
     for name in args.model or ["smollm2", "gemma3"]:

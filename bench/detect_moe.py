@@ -101,11 +101,14 @@ def main() -> None:
     parser.add_argument("--only", help="run only the cases whose group contains this text")
     parser.add_argument("--probe-samples", type=int,
                         help="probe this many samples of each case instead of the default")
+    parser.add_argument("--probe-steps",
+                        help="probe these steps of each case instead of the default")
     parser.add_argument("--healthy-only", action="store_true", help="only the healthy runs")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     detect.STORE, detect.PROBE_SAMPLES = args.store, args.probe_samples
+    detect.PROBE_STEPS = args.probe_steps
     rows = []
     model, tokenizer = upcycle_smollm2(4, 2)
     model.config._experts_implementation = "eager"

@@ -11,7 +11,7 @@ decoder layers, plain and under capture, in one process, interleaved, medians.
 What one *sample* is: a prompt of TOKENS random token ids (batch 1) and greedy decoding of 8
 tokens as explicit forwards with a KV cache (what ``model.generate(max_new_tokens=8,
 do_sample=False)`` runs): the prefill (step 0) and decode steps 1 to 7. The default scan captures
-steps 0, 1, 2 and 7 of 8 samples and probes steps 0, 1 and 7 of the first ``probe_samples``
+steps 0, 1, 2 and 7 of 8 samples and probes steps 0 and 1 of the first ``probe_samples``
 (srdd_dump/capture/config.py: 1). Each captured configuration here is one session of 2 samples
 with ``probe_samples=1``: sample 0 is a probed sample, sample 1 an unprobed one; every other
 option is the default. A default run of 8 samples is then ``probe_samples`` probed samples and
@@ -91,7 +91,7 @@ SHAPES = {
 LAYERS = {"0.5b": 4, "1.5b": 4, "7b": 2}
 VOCAB = {"7b": 32768}
 TOKENS = {"0.5b": [64, 256, 1024], "1.5b": [64, 256, 1024], "7b": [64, 256]}
-NEW_TOKENS = 8  # steps 0..7: the default --steps 0-2,7 and --probe-steps 0,1,7 all occur
+NEW_TOKENS = 8  # steps 0..7: the default --steps 0-2,7 and --probe-steps 0,1 all occur
 CONFIGS = ("plain", "default", "stats", "tp8-rank", "tp8-rank stats", "no references")
 DEFAULT_CONFIGS = CONFIGS[1:5]
 

@@ -87,7 +87,8 @@ def dump(
                                       "output folder's file system has less free space (GB); "
                                       "0 = no check."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
-    debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
+    debug: bool = typer.Option(False, "--debug", help="Show tracebacks, the "
+                               "command's capture errors' too."),
     version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
                                  help="Show the version and exit."),
 ) -> None:
@@ -103,7 +104,7 @@ def dump(
             repeats=repeats, granularity=granularity, sublayers=sublayers, store=store,
             reference=reference,
             inject=list(inject), batch_probes=batch_probes, tp_replays=tp_replays,
-            progress=not quiet,
+            progress=not quiet, debug=debug,
         )
         result = run_exec(exec_, config, min_free_gb=min_free_gb, eager=eager)
     except UserError as exc:

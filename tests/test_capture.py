@@ -195,6 +195,60 @@ def test_a_failing_hook_turns_capture_off_but_inference_goes_on(tmp_path, monkey
         assert not r.complete and "device copy failed" in r.status["error"]
 
 
+@pytest.mark.parametrize("debug", [False, True])
+def test_a_capture_error_shows_its_traceback_with_debug_only(tmp_path, monkeypatch, capsys, debug):
+    import srdd_dump.capture.sinks as sinks
+
+    def boom(*a, **k):
+        raise RuntimeError("device copy failed")
+
+    monkeypatch.setattr(sinks, "to_host", boom)
+    model = build("llama")
+    session = register_hook(model, DumpConfig(dump_path=str(tmp_path), debug=debug,
+                                              progress=False))
+    with torch.no_grad():
+        model(input_ids=torch.randint(0, 128, (1, 6)))
+    err = capsys.readouterr().err
+    assert "capture turned off: RuntimeError: device copy failed" in err
+    assert ("Traceback (most recent call last)" in err) == debug
+    assert ("in boom" in err) == debug
+    session.close()
+
+
+def test_a_prompt_after_a_cached_past_is_captured_unprobed_and_said(tmp_path, capsys):
+    """A second chat turn given the first turn's cache (or a speculative / prompt-lookup
+    verification: several tokens after a cached past) is a sample captured without probes:
+    a replay without that past failed and turned capture off before."""
+    model = build("llama")
+    config = DumpConfig(dump_path=str(tmp_path), probe_samples=2, progress=False)
+    with register_hook(model, config) as session, torch.no_grad():
+        first = model.generate(torch.randint(1, 100, (1, 6)), max_new_tokens=3,
+                               do_sample=False, pad_token_id=0, return_dict_in_generate=True)
+        turn = torch.cat([first.sequences, torch.randint(1, 100, (1, 4))], dim=1)
+        model.generate(turn, past_key_values=first.past_key_values, max_new_tokens=3,
+                       do_sample=False, pad_token_id=0)
+    assert session.error is None
+    err = capsys.readouterr().err
+    # the cache holds the first turn but its last token, which comes with the 4 new ones
+    assert "not probed: continued prefill probes (0 of 1 calls): a forward of 5 tokens " \
+           "after 8 cached ones" in err
+    with DumpReader(session.path) as r:
+        assert r.complete and r.n_samples == 2
+        probed = {(int(x["sample"]), int(x["step"])) for x in r.rounds if x["prow_len"] > 0}
+    assert (0, 0) in probed and (1, 0) not in probed
+
+
+def test_a_generation_without_kv_cache_is_said_to_have_no_decode_step(tmp_path, capsys):
+    model = build("llama")
+    with register_hook(model, DumpConfig(dump_path=str(tmp_path), progress=False)), \
+            torch.no_grad():
+        model.generate(torch.randint(1, 100, (1, 6)), max_new_tokens=3, do_sample=False,
+                       pad_token_id=0, use_cache=False)
+    err = capsys.readouterr().err
+    assert "decode steps with a KV cache (0 of 2 calls): each new token recomputed the " \
+           "whole sequence" in err
+
+
 def test_hooks_are_removed_when_done(tmp_path):
     model = build("gpt2")
     with register_hook(model, DumpConfig(dump_path=str(tmp_path), samples=1)) as s:
@@ -235,6 +289,34 @@ def test_a_second_session_on_a_captured_model_records_nothing_and_breaks_nothing
                                do_sample=False, pad_token_id=0)
     with DumpReader(again.path) as r:
         assert r.complete and r.n_samples == 1
+
+
+def test_register_hook_takes_a_pipelines_model_and_refuses_what_it_cannot_capture(tmp_path):
+    from srdd_dump.errors import UserError
+
+    class Pipeline:  # what transformers.pipeline(...) returns: the model as .model
+        def __init__(self, model):
+            self.model = model
+
+    model = build("llama")
+    with register_hook(Pipeline(model), DumpConfig(dump_path=str(tmp_path / "d"), samples=1,
+                                                   progress=False)) as session:
+        with torch.no_grad():
+            model(input_ids=torch.randint(0, 128, (1, 5)))
+    with DumpReader(session.path) as r:
+        assert r.complete and r.n_samples == 1
+    with pytest.raises(UserError, match="expected the model .* got a str"):
+        register_hook("HuggingFaceTB/SmolLM2-135M", DumpConfig(dump_path=str(tmp_path)))
+    (tmp_path / "a_file").write_text("x")
+    with pytest.raises(UserError, match="a file of that name exists"):
+        register_hook(model, DumpConfig(dump_path=str(tmp_path / "a_file")))
+    assert not any(b._forward_hooks for _, b in find_blocks(model))  # nothing left attached
+    # a folder that cannot be made is found at the first capture: no file, and path says so
+    session = register_hook(model, DumpConfig(dump_path=str(tmp_path / "a_file" / "sub"),
+                                              progress=False))
+    with torch.no_grad():
+        model(input_ids=torch.randint(0, 128, (1, 5)))
+    assert session.error and session.path is None
 
 
 @pytest.mark.parametrize("arch", ["llama", "mixtral"])

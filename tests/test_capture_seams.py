@@ -65,6 +65,20 @@ def test_the_planner_opens_only_the_rounds_the_options_select():
     assert step2.positions is None  # one token: every position kept
 
 
+def test_by_default_the_first_samples_prefill_and_decode_step_1_are_probed_and_7_captured():
+    planner = RoundPlanner(DumpConfig(), probing=True)  # --steps 0-2,7, --probe-steps 0,1
+    captured, probed = [], []
+    for seq in (5, 1, 1, 1, 1, 1, 1, 1, 6, 1, 1):
+        planner.advance(seq)
+        ctx = planner.open(1, seq, WIDTH, None, None, RecordSink().round_rows)
+        if ctx is not None:
+            captured.append((planner.sample, planner.step))
+            if ctx.probed:
+                probed.append((planner.sample, planner.step))
+    assert captured == [(0, 0), (0, 1), (0, 2), (0, 7), (1, 0), (1, 1), (1, 2)]
+    assert probed == [(0, 0), (0, 1)]
+
+
 def test_a_probed_step_a_short_first_sample_never_reached_is_probed_in_the_next():
     # a warm-up call (prefill and one decode step), then two generations of 3 new tokens
     planner = RoundPlanner(DumpConfig(samples=3, steps="0-2", probe_steps="0,2",

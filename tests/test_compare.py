@@ -303,6 +303,16 @@ def test_cli_quiet_xlsx_and_version(tmp_path):
     assert proc.returncode == 2
 
 
+@pytest.mark.parametrize("baseline", [False, True])
+def test_a_report_extension_in_capitals_is_written(tmp_path, baseline):
+    faulty_dump(str(tmp_path / "d"))
+    out = tmp_path / "R.XLSX"
+    extra = ["--baseline", str(tmp_path / "d")] if baseline else []
+    proc = run_cli(str(tmp_path / "d"), *extra, "-o", str(out), "--quiet")
+    assert proc.returncode in (0, 1) and proc.stderr == "", proc.stderr
+    assert out.exists() and out.read_bytes()[:2] == b"PK"  # a workbook (a zip)
+
+
 NO_TORCH = """
 import sys
 from pathlib import Path

@@ -331,3 +331,20 @@ def test_a_script_that_does_not_exist_or_a_bad_sigma(tmp_path):
                   "--sigma", "-0.1")
     assert res.returncode == 2 and "sigma must be a positive number" in res.stderr
     assert len(res.stderr.strip().splitlines()) == 1
+
+
+def test_assisted_generation_captures_the_model_generating_not_its_assistant(tmp_path):
+    script = _write(tmp_path / "assisted.py", TINY_LLAMA + (
+        "draft = build('llama', seed=1, layers=2)\n"
+        "with torch.no_grad():\n"
+        "    for n in (6, 7):\n"
+        "        out = m.generate(torch.randint(1, 100, (1, n)), max_new_tokens=4,\n"
+        "                         do_sample=False, pad_token_id=0, assistant_model=draft)\n"
+        "        print(out.tolist())\n"))
+    res = run_cli("srdd-dump", "--exec", f"{sys.executable} {script}", "-o", str(tmp_path / "d"))
+    assert res.returncode == 0, res.stderr
+    assert "LlamaForCausalLM runs inside LlamaForCausalLM.generate (an assistant model): " \
+           "not captured" in res.stderr
+    (path,) = find_dump_files(str(tmp_path / "d"))
+    with DumpReader(path) as r:
+        assert r.meta["model_config"]["num_hidden_layers"] == 4  # m, not the 2-layer draft

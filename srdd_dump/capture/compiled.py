@@ -20,6 +20,11 @@ from typing import Callable, TypeVar
 import torch
 from torch import nn
 
+try:
+    from torch._C._dynamo.eval_frame import get_eval_frame_callback
+except Exception:  # noqa: BLE001 (another torch)
+    get_eval_frame_callback = None
+
 from .config import LAYERS_HINT
 
 F = TypeVar("F", bound=Callable)
@@ -81,9 +86,9 @@ _HOOK_CODES: set = set()
 
 
 def _dynamo_active() -> bool:
+    if get_eval_frame_callback is None:
+        return False
     try:
-        from torch._C._dynamo.eval_frame import get_eval_frame_callback
-
         return get_eval_frame_callback() not in (None, False)
     except Exception:  # noqa: BLE001 (another torch)
         return False

@@ -20,7 +20,7 @@ LAYERS_HINT = "(name them with --layers)"
 FINISH_REQUEST = "finish"
 ENV_STATUS_DIR = "SRDD_DUMP_STATUS_DIR"  # where child processes report how capture went
 EXIT_BAD_OPTIONS = 2  # srdd-dump's exit code for options that do not fit (a process stopped)
-PROBE_STEPS = "0,1,7"  # the default probed steps: the prefill, decode steps 1 and 7
+PROBE_STEPS = "0,1"  # the default probed steps: the prefill and decode step 1
 
 
 @dataclass(frozen=True)
@@ -67,6 +67,8 @@ class DumpConfig:
     tp_replays: under tensor parallelism, "skip" (never replay a module with distributed
         parameters: its replay would communicate) or "lockstep" (replay it on every rank at
         the same point, agreed through the process group's store; capture/parallel.py).
+    debug: a capture error (capture is then turned off, the program goes on) also prints its
+        traceback on stderr (srdd-dump --debug sets it in the command's processes).
     """
 
     dump_path: str = "srdd_dumps"
@@ -90,6 +92,7 @@ class DumpConfig:
     batch_probes: bool = True
     tp_replays: str = "skip"
     progress: bool = True
+    debug: bool = False
     command: str | None = None
 
     def __post_init__(self) -> None:
@@ -124,7 +127,7 @@ class DumpConfig:
         probe_steps = parse_steps(self.probe_steps, "--probe-steps")
         probes = frozenset(parse_probes(self.probes))
         # a probe-steps list the user gave that names no captured step probes nothing; the
-        # default (0,1,7) may miss a capture of later steps only (they are captured clean)
+        # default (0,1) may miss a capture of later steps only (they are captured clean)
         probing = probes and self.probe_samples > 0 and self.probe_steps != PROBE_STEPS
         if probing and steps is not None and probe_steps is not None and not any(
                 step_selected(steps, k) for lo, hi in probe_steps

@@ -45,10 +45,11 @@ class DumpOutput:
         """Queue a finished round; ``meta()`` gives the file's meta when the first opens it.
         Returns why the file cannot be written (None: queued)."""
         if self.writer is None:
-            self.path = dump_file_name(self.dump_path)
-            self._folder = os.path.dirname(os.path.abspath(self.path))
-            self.writer = DumpWriter(self.path, meta(), layer_names, site_names,
+            path = dump_file_name(self.dump_path)
+            self._folder = os.path.dirname(os.path.abspath(path))
+            self.writer = DumpWriter(path, meta(), layer_names, site_names,
                                      stat_columns=stat_columns)
+            self.path = path  # only a file that was opened
         if self.writer.error:
             return f"cannot write {self.writer.path}: {self.writer.error}"
         self.writer.submit(r)

@@ -12,11 +12,14 @@ import atexit
 import os
 import sys
 import threading
+import traceback
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
+from ..errors import UserError
 from ..format import schema
 from ..format.coverage import Coverage
 from ..format.writer import Round, describe_error
@@ -39,7 +42,13 @@ from .evidence import expect_sites, levels_of, never_run
 from .faults import install_faults
 from .host_weights import HostWeights
 from .mlp_reference import MlpReference
-from .model_facts import autocast_dtype, input_embedding, sites_of, starts_sequence
+from .model_facts import (
+    autocast_dtype,
+    cached_tokens,
+    input_embedding,
+    sites_of,
+    starts_sequence,
+)
 from .moe_capture import ExpertCapture
 from .parallel import TensorParallel, to_local
 from .probes import ProbeSpec, first_tensor, module_output
@@ -54,6 +63,10 @@ from .versions import untested_notes
 # its keyword arguments, so the last parameter of a with_kwargs hook defaults to this or None
 # and the hook does nothing
 REMOVED = object()
+# the coverage family of prefills after a cached past that would have taken the probes
+CONTINUED = "continued prefill probes"
+# forwards that recompute the last prefill with one more token (no KV cache)
+NO_CACHE = "decode steps with a KV cache"
 
 # id(block) -> the open session whose hooks are on it: one session per block at a time
 _open: dict[int, CaptureSession] = {}
@@ -177,6 +190,7 @@ class CaptureSession:
             status_dir, cfg.FINISH_REQUEST))
         self._ctx: RoundContext | None = None  # the round being captured
         self._token_ids: torch.Tensor | None = None
+        self._last_prompt: np.ndarray | None = None  # the token ids of the last prefill
         self._attention_mask: torch.Tensor | None = None  # (batch, past + seq) of the model call
         self._mask_unread = False  # the model call's mask was of another form
         self._autocast: str | None = None  # "" when the first model call ran without autocast
@@ -232,6 +246,8 @@ class CaptureSession:
         try:
             fn(*args)
         except Exception as exc:  # capture must never break the user's program
+            if self.config.debug:
+                traceback.print_exc()
             self._fail(describe_error(exc))
 
     @opaque
@@ -342,11 +358,24 @@ class CaptureSession:
             # is empty
             spans_one = mask.shape[-1] == 1 if mask is not None else not unread
             starts = seq == 1 and spans_one and starts_sequence(module, args, kwargs)
-            if not self._rounds.advance(seq, starts):
+            past = cached_tokens(module, args, kwargs) if seq > 1 else None
+            if seq > 1 and not past and self._recomputes(token_ids):
+                self.coverage.expect(NO_CACHE)
+                self.coverage.failed(NO_CACHE, (
+                    "each new token recomputed the whole sequence (no KV cache: generate("
+                    "use_cache=False)?): each such forward is counted as a sample and no "
+                    "decode step is captured"))
+            if not self._rounds.advance(seq, starts, continues=bool(past)):
                 self.close()  # everything asked for is captured: stop paying for hooks
                 return
             self._ctx = self._rounds.open(batch, seq, self._width, token_ids, mask,
                                           self._sink.round_rows)
+            if self._rounds.unprobed_continuation:
+                self.coverage.expect(CONTINUED)
+                self.coverage.failed(CONTINUED, (
+                    f"a forward of {seq} tokens after {past} cached ones (a later chat turn, a "
+                    "speculative or prompt-lookup verification) is captured without probes; "
+                    "they go to the next prompt"))
         if self._ctx is None:
             return
         self._ctx.mask_unread = unread
@@ -354,6 +383,16 @@ class CaptureSession:
         self._add(schema.STACK_INPUT, schema.BLOCK_SITE, hidden)
         self._finish_site(schema.STACK_INPUT, schema.BLOCK_SITE)
         self._add_pending()
+
+    def _recomputes(self, token_ids: torch.Tensor | None) -> bool:
+        """This prefill's token ids are the last prefill's and one more token in every row
+        (a generation that keeps no KV cache)."""
+        if token_ids is None or token_ids.dim() != 2:
+            return False
+        ids, last = token_ids.detach().to("cpu").numpy(), self._last_prompt
+        self._last_prompt = ids
+        return (last is not None and ids.shape == (last.shape[0], last.shape[1] + 1)
+                and bool((ids[:, :-1] == last).all()))
 
     def _output_hook(self, layer: int, site: int, last: bool):
         @opaque
@@ -619,9 +658,21 @@ def register_hook(model: nn.Module, config: DumpConfig | None = None
     """Start capturing ``model`` (msit style). Use the result as a context manager, or call
     ``.close()``, to remove the hooks and finish the dump file. A model another open session
     captures (an earlier ``register_hook`` not yet closed, or ``srdd-dump --exec``'s) is not
-    captured twice: one warning, and an InertSession that records nothing."""
+    captured twice: one warning, and an InertSession that records nothing. A Hugging Face
+    pipeline is taken for its ``.model``; anything else that is not a torch module, and a
+    ``dump_path`` naming a file, are refused (UserError)."""
+    config = config or DumpConfig()
+    if not isinstance(model, nn.Module):
+        inner = getattr(model, "model", None)
+        if not isinstance(inner, nn.Module):
+            raise UserError(f"register_hook: expected the model (a torch.nn.Module), got a "
+                            f"{type(model).__name__}")
+        model = inner  # a pipeline: its model
+    if os.path.exists(config.dump_path) and not os.path.isdir(config.dump_path):
+        raise UserError(f"register_hook: dump_path {config.dump_path}: a file of that name "
+                        "exists; name a folder")
     try:
-        return CaptureSession(model, config or DumpConfig())
+        return CaptureSession(model, config)
     except AlreadyCaptured as exc:
         where = exc.session.config.dump_path
         sys.stderr.write("srdd-dump: warning: register_hook: the model is already captured by "

@@ -44,15 +44,21 @@ def starts_sequence(module: nn.Module, args: tuple, kwargs: dict) -> bool:
     """A call whose KV cache (a Cache object) holds no earlier tokens for the module's layer:
     the first forward of a sequence, however short (a one-token prompt is a prefill, not the
     next decode step of the sequence before)."""
+    return cached_tokens(module, args, kwargs) == 0
+
+
+def cached_tokens(module: nn.Module, args: tuple, kwargs: dict) -> int | None:
+    """How many earlier tokens the call's KV cache (a Cache object) holds for the module's
+    layer; None when there is no cache or its length cannot be read."""
     cache = find_cache(args, kwargs)
     if cache is None:
-        return False
+        return None
     try:
         length = cache.get_seq_length(layer_index(module) or 0)
     except Exception:  # noqa: BLE001 (a cache class of another layout: not known)
-        return False
+        return None
     # a static cache's length is a device tensor: not read (a host sync on every decode step)
-    return isinstance(length, int) and length == 0
+    return length if isinstance(length, int) else None
 
 
 def autocast_dtype(model: nn.Module) -> str:

@@ -106,6 +106,8 @@ class RoundPlanner:
         self.config, self.options = config, config.parsed()
         self.probing = probing  # probes or host replays asked for
         self.sample, self.step = -1, 0
+        self.continued = False  # the current sample began after a cached past
+        self.unprobed_continuation = False  # its prefill would have been probed: it was not
         self.probed: dict[int, set[int]] = {}  # step -> the samples in which it was probed
         self.requests = RequestTracker()  # a serving engine's requests
         # request calls within --samples, each captured (None) or why not (coverage: the
@@ -117,11 +119,15 @@ class RoundPlanner:
         """Prefill forwards, or a serving engine's requests up to --samples."""
         return max(self.sample + 1, min(self.requests.requests, self.config.samples))
 
-    def advance(self, seq: int, starts: bool = False) -> bool:
+    def advance(self, seq: int, starts: bool = False, continues: bool = False) -> bool:
         """Count a forward of ``seq`` tokens (``starts``: its KV cache holds no earlier tokens,
-        a one-token prompt); False once everything asked for is captured."""
+        a one-token prompt; ``continues``: several tokens after a cached past, a later chat
+        turn or a speculative verification, a sample captured without probes); False once
+        everything asked for is captured."""
+        self.unprobed_continuation = False
         if seq > 1 or starts:
             self.sample, self.step = self.sample + 1, 0
+            self.continued = continues and seq > 1
         elif self.sample >= 0:
             self.step += 1
         samples = self.config.samples
@@ -161,13 +167,17 @@ class RoundPlanner:
         """Whether step ``step`` of ``sample`` (a call of ``tokens`` tokens) is probed: a probed
         step (``--probe-steps``) not yet probed in ``--probe-samples`` other samples (counted
         here). A prefill of one token (a warm-up call) does not take the prefill's probes: its
-        one row is a decode step's shape, and the prefill's statistics need rows."""
+        one row is a decode step's shape, and the prefill's statistics need rows. Nor does a
+        prefill after a cached past: its replay would need that past."""
         if not self.probing or not cfg.step_selected(self.options.probe_steps, step):
             return False
         if step == 0 and tokens < 2:
             return False
         samples = self.probed.setdefault(step, set())
         if sample not in samples and len(samples) >= self.config.probe_samples:
+            return False
+        if step == 0 and self.continued:
+            self.unprobed_continuation = True
             return False
         samples.add(sample)
         return True

@@ -88,13 +88,35 @@ def named_input(module: nn.Module, args: tuple, kwargs: dict, name: str = HIDDEN
     """The tensor passed as parameter ``name`` and a function rebuilding the call with another
     value there; (None, ...) when the forward has no such parameter or it holds no tensor."""
     sig = signature(module)
-    bound = _bound(module, args, kwargs)
-    if sig is None or bound is None or not isinstance(bound.get(name), torch.Tensor):
+    index = _plain_index(sig, name)
+    if index is not None:  # the call succeeded: no binding needed to find the argument
+        found = kwargs.get(name) if name in kwargs else (
+            args[index] if index < len(args) else None)
+    else:
+        bound = _bound(module, args, kwargs)
+        found = None if bound is None else bound.get(name)
+        index = list(sig.parameters).index(name) if found is not None else None
+    if not isinstance(found, torch.Tensor):
         return None, lambda value: (args, kwargs)
-    index = list(sig.parameters).index(name)
     if name not in kwargs and index < len(args):
-        return bound[name], lambda value: ((*args[:index], value, *args[index + 1:]), kwargs)
-    return bound[name], lambda value: (args, {**kwargs, name: value})
+        return found, lambda value: ((*args[:index], value, *args[index + 1:]), kwargs)
+    return found, lambda value: (args, {**kwargs, name: value})
+
+
+_PLAIN: dict[tuple[int, str], int | None] = {}
+
+
+def _plain_index(sig: inspect.Signature | None, name: str) -> int | None:
+    """The position of parameter ``name`` when every parameter up to it is an ordinary one
+    (positional or keyword): its argument is then ``args[index]`` or ``kwargs[name]``."""
+    key = (id(sig), name)
+    if key not in _PLAIN:
+        params = list(sig.parameters.values()) if sig is not None else []
+        names = [p.name for p in params]
+        plain = name in names and all(
+            p.kind == p.POSITIONAL_OR_KEYWORD for p in params[: names.index(name) + 1])
+        _PLAIN[key] = names.index(name) if plain else None
+    return _PLAIN[key]
 
 
 def stream_input(module: nn.Module, args: tuple, kwargs: dict) -> torch.Tensor | None:

@@ -8,6 +8,7 @@ injection.
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pandas as pd
 from openpyxl.chart import LineChart, Reference
@@ -32,7 +33,8 @@ FILLS = {
 def write_xlsx(result: BaselineResult, path: str) -> list[str]:
     """Sheets compare, summary (with the chart) and files; returns ``[path]``."""
     table = result.table
-    with pd.ExcelWriter(path, engine="openpyxl") as xw:
+    # a Path: pandas refuses a str path whose extension is not lower case (R.XLSX)
+    with pd.ExcelWriter(Path(path), engine="openpyxl") as xw:
         _finite_cells(escape_formulas(table)).to_excel(xw, sheet_name=COMPARE_SHEET, index=False)
         xw.book.create_sheet(SUMMARY_SHEET)
         escape_formulas(result.files).to_excel(xw, sheet_name=FILES_SHEET, index=False)

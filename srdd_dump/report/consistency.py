@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pandas as pd
 from openpyxl.styles import Font, PatternFill
@@ -40,7 +41,7 @@ def write_consistency(result: ConsistencyResult, report_path: str) -> list[str]:
         return paths
     exists = os.path.exists(report_path)
     kwargs = {"mode": "a", "if_sheet_exists": "replace"} if exists else {"mode": "w"}
-    with pd.ExcelWriter(report_path, engine="openpyxl", **kwargs) as xw:
+    with pd.ExcelWriter(Path(report_path), engine="openpyxl", **kwargs) as xw:  # any case
         escape_formulas(result.table).to_excel(xw, sheet_name=TABLE_SHEET, index=False)
         escape_formulas(result.summary).to_excel(xw, sheet_name=SUMMARY_SHEET, index=False)
         ws = xw.sheets[TABLE_SHEET]

@@ -3,6 +3,8 @@ layer with native line charts, sub-layer signals and the input files."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pandas as pd
 from openpyxl.chart import LineChart, Reference
 from openpyxl.formatting.rule import CellIsRule, ColorScaleRule
@@ -31,7 +33,8 @@ MAX_CHART_SOURCES = 8
 def write_xlsx(result: CompareResult, path: str) -> list[str]:
     """Write a CompareResult to one workbook; returns ``[path]``."""
     layers = result.layers
-    with pd.ExcelWriter(path, engine="openpyxl") as xw:
+    # a Path: pandas refuses a str path whose extension is not lower case (R.XLSX)
+    with pd.ExcelWriter(Path(path), engine="openpyxl") as xw:
         _summary(xw, result)
         escape_formulas(layers).to_excel(xw, sheet_name=LAYERS_SHEET, index=False)
         _colour_layers(xw.sheets[LAYERS_SHEET], layers)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+import traceback
 from typing import Callable
 
 from torch import nn
@@ -11,7 +12,7 @@ from torch.nn.modules.module import register_module_forward_pre_hook
 
 from ...errors import UserError
 from ..compiled import opaque
-from ..discovery import NoBlocksFound
+from ..discovery import NoBlocksFound, find_blocks
 
 
 def watch_forwards(state: dict, on_attach: Callable[[], None] = lambda: None,
@@ -25,6 +26,16 @@ def watch_forwards(state: dict, on_attach: Callable[[], None] = lambda: None,
     @opaque  # inside code torch.compile traces too: run eagerly, at a graph break
     def on_forward(module: nn.Module, args: tuple) -> None:
         if state.get("session") is not None or id(module) in seen:
+            return
+        generating = _generating_model()
+        if generating is not None and generating is not module and not any(
+                m is module for m in generating.modules()) and _has_blocks(module, state):
+            # an assistant (draft) model run inside another model's generate: the model the
+            # program generates with is the one to capture
+            seen.update(id(m) for m in module.modules())
+            sys.stderr.write(f"srdd-dump: note: {type(module).__name__} runs inside "
+                             f"{type(generating).__name__}.generate (an assistant model): "
+                             "not captured\n")
             return
         # Imported at the first forward, not when torch is imported: a script that imports
         # srdd_dump (hence torch) first would otherwise meet a half-initialised hooks module.
@@ -56,6 +67,8 @@ def watch_forwards(state: dict, on_attach: Callable[[], None] = lambda: None,
             on_refused()
             return
         except Exception as exc:
+            if state["config"].debug:
+                traceback.print_exc()
             state["error"] = f"{type(exc).__name__}: {exc}"
             sys.stderr.write(f"srdd-dump: warning: capture not started: {state['error']}\n")
         else:
@@ -63,6 +76,26 @@ def watch_forwards(state: dict, on_attach: Callable[[], None] = lambda: None,
         handle.remove()
 
     handle = register_module_forward_pre_hook(on_forward)
+
+
+def _has_blocks(module: nn.Module, state: dict) -> bool:
+    try:
+        find_blocks(module, state["config"].layers)
+    except NoBlocksFound:
+        return False
+    return True
+
+
+def _generating_model() -> nn.Module | None:
+    """The module whose ``generate`` call is the outermost one running now (None if none)."""
+    frame, found = sys._getframe(2), None
+    while frame is not None:
+        if frame.f_code.co_name == "generate":
+            owner = frame.f_locals.get("self")
+            if isinstance(owner, nn.Module):
+                found = owner
+        frame = frame.f_back
+    return found
 
 
 def _call_kwargs(module: nn.Module) -> dict:
