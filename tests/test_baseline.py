@@ -180,6 +180,18 @@ def test_consistency_needs_three_sources_with_the_same_inputs(cards, tmp_path):
     assert check_consistency(files[:2] + [other]) is None
 
 
+def test_runs_in_another_dtype_are_no_cards_of_the_group(tmp_path):
+    rng = np.random.default_rng(0)
+    base = {k: rng.standard_normal((1, 4, 8)).astype(np.float32) for k in (-1, 0, 1)}
+    for name in ("a", "b", "c"):
+        write_dump(str(tmp_path / f"{name}.h5"), [{k: v.copy() for k, v in base.items()}])
+    write_dump(str(tmp_path / "d.h5"), [{k: v.copy() for k, v in base.items()}],
+               dtype="bfloat16")
+    result = check_consistency(find_dump_files(str(tmp_path)), str(tmp_path))
+    assert result is not None and result.groups == [["a.h5", "b.h5", "c.h5"]]
+    assert result.odd_sources == []
+
+
 def test_consistency_flags_nan_on_one_card(tmp_path):
     rng = np.random.default_rng(0)
     base = [{k: rng.standard_normal((1, 4, 8)).astype(np.float32) for k in (-1, 0, 1)}]

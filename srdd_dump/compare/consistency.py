@@ -1,7 +1,8 @@
 """Consistency mode: among the dump files of one folder, find the odd card out, reference-free.
 
-The files that ran the same model (same layer names) on the same inputs (same token-ids hashes
-per sample) form a group; for every group of three or more, each source is compared layer by
+The files that ran the same model (same layer names) in the same dtype on the same inputs
+(same token-ids hashes per sample) form a group (separate runs in another dtype are no cards
+of the same run); for every group of three or more, each source is compared layer by
 layer, over every round they share, with the element-wise median of the others
 (analysis.consistency). It names the sources that depart and the first layer where each
 departs. Records are streamed in blocks; one task per (group, layer).
@@ -49,7 +50,8 @@ def plan(files: list[DumpFile], thresholds: Thresholds | None = None
     sources = [x for x in map(_source, files) if x is not None]
     grouped: dict[tuple, list[_Source]] = {}
     for src in sources:
-        grouped.setdefault((tuple(src.layers), src.samples), []).append(src)
+        grouped.setdefault((tuple(src.layers), src.samples, src.file.block_dtype()),
+                           []).append(src)
     groups = [g for g in grouped.values() if len(g) >= MIN_SOURCES]
     tasks: list[ConsistencyTask] = []
     kept: list[list[_Source]] = []
