@@ -348,3 +348,22 @@ def test_assisted_generation_captures_the_model_generating_not_its_assistant(tmp
     (path,) = find_dump_files(str(tmp_path / "d"))
     with DumpReader(path) as r:
         assert r.meta["model_config"]["num_hidden_layers"] == 4  # m, not the 2-layer draft
+
+
+def test_a_second_model_built_after_capture_began_is_said_once(tmp_path):
+    script = _write(tmp_path / "two_models.py", TINY_LLAMA + (
+        "for dtype in (torch.float32, torch.bfloat16):\n"
+        "    if dtype is torch.bfloat16:\n"
+        "        m = build('llama', dtype=dtype)\n"
+        "    with torch.no_grad():\n"
+        "        m.generate(torch.randint(1, 100, (1, 6)), max_new_tokens=2, do_sample=False,\n"
+        "                   pad_token_id=0)\n"
+        "print('done')\n"))
+    res = run_cli("srdd-dump", "--exec", f"{sys.executable} {script}", "-o", str(tmp_path / "d"))
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == "done"
+    assert res.stderr.count("srdd-dump: note: another model was built after capture began "
+                            "(LlamaModel.layers: 4 x LlamaDecoderLayer") == 1
+    (path,) = find_dump_files(str(tmp_path / "d"))
+    with DumpReader(path) as r:
+        assert r.n_samples == 1  # the first model's prompt only

@@ -73,9 +73,37 @@ def watch_forwards(state: dict, on_attach: Callable[[], None] = lambda: None,
             sys.stderr.write(f"srdd-dump: warning: capture not started: {state['error']}\n")
         else:
             on_attach()
+            watch_later_models(state)
         handle.remove()
 
     handle = register_module_forward_pre_hook(on_forward)
+
+
+def watch_later_models(state: dict) -> None:
+    """Say once when another block stack is built after capture began (a second model loaded
+    in the same process: another dtype, a worker loading a model per task): srdd-dump
+    captures one model per process. Called when a module is assigned to another, so only
+    while models are built: nothing on the forward path."""
+    def on_register(parent: nn.Module, name: str, value: nn.Module) -> None:
+        if (state.get("later_model") or not isinstance(value, nn.ModuleList) or len(value) < 2
+                or len({type(m) for m in value}) != 1):
+            return
+        session = state.get("session")
+        captured = {id(b) for _, b in getattr(session, "blocks", ())}
+        if any(id(m) in captured for m in value):
+            return
+        state["later_model"] = (f"{type(parent).__name__}.{name}: {len(value)} x "
+                                f"{type(value[0]).__name__}")
+        sys.stderr.write(
+            f"srdd-dump: note: another model was built after capture began ({state['later_model']}"
+            f", pid {os.getpid()}): srdd-dump captures the first model that runs in a process; "
+            "capture another one with register_hook in the script\n")
+
+    try:
+        from torch.nn.modules.module import register_module_module_registration_hook
+    except ImportError:  # an older torch: no note
+        return
+    register_module_module_registration_hook(on_register)
 
 
 def _has_blocks(module: nn.Module, state: dict) -> bool:
