@@ -2,6 +2,7 @@
 experts loop): the plain generation against the same generation under capture, interleaved.
 
     python bench/moe_cost.py [--repeats 3] [--prompts 2] [--dense] [--cpu] [--probe-samples N]
+                             [--probe-steps STEPS]
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ def main() -> None:
                              "machine) instead of wall time")
     parser.add_argument("--probe-samples", type=int,
                         help="probe this many samples instead of the default")
+    parser.add_argument("--probe-steps", help="probe these steps instead of the default")
     args = parser.parse_args()
     clock = time.process_time if args.cpu else time.perf_counter
     if args.cpu:
@@ -64,6 +66,8 @@ def main() -> None:
         tmp = tempfile.mkdtemp(prefix="srdd-moe-cost-")
         t = clock()
         extra = {"probe_samples": args.probe_samples} if args.probe_samples else {}
+        if args.probe_steps:
+            extra["probe_steps"] = args.probe_steps
         with register_hook(model, DumpConfig(dump_path=tmp, samples=len(ids), progress=False,
                                              **extra)):
             generate(model, ids)

@@ -33,6 +33,7 @@ CONFIGS = {
     "block, prefill only (the former default)": {"granularity": "block", "steps": "0"},
     "sub-layers, prefill only": {"steps": "0"},
     "default, no decode probes": {"probe_steps": "0"},
+    "default, steps 1 and 7 probed (the default before 2026-11-28)": {"probe_steps": "0,1,7"},
     "default, every sample probed": {"probe_samples": 1000},
     "default, 4 samples probed (the default before 2026-11-26 night)": {"probe_samples": 4},
     "default, 2 samples probed": {"probe_samples": 2},

@@ -238,6 +238,42 @@ def test_a_prompt_after_a_cached_past_is_captured_unprobed_and_said(tmp_path, ca
     assert (0, 0) in probed and (1, 0) not in probed
 
 
+def test_probes_a_later_prompt_took_from_a_continued_turn_are_not_missing(tmp_path, capsys):
+    model = build("llama")
+    config = DumpConfig(dump_path=str(tmp_path), probe_samples=2, progress=False)
+    with register_hook(model, config) as session, torch.no_grad():
+        first = model.generate(torch.randint(1, 100, (1, 6)), max_new_tokens=3,
+                               do_sample=False, pad_token_id=0, return_dict_in_generate=True)
+        turn = torch.cat([first.sequences, torch.randint(1, 100, (1, 4))], dim=1)
+        model.generate(turn, past_key_values=first.past_key_values, max_new_tokens=3,
+                       do_sample=False, pad_token_id=0)
+        model.generate(torch.randint(1, 100, (1, 7)), max_new_tokens=3, do_sample=False,
+                       pad_token_id=0)
+    assert "continued prefill probes" not in capsys.readouterr().err
+    with DumpReader(session.path) as r:
+        probed = {(int(x["sample"]), int(x["step"])) for x in r.rounds if x["prow_len"] > 0}
+    assert {(0, 0), (2, 0)} <= probed and (1, 0) not in probed
+
+
+def test_a_continued_turn_on_a_static_cache_is_not_replayed_either(tmp_path):
+    from transformers import StaticCache
+
+    model = build("llama")
+    try:
+        cache = StaticCache(config=model.config, max_cache_len=64)
+    except TypeError:  # transformers 4.x
+        cache = StaticCache(config=model.config, max_batch_size=1, max_cache_len=64)
+    with torch.no_grad():
+        first = model.generate(torch.randint(1, 100, (1, 6)), past_key_values=cache,
+                               max_new_tokens=3, do_sample=False, pad_token_id=0,
+                               return_dict_in_generate=True)
+        turn = torch.cat([first.sequences, torch.randint(1, 100, (1, 4))], dim=1)
+        with register_hook(model, DumpConfig(dump_path=str(tmp_path), progress=False)) as s:
+            model.generate(turn, past_key_values=first.past_key_values, max_new_tokens=3,
+                           do_sample=False, pad_token_id=0)
+    assert s.error is None  # its length is a device tensor: the attention mask gives it
+
+
 def test_a_generation_without_kv_cache_is_said_to_have_no_decode_step(tmp_path, capsys):
     model = build("llama")
     with register_hook(model, DumpConfig(dump_path=str(tmp_path), progress=False)), \
@@ -247,6 +283,13 @@ def test_a_generation_without_kv_cache_is_said_to_have_no_decode_step(tmp_path, 
     err = capsys.readouterr().err
     assert "decode steps with a KV cache (0 of 2 calls): each new token recomputed the " \
            "whole sequence" in err
+    # a prompt, then the same prompt and one more token, both generated with a cache: nothing
+    with register_hook(model, DumpConfig(dump_path=str(tmp_path / "b"), progress=False)), \
+            torch.no_grad():
+        prompt = torch.randint(1, 100, (1, 6))
+        for ids in (prompt, torch.cat([prompt, torch.tensor([[5]])], dim=1)):
+            model.generate(ids, max_new_tokens=2, do_sample=False, pad_token_id=0)
+    assert "decode steps with a KV cache" not in capsys.readouterr().err
 
 
 def test_hooks_are_removed_when_done(tmp_path):

@@ -283,8 +283,10 @@ def test_probe_steps_that_name_no_captured_step_are_refused():
         DumpConfig(probe_steps="x")
     with pytest.raises(UserError, match="--probe-steps 1 names no captured step"):
         DumpConfig(steps="0", probe_steps="1")
-    DumpConfig(steps="0")  # the default probe steps 0,1,7: the prefill is probed
+    DumpConfig(steps="0")  # the default probe steps 0,1: the prefill is probed
     DumpConfig(steps="3-5")  # later steps captured clean: the default probes none of them
+    # the default of earlier versions, as a hunt command printed for their dumps repeats it
+    DumpConfig(steps="3-5", probe_steps="0,1,7")
     DumpConfig(probe_steps="0,3")  # the captured one is probed
     DumpConfig(probes="none", probe_steps="3")  # nothing is probed anyway
     DumpConfig(probe_samples=0, probe_steps="3")

@@ -21,6 +21,9 @@ FINISH_REQUEST = "finish"
 ENV_STATUS_DIR = "SRDD_DUMP_STATUS_DIR"  # where child processes report how capture went
 EXIT_BAD_OPTIONS = 2  # srdd-dump's exit code for options that do not fit (a process stopped)
 PROBE_STEPS = "0,1"  # the default probed steps: the prefill and decode step 1
+# defaults of earlier versions: recorded in their dumps, repeated by the hunt commands printed
+# for them, and exempt from the check that a probed step is captured as the default is
+FORMER_PROBE_STEPS = ("0,1,7",)
 
 
 @dataclass(frozen=True)
@@ -127,8 +130,10 @@ class DumpConfig:
         probe_steps = parse_steps(self.probe_steps, "--probe-steps")
         probes = frozenset(parse_probes(self.probes))
         # a probe-steps list the user gave that names no captured step probes nothing; the
-        # default (0,1) may miss a capture of later steps only (they are captured clean)
-        probing = probes and self.probe_samples > 0 and self.probe_steps != PROBE_STEPS
+        # default (0,1, or a former one) may miss a capture of later steps only (they are
+        # captured clean)
+        probing = (probes and self.probe_samples > 0
+                   and self.probe_steps not in (PROBE_STEPS, *FORMER_PROBE_STEPS))
         if probing and steps is not None and probe_steps is not None and not any(
                 step_selected(steps, k) for lo, hi in probe_steps
                 for k in range(lo, int(min(hi, last_step(steps))) + 1)):

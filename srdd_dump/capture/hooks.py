@@ -191,6 +191,7 @@ class CaptureSession:
         self._ctx: RoundContext | None = None  # the round being captured
         self._token_ids: torch.Tensor | None = None
         self._last_prompt: np.ndarray | None = None  # the token ids of the last prefill
+        self._continued_waiting = 0  # prefills after a cached past whose probes wait
         self._attention_mask: torch.Tensor | None = None  # (batch, past + seq) of the model call
         self._mask_unread = False  # the model call's mask was of another form
         self._autocast: str | None = None  # "" when the first model call ran without autocast
@@ -358,8 +359,10 @@ class CaptureSession:
             # is empty
             spans_one = mask.shape[-1] == 1 if mask is not None else not unread
             starts = seq == 1 and spans_one and starts_sequence(module, args, kwargs)
-            past = cached_tokens(module, args, kwargs) if seq > 1 else None
-            if seq > 1 and not past and self._recomputes(token_ids):
+            past = self._past(module, args, kwargs, seq, mask)
+            # a sample that had no decode step, then its ids and one more, with no cache
+            if (seq > 1 and past is None and self._rounds.step == 0
+                    and self._recomputes(token_ids)):
                 self.coverage.expect(NO_CACHE)
                 self.coverage.failed(NO_CACHE, (
                     "each new token recomputed the whole sequence (no KV cache: generate("
@@ -374,8 +377,13 @@ class CaptureSession:
                 self.coverage.expect(CONTINUED)
                 self.coverage.failed(CONTINUED, (
                     f"a forward of {seq} tokens after {past} cached ones (a later chat turn, a "
-                    "speculative or prompt-lookup verification) is captured without probes; "
-                    "they go to the next prompt"))
+                    "speculative or prompt-lookup verification) is captured without probes, "
+                    "and no later prompt took them"))
+                self._continued_waiting += 1
+            elif (self._continued_waiting and self._ctx is not None and self._ctx.probed
+                  and self._rounds.step == 0):
+                self.coverage.ran(CONTINUED)  # a later prompt took the probes it passed on
+                self._continued_waiting -= 1
         if self._ctx is None:
             return
         self._ctx.mask_unread = unread
@@ -383,6 +391,19 @@ class CaptureSession:
         self._add(schema.STACK_INPUT, schema.BLOCK_SITE, hidden)
         self._finish_site(schema.STACK_INPUT, schema.BLOCK_SITE)
         self._add_pending()
+
+    @staticmethod
+    def _past(module: nn.Module, args: tuple, kwargs: dict, seq: int,
+              mask: torch.Tensor | None) -> int | None:
+        """Earlier tokens a forward of several tokens attends through its KV cache: the
+        cache's own length, else (a length kept on the device) what the 2-D attention mask
+        spans beyond the call or where the call's positions start; None without a cache (or
+        for one token)."""
+        if seq < 2:
+            return None
+        if mask is not None and mask.shape[-1] > seq:
+            return int(mask.shape[-1] - seq)
+        return cached_tokens(module, args, kwargs, read_device=True)
 
     def _recomputes(self, token_ids: torch.Tensor | None) -> bool:
         """This prefill's token ids are the last prefill's and one more token in every row

@@ -47,9 +47,12 @@ def starts_sequence(module: nn.Module, args: tuple, kwargs: dict) -> bool:
     return cached_tokens(module, args, kwargs) == 0
 
 
-def cached_tokens(module: nn.Module, args: tuple, kwargs: dict) -> int | None:
+def cached_tokens(module: nn.Module, args: tuple, kwargs: dict, read_device: bool = False
+                  ) -> int | None:
     """How many earlier tokens the call's KV cache (a Cache object) holds for the module's
-    layer; None when there is no cache or its length cannot be read."""
+    layer; None when there is no cache or its length cannot be read. A static cache keeps its
+    length on the device: read (a host sync) only with ``read_device``, from the call's
+    ``cache_position`` or ``position_ids`` (where its first new token goes)."""
     cache = find_cache(args, kwargs)
     if cache is None:
         return None
@@ -57,8 +60,13 @@ def cached_tokens(module: nn.Module, args: tuple, kwargs: dict) -> int | None:
         length = cache.get_seq_length(layer_index(module) or 0)
     except Exception:  # noqa: BLE001 (a cache class of another layout: not known)
         return None
-    # a static cache's length is a device tensor: not read (a host sync on every decode step)
-    return length if isinstance(length, int) else None
+    if isinstance(length, int) or not read_device:
+        return length if isinstance(length, int) else None
+    for name in ("cache_position", "position_ids"):
+        where = kwargs.get(name)
+        if isinstance(where, torch.Tensor) and where.numel():
+            return int(where.reshape(-1, where.shape[-1])[:, 0].min())
+    return None
 
 
 def autocast_dtype(model: nn.Module) -> str:

@@ -27,9 +27,8 @@ def watch_forwards(state: dict, on_attach: Callable[[], None] = lambda: None,
     def on_forward(module: nn.Module, args: tuple) -> None:
         if state.get("session") is not None or id(module) in seen:
             return
-        generating = _generating_model()
-        if generating is not None and generating is not module and not any(
-                m is module for m in generating.modules()) and _has_blocks(module, state):
+        generating = _assistant_of(module, state)
+        if generating is not None:
             # an assistant (draft) model run inside another model's generate: the model the
             # program generates with is the one to capture
             seen.update(id(m) for m in module.modules())
@@ -85,12 +84,10 @@ def watch_later_models(state: dict) -> None:
     captures one model per process. Called when a module is assigned to another, so only
     while models are built: nothing on the forward path."""
     def on_register(parent: nn.Module, name: str, value: nn.Module) -> None:
-        if (state.get("later_model") or not isinstance(value, nn.ModuleList) or len(value) < 2
-                or len({type(m) for m in value}) != 1):
-            return
-        session = state.get("session")
-        captured = {id(b) for _, b in getattr(session, "blocks", ())}
-        if any(id(m) in captured for m in value):
+        try:
+            if not _a_later_stack(value, state):
+                return
+        except Exception:  # noqa: BLE001 (a module it cannot read: the user's build goes on)
             return
         state["later_model"] = (f"{type(parent).__name__}.{name}: {len(value)} x "
                                 f"{type(value[0]).__name__}")
@@ -106,12 +103,30 @@ def watch_later_models(state: dict) -> None:
     register_module_module_registration_hook(on_register)
 
 
-def _has_blocks(module: nn.Module, state: dict) -> bool:
-    try:
-        find_blocks(module, state["config"].layers)
-    except NoBlocksFound:
+def _a_later_stack(value: nn.Module, state: dict) -> bool:
+    """A block stack (a ModuleList of 2+ modules of one class holding parameters) other than
+    the captured one, and the first one said."""
+    if (state.get("later_model") or not isinstance(value, nn.ModuleList) or len(value) < 2
+            or len({type(m) for m in value}) != 1):
         return False
-    return True
+    if not any(True for m in value for _ in m.parameters()):
+        return False
+    captured = {id(b) for _, b in getattr(state.get("session"), "blocks", ())}
+    return not any(id(m) in captured for m in value)
+
+
+def _assistant_of(module: nn.Module, state: dict) -> nn.Module | None:
+    """The model whose ``generate`` runs ``module``, a model with blocks of its own (an
+    assistant); None otherwise."""
+    try:
+        generating = _generating_model()
+        if generating is None or generating is module or any(
+                m is module for m in generating.modules()):
+            return None
+        find_blocks(module, state["config"].layers)
+        return generating
+    except Exception:  # noqa: BLE001 (NoBlocksFound, or a module it cannot read: not one)
+        return None
 
 
 def _generating_model() -> nn.Module | None:
