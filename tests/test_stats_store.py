@@ -286,6 +286,12 @@ def test_baseline_mode_on_stats_dumps(tmp_path):
     assert len(compared) == len(t) and (compared["verdict"] == "PASS").all()
     assert (compared["cosine_similarity"] > 0.999999).all()
     assert compared["cmp_fail_reason"].str.contains("sampled rows").all()
+    # its sub-layers have no counterpart in the stats dump: said as such, not "0 rows compared"
+    from srdd_dump.report.terminal import baseline_text
+
+    text = baseline_text(compare_baseline(golden, full))
+    assert "rows compared" not in text
+    assert "sub-layers and operators: none compared (" in text and "unmatched: " in text
 
 
 @pytest.mark.integration

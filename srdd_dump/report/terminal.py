@@ -112,7 +112,9 @@ def baseline_text(result: BaselineResult, written: list[str] | None = None) -> s
         compared = int((result.sites["verdict"] != NOT_COMPARED).sum())
         pairs = result.sites.loc[result.sites["verdict"] != NOT_COMPARED, "matched_by"]
         how = ", ".join(f"{n} by {k}" for k, n in pairs.value_counts().items())
-        lines.append(f"sub-layers and operators: {compared} rows compared ({how})")
+        lines.append(f"sub-layers and operators: {compared} rows compared ({how})" if compared
+                     else f"sub-layers and operators: none compared ({len(result.sites)} rows "
+                          "have no counterpart: see the unmatched lines)")
     for line in s.unmatched[:UNMATCHED_SHOWN]:
         lines.append(f"unmatched: {line}")
     if len(s.unmatched) > UNMATCHED_SHOWN:
