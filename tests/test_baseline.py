@@ -683,6 +683,32 @@ def test_a_birth_by_growth_must_recur_to_be_named():
     assert summary.pattern == "born" and summary.first_layer == 2 and summary.first_rounds == 4
 
 
+@pytest.mark.unit
+def test_a_sub_layer_birth_is_the_earliest_layer_not_the_one_most_often_past_tenfold():
+    """A dead zone in layer 10's MLP of SmolLM2, bf16 against fp32 (a user's run): the MLP
+    FAILs at x9.71 and x19.9 its block input's error in the two prefills; layer 12's MLP, fed
+    that error, FAILs at x12 and x11. The birth is layer 10 (it counted only rounds past x10
+    before, and named layer 12)."""
+    from srdd_dump.compare.divergence import mark_divergence, summarize
+
+    table = mark_divergence(_rounds_table([[0.004, 0.006, 0.009, 0.03, 0.035, 0.04]] * 2))
+    sites = pd.concat([_site_rows(table, 10, [("FAIL", 9.71), ("FAIL", 19.9)]),
+                       _site_rows(table, 12, [("FAIL", 12.0), ("FAIL", 11.0)])])
+    summary = summarize(table, sites=sites)
+    assert summary.pattern == "site" and summary.first_layer == 10, summary.message
+    assert summary.first_site == "l.10.mlp" and summary.first_site_rounds == 2
+    # and marked where a user filters for it: the site's FAIL rows, its block's rows
+    from srdd_dump.compare.divergence import mark_site_birth
+
+    sites = sites.assign(first_divergence=False).reset_index(drop=True)
+    table = pd.concat([table, table[table["layer"] == 5].assign(layer=10, module="l.10")],
+                      ignore_index=True)
+    mark_site_birth(summary, table, sites)
+    assert sites.loc[sites["first_divergence"], "module"].tolist() == ["l.10.mlp"] * 2
+    assert set(table.loc[table["first_divergence"], "layer"]) == {10}
+    assert table["first_divergence"].sum() == 2  # its two rounds
+
+
 def _site_rows(table, layer, verdicts_amps):
     """One mlp row per round at ``layer``: (verdict, error_amplification) per round."""
     rows = []
@@ -709,7 +735,8 @@ def test_a_sub_layer_birth_is_named_when_no_block_multiplies_the_error_tenfold()
     summary = summarize(table, sites=_site_rows(table, 3, [("FAIL", 12.0)] * 3
                                                 + [("FAIL", 6.0)]))
     assert summary.pattern == "site" and summary.first_layer == 3, summary.message
-    assert summary.first_site == "l.3.mlp" and summary.first_site_rounds == 3
+    # the rounds where it FAILs (x12, x12, x12, x6: the median x12)
+    assert summary.first_site == "l.3.mlp" and summary.first_site_rounds == 4
     assert "error born inside layer 3 (l.3)" in summary.message
     result = BaselineResult("a", "b", table, pd.DataFrame(), summary, None)
     assert result.worst_verdict() == "FAULT"

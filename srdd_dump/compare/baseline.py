@@ -22,7 +22,7 @@ from ..format import schema as s
 from ..format.layer_numbers import layer_numbers, number_of
 from ..vocabulary import EXPERT, EXPERT_SLOTS
 from .baseline_task import TASK_ROWS, RowSpec, RowTask
-from .divergence import mark_divergence, mark_sites, summarize
+from .divergence import mark_divergence, mark_site_birth, mark_sites, summarize
 from .results import (
     BASELINE_COLUMNS,
     BASELINE_FILE_COLUMNS,
@@ -108,9 +108,10 @@ def finish(path: str, baseline: str, mine: list[Side], golden: list[Side],
     files = pd.DataFrame([_file_row(f) for f in mine + golden], columns=BASELINE_FILE_COLUMNS)
     for col in ("rounds", "samples", "layers", "rank", "pid"):
         files[col] = files[col].astype("Int64")
+    summary = summarize(table, same_device, sites)
+    mark_site_birth(summary, table, sites)
     return BaselineResult(path=path, baseline=baseline, table=table, files=files,
-                          summary=summarize(table, same_device, sites), thresholds=thresholds,
-                          sites=sites)
+                          summary=summary, thresholds=thresholds, sites=sites)
 
 
 def _number_layers(rows: list[dict], mine: list[Side], golden: list[Side]) -> None:

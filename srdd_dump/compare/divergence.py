@@ -330,29 +330,32 @@ def summarize(table: pd.DataFrame, same_device: dict[tuple[str, str], bool] | No
 
 def _site_origin(summary: BaselineSummary, table: pd.DataFrame, sites: pd.DataFrame) -> None:
     """No block multiplied the error BIRTH_GROWTH-fold, but a sub-layer or operator did: it
-    FAILs with BIRTH_GROWTH times its block input's relative error. A fault whose error is of
-    the size of the rounding difference of the two setups (bf16 against fp32: about 1% by the
-    middle layers) grows its block's error a few times only, while the sub-layer it sits in
-    still grows it tenfold. Named as the finding (pattern "site") when it recurs at its layer
-    as a birth must (``_recurring``); the earliest such layer."""
+    FAILs, in the rounds where it FAILs, with typically (the median over those rounds)
+    BIRTH_GROWTH times its block input's relative error. A fault whose error is of the size of
+    the rounding difference of the two setups (bf16 against fp32: about 1% by the middle
+    layers) grows its block's error a few times only, while the sub-layer it sits in still
+    grows it tenfold. Named as the finding (pattern "site") when it recurs at its layer as a
+    birth must (``_recurring``); the earliest such layer."""
     amp = pd.to_numeric(sites["error_amplification"], errors="coerce")
-    born = sites[(sites["verdict"] == FAIL) & sites["layer"].notna()
-                 & (amp >= BIRTH_GROWTH).to_numpy()]
-    if born.empty:
+    fails = sites[(sites["verdict"] == FAIL) & sites["layer"].notna()].assign(
+        growth=amp[(sites["verdict"] == FAIL) & sites["layer"].notna()])
+    if fails.empty:
         return
     breaking = table[table["verdict"].isin([WARN, FAIL])][GROUP].drop_duplicates()
     need = max(2, BIRTH_SHARE * len(breaking))
-    rounds = born.drop_duplicates(GROUP + ["layer"])["layer"].value_counts()
-    layers = sorted(int(k) for k, n in rounds.items() if n >= need)
+    per_round = fails.groupby(GROUP + ["layer"], dropna=False)["growth"].max()
+    by_layer = per_round.groupby(level="layer").agg(["count", "median"])
+    layers = sorted(int(k) for k, row in by_layer.iterrows()
+                    if row["count"] >= need and row["median"] >= BIRTH_GROWTH)
     if not layers:
         return
     layer = layers[0]
-    at = born[born["layer"] == layer]
+    at = fails[fails["layer"] == layer]
     counts = at.drop_duplicates(GROUP)["module"].value_counts()  # a round's first, in order
     block = table[(table["layer"] == layer) & (table["verdict"] != NOT_COMPARED)]
     summary.first_layer = layer
     summary.first_module = str(block["module"].iloc[0]) if len(block) else ""
-    summary.first_rounds = int(rounds[layer])
+    summary.first_rounds = int(by_layer.loc[layer, "count"])
     summary.first_site, summary.first_site_rounds = str(counts.index[0]), int(counts.iloc[0])
     worst = at.loc[pd.to_numeric(at[RED_COLUMN], errors="coerce").fillna(-1.0).idxmax()]
     growth = block["error_amplification"].max() if len(block) else math.nan
@@ -360,11 +363,30 @@ def _site_origin(summary: BaselineSummary, table: pd.DataFrame, sites: pd.DataFr
     summary.pattern = "site"
     summary.message = (
         f"error born inside layer {layer} ({summary.first_module}): a sub-layer's output "
-        f"FAILs with x{worst['error_amplification']:.3g} its block input's relative error "
-        f"(relative error {worst[RED_COLUMN]:.3g}, cosine {worst['cosine_similarity']:.6f}) "
-        f"in {summary.first_rounds} of {summary.rounds} compared rounds at {tol} tolerance, "
-        f"while the block's own output grows it x{growth:.3g} at most (the rounding difference "
-        "of the two setups is of the same size there): look at this layer first")
+        f"FAILs in {summary.first_rounds} of {summary.rounds} compared rounds at {tol} "
+        f"tolerance, with x{by_layer.loc[layer, 'median']:.3g} its block input's relative "
+        f"error (the median; relative error up to {worst[RED_COLUMN]:.3g}, cosine "
+        f"{worst['cosine_similarity']:.6f}), while the block's own output grows it "
+        f"x{growth:.3g} at most (the rounding difference of the two setups is of the same size "
+        "there): look at this layer first")
+
+
+def mark_site_birth(summary: BaselineSummary, table: pd.DataFrame, sites: pd.DataFrame
+                    ) -> None:
+    """A birth found inside a layer (pattern "site", ``_site_origin``) marked where a birth by
+    growth is: ``first_divergence`` on the site's FAIL rows and on its block's rows of the
+    same rounds (the rows a user filters for, the report's bold rows)."""
+    if summary.pattern != "site" or sites is None or not len(sites):
+        return
+    at = ((sites["layer"] == summary.first_layer) & (sites["module"] == summary.first_site)
+          & (sites["verdict"] == FAIL)).to_numpy()
+    sites.loc[at, "first_divergence"] = True
+    rounds = set(map(tuple, sites.loc[at, GROUP].astype(object).to_numpy()))
+    keys = table[GROUP].astype(object).to_numpy()
+    block = (table["layer"] == summary.first_layer).to_numpy() & np.array(
+        [tuple(k) in rounds for k in keys], dtype=bool)
+    table.loc[block, "first_divergence"] = True
+    summary.first_divergence = table[block]
 
 
 def _first_site(summary: BaselineSummary, births: pd.DataFrame, sites: pd.DataFrame) -> None:
