@@ -292,6 +292,33 @@ def test_a_generation_without_kv_cache_is_said_to_have_no_decode_step(tmp_path, 
     assert "decode steps with a KV cache" not in capsys.readouterr().err
 
 
+def test_per_head_outputs_left_out_are_named(tmp_path):
+    """A q_norm / k_norm (Qwen3, Gemma 3) normalises each head: its output is (batch, seq,
+    heads, dim), not the round's token rows, and is left out at operator granularity. The
+    compare's note names them instead of a count alone."""
+    tf = pytest.importorskip("transformers")
+    if not hasattr(tf, "Qwen3Config"):
+        pytest.skip("Qwen3 needs transformers >= 4.51")
+    from srdd_dump.compare.sources import capture_notes
+
+    torch.manual_seed(0)
+    model = tf.Qwen3ForCausalLM(tf.Qwen3Config(
+        vocab_size=128, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, intermediate_size=128, num_hidden_layers=2, max_position_embeddings=64))
+    with register_hook(model, DumpConfig(dump_path=str(tmp_path), granularity="op",
+                                         probes="none", progress=False)) as session:
+        with torch.no_grad():
+            model(input_ids=torch.randint(0, 128, (1, 6)))
+    with DumpReader(session.path) as r:
+        status = r.status
+    assert status["records_dropped"] == 4  # q_norm and k_norm of 2 layers
+    assert status["records_dropped_sites"] == ["model.layers.N.self_attn.k_norm",
+                                               "model.layers.N.self_attn.q_norm"]
+    (note,) = [n for n in capture_notes("f.h5", status) if "left out" in n]
+    assert note.endswith("were left out: model.layers.N.self_attn.k_norm, "
+                         "model.layers.N.self_attn.q_norm")
+
+
 def test_hooks_are_removed_when_done(tmp_path):
     model = build("gpt2")
     with register_hook(model, DumpConfig(dump_path=str(tmp_path), samples=1)) as s:

@@ -22,6 +22,7 @@ from torch import nn
 from ..errors import UserError
 from ..format import schema
 from ..format.coverage import Coverage
+from ..format.layer_numbers import site_pattern
 from ..format.writer import Round, describe_error
 from ..runtime.terminal import LazyBar
 from ..vocabulary import BLOCK, EXPERTS, ROUTER, sublayer_kind
@@ -64,6 +65,7 @@ from .versions import untested_notes
 # and the hook does nothing
 REMOVED = object()
 # the coverage family of prefills after a cached past that would have taken the probes
+MAX_NAMED = 20  # sites left out named in the status, at most
 CONTINUED = "continued prefill probes"
 # forwards that recompute the last prefill with one more token (no KV cache)
 NO_CACHE = "decode steps with a KV cache"
@@ -158,6 +160,7 @@ class CaptureSession:
         self._seen: set[int] = set()  # the sites of _once recorded this round
         self._pending: list[tuple[int, Site, torch.Tensor, tuple, dict]] = []
         self.records_dropped = 0
+        self.dropped_sites: set[int] = set()  # sites whose outputs were left out (their shape)
         self.site_errors = 0
         self._sink = make_sink(options.store, self.probe_spec, config.seed)
         self._moe = ExpertCapture.of(self.sites, self._sink, self.probe_spec)
@@ -463,6 +466,7 @@ class CaptureSession:
                 self._finish_site(layer, site)
             else:
                 self.records_dropped += 1
+                self.dropped_sites.add(site)
 
     def _pending_hook(self, index: int):
         @opaque
@@ -511,6 +515,7 @@ class CaptureSession:
             hidden = self._ctx.as_round(hidden)
         if site != schema.BLOCK_SITE and not self._ctx.token_shaped(hidden):
             self.records_dropped += 1
+            self.dropped_sites.add(site)
             return
         self._add(layer, site, hidden)
         try:
@@ -579,6 +584,8 @@ class CaptureSession:
             "error": self.error, "samples": self.samples,
             "requests": self._rounds.requests.requests,
             **self.replays.status(), "records_dropped": self.records_dropped,
+            "records_dropped_sites": sorted(
+                {site_pattern(self.sites[i].name) for i in self.dropped_sites})[:MAX_NAMED],
             "site_errors": self.site_errors + self.replays.site_errors, **self._tp.status(),
             "sites_never_run": len(silent) if partial else 0,
             "coverage": self.coverage.as_dict(), "untested_versions": self.version_notes,

@@ -22,7 +22,6 @@ the embedding output) the input ids, which agree unless ``input_match`` says the
 from __future__ import annotations
 
 import math
-import re
 
 import numpy as np
 import pandas as pd
@@ -30,6 +29,7 @@ import pandas as pd
 from ..analysis.matching import DIFFER
 from ..analysis.tolerance import UNIT_ROUNDOFF
 from ..analysis.verdicts import FAIL, NOT_COMPARED, PASS, VERDICT_RANK, VERDICTS, WARN
+from ..format.layer_numbers import site_pattern
 from .results import PER_LAYER_COLUMNS, BaselineSummary
 
 GROUP = ["source", "golden_source", "sample", "golden_sample", "step"]
@@ -405,7 +405,7 @@ def unmatched_lines(sites: pd.DataFrame) -> list[str]:
     found: dict[tuple[str, str], set] = {}
     for mine, golden, layer in zip(rows["module"], rows["golden_module"], rows["layer"]):
         side, name = ("my", mine) if mine else ("golden", golden)
-        found.setdefault((side, re.sub(r"\.\d+(\.|$)", r".N\1", name, count=1)), set()).add(layer)
+        found.setdefault((side, site_pattern(name)), set()).add(layer)
     return [f"{side} site {name} ({len(layers)} layer{'s' if len(layers) > 1 else ''}): no "
             f"counterpart in {'the golden dump' if side == 'my' else 'my dump'}"
             for (side, name), layers in sorted(found.items())]

@@ -292,7 +292,7 @@ def capture_notes(source: str, status: dict) -> list[str]:
         ("host_replays_failed", "module replays on the host failed (a device-only kernel or "
          "offloaded weights): those modules have no float64 reference"),
         ("records_dropped", "outputs were not shaped like the round's tokens (routed experts, "
-         "per-head tensors) and were left out"),
+         "per-head tensors such as a q_norm / k_norm) and were left out"),
         ("site_errors", "sub-layer or operator captures failed and were skipped"),
         ("tp_replays_skipped", "replays of tensor-parallel modules were skipped (a replay "
          "would communicate with the other ranks): those modules have clean data only"),
@@ -305,7 +305,9 @@ def capture_notes(source: str, status: dict) -> list[str]:
     ):
         n = status.get(key) if isinstance(status, dict) else None
         if isinstance(n, int) and n > 0:
-            notes.append(f"{source}: {n} {what}")
+            names = status.get(f"{key}_sites")  # the sites left out, by name (since 2026-11-28)
+            which = f": {', '.join(map(str, names))}" if isinstance(names, list) and names else ""
+            notes.append(f"{source}: {n} {what}{which}")
     if isinstance(status, dict):
         notes += [f"{source}: {line}" for line in partial_lines(status.get("coverage"))]
         untested = status.get("untested_versions")

@@ -48,3 +48,9 @@ def position_of(numbers: Sequence[int], layer: int) -> int | None:
     if -len(numbers) <= layer < 0:
         return len(numbers) + layer
     return None
+
+
+def site_pattern(name: str) -> str:
+    """A module name with its layer number as N (``model.layers.4.self_attn.k_norm`` ->
+    ``model.layers.N.self_attn.k_norm``): one name for that site of every layer."""
+    return re.sub(r"\.\d+(\.|$)", r".N\1", name, count=1)
