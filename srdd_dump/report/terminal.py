@@ -124,12 +124,12 @@ def baseline_text(result: BaselineResult, written: list[str] | None = None) -> s
         lines.append("worst layers:")
         top = s.worst[WORST_SHOWN].rename(columns={
             "min_cosine_similarity": "cosine(min)",
-            "max_relative_euclidean_distance": "rel_err(max)",
+            "max_relative_euclidean_distance": "rel_dist(max)",
             "max_error_amplification": "growth(max)",
         })
         top["module"] = top["module"].map(_shorten)
         text = top.to_string(index=False, formatters={
-            "cosine(min)": "{:.6f}".format, "rel_err(max)": "{:.3g}".format,
+            "cosine(min)": "{:.6f}".format, "rel_dist(max)": "{:.3g}".format,
             "growth(max)": "{:.3g}".format,
         })
         lines.extend("  " + line for line in text.splitlines())
