@@ -709,6 +709,29 @@ def test_a_sub_layer_birth_is_the_earliest_layer_not_the_one_most_often_past_ten
     assert table["first_divergence"].sum() == 2  # its two rounds
 
 
+@pytest.mark.unit
+def test_a_sub_layer_birth_is_named_in_a_dump_of_that_layer_alone():
+    """The hunt's dump of layer 10 alone (bf16) against a full fp32 golden run: its stack input
+    (layer 9's output) WARNs with bf16 rounding, which alone reads "unlocated"; layer 10's MLP
+    FAILs at x9.6 and x12.8 that input's error: the birth is named inside layer 10."""
+    from srdd_dump.compare.divergence import mark_divergence, summarize
+
+    rows = []
+    for sample in range(2):
+        for layer, red in ((-1, 0.0187), (10, 0.03)):
+            rows.append(dict(source="a", golden_source="b", sample=sample, golden_sample=sample,
+                             step=0, layer=layer, golden_layer=layer if layer >= 0 else 9,
+                             module=f"l.{max(layer, 10)}", golden_module="",
+                             verdict="WARN", cosine_similarity=0.999,
+                             relative_euclidean_distance=red, tolerance="bfloat16",
+                             input_match="same", my_dtype="bfloat16", golden_dtype="float32",
+                             cmp_fail_reason="", golden_nan_inf=0, my_nan_inf=0))
+    table = mark_divergence(pd.DataFrame(rows))
+    assert summarize(table).pattern == "unlocated"
+    summary = summarize(table, sites=_site_rows(table, 10, [("FAIL", 9.6), ("FAIL", 12.8)]))
+    assert summary.pattern == "site" and summary.first_layer == 10, summary.message
+
+
 def _site_rows(table, layer, verdicts_amps):
     """One mlp row per round at ``layer``: (verdict, error_amplification) per round."""
     rows = []

@@ -62,8 +62,8 @@ def test_a_broken_decode_probe_is_reported_by_both_commands(tmp_path, monkeypatc
         _generate(model)
         _generate(model, 1)
     err = capsys.readouterr().err
-    assert ("evidence missing: decode steps not probed: decode attention probes (0 of 16 "
-            "calls), decode block probes (0 of 16 calls)") in err
+    assert ("evidence missing: decode steps not probed: decode attention probes (0 of 8 "
+            "calls), decode block probes (0 of 8 calls)") in err
     assert "decode replay broken on purpose" in err
     assert err.count("broken on purpose") == 1  # the cause once, not once per family
     assert not any(line.startswith("prefill") for line in session.degraded)
@@ -71,14 +71,15 @@ def test_a_broken_decode_probe_is_reported_by_both_commands(tmp_path, monkeypatc
     with DumpReader(session.path) as r:
         coverage = r.status["coverage"]
     assert coverage["decode block probes"]["done"] == 0
-    assert coverage["decode block probes"]["expected"] == 2 * 2 * 4  # samples x steps x layers
+    # samples x probed decode steps (1: the default --probe-steps 0,1) x layers
+    assert coverage["decode block probes"]["expected"] == 2 * 1 * 4
     assert coverage["prefill block probes"]["done"] == coverage["prefill block probes"][
         "expected"] == 2 * 4
 
     result = compare_path(str(tmp_path), progress=False)
     (line,) = result.missing_evidence
-    assert "decode attention probes (0 of 16 calls)" in line and "broken on purpose" in line
-    assert "decode block probes (0 of 16 calls)" in line
+    assert "decode attention probes (0 of 8 calls)" in line and "broken on purpose" in line
+    assert "decode block probes (0 of 8 calls)" in line
     screen = diagnosis_text(result)
     assert "evidence missing from these verdicts" in screen
     assert screen.index("evidence missing") < screen.index("layers:")  # the first screen
@@ -196,14 +197,14 @@ def test_exec_ends_with_the_missing_evidence_line(tmp_path):
     assert res.returncode == 0, res.stderr  # the dump is usable; what it lacks is said
     warnings = [line for line in res.stderr.splitlines() if "evidence missing" in line]
     assert len(warnings) == 1, res.stderr
-    assert "decode block probes (0 of 8 calls)" in warnings[0]
+    assert "decode block probes (0 of 4 calls)" in warnings[0]  # 4 layers x decode step 1
     assert "RuntimeError: decode replay broken on purpose" in warnings[0]
     assert find_dump_files(str(out))
     res = run_cli("srdd-compare", str(out), "-o", str(tmp_path / "report.csv"))
     assert res.returncode == 0, res.stderr
     screen = res.stdout
     assert "evidence missing from these verdicts" in screen
-    assert "decode block probes (0 of 8 calls)" in screen
+    assert "decode block probes (0 of 4 calls)" in screen
 
 
 def test_a_library_outside_the_tested_range_is_named():

@@ -316,7 +316,9 @@ def summarize(table: pd.DataFrame, same_device: dict[tuple[str, str], bool] | No
         if sites is not None:
             _first_site(summary, at, sites)
     summary.pattern, summary.message = _explain(summary, compared, same_setup, reds, sources)
-    if summary.pattern in ("gradual", "clean") and sites is not None:
+    # a site's growth is judged against its own block input, compared on both sides: also
+    # where the error is already at the first layer a subset dump holds
+    if summary.pattern in ("gradual", "clean", "unlocated") and sites is not None:
         _site_origin(summary, table, sites)
     if compared.empty and sites is not None:
         summary.message = _sites_only(sites) or summary.message
