@@ -703,6 +703,11 @@ def test_a_sub_layer_birth_is_the_earliest_layer_not_the_one_most_often_past_ten
     sites = sites.assign(first_divergence=False).reset_index(drop=True)
     table = pd.concat([table, table[table["layer"] == 5].assign(layer=10, module="l.10")],
                       ignore_index=True)
+    # layer columns are nullable: a site of no layer (a golden-only site) is no match
+    sites = pd.concat([sites, sites.iloc[:1].assign(layer=pd.NA, verdict="N/A")],
+                      ignore_index=True).astype({"layer": "Int64"})
+    table = table.astype({"layer": "Int64"})
+    table.loc[0, "layer"] = pd.NA
     mark_site_birth(summary, table, sites)
     assert sites.loc[sites["first_divergence"], "module"].tolist() == ["l.10.mlp"] * 2
     assert set(table.loc[table["first_divergence"], "layer"]) == {10}

@@ -380,13 +380,14 @@ def mark_site_birth(summary: BaselineSummary, table: pd.DataFrame, sites: pd.Dat
     same rounds (the rows a user filters for, the report's bold rows)."""
     if summary.pattern != "site" or sites is None or not len(sites):
         return
+    # layer columns are nullable (a row of no layer): NA is no match
     at = ((sites["layer"] == summary.first_layer) & (sites["module"] == summary.first_site)
-          & (sites["verdict"] == FAIL)).to_numpy()
+          & (sites["verdict"] == FAIL)).to_numpy(dtype=bool, na_value=False)
     sites.loc[at, "first_divergence"] = True
     rounds = set(map(tuple, sites.loc[at, GROUP].astype(object).to_numpy()))
     keys = table[GROUP].astype(object).to_numpy()
-    block = (table["layer"] == summary.first_layer).to_numpy() & np.array(
-        [tuple(k) in rounds for k in keys], dtype=bool)
+    block = (table["layer"] == summary.first_layer).to_numpy(
+        dtype=bool, na_value=False) & np.array([tuple(k) in rounds for k in keys], dtype=bool)
     table.loc[block, "first_divergence"] = True
     summary.first_divergence = table[block]
 
