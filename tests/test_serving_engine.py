@@ -308,3 +308,32 @@ def test_an_in_place_rotary_is_replayed_on_copies_and_changes_nothing(tmp_path):
         assert len(repeats)
         for rec in repeats:  # replayed on the query as it was before the call rotated it
             np.testing.assert_array_equal(r.read(rec), clean)
+
+
+def test_a_fused_add_norm_is_perturbed_on_the_stream_it_normalises():
+    """norm(x, residual) normalises x + residual. A row whose residual holds a massive value
+    (the first token's) barely moves when x alone is perturbed by x's own spread: the dc
+    probe must shift the stream by the stream's spread, through the residual, x as recorded
+    (a healthy vLLM run read such a row as clipped: FAULT at a layer's input_layernorm)."""
+    from srdd_dump.capture.probes import ProbeSpec, run_probes
+    from srdd_dump.format import schema
+
+    from serving_model import RMSNorm
+
+    torch.manual_seed(0)
+    norm = RMSNorm(16, 1e-6)
+    x = torch.randn(3, 16) * 0.01
+    residual = torch.randn(3, 16)
+    residual[0, 5] = 1000.0  # a massive activation
+    stream = x + residual
+    recorded = norm._norm(stream)
+    spec = ProbeSpec(sigmas=(0.1,), draws=1, dc=(1.0,), repeats=1, batched=True)
+    outputs, _ = run_probes(norm, (x.clone(),), {"residual": residual.clone()}, recorded, spec,
+                            lambda kind, probe: 7, fused_add=True)
+    by_kind = {p.kind: p for p in outputs}
+    dc = by_kind[schema.KIND_DC]
+    std = stream.std(dim=-1, unbiased=False, keepdim=True)
+    torch.testing.assert_close(dc.perturbation, std.expand_as(stream), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(by_kind[schema.KIND_REPEAT].output, recorded, rtol=0, atol=0)
+    # the massive row's outputs move under the dc shift (they did not with x alone perturbed)
+    assert (dc.output[0] != recorded[0]).float().mean() > 0.9

@@ -171,13 +171,19 @@ def replay_arguments(args: tuple, kwargs: dict, cache: FrozenCache | None = None
 
 
 def hidden_input(args: tuple, kwargs: dict, module: nn.Module | None = None,
-                 stream: bool = False) -> tuple[torch.Tensor | None, Callable]:
+                 stream: bool = False, fused_add: bool = False
+                 ) -> tuple[torch.Tensor | None, Callable]:
     """The hidden-state input of a call and a function that rebuilds the call with another:
     the residual stream of a serving block (``stream``: a block of the session's stack that
     returns ``(hidden_states, residual)``; serving.py), the parameter named ``hidden_states``,
     or the first floating-point positional tensor (``positions`` may come first). A sub-layer
     that merely takes ``residual`` for its fused add (HF Bloom's and MPT's attention and MLP)
-    is perturbed on its ``hidden_states``: the residual only passes through it."""
+    is perturbed on its ``hidden_states``: the residual only passes through it. A norm that
+    adds its residual first (``fused_add``) is perturbed on the sum it normalises."""
+    if fused_add:
+        x, rebuild = serving.fused_add_perturbation(args, kwargs)
+        if x is not None:
+            return x, rebuild
     if module is not None:
         if stream and serving.is_serving_block(module):
             x, rebuild = serving.stream_perturbation(module, args, kwargs)
@@ -319,6 +325,7 @@ def run_probes(
     around_repeat: Callable[[int], contextlib.AbstractContextManager] | None = None,
     extra: tuple[tuple[int, torch.Tensor], ...] = (),
     rows: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    fused_add: bool = False,
 ) -> tuple[list[ProbeOutput], bool]:
     """Replay ``module`` on perturbed copies of its input; returns (outputs, batched?).
 
@@ -331,10 +338,11 @@ def run_probes(
     without a perturbation. ``rows``: a row-wise module whose perturbed copies run on some
     rows of its input alone (``recorded`` holds those rows): the inputs are perturbed whole,
     as without it, then cut to those rows; its repeats re-run the whole call (the call's own
-    shapes), their outputs cut to those rows.
+    shapes), their outputs cut to those rows. ``fused_add``: a norm called with a residual it
+    adds first (serving.fused_add_perturbation).
     """
     args, kwargs = replay_arguments(args, kwargs, cache)
-    x, rebuild = hidden_input(args, kwargs, module, stream)
+    x, rebuild = hidden_input(args, kwargs, module, stream, fused_add)
     if x is None:
         raise TypeError(f"cannot find the hidden-state input of {type(module).__name__}")
     results: list[ProbeOutput] = []

@@ -428,7 +428,8 @@ class Replays:
             if spec.sigmas or spec.dc or spec.repeats:
                 with self.coverage.attempt(self._family(ctx, site, "probes")):
                     outputs, _ = run_probes(module, (x_rows,), extra, recorded, spec,
-                                            ctx.seeds(layer, site))
+                                            ctx.seeds(layer, site),
+                                            fused_add=bool(extra) and role == NORM)
                 if self._keep_probes(module, outputs, recorded):
                     self.sink.probe_outputs(ctx, layer, site, outputs, rows)
             if spec.scale and role == LINEAR:

@@ -205,3 +205,34 @@ def stream_perturbation(module: nn.Module, args: tuple, kwargs: dict
         return set_residual((residual.float() + (xp.float() - x.float())).to(residual.dtype))
 
     return x, rebuild
+
+
+def fused_add_perturbation(args: tuple, kwargs: dict
+                           ) -> tuple[torch.Tensor | None, Callable[[torch.Tensor], tuple]]:
+    """A fused add + norm called as ``norm(x, residual=r)`` normalises the stream x + r: (that
+    stream, rebuild), where ``rebuild(s + d)`` is the call with ``d`` added to ``r`` (x as it
+    was: the kernel adds them as on the device) and ``rebuild(stream)`` the call itself.
+    Perturbing x alone would move a row whose stream is dominated by the residual (a massive
+    activation of the first token) by a fraction of its size, reading as values that do not
+    move (a clip)."""
+    x = args[0] if args else None
+    residual = kwargs.get(RESIDUAL)
+    if not (isinstance(x, torch.Tensor) and isinstance(residual, torch.Tensor)
+            and x.is_floating_point() and residual.shape == x.shape):
+        return None, lambda value: (args, kwargs)
+    stream = (x.float() + residual.float()).to(x.dtype)
+
+    def rebuild(xp: torch.Tensor) -> tuple[tuple, dict]:
+        if xp is stream:
+            return args, kwargs
+        if xp.dim() == x.dim() + 1:  # copies stacked on a new leading dimension
+            xs, rs, st = (t.unsqueeze(0).expand_as(xp) for t in (x, residual, stream))
+        elif xp.shape[0] != x.shape[0]:  # copies along the batch
+            k = xp.shape[0] // x.shape[0]
+            xs, rs, st = (torch.cat([t] * k) for t in (x, residual, stream))
+        else:
+            xs, rs, st = x, residual, stream
+        moved = (rs.float() + (xp.float() - st.float())).to(residual.dtype).contiguous()
+        return (xs.contiguous(), *args[1:]), {**kwargs, RESIDUAL: moved}
+
+    return stream, rebuild
