@@ -122,10 +122,9 @@ def dump(
         typer.echo(f"srdd-dump: {what} {folder} ({len(files)} file"
                    f"{'s' if len(files) > 1 else ''}); compare it with: "
                    f"srdd-compare {folder}", err=True)
-    if result.requests:
-        typer.echo(f"srdd-dump: {result.requests} request{'s' if result.requests > 1 else ''} "
-                   f"seen by the serving engine; the first {min(result.requests, samples)} "
-                   "captured, one sample each", err=True)
+    requests = result.requests_line(samples)
+    if requests:
+        typer.echo(f"srdd-dump: {requests}", err=True)
     for note in result.untested_versions:
         typer.echo(f"srdd-dump: note: {note}", err=True)
     for line in result.degraded:

@@ -367,3 +367,16 @@ def test_a_second_model_built_after_capture_began_is_said_once(tmp_path):
     (path,) = find_dump_files(str(tmp_path / "d"))
     with DumpReader(path) as r:
         assert r.n_samples == 1  # the first model's prompt only
+
+
+@pytest.mark.unit
+def test_the_requests_line_says_more_than_n_once_capture_stopped_counting():
+    from srdd_dump.capture.launch import ExecResult
+
+    assert ExecResult(0).requests_line(8) is None  # no serving engine ran
+    assert ExecResult(0, requests=3).requests_line(8) == (
+        "3 requests seen by the serving engine, each captured as one sample")
+    # 12 requests, --samples 1: capture closed after the second, which it counted
+    assert ExecResult(0, requests=2).requests_line(1) == (
+        "more than 1 request seen by the serving engine; the first 1 captured, one sample "
+        "each (the later ones were not counted)")

@@ -74,6 +74,18 @@ class ExecResult:
             out.setdefault(self.run_dir if inside else folder, []).append(path)
         return out
 
+    def requests_line(self, samples: int) -> str | None:
+        """What the serving engine's requests came to (None: no engine ran). Capture, and
+        its count of requests, stop once ``samples`` requests are captured."""
+        if self.requests > samples:
+            return (f"more than {samples} request{'s' if samples > 1 else ''} seen by the "
+                    f"serving engine; the first {samples} captured, one sample each (the "
+                    "later ones were not counted)")
+        if self.requests:
+            return (f"{self.requests} request{'s' if self.requests > 1 else ''} seen by the "
+                    "serving engine, each captured as one sample")
+        return None
+
     def describe_exit(self) -> str | None:
         """How the command ended, when it did not succeed (for itself: not stopped by
         srdd-dump for options that do not fit)."""
