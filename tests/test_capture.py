@@ -215,6 +215,20 @@ def test_a_capture_error_shows_its_traceback_with_debug_only(tmp_path, monkeypat
     session.close()
 
 
+def _chat_turns(model) -> None:
+    """A prompt, then a second turn given the first turn's cache (4 new tokens)."""
+    first = model.generate(torch.randint(1, 100, (1, 6)), max_new_tokens=3, do_sample=False,
+                           pad_token_id=0, return_dict_in_generate=True)
+    turn = torch.cat([first.sequences, torch.randint(1, 100, (1, 4))], dim=1)
+    model.generate(turn, past_key_values=first.past_key_values, max_new_tokens=3,
+                   do_sample=False, pad_token_id=0)
+
+
+def _probed_rounds(path) -> set[tuple[int, int]]:
+    with DumpReader(path) as r:
+        return {(int(x["sample"]), int(x["step"])) for x in r.rounds if x["prow_len"] > 0}
+
+
 def test_a_prompt_after_a_cached_past_is_captured_unprobed_and_said(tmp_path, capsys):
     """A second chat turn given the first turn's cache (or a speculative / prompt-lookup
     verification: several tokens after a cached past) is a sample captured without probes:
@@ -222,11 +236,7 @@ def test_a_prompt_after_a_cached_past_is_captured_unprobed_and_said(tmp_path, ca
     model = build("llama")
     config = DumpConfig(dump_path=str(tmp_path), probe_samples=2, progress=False)
     with register_hook(model, config) as session, torch.no_grad():
-        first = model.generate(torch.randint(1, 100, (1, 6)), max_new_tokens=3,
-                               do_sample=False, pad_token_id=0, return_dict_in_generate=True)
-        turn = torch.cat([first.sequences, torch.randint(1, 100, (1, 4))], dim=1)
-        model.generate(turn, past_key_values=first.past_key_values, max_new_tokens=3,
-                       do_sample=False, pad_token_id=0)
+        _chat_turns(model)
     assert session.error is None
     err = capsys.readouterr().err
     # the cache holds the first turn but its last token, which comes with the 4 new ones
@@ -234,7 +244,7 @@ def test_a_prompt_after_a_cached_past_is_captured_unprobed_and_said(tmp_path, ca
            "after 8 cached ones" in err
     with DumpReader(session.path) as r:
         assert r.complete and r.n_samples == 2
-        probed = {(int(x["sample"]), int(x["step"])) for x in r.rounds if x["prow_len"] > 0}
+    probed = _probed_rounds(session.path)
     assert (0, 0) in probed and (1, 0) not in probed
 
 
@@ -242,16 +252,11 @@ def test_probes_a_later_prompt_took_from_a_continued_turn_are_not_missing(tmp_pa
     model = build("llama")
     config = DumpConfig(dump_path=str(tmp_path), probe_samples=2, progress=False)
     with register_hook(model, config) as session, torch.no_grad():
-        first = model.generate(torch.randint(1, 100, (1, 6)), max_new_tokens=3,
-                               do_sample=False, pad_token_id=0, return_dict_in_generate=True)
-        turn = torch.cat([first.sequences, torch.randint(1, 100, (1, 4))], dim=1)
-        model.generate(turn, past_key_values=first.past_key_values, max_new_tokens=3,
-                       do_sample=False, pad_token_id=0)
+        _chat_turns(model)
         model.generate(torch.randint(1, 100, (1, 7)), max_new_tokens=3, do_sample=False,
                        pad_token_id=0)
     assert "continued prefill probes" not in capsys.readouterr().err
-    with DumpReader(session.path) as r:
-        probed = {(int(x["sample"]), int(x["step"])) for x in r.rounds if x["prow_len"] > 0}
+    probed = _probed_rounds(session.path)
     assert {(0, 0), (2, 0)} <= probed and (1, 0) not in probed
 
 

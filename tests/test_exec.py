@@ -333,15 +333,20 @@ def test_a_script_that_does_not_exist_or_a_bad_sigma(tmp_path):
     assert len(res.stderr.strip().splitlines()) == 1
 
 
+def _exec_tiny(tmp_path, name: str, body: str):
+    """srdd-dump --exec of a script: the tiny llama as ``m``, then ``body``; dumps in d/."""
+    script = _write(tmp_path / name, TINY_LLAMA + body)
+    return run_cli("srdd-dump", "--exec", f"{sys.executable} {script}", "-o", str(tmp_path / "d"))
+
+
 def test_assisted_generation_captures_the_model_generating_not_its_assistant(tmp_path):
-    script = _write(tmp_path / "assisted.py", TINY_LLAMA + (
+    res = _exec_tiny(tmp_path, "assisted.py", (
         "draft = build('llama', seed=1, layers=2)\n"
         "with torch.no_grad():\n"
         "    for n in (6, 7):\n"
         "        out = m.generate(torch.randint(1, 100, (1, n)), max_new_tokens=4,\n"
         "                         do_sample=False, pad_token_id=0, assistant_model=draft)\n"
         "        print(out.tolist())\n"))
-    res = run_cli("srdd-dump", "--exec", f"{sys.executable} {script}", "-o", str(tmp_path / "d"))
     assert res.returncode == 0, res.stderr
     assert "LlamaForCausalLM runs inside LlamaForCausalLM.generate (an assistant model): " \
            "not captured" in res.stderr
@@ -351,7 +356,7 @@ def test_assisted_generation_captures_the_model_generating_not_its_assistant(tmp
 
 
 def test_a_second_model_built_after_capture_began_is_said_once(tmp_path):
-    script = _write(tmp_path / "two_models.py", TINY_LLAMA + (
+    res = _exec_tiny(tmp_path, "two_models.py", (
         "for dtype in (torch.float32, torch.bfloat16):\n"
         "    if dtype is torch.bfloat16:\n"
         "        m = build('llama', dtype=dtype)\n"
@@ -359,7 +364,6 @@ def test_a_second_model_built_after_capture_began_is_said_once(tmp_path):
         "        m.generate(torch.randint(1, 100, (1, 6)), max_new_tokens=2, do_sample=False,\n"
         "                   pad_token_id=0)\n"
         "print('done')\n"))
-    res = run_cli("srdd-dump", "--exec", f"{sys.executable} {script}", "-o", str(tmp_path / "d"))
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip() == "done"
     assert res.stderr.count("srdd-dump: note: another model was built after capture began "

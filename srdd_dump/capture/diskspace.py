@@ -1,4 +1,5 @@
-"""Free-space gate before a dump starts (msit refuses to dump with less than 2 GB free)."""
+"""The output folder's checks before a dump starts: a file in its place, and free space (msit
+refuses to dump with less than 2 GB free)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,13 @@ from ..errors import UserError
 
 GB = 1 << 30
 MIN_FREE_GB = 2.0  # srdd-dump refuses to start with less free space (msit: 2 GB)
+
+
+def refuse_a_file(path: str, named: str) -> None:
+    """UserError when the output folder ``path`` is an existing file (``named``: how the user
+    gave it, e.g. "-o out")."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise UserError(f"{named}: a file of that name exists; name a folder")
 
 
 def free_bytes(path: str) -> int | None:

@@ -38,6 +38,7 @@ from .compiled import (
 )
 from .config import DumpConfig
 from .discovery import Site, find_blocks
+from .diskspace import refuse_a_file
 from .dump_file import DumpOutput, FileWatch, dump_meta
 from .evidence import expect_sites, levels_of, never_run
 from .faults import install_faults
@@ -64,8 +65,8 @@ from .versions import untested_notes
 # its keyword arguments, so the last parameter of a with_kwargs hook defaults to this or None
 # and the hook does nothing
 REMOVED = object()
-# the coverage family of prefills after a cached past that would have taken the probes
 MAX_NAMED = 20  # sites left out named in the status, at most
+# the coverage family of prefills after a cached past that would have taken the probes
 CONTINUED = "continued prefill probes"
 # forwards that recompute the last prefill with one more token (no KV cache)
 NO_CACHE = "decode steps with a KV cache"
@@ -696,9 +697,7 @@ def register_hook(model: nn.Module, config: DumpConfig | None = None
             raise UserError(f"register_hook: expected the model (a torch.nn.Module), got a "
                             f"{type(model).__name__}")
         model = inner  # a pipeline: its model
-    if os.path.exists(config.dump_path) and not os.path.isdir(config.dump_path):
-        raise UserError(f"register_hook: dump_path {config.dump_path}: a file of that name "
-                        "exists; name a folder")
+    refuse_a_file(config.dump_path, f"register_hook: dump_path {config.dump_path}")
     try:
         return CaptureSession(model, config)
     except AlreadyCaptured as exc:

@@ -26,7 +26,7 @@ from .config import (
     LAYERS_HINT,
     DumpConfig,
 )
-from .diskspace import MIN_FREE_GB, check_free_space
+from .diskspace import MIN_FREE_GB, check_free_space, refuse_a_file
 
 EXIT_CAPTURE_FAILED = 3
 
@@ -173,8 +173,7 @@ def new_run_folder(output: str) -> str:
     stamp = time.strftime(schema.RUN_TIME_FORMAT, time.gmtime())
     base = os.path.join(output, schema.RUN_PREFIX + stamp)
     path, n = base, 1
-    if os.path.exists(output) and not os.path.isdir(output):
-        raise UserError(f"-o {output}: a file of that name exists; name a folder")
+    refuse_a_file(output, f"-o {output}")
     try:
         os.makedirs(output, exist_ok=True)
     except OSError as exc:

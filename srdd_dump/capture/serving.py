@@ -202,9 +202,14 @@ def stream_perturbation(module: nn.Module, args: tuple, kwargs: dict
         if residual is None or xp is x:
             return set_hidden(xp) if residual is None else (args, kwargs)
         _, set_residual = named_input(module, args, kwargs, RESIDUAL)
-        return set_residual((residual.float() + (xp.float() - x.float())).to(residual.dtype))
+        return set_residual(_moved(residual, x, xp))
 
     return x, rebuild
+
+
+def _moved(residual: torch.Tensor, stream: torch.Tensor, xp: torch.Tensor) -> torch.Tensor:
+    """``residual`` carrying the stream's change ``xp - stream`` (in float32), in its dtype."""
+    return (residual.float() + (xp.float() - stream.float())).to(residual.dtype)
 
 
 def fused_add_perturbation(args: tuple, kwargs: dict
@@ -232,7 +237,6 @@ def fused_add_perturbation(args: tuple, kwargs: dict
             xs, rs, st = (torch.cat([t] * k) for t in (x, residual, stream))
         else:
             xs, rs, st = x, residual, stream
-        moved = (rs.float() + (xp.float() - st.float())).to(residual.dtype).contiguous()
-        return (xs.contiguous(), *args[1:]), {**kwargs, RESIDUAL: moved}
+        return (xs.contiguous(), *args[1:]), {**kwargs, RESIDUAL: _moved(rs, st, xp).contiguous()}
 
     return stream, rebuild

@@ -338,9 +338,9 @@ def _site_origin(summary: BaselineSummary, table: pd.DataFrame, sites: pd.DataFr
     layers) grows its block's error a few times only, while the sub-layer it sits in still
     grows it tenfold. Named as the finding (pattern "site") when it recurs at its layer as a
     birth must (``_recurring``); the earliest such layer."""
-    amp = pd.to_numeric(sites["error_amplification"], errors="coerce")
-    fails = sites[(sites["verdict"] == FAIL) & sites["layer"].notna()].assign(
-        growth=amp[(sites["verdict"] == FAIL) & sites["layer"].notna()])
+    failing = (sites["verdict"] == FAIL) & sites["layer"].notna()
+    fails = sites[failing].assign(
+        growth=pd.to_numeric(sites.loc[failing, "error_amplification"], errors="coerce"))
     if fails.empty:
         return
     breaking = table[table["verdict"].isin([WARN, FAIL])][GROUP].drop_duplicates()
