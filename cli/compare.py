@@ -11,7 +11,7 @@ import typer
 from srdd_dump.analysis.tolerance import AUTO, MSPROBE_COSINE, InvalidThresholds, Thresholds
 from srdd_dump.errors import UserError, first_line
 from srdd_dump.runtime.memory import keep_freed_memory
-from srdd_dump.runtime.watchdog import arm, supervise
+from srdd_dump.runtime.watchdog import arm, leave, supervise
 from srdd_dump.version import __version__
 
 PROG = "srdd-compare"
@@ -217,7 +217,7 @@ def main() -> None:
     # Process-wide settings belong to the entry point, not to a library call.
     keep_freed_memory()
     # The command runs in a child process, so a read that hangs inside HDF5 ends in one line.
-    sys.exit(supervise(lambda: app(prog_name=PROG), PROG))
+    leave(supervise(lambda: app(prog_name=PROG), PROG))
 
 
 if __name__ == "__main__":
