@@ -213,11 +213,39 @@ def _fail_levels(option: str | None, levels: dict) -> tuple[str, ...]:
     return levels[option.strip().lower()]
 
 
+def start_workers_early(argv: list[str]) -> None:
+    """Start the reference-free compare's workers from the raw options (click's parser, no
+    conversion), before typer converts them: its first conversion imports pydantic's adapters
+    (about 80 ms), while the workers boot. Help, --version, --baseline or options click cannot
+    parse leave it to the command."""
+    try:
+        command = typer.main.get_command(app)
+        opts, _, _ = command.make_parser(command.context_class(command)).parse_args(argv)
+        if opts.get("baseline") is not None or opts.get("help") or opts.get("version"):
+            return
+        jobs = None if opts.get("jobs") is None else int(opts["jobs"])
+        if opts.get("dumps") is None or (jobs is not None and jobs <= 1):
+            return
+    except Exception:  # noqa: BLE001 (the command reports bad options)
+        return
+    from srdd_dump.compare.early import start_workers
+    from srdd_dump.runtime.pool import main_is_ours
+
+    main_is_ours()
+    start_workers(opts["dumps"], jobs, opts.get("run"))
+
+
+def run_command() -> None:
+    """The command as the watched child runs it (``main``: the watchdog around it)."""
+    start_workers_early(sys.argv[1:])
+    app(prog_name=PROG)
+
+
 def main() -> None:
     # Process-wide settings belong to the entry point, not to a library call.
     keep_freed_memory()
     # The command runs in a child process, so a read that hangs inside HDF5 ends in one line.
-    leave(supervise(lambda: app(prog_name=PROG), PROG))
+    leave(supervise(run_command, PROG))
 
 
 if __name__ == "__main__":

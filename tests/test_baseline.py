@@ -334,10 +334,10 @@ def test_decode_steps_pair_by_step_and_track_the_inputs(tmp_path):
 NO_TORCH = """
 import sys
 sys.modules["torch"] = None
-from srdd_dump.cli.compare import main
+from srdd_dump.cli.compare import run_command  # the command, in this process
 sys.argv = ["srdd-compare", *{args!r}]
 try:
-    main()
+    run_command()
 except SystemExit as e:
     print("exit", e.code)
 """

@@ -317,10 +317,10 @@ NO_TORCH = """
 import sys
 from pathlib import Path
 {poison}
-from srdd_dump.cli.compare import main
+from srdd_dump.cli.compare import run_command  # the command, in this process
 sys.argv = ["srdd-compare", {folder!r}, "-o", {out!r}, "--quiet"]
 try:
-    main()
+    run_command()
 except SystemExit as e:
     assert e.code in (0, None), e.code
 assert sys.modules.get("torch") is None, "torch was imported"
@@ -476,3 +476,23 @@ def test_the_documented_layer_columns_are_the_report_columns():
     listed = [name for span in re.findall(r"`([^`]+)`", para)
               for name in re.split(r",\s*", span)]
     assert listed == LAYER_COLUMNS
+
+
+@pytest.mark.parametrize("argv, started", [
+    (["DIR", "-o", "r.csv"], [("DIR", None, None)]),
+    (["-j", "3", "DIR", "--run", "srdd_dump_1"], [("DIR", 3, "srdd_dump_1")]),
+    (["DIR", "--baseline", "GOLD"], []),
+    (["DIR", "-j", "1"], []),
+    (["DIR", "-j", "two"], []),
+    (["DIR", "--version"], []),
+    (["--help"], []),
+    (["-o", "r.csv"], []),
+])
+def test_workers_start_from_the_raw_options_only_for_a_reference_free_compare(
+        monkeypatch, argv, started):
+    from srdd_dump.cli import compare as command
+
+    calls = []
+    monkeypatch.setattr("srdd_dump.compare.early.start_workers", lambda *a: calls.append(a))
+    command.start_workers_early(argv)
+    assert calls == started

@@ -61,8 +61,9 @@ def pileup(x: np.ndarray, bins: int = PILEUP_BINS) -> float:
 
     Only bins 0, 2, 3 and -4, -3, -1 are used. Each is counted by comparing ``x`` with numpy's
     own edges (same linspace, same dtype): numpy's histogram puts a value in bin i exactly when
-    edges[i] <= x < edges[i + 1] (the last bin closed). Eight compare-and-count passes; binning
-    the outer bins' values costs far more when one huge outlier puts nearly every value there."""
+    edges[i] <= x < edges[i + 1] (the last bin closed). Two passes over ``x`` take the values
+    of the four outer bins each side, the counts come from those; binning them costs far more
+    when one huge outlier puts nearly every value there."""
     if x.size < 10 * bins:
         return float("nan")
     lo, hi = x.min(), x.max()
@@ -73,8 +74,11 @@ def pileup(x: np.ndarray, bins: int = PILEUP_BINS) -> float:
     if np.any(edges[:-1] >= edges[1:]):
         return float("nan")  # a range of a few ulps: no 100 distinct bins (numpy refuses too)
     x = x.astype(dtype, copy=False)
-    below = [np.count_nonzero(x < edges[k]) for k in (1, 2, 3, 4)]
-    above = [np.count_nonzero(x >= edges[k]) for k in (bins - 4, bins - 3, bins - 2, bins - 1)]
+    # the values of the four outer bins each side, taken once; their counts from those
+    low, high = x[x < edges[4]], x[x >= edges[bins - 4]]
+    below = [np.count_nonzero(low < edges[k]) for k in (1, 2, 3)] + [low.size]
+    above = [high.size] + [np.count_nonzero(high >= edges[k])
+                           for k in (bins - 3, bins - 2, bins - 1)]
     left_edge, left = below[0], ((below[2] - below[1]) + (below[3] - below[2])) / 2
     right_edge, right = above[3], ((above[0] - above[1]) + (above[1] - above[2])) / 2
     return float(max(right_edge / max(1.0, right), left_edge / max(1.0, left)))
@@ -200,7 +204,8 @@ def _levels(col: np.ndarray, top: float, bottom: float) -> float:
     return abs(float(top) - float(bottom)) / step if step > 0 else float("inf")
 
 
-def ties(rows: np.ndarray, candidates: int = TIE_CANDIDATES) -> tuple[float, float]:
+def ties(rows: np.ndarray, candidates: int = TIE_CANDIDATES, distinct: bool = False
+         ) -> tuple[float, float]:
     """(count, excess) of the channel whose exact maximum (if > 0) or minimum (if < 0) is
     shared by the most tokens, judged by excess.
 
@@ -211,8 +216,9 @@ def ties(rows: np.ndarray, candidates: int = TIE_CANDIDATES) -> tuple[float, flo
     a clip puts every value beyond the limit on one value. A channel spanning fewer than
     TIE_MIN_LEVELS quantisation steps, or whose tied tokens are copies of each other in other
     channels (``_near_copies``), is not judged. Identical rows (a prompt prefix
-    repeated across a batch, pad rows) are counted once. ``rows`` are finite."""
-    rows = unique_rows(rows)
+    repeated across a batch, pad rows) are counted once. ``rows`` are finite; ``distinct``:
+    they are already ``unique_rows``."""
+    rows = rows if distinct else unique_rows(rows)
     if rows.shape[0] < 2:
         return float("nan"), float("nan")
     hi, lo = rows.max(axis=0), rows.min(axis=0)
@@ -267,12 +273,14 @@ def batch_dependence(ref: np.ndarray, clean: np.ndarray) -> tuple[float, float, 
     return worst / top, level, np.count_nonzero(moved) / d.size
 
 
-def channel_signals(u: np.ndarray, out: np.ndarray) -> tuple[float, float, float]:
+def channel_signals(u: np.ndarray, out: np.ndarray, distinct: bool = False
+                    ) -> tuple[float, float, float]:
     """Token-constant structure per channel: (dc energy, consistency, stuck), NaN where not
     measured. ``u`` is the update with non-finite values set to 0, as float64 rows; ``out``
     the output rows. dc energy: ||token mean of u||^2 / mean ||u row||^2; consistency: the
     99th percentile over live channels of |mean_t u_c| / rms_t u_c (a bias); stuck: the
-    fraction of channels at one non-zero value over every distinct token."""
+    fraction of channels at one non-zero value over every distinct token (``distinct``: the
+    output rows are already ``unique_rows``)."""
     nan = float("nan")
     if u.shape[0] < 4:
         return nan, nan, nan
@@ -284,7 +292,7 @@ def channel_signals(u: np.ndarray, out: np.ndarray) -> tuple[float, float, float
     live = rms_c > 0
     cons = percentile(np.abs(mean_c[live]) / rms_c[live], 0.99) if live.any() else nan
     # constant non-zero channels; constant zero channels count as exact zeros (dead zone)
-    out = unique_rows(out)
+    out = out if distinct else unique_rows(out)
     if out.shape[0] < stuck_min_tokens(out.shape[1]):
         return dce, cons, nan
     constant = (np.ptp(out, axis=0) == 0) & (out[0] != 0)

@@ -176,7 +176,10 @@ def round_stats(
     all_finite = bool(fin.all())
     finite = x.reshape(-1) if all_finite else x[fin]
     out.pileup = st.pileup(finite)
-    out.ties, out.tie_excess = st.ties(st.rows_of(x if all_finite else np.where(fin, x, 0.0)))
+    distinct = st.unique_rows(st.rows_of(x))  # shared by the tie count and the stuck channels
+    out.ties, out.tie_excess = st.ties(
+        distinct if all_finite else st.unique_rows(st.rows_of(np.where(fin, x, 0.0))),
+        distinct=True)
     update, fin_u, upd_finite = x, fin, all_finite
     if before is not None and before.shape == x.shape:
         update = x - before
@@ -192,7 +195,7 @@ def round_stats(
         out.update_rms = upd_rms = st.rms(upd)
         mean = float(upd.mean(dtype=np.float64)) if upd.size else float("nan")
     out.offset = abs(mean) / upd_rms if upd_rms > 0 else float("nan")
-    out.dc_energy, out.consistency, out.stuck = st.channel_signals(u, st.rows_of(x))
+    out.dc_energy, out.consistency, out.stuck = st.channel_signals(u, distinct, distinct=True)
     mask = LOW_BITS_MASK.get(dtype)
     if mask is not None and finite.dtype == np.float32:
         nonzero = finite != 0
