@@ -1,17 +1,20 @@
 """The whole `srdd-compare DUMP -o report.csv` command, timed end to end (issue 29).
 
-    python bench/compare_speed.py --workdir DIR [--make] [--repeats 7] [--probed N]
+    python bench/compare_speed.py --workdir DIR [--make] [--repeats 7] [--probed N] [--shots K]
         [--tree NAME=PATH ...] [--relayout] [--out bench/results/compare_speed_issue29.json]
 
 With ``--make`` the dumps are made as ``make demo`` makes its dump: ``srdd-dump --exec
 "python fixtures/infer_smollm2.py --prompts 8"`` into DIR/full, and the same run with
-``--store stats`` into DIR/stats (an existing dump there is reused). ``--relayout`` also writes
-the full dump in the schema-4 layout (one record per probe output) into DIR/full_v4, so both
-layouts are timed with the same code. Each timing is a whole process as a user types it
-(interpreter start, imports, report written, default ``-j``), page cache warm; the runs of all
-commands alternate, ``--repeats`` each after one warm-up, and the medians are reported with
-the CPU time of the command and its children and the load average around each run. ``cat``
-of the dump's files is the disk-speed floor, ``srdd-compare --version`` the start-up floor.
+``--store stats`` into DIR/stats (an existing dump there is reused). ``--probed N`` adds the
+same run with ``--probe-samples N`` (DIR/full_probedN); ``--shots K`` the default capture of
+the demo's prompts each after K worked examples, as a few-shot GSM8K evaluation prompts
+(DIR/full_shotsK; K=2: about 0.85 GB). ``--relayout`` also writes the full dump in the
+schema-4 layout (one record per probe output) into DIR/full_v4, so both layouts are timed
+with the same code. Each timing is a whole process as a user types it (interpreter start,
+imports, report written, default ``-j``), page cache warm; the runs of all commands
+alternate, ``--repeats`` each after one warm-up, and the medians are reported with the CPU
+time of the command and its children and the load average around each run. ``cat`` of the
+dump's files is the disk-speed floor, ``srdd-compare --version`` the start-up floor.
 ``--tree NAME=PATH`` adds the srdd-compare of another source tree (e.g. a ``git worktree`` of
 an older commit: its ``srdd_dump`` imported through PYTHONPATH, its ``cli/`` linked as
 ``srdd_dump/cli``) on the dumps of ``--tree-on`` (default: the schema-4 copy and the stats
@@ -48,11 +51,11 @@ def dump_bytes(path: str) -> int:
     return sum(os.path.getsize(f) for f in dump_files(path))
 
 
-def make_dump(folder: str, *store: str) -> str:
+def make_dump(folder: str, *store: str, script: str = DEMO) -> str:
     if dump_files(folder):
         return folder
     env = dict(os.environ, PATH=BIN + os.pathsep + os.environ.get("PATH", ""))
-    subprocess.run([os.path.join(BIN, "srdd-dump"), *store, "--exec", DEMO, "-o", folder],
+    subprocess.run([os.path.join(BIN, "srdd-dump"), *store, "--exec", script, "-o", folder],
                    cwd=ROOT, env=env, check=True)
     return folder
 
@@ -147,6 +150,9 @@ def main() -> None:
     ap.add_argument("--probed", type=int, metavar="N",
                     help="also the full dump of the same run with --probe-samples N "
                     "(DIR/full_probedN)")
+    ap.add_argument("--shots", type=int, metavar="K",
+                    help="also the default capture of the demo's prompts after K worked "
+                    "examples each (DIR/full_shotsK)")
     ap.add_argument("--tree", action="append", default=[], metavar="NAME=PATH")
     ap.add_argument("--tree-on", default="full_v4,stats",
                     help="the dumps the --tree commands compare (an older tree reads no "
@@ -156,13 +162,15 @@ def main() -> None:
     args = ap.parse_args()
     os.makedirs(args.workdir, exist_ok=True)
     dumps = {}
-    made = [("full", ()), ("stats", ("--store", "stats"))]
+    made = [("full", (), DEMO), ("stats", ("--store", "stats"), DEMO)]
     if args.probed:
-        made.append((f"full_probed{args.probed}", ("--probe-samples", str(args.probed))))
-    for name, store in made:
+        made.append((f"full_probed{args.probed}", ("--probe-samples", str(args.probed)), DEMO))
+    if args.shots:
+        made.append((f"full_shots{args.shots}", (), f"{DEMO} --shots {args.shots}"))
+    for name, store, script in made:
         folder = os.path.join(args.workdir, name)
         if args.make:
-            make_dump(folder, *store)
+            make_dump(folder, *store, script=script)
         if dump_files(folder):
             dumps[name] = folder
     if args.relayout and "full" in dumps:

@@ -204,8 +204,13 @@ def _levels(col: np.ndarray, top: float, bottom: float) -> float:
     return abs(float(top) - float(bottom)) / step if step > 0 else float("inf")
 
 
-def ties(rows: np.ndarray, candidates: int = TIE_CANDIDATES, distinct: bool = False
-         ) -> tuple[float, float]:
+def channel_extremes(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(max, min) of each channel (column) of 2-D ``rows``."""
+    return rows.max(axis=0), rows.min(axis=0)
+
+
+def ties(rows: np.ndarray, candidates: int = TIE_CANDIDATES, distinct: bool = False,
+         extremes: tuple[np.ndarray, np.ndarray] | None = None) -> tuple[float, float]:
     """(count, excess) of the channel whose exact maximum (if > 0) or minimum (if < 0) is
     shared by the most tokens, judged by excess.
 
@@ -217,11 +222,11 @@ def ties(rows: np.ndarray, candidates: int = TIE_CANDIDATES, distinct: bool = Fa
     TIE_MIN_LEVELS quantisation steps, or whose tied tokens are copies of each other in other
     channels (``_near_copies``), is not judged. Identical rows (a prompt prefix
     repeated across a batch, pad rows) are counted once. ``rows`` are finite; ``distinct``:
-    they are already ``unique_rows``."""
+    they are already ``unique_rows``, with ``extremes`` their ``channel_extremes`` if given."""
     rows = rows if distinct else unique_rows(rows)
     if rows.shape[0] < 2:
         return float("nan"), float("nan")
-    hi, lo = rows.max(axis=0), rows.min(axis=0)
+    hi, lo = extremes if extremes is not None and distinct else channel_extremes(rows)
     at_hi = np.where(hi > 0, np.add.reduce(rows == hi, axis=0, dtype=np.int32), 1)
     at_lo = np.where(lo < 0, np.add.reduce(rows == lo, axis=0, dtype=np.int32), 1)
     count = int(max(at_hi.max(), at_lo.max()))
@@ -273,14 +278,16 @@ def batch_dependence(ref: np.ndarray, clean: np.ndarray) -> tuple[float, float, 
     return worst / top, level, np.count_nonzero(moved) / d.size
 
 
-def channel_signals(u: np.ndarray, out: np.ndarray, distinct: bool = False
+def channel_signals(u: np.ndarray, out: np.ndarray, distinct: bool = False,
+                    extremes: tuple[np.ndarray, np.ndarray] | None = None
                     ) -> tuple[float, float, float]:
     """Token-constant structure per channel: (dc energy, consistency, stuck), NaN where not
     measured. ``u`` is the update with non-finite values set to 0, as float64 rows; ``out``
     the output rows. dc energy: ||token mean of u||^2 / mean ||u row||^2; consistency: the
     99th percentile over live channels of |mean_t u_c| / rms_t u_c (a bias); stuck: the
     fraction of channels at one non-zero value over every distinct token (``distinct``: the
-    output rows are already ``unique_rows``)."""
+    output rows are already ``unique_rows``, with ``extremes`` their ``channel_extremes`` if
+    given)."""
     nan = float("nan")
     if u.shape[0] < 4:
         return nan, nan, nan
@@ -295,7 +302,9 @@ def channel_signals(u: np.ndarray, out: np.ndarray, distinct: bool = False
     out = out if distinct else unique_rows(out)
     if out.shape[0] < stuck_min_tokens(out.shape[1]):
         return dce, cons, nan
-    constant = (np.ptp(out, axis=0) == 0) & (out[0] != 0)
+    hi, lo = extremes if extremes is not None and distinct else channel_extremes(out)
+    with np.errstate(invalid="ignore"):  # inf - inf
+        constant = ((hi - lo) == 0) & (out[0] != 0)  # np.ptp(out, axis=0) == 0
     return dce, cons, float(np.mean(constant))
 
 

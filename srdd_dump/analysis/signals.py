@@ -170,16 +170,20 @@ def round_stats(
         x, before, rows, probes = _valid_rows(x, before, rows, probes, valid)
         if not x.size:
             return None
-    out = RoundStats(sample=sample, dtype=dtype, moments=Moments().add(x))
+    moments = Moments().add(x)
+    out = RoundStats(sample=sample, dtype=dtype, moments=moments)
     out.rows = float(x.size // x.shape[-1]) if x.ndim else 0.0
-    fin = np.isfinite(x)
-    all_finite = bool(fin.all())
+    all_finite = moments.nonfinite == 0
+    fin = None if all_finite else np.isfinite(x)
     finite = x.reshape(-1) if all_finite else x[fin]
     out.pileup = st.pileup(finite)
-    distinct = st.unique_rows(st.rows_of(x))  # shared by the tie count and the stuck channels
+    # the distinct rows and their channels' extremes: shared by the tie count and the stuck
+    # channels
+    distinct = st.unique_rows(st.rows_of(x))
+    extremes = st.channel_extremes(distinct) if all_finite else None
     out.ties, out.tie_excess = st.ties(
         distinct if all_finite else st.unique_rows(st.rows_of(np.where(fin, x, 0.0))),
-        distinct=True)
+        distinct=True, extremes=extremes)
     update, fin_u, upd_finite = x, fin, all_finite
     if before is not None and before.shape == x.shape:
         update = x - before
@@ -195,14 +199,15 @@ def round_stats(
         out.update_rms = upd_rms = st.rms(upd)
         mean = float(upd.mean(dtype=np.float64)) if upd.size else float("nan")
     out.offset = abs(mean) / upd_rms if upd_rms > 0 else float("nan")
-    out.dc_energy, out.consistency, out.stuck = st.channel_signals(u, distinct, distinct=True)
+    out.dc_energy, out.consistency, out.stuck = st.channel_signals(u, distinct, distinct=True,
+                                                                   extremes=extremes)
     mask = LOW_BITS_MASK.get(dtype)
     if mask is not None and finite.dtype == np.float32:
-        nonzero = finite != 0
-        nnz = np.count_nonzero(nonzero)
+        nnz = finite.size - moments.zeros  # the moments counted the finite zeros (+-0.0)
         if nnz:
-            low = (finite.view(np.uint32) & np.uint32(mask)) == 0
-            out.lowbits = np.count_nonzero(low & nonzero) / nnz
+            # a zero's low bits are 0 (the masks leave the sign bit out): every zero is "low"
+            low = np.count_nonzero((finite.view(np.uint32) & np.uint32(mask)) == 0)
+            out.lowbits = (low - moments.zeros) / nnz
     out.grid = st.grid_rows(st.rows_of(x), dtype)
     if rows is not None and probes:
         if rows.size and int(rows.max()) >= x.size // x.shape[-1]:
