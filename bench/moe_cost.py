@@ -1,8 +1,13 @@
 """Cost of the default scan on the upcycled SmolLM2-MoE (E=4, top-2; transformers' eager
 experts loop): the plain generation against the same generation under capture, interleaved.
 
-    python bench/moe_cost.py [--repeats 3] [--prompts 2] [--dense] [--cpu] [--probe-samples N]
+    python bench/moe_cost.py [--repeats 3] [--prompts 8] [--dense] [--cpu] [--probe-samples N]
                              [--probe-steps STEPS]
+
+The default work is the dense figure's (bench/scan_cost.py): the first 8 chat prompts, 8 new
+tokens each, so the default scan captures its 8 samples (--samples 8) and probes the first.
+Fewer prompts spread the probes' fixed cost over fewer tokens (2 prompts: about twice the
+ratio, for the dense model as for the MoE one).
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ def generate(model, ids) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--prompts", type=int, default=2)
+    parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--dense", action="store_true", help="SmolLM2 itself, for comparison")
     parser.add_argument("--cpu", action="store_true",
                         help="one torch thread, CPU time of the process (steady on a shared "

@@ -216,8 +216,9 @@ def _fail_levels(option: str | None, levels: dict) -> tuple[str, ...]:
 def start_workers_early(argv: list[str]) -> None:
     """Start the reference-free compare's workers from the raw options (click's parser, no
     conversion), before typer converts them: its first conversion imports pydantic's adapters
-    (about 80 ms), while the workers boot. Help, --version, --baseline or options click cannot
-    parse leave it to the command."""
+    (about 80 ms). No file is open yet, so they are forked where that is safe (then they hold
+    this process's imports at once). Help, --version, --baseline or options click cannot parse
+    leave it to the command."""
     try:
         command = typer.main.get_command(app)
         opts, _, _ = command.make_parser(command.context_class(command)).parse_args(argv)
@@ -232,7 +233,7 @@ def start_workers_early(argv: list[str]) -> None:
     from srdd_dump.runtime.pool import main_is_ours
 
     main_is_ours()
-    start_workers(opts["dumps"], jobs, opts.get("run"))
+    start_workers(opts["dumps"], jobs, opts.get("run"), fork=True)
 
 
 def run_command() -> None:

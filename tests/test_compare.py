@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import h5py
@@ -493,6 +494,52 @@ def test_workers_start_from_the_raw_options_only_for_a_reference_free_compare(
     from srdd_dump.cli import compare as command
 
     calls = []
-    monkeypatch.setattr("srdd_dump.compare.early.start_workers", lambda *a: calls.append(a))
+    monkeypatch.setattr("srdd_dump.compare.early.start_workers",
+                        lambda *a, fork=False: calls.append(a + (fork,)))
     command.start_workers_early(argv)
-    assert calls == started
+    assert calls == [a + (True,) for a in started]  # forked: no file is open yet
+
+
+CLI_JOBS = """
+import sys
+from srdd_dump.cli.compare import main
+sys.argv = ["srdd-compare", *sys.argv[1:]]
+main()
+"""
+
+
+def test_the_command_with_forked_workers_writes_the_one_process_report(tmp_path):
+    """srdd-compare -j 2 forks its worker before it opens a file (Linux): the same report as
+    -j 1."""
+    folder = tmp_path / "dumps"
+    for rank in range(2):
+        faulty_dump(str(folder), name=f"run_rank{rank}.h5")
+    reports = []
+    for jobs in ("1", "2"):
+        out = tmp_path / f"r{jobs}.csv"
+        proc = subprocess.run([sys.executable, "-c", CLI_JOBS, str(folder), "-o", str(out),
+                               "-q", "-j", jobs], capture_output=True, text=True, timeout=120,
+                              cwd=tmp_path)
+        assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+        reports.append([out.read_text(), (tmp_path / f"r{jobs}.sublayers.csv").read_text()
+                        if (tmp_path / f"r{jobs}.sublayers.csv").exists() else ""])
+    assert reports[0] == reports[1]
+
+
+def test_workers_are_forked_only_from_a_clean_process(monkeypatch):
+    from srdd_dump.runtime.pool import can_fork
+
+    monkeypatch.delitem(sys.modules, "torch", raising=False)
+    if threading.active_count() == 1:
+        assert can_fork() == sys.platform.startswith("linux")
+    monkeypatch.setitem(sys.modules, "torch", object())
+    assert not can_fork()
+    monkeypatch.delitem(sys.modules, "torch")
+    wake = threading.Event()
+    other = threading.Thread(target=wake.wait)
+    other.start()
+    try:
+        assert not can_fork()
+    finally:
+        wake.set()
+        other.join()

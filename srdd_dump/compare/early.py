@@ -22,14 +22,15 @@ from .sources import DumpFile, locate
 SIGNAL_TASKS = run_task.__module__  # the module a reference-free worker runs tasks of
 
 
-def start_workers(path: str, jobs: int | None = None, run: str | None = None) -> None:
-    """Start the worker processes ``compare_path(path, jobs=jobs, run=run)`` will use, now.
-    Nothing happens on any error (the compare itself reports it) or for an msprobe dump not
-    yet converted."""
+def start_workers(path: str, jobs: int | None = None, run: str | None = None,
+                  fork: bool = False) -> None:
+    """Start the worker processes ``compare_path(path, jobs=jobs, run=run)`` will use, now
+    (``fork``: forked where safe, by a process that has opened no file yet). Nothing happens
+    on any error (the compare itself reports it) or for an msprobe dump not yet converted."""
     try:
         paths, _, _ = locate(path, run=run, convert=False)
         if paths:
-            prestart(default_jobs(paths) if jobs is None else jobs, SIGNAL_TASKS)
+            prestart(default_jobs(paths) if jobs is None else jobs, SIGNAL_TASKS, fork=fork)
     except Exception:  # noqa: BLE001 (the compare reports it)
         pass
 

@@ -23,7 +23,7 @@ from ..analysis import sums
 from ..errors import UserError
 from ..runtime.blas import one_blas_thread, pin_blas_for_process
 from ..runtime.memory import keep_freed_memory, keeps_freed_memory
-from ..runtime.pool import run_tasks, spawn_pool
+from ..runtime.pool import run_tasks, start_pool
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -66,17 +66,20 @@ def default_jobs(files: Iterable) -> int:
 _started: tuple[int, ProcessPoolExecutor] | None = None
 
 
-def prestart(jobs: int, task_module: str) -> None:
+def prestart(jobs: int, task_module: str, fork: bool = False) -> None:
     """Start the ``jobs - 1`` workers of the next scan now, each importing ``task_module``
-    (the module of the tasks it will run): a worker takes 0.2-0.3 s to start, which then
-    passes while this process inspects the files and plans (and imports what it needs after
-    that), not while the work waits. Nothing happens with one job or when workers are already
-    started; ``discard_started`` ends workers no scan took."""
+    (the module of the tasks it will run): a spawned worker takes 0.2-0.3 s to start, which
+    then passes while this process inspects the files and plans (and imports what it needs
+    after that), not while the work waits. ``fork``: forked where that is safe
+    (``runtime.pool.can_fork``), for a caller that has opened no file yet. Nothing happens
+    with one job or when workers are already started; ``discard_started`` ends workers no
+    scan took."""
     global _started
     if jobs <= 1 or _started is not None:
         return
     init = functools.partial(_init_worker, keeps_freed_memory())
-    _started = (jobs, spawn_pool(jobs - 1, init, functools.partial(_import, task_module)))
+    _started = (jobs, start_pool(jobs - 1, init, functools.partial(_import, task_module),
+                                 fork=fork))
 
 
 def discard_started() -> None:
