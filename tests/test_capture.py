@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -392,6 +394,69 @@ def test_register_hook_takes_a_pipelines_model_and_refuses_what_it_cannot_captur
     with torch.no_grad():
         model(input_ids=torch.randint(0, 128, (1, 5)))
     assert session.error and session.path is None
+
+
+def test_a_dropped_model_and_session_are_freed_and_the_file_finished(tmp_path):
+    """Nothing of srdd_dump holds an open session: dropping the model and the session frees
+    the model's memory, and the file is finished then, not at exit."""
+    import gc
+    import weakref
+
+    model = build("llama")
+    session = register_hook(model, DumpConfig(dump_path=str(tmp_path), progress=False))
+    with torch.no_grad():
+        model.generate(torch.randint(1, 100, (1, 6)), max_new_tokens=2, do_sample=False,
+                       pad_token_id=0)
+    alive = weakref.ref(model)
+    del model, session
+    gc.collect()
+    assert alive() is None
+    (done,) = tmp_path.iterdir()  # finished: no .partial file left
+    assert done.suffix == ".h5"
+    with DumpReader(str(done)) as r:
+        assert r.complete and r.n_samples == 1
+
+
+DROPPED_IN_A_THREAD = """
+import gc, os, sys, threading
+sys.path.insert(0, {fixtures!r})
+import torch
+from tiny_models import build
+from srdd_dump import DumpConfig, register_hook
+
+def run():
+    model = build("llama")
+    session = register_hook(model, DumpConfig(dump_path={folder!r}, progress=False))
+    with torch.no_grad():
+        model(input_ids=torch.randint(1, 100, (1, 6)))
+    del model, session
+    gc.collect()
+
+t = threading.Thread(target=run)
+t.start()
+t.join()
+print(sorted(os.listdir({folder!r})))
+"""
+
+
+def test_a_session_dropped_in_another_thread_is_finished_at_exit(tmp_path):
+    """A collection outside the main thread (possibly the writer's own) never closes the
+    session there: it waits for the exit, which finishes the file."""
+    import subprocess
+    import sys
+
+    from capture_utils import FIXTURES
+
+    folder = str(tmp_path / "d")
+    proc = subprocess.run([sys.executable, "-c", DROPPED_IN_A_THREAD.format(
+        fixtures=FIXTURES, folder=folder)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    (before_exit,) = eval(proc.stdout)  # noqa: S307 (the list the script printed)
+    assert before_exit.endswith(".partial")
+    (done,) = os.listdir(folder)
+    assert done.endswith(".h5") and "srdd-dump: wrote" in proc.stderr
+    with DumpReader(os.path.join(folder, done)) as r:
+        assert r.complete and r.n_samples == 1
 
 
 @pytest.mark.parametrize("arch", ["llama", "mixtral"])

@@ -373,6 +373,30 @@ def test_a_second_model_built_after_capture_began_is_said_once(tmp_path):
         assert r.n_samples == 1  # the first model's prompt only
 
 
+def test_a_model_the_program_drops_is_freed_and_its_file_finished_then(tmp_path):
+    """del model; gc.collect() frees the model under capture (a program loading one model
+    after another would otherwise hold them all): its session goes with it and finishes the
+    file at once, and srdd-dump still reports it."""
+    res = _exec_tiny(tmp_path, "drop.py", (
+        "import gc, os, weakref\n"
+        "with torch.no_grad():\n"
+        "    m.generate(torch.randint(1, 100, (1, 6)), max_new_tokens=2, do_sample=False,\n"
+        "               pad_token_id=0)\n"
+        "alive = weakref.ref(m)\n"
+        "del m\n"
+        "gc.collect()\n"
+        f"done = [f for _, _, fs in os.walk({str(tmp_path / 'd')!r}) for f in fs]\n"
+        "print('freed' if alive() is None else 'alive', done)\n"))
+    assert res.returncode == 0, res.stderr
+    freed, files = res.stdout.strip().split(" ", 1)
+    assert freed == "freed"
+    assert files.endswith(".h5']") and "partial" not in files  # finished before the exit
+    assert "warning" not in res.stderr and "wrote" in res.stderr
+    (path,) = find_dump_files(str(tmp_path / "d"))
+    with DumpReader(path) as r:
+        assert r.n_samples == 1
+
+
 @pytest.mark.unit
 def test_the_requests_line_says_more_than_n_once_capture_stopped_counting():
     from srdd_dump.capture.launch import ExecResult

@@ -13,7 +13,9 @@ import os
 import sys
 import threading
 import traceback
-from typing import Any
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -71,10 +73,46 @@ CONTINUED = "continued prefill probes"
 # forwards that recompute the last prefill with one more token (no KV cache)
 NO_CACHE = "decode steps with a KV cache"
 
+# Nothing of this module holds a session strongly: a program that drops its model (del model;
+# gc.collect()) frees it, the session with it (its hooks are the model's), and the session
+# finishes its file then (CaptureSession.__del__).
 # id(block) -> the open session whose hooks are on it: one session per block at a time
-_open: dict[int, CaptureSession] = {}
+_open: weakref.WeakValueDictionary[int, CaptureSession] = weakref.WeakValueDictionary()
 if hasattr(os, "register_at_fork"):  # a forked child's sessions are its parent's, not open here
     os.register_at_fork(after_in_child=_open.clear)
+_unclosed: weakref.WeakSet[CaptureSession] = weakref.WeakSet()  # closed at exit
+_dropped: list[CaptureSession] = []  # dropped outside the main thread: closed at exit
+
+
+@atexit.register
+def _close_at_exit() -> None:
+    for session in [*_dropped, *_unclosed]:
+        session.close()
+
+
+def _weakly(method: Callable[[], Any]) -> Callable[[], None]:
+    """``method`` of an object, called while the object lives (a thread's callback that must
+    not keep its session alive)."""
+    ref = weakref.WeakMethod(method)
+
+    def call() -> None:
+        bound = ref()
+        if bound is not None:
+            bound()
+
+    return call
+
+
+@dataclass
+class SessionEnd:
+    """What a session leaves when it closes, for a report made after it is gone."""
+
+    closed: bool = False
+    samples: int = 0
+    error: str | None = None
+    silence: str | None = None
+    degraded: list[str] = field(default_factory=list)
+    version_notes: list[str] = field(default_factory=list)
 
 
 class AlreadyCaptured(Exception):
@@ -190,8 +228,8 @@ class CaptureSession:
         self.output = DumpOutput(config.dump_path)
         self._lock = threading.RLock()  # the hooks' thread and the idle finish
         status_dir = os.environ.get(cfg.ENV_STATUS_DIR)
-        self._watch = FileWatch(self._finish_idle_file, self.close, status_dir and os.path.join(
-            status_dir, cfg.FINISH_REQUEST))
+        self._watch = FileWatch(_weakly(self._finish_idle_file), _weakly(self.close),
+                                status_dir and os.path.join(status_dir, cfg.FINISH_REQUEST))
         self._ctx: RoundContext | None = None  # the round being captured
         self._token_ids: torch.Tensor | None = None
         self._last_prompt: np.ndarray | None = None  # the token ids of the last prefill
@@ -203,8 +241,9 @@ class CaptureSession:
         self._closed = False
         skip_hook_frames()
         self._install()
+        self.end = SessionEnd(version_notes=self.version_notes)  # filled when it closes
         _open.update((id(b), self) for _, b in self.blocks)
-        atexit.register(self.close)
+        _unclosed.add(self)
 
     @property
     def samples(self) -> int:
@@ -620,7 +659,7 @@ class CaptureSession:
         self.output.forget_after_fork()
         self.remove()
         self.remove_faults()
-        atexit.unregister(self.close)
+        _unclosed.discard(self)
 
     def remove_faults(self) -> None:
         for h in self._fault_handles:
@@ -671,8 +710,26 @@ class CaptureSession:
             self.silence = explain_silence(self.model, self.model_calls, self.block_calls)
             if self.silence and not os.environ.get(cfg.ENV_CONFIG):
                 sys.stderr.write(f"srdd-dump: warning: nothing captured: {self.silence}\n")
-        atexit.unregister(self.close)
+        _unclosed.discard(self)
+        self.end.samples, self.end.error = self.samples, self.error
+        self.end.silence, self.end.degraded = self.silence, self.degraded
+        self.end.closed = True
         return self.path
+
+    def __del__(self) -> None:
+        # the program dropped the model: it, its hooks and this session are freed together
+        # (never at exit: the sessions still open then were closed first); the file is
+        # finished now. A collection in another thread (the writer's own, whose queue the
+        # close waits on) keeps the session, model included, for the exit instead.
+        if getattr(self, "_closed", True):
+            return
+        if threading.current_thread() is not threading.main_thread():
+            _dropped.append(self)
+            return
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 (a file that cannot be finished: the .partial stays)
+            pass
 
     def __enter__(self) -> CaptureSession:
         return self

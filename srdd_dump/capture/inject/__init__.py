@@ -25,7 +25,16 @@ from ..config import ENV_STATUS_DIR, DumpConfig
 
 SITE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "site")
 
+# "session": a weak reference to this process's CaptureSession (attach.py), "end" what it
+# leaves when it closes (hooks.SessionEnd): read after it is gone too
 _state: dict = {"config": None, "session": None, "no_blocks": None, "error": None}
+
+
+def _session():
+    """This process's capture session while it lives (None before one attached, or once the
+    program dropped its model)."""
+    ref = _state.get("session")
+    return ref() if ref is not None else None
 
 
 def install() -> None:
@@ -159,7 +168,7 @@ def _end_on(wake: threading.Event, timeout: float = 10.0) -> None:
     well exit on its own first)."""
     wake.wait()
     try:
-        session = _state.get("session")
+        session = _session()
         if session is not None:
             session.wait_closed()  # a close under way in the main thread
         _report_status()
@@ -181,11 +190,13 @@ def _after_fork_in_child() -> None:
     if handler is not None and signal.getsignal(signal.SIGTERM) is handler:
         # its waiting thread stayed in the parent: the child's own session sets its own
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    inherited = _state.get("session")
-    if inherited is not None:
+    inherited = _session()
+    _state["end"] = None
+    if _state.get("session") is not None:
         _state["session"] = None
-        _state.setdefault("abandoned", []).append(inherited)
-        inherited.abandon()
+        if inherited is not None:
+            _state.setdefault("abandoned", []).append(inherited)
+            inherited.abandon()
         _state["watching"] = False
         _on_torch_imported()
     mp_util = sys.modules.get("multiprocessing.util")
@@ -216,9 +227,10 @@ def _report_status() -> None:
     if _state.get("reported"):
         return
     _state["reported"] = True
-    session = _state.get("session")
+    session = _session()
     if session is not None:
         session.close()
+    end = _state.get("end")  # the session's, alive or not
     status_dir = os.environ.get(ENV_STATUS_DIR)
     if not status_dir or not os.path.isdir(status_dir):
         _state["status_written"] = True  # nowhere to write it
@@ -227,17 +239,17 @@ def _report_status() -> None:
         "pid": os.getpid(),
         "argv": sys.argv,
         "files": _finished_files(),  # the session's, and the program's own sessions' too
-        "samples": session.samples if session is not None else 0,
-        "error": getattr(session, "error", None) or _state.get("error"),
+        "samples": end.samples if end is not None else 0,
+        "error": getattr(end, "error", None) or _state.get("error"),
         "refused": _state.get("refused"),
         "no_blocks": _state.get("no_blocks"),
-        "model_seen": session is not None,
-        "silence": getattr(session, "silence", None),
+        "model_seen": end is not None,
+        "silence": getattr(end, "silence", None),
         "compiled_out": _compiled_out(),
-        "degraded": getattr(session, "degraded", []),
+        "degraded": getattr(end, "degraded", []),
         # torch was imported but the watcher never saw it (an import hook placed before it)
         "torch_unwatched": "torch" in sys.modules and not _state.get("watching"),
-        "untested_versions": getattr(session, "version_notes", []),
+        "untested_versions": getattr(end, "version_notes", []),
     }
     try:
         with open(os.path.join(status_dir, f"{os.getpid()}.json"), "w") as fh:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import sys
 import traceback
+import weakref
 from typing import Callable
 
 from torch import nn
@@ -19,7 +20,8 @@ def watch_forwards(state: dict, on_attach: Callable[[], None] = lambda: None,
                    on_refused: Callable[[], None] = lambda: None) -> None:
     """Attach a session to the first module with blocks whose forward runs (``on_attach`` runs
     once one is this process's capture; ``on_refused`` when the options do not fit that model,
-    with the reason in ``state["refused"]``)."""
+    with the reason in ``state["refused"]``). ``state["session"]`` is then a weak reference to
+    it, ``state["end"]`` what it leaves when it closes."""
     seen: set[int] = set()
     handle = None
 
@@ -41,14 +43,16 @@ def watch_forwards(state: dict, on_attach: Callable[[], None] = lambda: None,
         from ..hooks import AlreadyCaptured, CaptureSession
 
         try:
-            state["session"] = session = CaptureSession(module, state["config"])
+            session = CaptureSession(module, state["config"])
+            # held weakly: a program that drops its model frees it (the session goes with it)
+            state["session"], state["end"] = weakref.ref(session), session.end
             # this very call started before the session's own pre-hook existed: it gets the
             # call's keyword arguments (the attention mask of a padded prefill) here
             session.on_model_call(module, args, _call_kwargs(module))
         except AlreadyCaptured as exc:
             # the program's own register_hook came first: its session is this process's
             # capture (its file, in its own folder, is what srdd-dump lists)
-            state["session"] = exc.session
+            state["session"], state["end"] = weakref.ref(exc.session), exc.session.end
             sys.stderr.write(
                 "srdd-dump: note: the program captures its model itself (register_hook): its "
                 f"own options apply in pid {os.getpid()}, not srdd-dump's\n")
@@ -111,7 +115,8 @@ def _a_later_stack(value: nn.Module, state: dict) -> bool:
         return False
     if not any(True for m in value for _ in m.parameters()):
         return False
-    captured = {id(b) for _, b in getattr(state.get("session"), "blocks", ())}
+    ref = state.get("session")
+    captured = {id(b) for _, b in getattr(ref and ref(), "blocks", ())}
     return not any(id(m) in captured for m in value)
 
 
