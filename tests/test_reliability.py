@@ -590,7 +590,8 @@ def test_sigterm_inside_a_capture_hook_finishes_the_file_and_ends_the_process(tm
         model = build("llama", layers=2)
         session = CaptureSession(model, DumpConfig(dump_path={str(tmp_path / "d")!r},
                                                    samples=3, progress=False))
-        inject._state["session"] = session
+        import weakref
+        inject._state["session"], inject._state["end"] = weakref.ref(session), session.end
         inject.finish_on_sigterm()
         put = queue.Queue._put
         def _put(self, item):  # Queue.put holds its mutex here
