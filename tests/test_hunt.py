@@ -4,7 +4,10 @@ and that command, run as printed, names the operator."""
 
 from __future__ import annotations
 
+import os
 import shlex
+import subprocess
+import sys
 
 import pandas as pd
 import pytest
@@ -51,6 +54,9 @@ def test_the_hunt_is_one_layer_with_the_runs_options():
     assert words[words.index("--probe-steps") + 1] == "0,1,7"
     # an in-code register_hook run records no command to re-run
     assert hunt_command(_file(command=None), 2, "model.layers.2") is None
+    # a dump that says where its command ran: the hunt runs there too (any folder quoted)
+    there = shlex.split(hunt_command(_file(command_dir="/home/u/my proj"), 2, "model.layers.2"))
+    assert there[:4] == ["cd", "/home/u/my proj", "&&", "srdd-dump"]
 
 
 @pytest.mark.integration
@@ -63,9 +69,13 @@ def test_the_printed_hunt_names_the_operator(tmp_path):
     report = run_cli("srdd-compare", out, "-o", str(tmp_path / "r.csv"))
     assert report.returncode == 0, report.stderr
     (line,) = [x for x in report.stdout.splitlines() if x.startswith(HUNT)]
-    words = shlex.split(line[len(HUNT):])
-    assert words[0] == "srdd-dump" and "model.layers.2" in words
-    hunt = run_cli(*words, "-q", cwd=FIXTURES)
+    command = line[len(HUNT):]
+    words = shlex.split(command)
+    # from the folder the command ran in: its script is named relative to it
+    assert words[:4] == ["cd", FIXTURES, "&&", "srdd-dump"] and "model.layers.2" in words
+    env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
+    hunt = subprocess.run(["bash", "-c", command + " -q"], cwd=str(tmp_path), env=env,
+                          capture_output=True, text=True, timeout=600)  # run as printed
     assert hunt.returncode == 0, hunt.stderr[-2000:]
     again = run_cli("srdd-compare", out, "-o", str(tmp_path / "h.csv"))  # the newest run
     top = pd.read_csv(tmp_path / "h.csv").iloc[0]

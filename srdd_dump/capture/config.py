@@ -72,6 +72,8 @@ class DumpConfig:
         the same point, agreed through the process group's store; capture/parallel.py).
     debug: a capture error (capture is then turned off, the program goes on) also prints its
         traceback on stderr (srdd-dump --debug sets it in the command's processes).
+    command, command_dir: set by ``srdd-dump --exec``: the command it ran and the folder it
+        ran it from (the hunt command srdd-compare prints runs it again from there).
     """
 
     dump_path: str = "srdd_dumps"
@@ -97,6 +99,7 @@ class DumpConfig:
     progress: bool = True
     debug: bool = False
     command: str | None = None
+    command_dir: str | None = None
 
     def __post_init__(self) -> None:
         if self.samples < 1:

@@ -146,7 +146,8 @@ def run_exec(command: str, config: DumpConfig, min_free_gb: float = MIN_FREE_GB,
     check_free_space(config.dump_path, min_free_gb)
     run_dir = new_run_folder(config.dump_path)
     # the processes get it absolute: a program may change its working directory
-    config = replace(config, dump_path=os.path.abspath(run_dir), command=command)
+    config = replace(config, dump_path=os.path.abspath(run_dir), command=command,
+                     command_dir=os.getcwd())
     status_dir = tempfile.mkdtemp(prefix="srdd-status-")
     try:
         returncode = _run_forwarding_signals(argv, child_env(config, status_dir, eager),

@@ -2,8 +2,8 @@
 FAULT at a block or sub-layer and the dump holds no operators (``--granularity`` block or
 sublayer), the exact srdd-dump command that re-runs the user's program with that one layer's
 operators and their float64 host replays (``--granularity op --reference host --layers
-BLOCK``): the hunt costs one layer, not the model. A simulated fault (``--inject``) goes along
-when it is in that layer."""
+BLOCK``), from the folder the run's command ran in: the hunt costs one layer, not the model.
+A simulated fault (``--inject``) goes along when it is in that layer."""
 
 from __future__ import annotations
 
@@ -48,7 +48,9 @@ def hunt_command(f: DumpFile, layer: int, site: str) -> str | None:
         if kept is not None:
             words += ["--inject", kept]
     words += ["--granularity", "op", "--reference", "host", "--layers", f.layers[layer]]
-    return shlex.join(words)
+    folder = options.get("command_dir")  # the command may name files relative to it
+    return f"cd {shlex.quote(str(folder))} && {shlex.join(words)}" if folder else \
+        shlex.join(words)
 
 
 def _in_layer(spec: str, numbers: list[int], layer: int, hunted: int) -> str | None:
