@@ -543,3 +543,15 @@ def test_workers_are_forked_only_from_a_clean_process(monkeypatch):
     finally:
         wake.set()
         other.join()
+
+
+def test_the_healthy_headline_names_the_phases_judged_and_unprobed_decode_steps():
+    from srdd_dump.analysis.signals import DECODE, PREFILL, Signals
+    from srdd_dump.compare.reference_free import phases_note
+
+    prefill = Signals(layer=0, site=-1, module="m", phase=PREFILL, probed_samples=1)
+    assert phases_note([prefill]) == ""
+    probed = Signals(layer=0, site=-1, module="m", phase=DECODE, probed_samples=1)
+    unprobed = Signals(layer=0, site=-1, module="m", phase=DECODE, probed_samples=0)
+    assert phases_note([prefill, probed, unprobed]) == " (prefill and decode steps)"
+    assert phases_note([prefill, unprobed]) == " (prefill and decode steps, decode unprobed)"

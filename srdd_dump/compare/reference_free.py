@@ -108,13 +108,23 @@ def _diagnose_file(f: DumpFile, signals: list[Signals]
                       number_of(numbers, g.layer))
              for g in signals if g.samples and id(g) not in shown and g.layer >= 0]
     if worst.verdict == NORMAL:
-        phases = " (prefill and decode steps)" if any(g.phase == DECODE for g in signals) else ""
         n = max(g.samples for g in blocks.values())
         line = (f"{f.source}: no faulty layer found in {len(rows)} layers x "
-                f"{n} sample{'s' if n != 1 else ''}{_probed(signals, n)}{phases}")
+                f"{n} sample{'s' if n != 1 else ''}{_probed(signals, n)}{phases_note(signals)}")
     else:
         line = f"{f.source}: {headline(worst)}"
     return rows, sites, line, hunt
+
+
+def phases_note(signals: list[Signals]) -> str:
+    """What a healthy headline says of the phases judged: the decode steps when any was
+    captured, and when none of them was probed (``--probe-steps 0``, a static cache)."""
+    decode = [g for g in signals if g.phase == DECODE]
+    if not decode:
+        return ""
+    if any(g.probed_samples for g in decode):
+        return " (prefill and decode steps)"
+    return " (prefill and decode steps, decode unprobed)"
 
 
 def _probed(signals: list[Signals], samples: int) -> str:
