@@ -107,7 +107,6 @@ def _weakly(method: Callable[[], Any]) -> Callable[[], None]:
 class SessionEnd:
     """What a session leaves when it closes, for a report made after it is gone."""
 
-    closed: bool = False
     samples: int = 0
     error: str | None = None
     silence: str | None = None
@@ -213,6 +212,7 @@ class CaptureSession:
                               if sublayer_kind(s.role, s.name) == "mlp"], HostWeights()))
         self.degraded: list[str] = []  # coverage.shortfalls() at close
         self.version_notes = untested_notes()  # libraries outside the tested range
+        self.end = SessionEnd(version_notes=self.version_notes)  # filled when it closes
         if self.version_notes and not os.environ.get(cfg.ENV_CONFIG):
             for note in self.version_notes:  # under --exec the command says it once
                 sys.stderr.write(f"srdd-dump: note: {note}\n")
@@ -241,7 +241,6 @@ class CaptureSession:
         self._closed = False
         skip_hook_frames()
         self._install()
-        self.end = SessionEnd(version_notes=self.version_notes)  # filled when it closes
         _open.update((id(b), self) for _, b in self.blocks)
         _unclosed.add(self)
 
@@ -713,7 +712,6 @@ class CaptureSession:
         _unclosed.discard(self)
         self.end.samples, self.end.error = self.samples, self.error
         self.end.silence, self.end.degraded = self.silence, self.degraded
-        self.end.closed = True
         return self.path
 
     def __del__(self) -> None:
