@@ -854,3 +854,18 @@ def test_samples_of_other_prompt_lengths_are_not_compared_when_ids_are_unknown()
     states = {(p.sample, p.step): p.input_match for p in pairs}
     assert states == {(0, 0): UNKNOWN, (0, 1): UNKNOWN, (1, 0): DIFFER, (1, 1): DIFFER}
     assert SAME not in states.values()
+
+
+def test_one_compared_forward_names_the_layer_its_own_growth_points_to(runs, tmp_path):
+    """msit and msprobe compare one forward: with one compared round, that round's growth is
+    the evidence (two rounds are asked for only when there are two)."""
+    mine = capture(tmp_path / "one", dtype=torch.bfloat16,
+                   inject=["noise@layer=2,site=mlp,m=0.3"])
+    summary = compare(mine, runs["golden"]).summary
+    assert summary.rounds == 1
+    assert summary.first_layer == 2 and summary.pattern in ("born", "introduced", "site")
+    assert "layer 2 (model.layers.2)" in summary.message
+    assert "an accumulation" not in summary.message
+    # the healthy bf16 run of the same forward: no birth
+    healthy = compare(runs["bf16"], runs["golden"]).summary
+    assert healthy.first_layer is None and healthy.pattern in ("clean", "gradual")

@@ -343,8 +343,7 @@ def _site_origin(summary: BaselineSummary, table: pd.DataFrame, sites: pd.DataFr
         growth=pd.to_numeric(sites.loc[failing, "error_amplification"], errors="coerce"))
     if fails.empty:
         return
-    breaking = table[table["verdict"].isin([WARN, FAIL])][GROUP].drop_duplicates()
-    need = max(2, BIRTH_SHARE * len(breaking))
+    need = _recurrence(table)
     per_round = fails.groupby(GROUP + ["layer"], dropna=False)["growth"].max()
     by_layer = per_round.groupby(level="layer").agg(["count", "median"])
     layers = sorted(int(k) for k, row in by_layer.iterrows()
@@ -368,9 +367,11 @@ def _site_origin(summary: BaselineSummary, table: pd.DataFrame, sites: pd.DataFr
         f"FAILs in {summary.first_rounds} of {summary.rounds} compared rounds at {tol} "
         f"tolerance, with x{by_layer.loc[layer, 'median']:.3g} its block input's relative "
         f"error (the median; relative error up to {worst[RED_COLUMN]:.3g}, cosine "
-        f"{worst['cosine_similarity']:.6f}), while the block's own output grows it "
-        f"x{growth:.3g} at most (the rounding difference of the two setups is of the same size "
-        "there): look at this layer first")
+        f"{worst['cosine_similarity']:.6f}), "
+        + (f"the block's own output x{growth:.3g}" if growth >= BIRTH_GROWTH else
+           f"while the block's own output grows it x{growth:.3g} at most (the rounding "
+           "difference of the two setups is of the same size there)")
+        + ": look at this layer first")
 
 
 def mark_site_birth(summary: BaselineSummary, table: pd.DataFrame, sites: pd.DataFrame
@@ -418,16 +419,25 @@ def _recurring(table: pd.DataFrame, births: pd.DataFrame, same_setup: np.ndarray
                reds: np.ndarray) -> pd.DataFrame:
     """The births the summary names. One from an exactly equal input with the same dtype on
     both sides is conclusive on its own; one found by growth alone must recur at its layer, in
-    at least 2 rounds and BIRTH_SHARE of the rounds that break tolerance: one decode step of
-    576 values in bf16 against fp32 can grow 15x by chance (SmolLM2, 1 of 154 rounds)."""
+    at least 2 rounds and BIRTH_SHARE of the rounds that break tolerance (``_recurrence``): one
+    decode step of 576 values in bf16 against fp32 can grow 15x by chance (SmolLM2, 1 of 154
+    rounds)."""
     if births.empty:
         return births
-    breaking = table[table["verdict"].isin([WARN, FAIL])][GROUP].drop_duplicates()
-    need = max(2, BIRTH_SHARE * len(breaking))
+    need = _recurrence(table)
     exact = np.array([reds[int(pos)] == 0 and bool(same_setup[int(pos)])
                       for pos in births.index], dtype=bool)
     counts = births["layer"].map(births["layer"].value_counts())
     return births[exact | (counts.to_numpy() >= need)]
+
+
+def _recurrence(table: pd.DataFrame) -> float:
+    """The rounds a birth found by growth alone must recur in: 2, and BIRTH_SHARE of the rounds
+    that break tolerance; 1 when one round was compared (one forward, as msit compares it:
+    its own growth is all the evidence there is)."""
+    compared = table[table["verdict"] != NOT_COMPARED][GROUP].drop_duplicates()
+    breaking = table[table["verdict"].isin([WARN, FAIL])][GROUP].drop_duplicates()
+    return max(min(2, len(compared)), BIRTH_SHARE * len(breaking))
 
 
 def _reason_kinds(reasons: pd.Series) -> pd.Series:
