@@ -254,3 +254,18 @@ def test_two_msprobe_dumps_compare_to_an_xlsx_report(tmp_path):
     assert book.sheetnames == ["compare", "summary", "files", "sublayers"]
     header = [c.value for c in book["sublayers"][1]]
     assert "matched_by" in header and book["sublayers"].max_row == 1 + 2 * 60
+
+
+def test_a_changed_tensor_file_is_read_again_not_taken_from_the_cache(tmp_path):
+    """The converted copy is named by every file of the dump, not by dump.json alone: a
+    tensor file emptied after a first compare is read again (and refused), never the old
+    copy's numbers."""
+    import shutil
+
+    dump = str(tmp_path / "dump")
+    shutil.copytree(MSPROBE, dump)
+    _compare(tmp_path, dump)
+    (tensor,) = sorted(glob.glob(os.path.join(dump, "**", "*.pt"), recursive=True))[:1]
+    open(tensor, "w").close()
+    proc = run_cli("srdd-compare", dump, "-o", str(tmp_path / "again.csv"))
+    assert proc.returncode == 2 and "cannot read it as a saved tensor" in proc.stderr, proc.stderr

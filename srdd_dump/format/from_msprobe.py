@@ -46,14 +46,27 @@ def convert(path: str, out_dir: str) -> list[str]:
 
 def cache_folder(path: str, root: str) -> str:
     """Where the srdd files of the msprobe dump at ``path`` are kept: named by the dump's
-    absolute path, its dump.json files' sizes and times and the converter's version, so a
-    changed dump is read again."""
+    absolute path, the names, sizes and times of every file of its dump.json folders (the
+    tensor files too) and the converter's version, so a changed dump is read again."""
     place = hashlib.blake2b(os.path.abspath(path).encode(), digest_size=6).hexdigest()
     h = hashlib.blake2b(f"{CONVERTER}:{os.path.abspath(path)}".encode(), digest_size=8)
     for _, _, dump_json in dump_jsons(path):
-        st = os.stat(dump_json)
-        h.update(f"{dump_json}:{st.st_size}:{st.st_mtime_ns}".encode())
+        for name, st in _files_under(os.path.dirname(dump_json)):
+            h.update(f"{name}:{st.st_size}:{st.st_mtime_ns}\n".encode())
     return os.path.join(root, f"msprobe-{place}-{h.hexdigest()}")
+
+
+def _files_under(folder: str) -> list[tuple[str, os.stat_result]]:
+    """(path, stat) of every file under ``folder``, sorted by path."""
+    out = []
+    for top, _, names in os.walk(folder):
+        for name in names:
+            path = os.path.join(top, name)
+            try:
+                out.append((path, os.stat(path)))
+            except OSError:
+                pass
+    return sorted(out, key=lambda item: item[0])
 
 
 def _convert_group(path: str, key: tuple, runs: list[MsprobeRun], out_dir: str) -> str:
