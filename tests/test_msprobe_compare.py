@@ -269,3 +269,31 @@ def test_a_changed_tensor_file_is_read_again_not_taken_from_the_cache(tmp_path):
     open(tensor, "w").close()
     proc = run_cli("srdd-compare", dump, "-o", str(tmp_path / "again.csv"))
     assert proc.returncode == 2 and "cannot read it as a saved tensor" in proc.stderr, proc.stderr
+
+
+def test_folders_around_msprobe_dumps_are_said_not_skipped(tmp_path):
+    """A folder holding msprobe dumps (one per device) names them; a folder holding an srdd
+    run beside one says the msprobe dump was not read; msprobe's plain "rank" folder (a run
+    without torch.distributed) is read; a run folder left without its dump.json is named."""
+    import shutil
+
+    two = tmp_path / "two"
+    shutil.copytree(MSPROBE, two / "gpu")
+    shutil.copytree(MSPROBE, two / "npu")
+    proc = run_cli("srdd-compare", str(two), "-o", str(tmp_path / "r.csv"))
+    assert proc.returncode == 2
+    assert f"msprobe dumps are in {two / 'gpu'}, {two / 'npu'}: give one of those folders" \
+        in proc.stderr, proc.stderr
+    plain = tmp_path / "plain"
+    shutil.copytree(MSPROBE, plain)
+    (run,) = glob.glob(str(plain / "step0" / "*"))
+    os.rename(run, str(plain / "step0" / "rank"))
+    assert "30 rows: 0 FAULT" in _compare(tmp_path, str(plain))
+    cut = tmp_path / "cut"
+    shutil.copytree(MSPROBE, cut)
+    shutil.copytree(cut / "step0", cut / "step1")
+    (dump_json,) = glob.glob(str(cut / "step1" / "*" / "dump.json"))
+    os.remove(dump_json)
+    text = _compare(tmp_path, str(cut))
+    assert "1 msprobe run folder(s) without dump.json left out (a run cut short?): " \
+           f"{os.path.dirname(dump_json)}" in text, text

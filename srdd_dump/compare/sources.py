@@ -23,7 +23,7 @@ from ..format import schema as s
 from ..format.blocks import clean_block_records, clean_site_records, first_rows
 from ..format.coverage import partial_lines, shortfall_lines
 from ..format.from_msprobe import cache_folder, convert
-from ..format.msprobe import is_msprobe_dump
+from ..format.msprobe import is_msprobe_dump, msprobe_dumps_below, runs_without_dump_json
 from ..format.reader import DumpError, DumpReader, find_dump_files
 from .readers import open_reader
 
@@ -132,7 +132,7 @@ def locate(path: str, option: str = "", run: str | None = None, convert: bool = 
         raise UserError(f"{option}{path}: no such file or directory")
     if os.path.basename(path) == "dump.json" and os.path.isfile(path):
         path = os.path.dirname(path) or "."  # msprobe's compare takes the dump.json: its folder
-    given = path
+    given, notes = path, []
     if os.path.isdir(path) and not find_dump_files(path) and is_msprobe_dump(path):
         if not convert:
             return [], "", ""
@@ -140,12 +140,24 @@ def locate(path: str, option: str = "", run: str | None = None, convert: bool = 
             path = msprobe_as_srdd(path)
         except UserError as exc:
             raise UserError(f"{option}{given}: {exc}") from None
+        cut = runs_without_dump_json(given)
+        if cut:
+            notes.append(f"{len(cut)} msprobe run folder(s) without dump.json left out (a run "
+                         f"cut short?): {', '.join(cut[:3])}{' ...' if len(cut) > 3 else ''}")
     found = find_dump_files(path)
+    below = msprobe_dumps_below(given) if os.path.isdir(given) and path == given else []
     if not found:
+        if below:
+            raise UserError(f"{option}{path}: no srdd dump files; msprobe dumps are in "
+                            f"{', '.join(below[:4])}{' ...' if len(below) > 4 else ''}: give "
+                            "one of those folders")
         raise UserError(f"{option}{path}: no dump files (*.h5 or *.h5.partial) found")
+    if below:
+        notes.append(f"msprobe dump(s) in {', '.join(below[:4])} not read with the srdd dumps "
+                     "beside them: give such a folder on its own")
     root = path if os.path.isdir(path) else os.path.dirname(path)
     found, note = _choose_runs(given, root, found, option, run)
-    return found, root, note
+    return found, root, "; ".join(filter(None, [note, *notes]))
 
 
 def inspect_all(paths: list[str], root: str, note: str = "") -> Sources:

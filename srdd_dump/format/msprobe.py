@@ -23,7 +23,7 @@ from ..errors import UserError
 from .torch_file import read_tensor
 
 MODULE_NAME = re.compile(r"^Module\.(?P<module>.+)\.(?P<cls>[A-Za-z_]\w*)\.forward\.(?P<call>\d+)$")
-RUN_FOLDER = re.compile(r"^(rank|proc)(\d+)$")
+RUN_FOLDER = re.compile(r"^(rank|proc)(\d*)$")  # "rank" alone: a run without distributed
 STEP_FOLDER = re.compile(r"^step(\d+)$")
 
 
@@ -159,7 +159,7 @@ def dump_jsons(path: str) -> list[tuple[int, int | None, str]]:
     name, parent = os.path.basename(path), os.path.basename(os.path.dirname(path))
     if os.path.isfile(os.path.join(path, "dump.json")):
         run, step = RUN_FOLDER.match(name), STEP_FOLDER.match(parent)
-        rank = int(run[2]) if run and run[1] == "rank" else None
+        rank = _rank(run)
         return [(int(step[1]) if step else 0, rank, os.path.join(path, "dump.json"))]
     if STEP_FOLDER.match(name):
         return _runs_of_step(path, int(STEP_FOLDER.match(name)[1]))
@@ -179,8 +179,50 @@ def _runs_of_step(folder: str, step: int) -> list[tuple[int, int | None, str]]:
         run = RUN_FOLDER.match(run_name)
         dump_json = os.path.join(folder, run_name, "dump.json")
         if run and os.path.isfile(dump_json):
-            out.append((step, int(run[2]) if run[1] == "rank" else None, dump_json))
+            out.append((step, _rank(run), dump_json))
     return sorted(out, key=lambda t: -1 if t[1] is None else t[1])
+
+
+def _rank(run: re.Match | None) -> int | None:
+    """The rank a rank<N> folder names; None for proc<pid> and a plain "rank" folder."""
+    return int(run[2]) if run and run[1] == "rank" and run[2] else None
+
+
+def runs_without_dump_json(path: str) -> list[str]:
+    """The rank/proc folders of the msprobe dump at ``path`` that hold files but no dump.json
+    (a run cut short before msprobe wrote it): left out of the comparison."""
+    path = os.path.normpath(path)
+    if os.path.isfile(os.path.join(path, "dump.json")):
+        return []
+    steps = [path] if STEP_FOLDER.match(os.path.basename(path)) else [
+        os.path.join(path, n) for n in sorted(_listdir(path)) if STEP_FOLDER.match(n)]
+    return [os.path.join(step, n) for step in steps for n in sorted(_listdir(step))
+            if RUN_FOLDER.match(n) and os.path.isdir(os.path.join(step, n))
+            and not os.path.isfile(os.path.join(step, n, "dump.json"))
+            and _listdir(os.path.join(step, n))]
+
+
+def msprobe_dumps_below(path: str, depth: int = 3) -> list[str]:
+    """The msprobe dumps in the folders below ``path`` (down to ``depth`` levels; not inside a
+    dump): a folder that holds several, e.g. one per device."""
+    found, level = [], [path]
+    for _ in range(depth):
+        below = []
+        for folder in level:
+            for name in sorted(_listdir(folder)):
+                child = os.path.join(folder, name)
+                if not os.path.isdir(child):
+                    continue
+                (found if is_msprobe_dump(child) else below).append(child)
+        level = below
+    return found
+
+
+def _listdir(folder: str) -> list[str]:
+    try:
+        return os.listdir(folder)
+    except OSError:
+        return []
 
 
 def _is_tensor(value) -> bool:
