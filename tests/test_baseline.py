@@ -869,3 +869,16 @@ def test_one_compared_forward_names_the_layer_its_own_growth_points_to(runs, tmp
     # the healthy bf16 run of the same forward: no birth
     healthy = compare(runs["bf16"], runs["golden"]).summary
     assert healthy.first_layer is None and healthy.pattern in ("clean", "gradual")
+
+
+def test_a_finding_quotes_what_was_measured_never_nan():
+    """A side with statistics only (msprobe's task statistics) proves a relative error and
+    no cosine: the finding says so instead of 'up to nan, cosine nan'."""
+    from srdd_dump.compare.divergence import error_words
+
+    both = pd.Series({"relative_euclidean_distance": 0.25, "cosine_similarity": 0.97})
+    assert error_words(both, "up to ") == "relative error up to 0.25, cosine 0.970000"
+    stats = pd.Series({"relative_euclidean_distance": 0.793, "cosine_similarity": np.nan})
+    assert error_words(stats) == "relative error at least 0.793 (from the statistics)"
+    none = pd.Series({"relative_euclidean_distance": np.nan, "cosine_similarity": np.nan})
+    assert "nan" not in error_words(none)

@@ -297,3 +297,4 @@ def test_folders_around_msprobe_dumps_are_said_not_skipped(tmp_path):
     text = _compare(tmp_path, str(cut))
     assert "1 msprobe run folder(s) without dump.json left out (a run cut short?): " \
            f"{os.path.dirname(dump_json)}" in text, text
+

@@ -358,6 +358,7 @@ def _site_origin(summary: BaselineSummary, table: pd.DataFrame, sites: pd.DataFr
     summary.first_module = str(block["module"].iloc[0]) if len(block) else ""
     summary.first_rounds = int(by_layer.loc[layer, "count"])
     summary.first_site, summary.first_site_rounds = str(counts.index[0]), int(counts.iloc[0])
+    at = _bounded(at)  # a statistics side: the RED its statistics prove
     worst = at.loc[pd.to_numeric(at[RED_COLUMN], errors="coerce").fillna(-1.0).idxmax()]
     growth = block["error_amplification"].max() if len(block) else math.nan
     tol = ", ".join(sorted(set(at["tolerance"].astype(str))))
@@ -366,8 +367,7 @@ def _site_origin(summary: BaselineSummary, table: pd.DataFrame, sites: pd.DataFr
         f"error born inside layer {layer} ({summary.first_module}): a sub-layer's output "
         f"FAILs in {summary.first_rounds} of {summary.rounds} compared rounds at {tol} "
         f"tolerance, with x{by_layer.loc[layer, 'median']:.3g} its block input's relative "
-        f"error (the median; relative error up to {worst[RED_COLUMN]:.3g}, cosine "
-        f"{worst['cosine_similarity']:.6f}), "
+        f"error (the median; {error_words(worst, 'up to ')}), "
         + (f"the block's own output x{growth:.3g}" if growth >= BIRTH_GROWTH else
            f"while the block's own output grows it x{growth:.3g} at most (the rounding "
            "difference of the two setups is of the same size there)")
@@ -440,6 +440,17 @@ def _recurrence(table: pd.DataFrame) -> float:
     return max(min(2, len(compared)), BIRTH_SHARE * len(breaking))
 
 
+def error_words(row: pd.Series, up_to: str = "") -> str:
+    """A row's relative error and cosine for a finding; where a side had statistics only,
+    the relative error they prove and no cosine."""
+    red, cos = row[RED_COLUMN], row["cosine_similarity"]
+    if pd.isna(red):
+        return "relative error not measured"
+    if pd.isna(cos):
+        return f"relative error at least {red:.3g} (from the statistics)"
+    return f"relative error {up_to}{red:.3g}, cosine {cos:.6f}"
+
+
 def _reason_kinds(reasons: pd.Series) -> pd.Series:
     """Reasons without their numbers, so that rows of the same kind count together."""
     return reasons.fillna("").str.split(":").str[0].str.replace(r"\d+", "N", regex=True)
@@ -481,7 +492,7 @@ def _explain(s: BaselineSummary, compared: pd.DataFrame, same_setup: np.ndarray,
             return "introduced", (
                 f"{where} introduced the error: its input agrees with the golden run and its "
                 f"output does not, in {s.first_rounds} of {s.rounds} compared rounds "
-                f"(cosine {row['cosine_similarity']:.6f}, relative error {row[RED_COLUMN]:.3g}, "
+                f"({error_words(row)}, "
                 f"x{row['error_amplification']:.3g} its input's) at {tol} tolerance"
             )
         later = s.per_layer[(s.per_layer["layer"] > s.first_layer)
