@@ -275,6 +275,30 @@ def test_a_norms_zeros_its_input_had_are_the_inputs_in_a_round_no_probe_replayed
     assert run(norm_zeros=40 / 576, input_zeros=40 / 576, flat_zero=40 / 576).verdict == FAULT
 
 
+def test_a_norms_zeros_are_suspect_at_most_without_its_input_or_a_probe():
+    """An msprobe dump of the norms alone (no block outputs, no stack input, no probes): the
+    first norm's zeros may be its input's (a GGUF model's embedding holds exact zeros), and
+    nothing in the dump can tell: SUSPECT, saying why. With its input in the dump the zeros
+    beyond the input's stay a FAULT."""
+    from srdd_dump.analysis.signals import PREFILL, Signals
+    from srdd_dump.analysis.verdicts import SUSPECT
+    from srdd_dump.vocabulary import NORM
+
+    def run(with_input: bool):
+        signals = [Signals(layer=k, site=-1, module=f"model.layers.{k}", samples=1,
+                           phase=PREFILL, dtype="float32", zero_frac=0.0, n_values=57600,
+                           offset=0.01, kurtosis=0.5) for k in range(-1 if with_input else 5, 4)]
+        signals.append(Signals(layer=0, site=0, module="model.layers.0.input_layernorm",
+                               samples=1, phase=PREFILL, dtype="float32", role=NORM,
+                               zero_frac=0.0112, n_values=57600))
+        return next(v for v in diagnose(signals, "float32", 4) if v.layer == 0)
+
+    alone = run(with_input=False)
+    assert alone.verdict == SUSPECT
+    assert any("its input is not in the dump" in e.text for e in alone.evidence)
+    assert run(with_input=True).verdict == FAULT
+
+
 def test_without_repeat_runs_the_exact_identities_are_suspect_at_most():
     """--repeats 0: a noise fault breaks causality and the batched replay like a mask bug would
     (fresh noise per call), and nothing measured that the layer is deterministic. The evidence

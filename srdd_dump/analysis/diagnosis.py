@@ -193,8 +193,9 @@ def lower_bound(rate: float, n: int, z: float = NULL_Z) -> float:
 def _exact_evidence(sig: Signals, dtype: str, instab_median: float, compute_dtype: str = "",
                     input_zeros: float = 0.0, input_nonfinite: bool = False) -> list[Evidence]:
     """``input_zeros``: the exact-zero fraction of the module's input (the previous block's
-    output), which inherited zeros need; ``input_nonfinite``: that input held NaN/Inf already
-    (an overflow born before it: this module's NaN/Inf are inherited, not its own)."""
+    output), which inherited zeros need (NaN: its input is not in the dump);
+    ``input_nonfinite``: that input held NaN/Inf already (an overflow born before it: this
+    module's NaN/Inf are inherited, not its own)."""
     ev: list[Evidence] = []
     where = sig.module if sig.phase == PREFILL else f"{sig.module} ({sig.phase} steps)"
     stored = sig.dtype or dtype  # each module's own dtype (autocast, mixed precision)
@@ -232,9 +233,16 @@ def _exact_evidence(sig: Signals, dtype: str, instab_median: float, compute_dtyp
         own = (sig.role in (NORM, ACTIVATION) and np.isfinite(sig.host_zeros)
                and sig.host_zeros >= ZEROS_EXPLAINED)
         if not passed_on and not own:
-            ev.append(Evidence("DEAD_ZONE", zeros / zero_limit,
-                               f"{sig.zero_frac:.2%} exact zeros in {where}{extra}",
-                               inheritable=bool(moved), secondary=bool(quantized)))
+            dead = Evidence("DEAD_ZONE", zeros / zero_limit,
+                            f"{sig.zero_frac:.2%} exact zeros in {where}{extra}",
+                            inheritable=bool(moved), secondary=bool(quantized))
+            if sig.role in (NORM, ACTIVATION) and not probed and not np.isfinite(input_zeros):
+                # no probe and no input in the dump (an msprobe dump of the norms alone):
+                # zeros the input passed on cannot be told from zeros made here
+                dead.strength = min(dead.strength, UNDER_FAULT)
+                dead.text += (" (no probe ran and its input is not in the dump: zeros its "
+                              "input passed on would do this too)")
+            ev.append(dead)
     flat_limit = FLAT_VALUE.get(dtype, 1e-3)
     flat = lower_bound(sig.flat_value, sig.n_probed)
     low = lower_bound(sig.lowbits, sig.n_values)
@@ -445,9 +453,10 @@ def diagnose(signals: list[Signals], dtype: str, n_layers: int, compute_dtype: s
         return any((sig.layer - 1, phase) in block_nonfinite for phase in {sig.phase, PREFILL})
 
     def input_zeros(sig: Signals) -> float:
+        """The exact zeros of the module's input; NaN when its input is not in the dump."""
         if sig.role == ACTIVATION:
-            return linear_zeros.get((sig.layer, sig.phase), 0.0)
-        return block_zeros.get((sig.layer - 1, sig.phase), 0.0)
+            return linear_zeros.get((sig.layer, sig.phase), math.nan)
+        return block_zeros.get((sig.layer - 1, sig.phase), math.nan)
 
     for kind, group in site_groups(signals).items():
         inst = np.array([g.instability for g in group], dtype=np.float64)
