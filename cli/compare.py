@@ -181,8 +181,11 @@ def compare(
             else:
                 typer.echo(diagnosis_text(result, written, explain=explain))
         if baseline is not None and result.nothing_compared:
-            raise UserError(f"nothing was compared ({result.nothing_compared}): are both dumps "
-                            "of the same model and prompts? (report written)")
+            hint = ("capture both runs with the same batching (a batch's sequences pair by "
+                    "their position in it)" if "batched differently" in result.nothing_compared
+                    else "are both dumps of the same model and prompts?")
+            raise UserError(f"nothing was compared ({result.nothing_compared}): {hint} "
+                            "(report written)")
         if result.worst_verdict() in gate:
             raise typer.Exit(code=1)
     except typer.Exit:

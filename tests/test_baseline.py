@@ -882,3 +882,18 @@ def test_a_finding_quotes_what_was_measured_never_nan():
     assert error_words(stats) == "relative error at least 0.793 (from the statistics)"
     none = pd.Series({"relative_euclidean_distance": np.nan, "cosine_similarity": np.nan})
     assert "nan" not in error_words(none)
+
+
+def test_runs_batched_differently_say_so_not_other_prompts(runs, tmp_path):
+    """The same two prompts run as one batch of 2 and one at a time: a batch's sequences pair
+    by their position in it, so nothing pairs; the reason and the command's error say the
+    batching differs, not that the model or the prompts do."""
+    batched = capture(tmp_path / "batched", prompts=[torch.cat(PROMPTS[:2])])
+    apart = capture(tmp_path / "apart", prompts=PROMPTS[:2])
+    result = compare(batched, apart)
+    reasons = set(result.table["cmp_fail_reason"])
+    assert any("inputs differ, batched differently (batch 2 here, 1 in the golden run)" in r
+               for r in reasons), reasons
+    proc = run_cli("srdd-compare", batched, "--baseline", apart, "-o", str(tmp_path / "r.csv"))
+    assert proc.returncode == 2
+    assert "capture both runs with the same batching" in proc.stderr, proc.stderr

@@ -553,5 +553,10 @@ def test_the_healthy_headline_names_the_phases_judged_and_unprobed_decode_steps(
     assert phases_note([prefill]) == ""
     probed = Signals(layer=0, site=-1, module="m", phase=DECODE, probed_samples=1)
     unprobed = Signals(layer=0, site=-1, module="m", phase=DECODE, probed_samples=0)
-    assert phases_note([prefill, probed, unprobed]) == " (prefill and decode steps)"
+    unprobed_site = Signals(layer=0, site=0, module="m.mlp", phase=DECODE, probed_samples=0)
+    assert phases_note([prefill, probed, unprobed_site]) == " (prefill and decode steps)"
     assert phases_note([prefill, unprobed]) == " (prefill and decode steps, decode unprobed)"
+    # a sliding-window cache longer than its window: some layers' decode blocks unprobed
+    layers = [Signals(layer=k, site=-1, module=f"m{k}", phase=DECODE, probed_samples=int(k < 3))
+              for k in range(18)]
+    assert phases_note(layers) == " (prefill and decode steps, decode probed at 3 of 18 layers)"

@@ -34,7 +34,7 @@ class RoundPair:
     round: int | None  # my round number
     golden_round: int | None
     input_match: str  # SAME / DIFFER / UNKNOWN for rounds present on both sides; "" otherwise
-    reason: str = ""  # why a round has no counterpart
+    reason: str = ""  # why a round has no counterpart, or why its inputs differ
 
 
 def input_match(hash_a: int, hash_b: int) -> str:
@@ -110,8 +110,16 @@ def pair_rounds(mine: np.ndarray, golden: np.ndarray) -> list[RoundPair]:
             if here == UNKNOWN and step == 0 and int(a["seq"]) != int(b["seq"]):
                 here = DIFFER  # ids not recorded, but prompts of other lengths: other prompts
             state = max(state, here, key=_WORSE.__getitem__)
-            out.append(RoundPair(s, g, step, int(a["round"]), int(b["round"]), state))
+            batches = (int(a["batch"]), int(b["batch"]))
+            out.append(RoundPair(s, g, step, int(a["round"]), int(b["round"]), state,
+                                 _batched(*batches) if batches[0] != batches[1] else ""))
     return out
+
+
+def _batched(mine: int, golden: int) -> str:
+    """Why the inputs of a round differ when the two runs batched their prompts differently
+    (a batch's sequences pair by their position in it)."""
+    return f"batched differently (batch {mine} here, {golden} in the golden run)"
 
 
 def pair_layers(mine: list[str], golden: list[str]) -> list[tuple[int | None, int | None]]:

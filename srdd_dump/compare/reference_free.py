@@ -118,13 +118,18 @@ def _diagnose_file(f: DumpFile, signals: list[Signals]
 
 def phases_note(signals: list[Signals]) -> str:
     """What a healthy headline says of the phases judged: the decode steps when any was
-    captured, and when none of them was probed (``--probe-steps 0``, a static cache)."""
+    captured, and when none of them was probed (``--probe-steps 0``, a static cache) or the
+    blocks of only some layers were (a sliding-window cache longer than its window)."""
     decode = [g for g in signals if g.phase == DECODE]
     if not decode:
         return ""
-    if any(g.probed_samples for g in decode):
-        return " (prefill and decode steps)"
-    return " (prefill and decode steps, decode unprobed)"
+    if not any(g.probed_samples for g in decode):
+        return " (prefill and decode steps, decode unprobed)"
+    blocks = [g for g in decode if g.site == s.BLOCK_SITE]
+    probed = sum(1 for g in blocks if g.probed_samples)
+    if 0 < probed < len(blocks):
+        return f" (prefill and decode steps, decode probed at {probed} of {len(blocks)} layers)"
+    return " (prefill and decode steps)"
 
 
 def _probed(signals: list[Signals], samples: int) -> str:
