@@ -397,6 +397,22 @@ def test_a_model_the_program_drops_is_freed_and_its_file_finished_then(tmp_path)
         assert r.n_samples == 1
 
 
+def test_a_warning_the_program_shows_once_shows_once_under_capture(tmp_path):
+    """Capture imports its file library at torch's import, not at the first forward, where
+    its import's warnings.catch_warnings let the program's shown warnings show again."""
+    res = _exec_tiny(tmp_path, "warns.py", (
+        "import warnings\n"
+        "def old_api():\n"
+        "    warnings.warn('old_api is deprecated', FutureWarning)\n"
+        "for n in (5, 6):\n"
+        "    old_api()\n"
+        "    with torch.no_grad():\n"
+        "        m.generate(torch.randint(1, 100, (1, n)), max_new_tokens=2, do_sample=False,\n"
+        "                   pad_token_id=0)\n"))
+    assert res.returncode == 0, res.stderr
+    assert res.stderr.count("FutureWarning: old_api is deprecated") == 1, res.stderr
+
+
 @pytest.mark.unit
 def test_the_requests_line_says_more_than_n_once_capture_stopped_counting():
     from srdd_dump.capture.launch import ExecResult

@@ -116,6 +116,10 @@ def _on_torch_imported() -> None:
         return
     _state["watching"] = True
     try:
+        # the file library now, not at the program's first forward: its import ends in
+        # warnings.catch_warnings, after which a warning the program showed once shows again
+        import h5py  # noqa: F401
+
         from .attach import watch_forwards
 
         watch_forwards(_state, on_attach=finish_on_sigterm, on_refused=stop_refused)
