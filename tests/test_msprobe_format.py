@@ -108,9 +108,12 @@ ODD = {
     "null statistics": lambda d, f: d[BLOCK0]["output"][0].update(Max=None, Norm=None),
 }
 BROKEN = {
+    "children that are no site": (_only_children, "holds no output of a block"),
+}
+# tensor files that cannot be read: left out and named, the rest compared (a copy cut short)
+UNREADABLE = {
     "a truncated .pt file": (_truncate, "cannot read it as a saved tensor"),
     "a .pt of another size than dump.json says": (_wrong_size, "dump.json says shape"),
-    "children that are no site": (_only_children, "holds no output of a block"),
 }
 
 
@@ -120,6 +123,15 @@ def test_odd_entries_are_left_out_and_the_rest_is_read(tmp_path, name):
     proc = run_cli("srdd-compare", path, "-o", str(tmp_path / "r.csv"))
     assert proc.returncode == 0, proc.stderr
     assert "30 rows" in proc.stdout and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("name", UNREADABLE)
+def test_an_unreadable_tensor_file_is_left_out_and_named(tmp_path, name):
+    edit, words = UNREADABLE[name]
+    proc = run_cli("srdd-compare", _edited(tmp_path, edit), "-o", str(tmp_path / "r.csv"))
+    assert proc.returncode == 0, proc.stderr
+    assert "tensor files of the msprobe dump could not be read" in proc.stderr
+    assert words in proc.stderr and "Traceback" not in proc.stderr
 
 
 @pytest.mark.parametrize("name", BROKEN)

@@ -314,6 +314,8 @@ def capture_notes(source: str, status: dict) -> list[str]:
          "replay does not reproduce: those modules have no probe records there"),
         ("sites_never_run", "blocks or sub-layers never ran their capture hooks (torch.compile'd "
          "code compiled before the hooks were registered) and have no records"),
+        ("tensors_unreadable", "tensor files of the msprobe dump could not be read (a copy cut "
+         "short?) and were left out"),
     ):
         n = status.get(key) if isinstance(status, dict) else None
         if isinstance(n, int) and n > 0:

@@ -94,6 +94,7 @@ def _convert_group(path: str, key: tuple, runs: list[MsprobeRun], out_dir: str) 
     writer = DumpWriter(target, meta, layout.blocks, [s[0] for s in layout.sites],
                         max_pending=0,
                         stat_columns=None if tensor_mode else list(STAT_COLUMNS))
+    unreadable: dict[str, None] = {}  # why each tensor file left out could not be read
     try:
         sample, step, prefill_len = -1, 0, None
         for run in runs:
@@ -109,6 +110,7 @@ def _convert_group(path: str, key: tuple, runs: list[MsprobeRun], out_dir: str) 
                 else:
                     sample, step, prefill_len = sample + 1, 0, maker.shape[1]
                 r = maker.round(sample, step, prefill_len)
+                unreadable.update(dict.fromkeys(maker.unreadable))
                 family = f"{'prefill' if step == 0 else 'decode'} block probes"
                 coverage.expect(family)
                 coverage.failed(family, NO_PROBES)
@@ -121,6 +123,9 @@ def _convert_group(path: str, key: tuple, runs: list[MsprobeRun], out_dir: str) 
         coverage.failed(ELEMENTS, STATISTICS_ONLY)
     status = {"samples": sample + 1, "requests": 0, "coverage": coverage.as_dict(),
               "converted_from": "msprobe"}
+    if unreadable:  # the report names them (compare/sources.capture_notes)
+        status["tensors_unreadable"] = len(unreadable)
+        status["tensors_unreadable_sites"] = list(unreadable)[:3]
     final = writer.close(status)
     if writer.error:
         raise UserError(f"{target}: cannot write it ({writer.error})")

@@ -81,6 +81,7 @@ class RoundMaker:
     def __init__(self, run: MsprobeRun, layout: Layout, calls: list[ModuleCall],
                  tensor_mode: bool):
         self.run, self.layout, self.calls, self.tensor_mode = run, layout, calls, tensor_mode
+        self.unreadable: list[str] = []  # why a tensor file could not be read, one per file
         shaped = [c for c in calls if c.module in layout.block_index] or \
             [c for c in calls if c.module in layout.site_index]
         self.shape = next((d for d in (dims(c.output) for c in shaped) if d), None)
@@ -141,13 +142,17 @@ class RoundMaker:
             return
         if not all(isinstance(e.get("data_name"), str) for e in entries):
             return
-        if len(entries) == 1:  # stored as it was saved (bfloat16: its bits)
-            x = self.run.tensor(c, entries[0], bfloat16_bits=True)
-            array = np.ascontiguousarray(x.reshape(r.batch, r.seq, -1),
-                                         dtype=schema.STORAGE_DTYPES[logical])
-        else:
-            x = sum(self.run.tensor(c, e).astype(np.float32) for e in entries)
-            array = _storage(x.reshape(r.batch, r.seq, -1), logical)
+        try:
+            if len(entries) == 1:  # stored as it was saved (bfloat16: its bits)
+                x = self.run.tensor(c, entries[0], bfloat16_bits=True)
+                array = np.ascontiguousarray(x.reshape(r.batch, r.seq, -1),
+                                             dtype=schema.STORAGE_DTYPES[logical])
+            else:
+                x = sum(self.run.tensor(c, e).astype(np.float32) for e in entries)
+                array = _storage(x.reshape(r.batch, r.seq, -1), logical)
+        except UserError as exc:  # a file missing or cut short: the others are compared
+            self.unreadable.append(str(exc))
+            return
         r.tensors.append(Tensor(layer=layer, site=site, dtype=logical, array=array))
 
     def _stack_input(self, block0: ModuleCall | None) -> dict | None:
@@ -171,8 +176,8 @@ class RoundMaker:
         if entry is None:
             return None
         if self.tensor_mode and isinstance(entry.get("data_name"), str):
-            return np.asarray(self.run.tensor(block0, entry)).reshape(-1, seq)[0].astype(
-                np.int64)
+            x = self._read(block0, entry)
+            return None if x is None else x.reshape(-1, seq)[0].astype(np.int64)
         low, high = statistic(entry, "Min"), statistic(entry, "Max")
         if low is not None and high is not None and high - low + 1 == seq:
             return np.arange(int(low), int(high) + 1)
@@ -190,9 +195,17 @@ class RoundMaker:
                         or not isinstance(entry.get("data_name"), str):
                     continue
                 if entry.get("shape") in ([*shape], [shape[1]] if shape[0] == 1 else None):
-                    return np.asarray(self.run.tensor(c, entry)).reshape(shape).astype(
-                        np.int64)
+                    x = self._read(c, entry)
+                    return None if x is None else x.reshape(shape).astype(np.int64)
         return None
+
+    def _read(self, c: ModuleCall, entry: dict) -> np.ndarray | None:
+        """A saved tensor, or None (and why, in ``unreadable``) when its file cannot be read."""
+        try:
+            return np.asarray(self.run.tensor(c, entry))
+        except UserError as exc:
+            self.unreadable.append(str(exc))
+            return None
 
 
 def _length(entry: dict) -> int | None:
