@@ -302,3 +302,19 @@ def test_folders_around_msprobe_dumps_are_said_not_skipped(tmp_path):
     assert "1 msprobe run folder(s) without dump.json left out (a run cut short?): " \
            f"{os.path.dirname(dump_json)}" in text, text
 
+
+
+def test_the_conversion_is_named_by_msprobes_files_not_a_report_beside_them(tmp_path):
+    import shutil
+
+    from srdd_dump.format.from_msprobe import cache_folder
+
+    dump = tmp_path / "dump"
+    shutil.copytree(MSPROBE, dump)
+    (rank,) = glob.glob(str(dump / "step0" / "*"))
+    before = cache_folder(rank, str(tmp_path))
+    (tmp_path / "dump" / "step0" / os.path.basename(rank) / "report.csv").write_text("x")
+    assert cache_folder(rank, str(tmp_path)) == before  # `cd rank && srdd-compare .`
+    (tensor,) = sorted(glob.glob(os.path.join(rank, "dump_tensor_data", "*.pt")))[:1]
+    open(tensor, "w").close()
+    assert cache_folder(rank, str(tmp_path)) != before

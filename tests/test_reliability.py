@@ -611,3 +611,43 @@ def test_sigterm_inside_a_capture_hook_finishes_the_file_and_ends_the_process(tm
     (path,) = find_dump_files(str(tmp_path / "d"))
     with DumpReader(path) as r:
         assert r.complete and len(r.rounds) == 1
+
+
+def test_a_session_dropped_in_another_thread_is_finished_by_a_sigterm(tmp_path):
+    """A collection outside the main thread leaves the session for later (every weak
+    reference to it is cleared by then): the SIGTERM path, which ends without the exit
+    handlers, still finishes its file."""
+    script = tmp_path / "term.py"
+    script.write_text(textwrap.dedent(f"""
+        import gc, os, signal, sys, threading, time, weakref
+        sys.path.insert(0, {FIXTURES!r})
+        import torch
+        from tiny_models import build
+        from srdd_dump.capture.config import DumpConfig
+        from srdd_dump.capture.hooks import CaptureSession
+        from srdd_dump.capture import inject
+
+        def run():
+            model = build("llama", layers=2)
+            session = CaptureSession(model, DumpConfig(dump_path={str(tmp_path / "d")!r},
+                                                       samples=3, progress=False))
+            inject._state["session"], inject._state["end"] = weakref.ref(session), session.end
+            with torch.no_grad():
+                model(torch.randint(0, 128, (1, 8)))
+            del model, session
+            gc.collect()
+
+        t = threading.Thread(target=run)
+        t.start()
+        t.join()
+        inject.finish_on_sigterm()
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(30)
+        print("survived")
+    """))
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == -signal.SIGTERM and "survived" not in proc.stdout, proc.stderr
+    (path,) = find_dump_files(str(tmp_path / "d"))
+    with DumpReader(path) as r:
+        assert r.complete and len(r.rounds) == 1

@@ -82,11 +82,22 @@ if hasattr(os, "register_at_fork"):  # a forked child's sessions are its parent'
     os.register_at_fork(after_in_child=_open.clear)
 _unclosed: weakref.WeakSet[CaptureSession] = weakref.WeakSet()  # closed at exit
 _dropped: list[CaptureSession] = []  # dropped outside the main thread: closed at exit
+if hasattr(os, "register_at_fork"):  # a forked child's sessions are its parent's
+    os.register_at_fork(after_in_child=_dropped.clear)
+
+
+def close_dropped() -> None:
+    """Close the sessions dropped outside the main thread (their collection clears every weak
+    reference to them: only this list finds them). Called at exit, and by srdd-dump's report
+    on the paths that end without the exit handlers (SIGTERM, a forked child's os._exit)."""
+    while _dropped:
+        _dropped.pop().close()
 
 
 @atexit.register
 def _close_at_exit() -> None:
-    for session in [*_dropped, *_unclosed]:
+    close_dropped()
+    for session in list(_unclosed):
         session.close()
 
 
@@ -238,9 +249,10 @@ class CaptureSession:
         self._mask_unread = False  # the model call's mask was of another form
         self._autocast: str | None = None  # "" when the first model call ran without autocast
         self._handles: list[Any] = []
-        self._closed = False
+        self._closed = True  # until its hooks are all in place (a half-built one is not closed)
         skip_hook_frames()
         self._install()
+        self._closed = False
         _open.update((id(b), self) for _, b in self.blocks)
         _unclosed.add(self)
 
@@ -679,6 +691,14 @@ class CaptureSession:
         if self._closed:
             return self.path
         self._closed = True
+        try:
+            return self._finish()
+        finally:  # what the status at exit reads, also when a message could not be written
+            _unclosed.discard(self)
+            self.end.samples, self.end.error = self.samples, self.error
+            self.end.silence, self.end.degraded = self.silence, self.degraded
+
+    def _finish(self) -> str | None:
         self._watch.stop()
         self.remove()
         self._pending = []  # device tensors of a model-level operator
@@ -709,9 +729,6 @@ class CaptureSession:
             self.silence = explain_silence(self.model, self.model_calls, self.block_calls)
             if self.silence and not os.environ.get(cfg.ENV_CONFIG):
                 sys.stderr.write(f"srdd-dump: warning: nothing captured: {self.silence}\n")
-        _unclosed.discard(self)
-        self.end.samples, self.end.error = self.samples, self.error
-        self.end.silence, self.end.degraded = self.silence, self.degraded
         return self.path
 
     def __del__(self) -> None:

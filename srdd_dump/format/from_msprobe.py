@@ -51,22 +51,26 @@ def cache_folder(path: str, root: str) -> str:
     place = hashlib.blake2b(os.path.abspath(path).encode(), digest_size=6).hexdigest()
     h = hashlib.blake2b(f"{CONVERTER}:{os.path.abspath(path)}".encode(), digest_size=8)
     for _, _, dump_json in dump_jsons(path):
-        for name, st in _files_under(os.path.dirname(dump_json)):
+        for name, st in _msprobe_files(os.path.dirname(dump_json)):
             h.update(f"{name}:{st.st_size}:{st.st_mtime_ns}\n".encode())
     return os.path.join(root, f"msprobe-{place}-{h.hexdigest()}")
 
 
-def _files_under(folder: str) -> list[tuple[str, os.stat_result]]:
-    """(path, stat) of every file under ``folder``, sorted by path."""
+def _msprobe_files(folder: str) -> list[tuple[str, os.stat_result]]:
+    """(path, stat) of the files msprobe wrote in a rank folder (its .json files and its
+    tensor files; not a report a user wrote beside them), sorted by path."""
+    names = [n for n in os.listdir(folder) if n.endswith(".json")]
+    tensors = os.path.join(folder, "dump_tensor_data")
+    if os.path.isdir(tensors):
+        names += [os.path.join("dump_tensor_data", n) for n in os.listdir(tensors)]
     out = []
-    for top, _, names in os.walk(folder):
-        for name in names:
-            path = os.path.join(top, name)
-            try:
-                out.append((path, os.stat(path)))
-            except OSError:
-                pass
-    return sorted(out, key=lambda item: item[0])
+    for name in sorted(names):
+        path = os.path.join(folder, name)
+        try:
+            out.append((path, os.stat(path)))
+        except OSError:
+            pass
+    return out
 
 
 def _convert_group(path: str, key: tuple, runs: list[MsprobeRun], out_dir: str) -> str:

@@ -234,6 +234,9 @@ def _report_status() -> None:
     session = _session()
     if session is not None:
         session.close()
+    hooks = sys.modules.get("srdd_dump.capture.hooks")
+    if hooks is not None:  # a session dropped outside the main thread waits there
+        hooks.close_dropped()
     end = _state.get("end")  # the session's, alive or not
     status_dir = os.environ.get(ENV_STATUS_DIR)
     if not status_dir or not os.path.isdir(status_dir):
