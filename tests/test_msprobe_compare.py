@@ -288,6 +288,10 @@ def test_folders_around_msprobe_dumps_are_said_not_skipped(tmp_path):
     assert proc.returncode == 2
     assert f"msprobe dumps are in {two / 'gpu'}, {two / 'npu'}: give one of those folders" \
         in proc.stderr, proc.stderr
+    (tensors,) = glob.glob(str(two / "gpu" / "step0" / "*" / "dump_tensor_data"))
+    proc = run_cli("srdd-compare", tensors, "-o", str(tmp_path / "r.csv"))
+    assert proc.returncode == 2 and "the tensor files of an msprobe dump: give its folder, " \
+        f"{os.path.dirname(tensors)}" in proc.stderr, proc.stderr
     plain = tmp_path / "plain"
     shutil.copytree(MSPROBE, plain)
     (run,) = glob.glob(str(plain / "step0" / "*"))

@@ -151,6 +151,11 @@ def locate(path: str, option: str = "", run: str | None = None, convert: bool = 
             raise UserError(f"{option}{path}: no srdd dump files; msprobe dumps are in "
                             f"{', '.join(below[:4])}{' ...' if len(below) > 4 else ''}: give "
                             "one of those folders")
+        parent = os.path.dirname(os.path.normpath(path))
+        if os.path.basename(os.path.normpath(path)) == "dump_tensor_data" and \
+                is_msprobe_dump(parent):
+            raise UserError(f"{option}{path}: the tensor files of an msprobe dump: give its "
+                            f"folder, {parent}")
         raise UserError(f"{option}{path}: no dump files (*.h5 or *.h5.partial) found")
     if below:
         notes.append(f"msprobe dump(s) in {', '.join(below[:4])} not read with the srdd dumps "
