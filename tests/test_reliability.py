@@ -574,6 +574,15 @@ def test_forwards_srdd_dump_does_not_capture_keep_a_serving_file_open():
     assert finished and finished[0] >= end + 1.5
 
 
+def _ends_by_sigterm_with_one_finished_round(script, folder) -> None:
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == -signal.SIGTERM and "survived" not in proc.stdout, proc.stderr
+    (path,) = find_dump_files(str(folder))
+    with DumpReader(path) as r:
+        assert r.complete and len(r.rounds) == 1
+
+
 def test_sigterm_inside_a_capture_hook_finishes_the_file_and_ends_the_process(tmp_path):
     """SIGTERM lands while a capture hook holds the writer queue's lock: the handler only wakes
     a thread, which finishes the file once the lock is free and then ends the process by
@@ -605,12 +614,7 @@ def test_sigterm_inside_a_capture_hook_finishes_the_file_and_ends_the_process(tm
             time.sleep(30)
         print("survived")
     """))
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                          timeout=120)
-    assert proc.returncode == -signal.SIGTERM and "survived" not in proc.stdout, proc.stderr
-    (path,) = find_dump_files(str(tmp_path / "d"))
-    with DumpReader(path) as r:
-        assert r.complete and len(r.rounds) == 1
+    _ends_by_sigterm_with_one_finished_round(script, tmp_path / "d")
 
 
 def test_a_session_dropped_in_another_thread_is_finished_by_a_sigterm(tmp_path):
@@ -645,9 +649,4 @@ def test_a_session_dropped_in_another_thread_is_finished_by_a_sigterm(tmp_path):
         time.sleep(30)
         print("survived")
     """))
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                          timeout=120)
-    assert proc.returncode == -signal.SIGTERM and "survived" not in proc.stdout, proc.stderr
-    (path,) = find_dump_files(str(tmp_path / "d"))
-    with DumpReader(path) as r:
-        assert r.complete and len(r.rounds) == 1
+    _ends_by_sigterm_with_one_finished_round(script, tmp_path / "d")

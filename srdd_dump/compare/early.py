@@ -8,7 +8,7 @@ modules load while the records are read.
 from __future__ import annotations
 
 from ..vocabulary import NORM
-from .pipeline import default_jobs, prestart
+from .pipeline import default_jobs, prestart, workers_started
 from .signal_reader import (
     SignalTask,
     chunks,
@@ -27,6 +27,8 @@ def start_workers(path: str, jobs: int | None = None, run: str | None = None,
     """Start the worker processes ``compare_path(path, jobs=jobs, run=run)`` will use, now
     (``fork``: forked where safe, by a process that has opened no file yet). Nothing happens
     on any error (the compare itself reports it) or for an msprobe dump not yet converted."""
+    if workers_started():  # the command started them from its raw options already
+        return
     try:
         paths, _, _ = locate(path, run=run, convert=False)
         if paths:

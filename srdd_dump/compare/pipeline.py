@@ -82,6 +82,11 @@ def prestart(jobs: int, task_module: str, fork: bool = False) -> None:
                                  fork=fork))
 
 
+def workers_started() -> bool:
+    """Whether ``prestart`` started workers that no scan took yet."""
+    return _started is not None
+
+
 def discard_started() -> None:
     """End the workers ``prestart`` started if no scan took them."""
     global _started
