@@ -125,7 +125,7 @@ def phases_note(signals: list[Signals]) -> str:
         return ""
     if not any(g.probed_samples for g in decode):
         return " (prefill and decode steps, decode unprobed)"
-    blocks = [g for g in decode if g.site == s.BLOCK_SITE]
+    blocks = [g for g in decode if g.site == s.BLOCK_SITE and g.layer >= 0]  # no stack input
     probed = sum(1 for g in blocks if g.probed_samples)
     if 0 < probed < len(blocks):
         return f" (prefill and decode steps, decode probed at {probed} of {len(blocks)} layers)"
