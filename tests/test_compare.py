@@ -526,6 +526,28 @@ def test_the_command_with_forked_workers_writes_the_one_process_report(tmp_path)
     assert reports[0] == reports[1]
 
 
+def test_a_workers_head_start_is_the_task_the_compare_plans(tmp_path):
+    """A worker started early plans on its own and reads the task the compare will hand it:
+    the same task (so its result is used) and the same result; past the plan's end, none."""
+    from srdd_dump.compare.early import head_start, plan
+    from srdd_dump.compare.readers import close_readers
+    from srdd_dump.compare.signal_reader import run_task
+    from srdd_dump.compare.sources import inspect_all, locate
+
+    folder = str(tmp_path / "dumps")
+    for rank in range(2):
+        faulty_dump(folder, name=f"run_rank{rank}.h5")
+    try:
+        tasks = plan(inspect_all(*locate(folder)).files, 2)
+        for i in (0, 1):
+            task, result = head_start(i, folder, 2, None)
+            assert task == tasks[i] and repr(result) == repr(run_task(tasks[i]))
+        assert head_start(len(tasks), folder, 2, None) == (None, None)
+        assert head_start(0, str(tmp_path / "missing"), 2, None) == (None, None)
+    finally:
+        close_readers()
+
+
 def test_workers_are_forked_only_from_a_clean_process(monkeypatch):
     from srdd_dump.runtime.pool import can_fork
 

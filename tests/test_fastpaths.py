@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import os
+import subprocess
 import sys
 import threading
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
@@ -236,26 +238,31 @@ def test_direct_chunk_reads_match_h5py(tmp_path):
         holes = f.create_dataset("holes", shape=(1000, 24), dtype=np.float32, chunks=(37, 24))
         holes[:100] = data[:100]
         holes[500:600] = data[500:600]
-    fd, size = open_file(path)
+    file = open_file(path)
     try:
         with h5py.File(path, "r") as f:
+            base = int(f.userblock_size)
             for name in ("plain", "u2"):
                 ds = f[name]
-                rows = ChunkRows.open(ds, fd, size, int(f.userblock_size))
+                rows = ChunkRows.open(ds, file, base)
                 assert rows is not None
                 for a, b in [(0, 1), (0, 1000), (36, 38), (37, 74), (999, 1000), (5, 5),
                              (123, 777)]:
                     assert rows.read(a, b).tobytes() == ds[a:b].tobytes()
+                    assert rows.rows(a, b).tobytes() == ds[a:b].tobytes()
+                # rows inside one chunk are a view of the file's map, which nothing can write
+                view = rows.view(40, 60)
+                assert view is not None and view.tobytes() == ds[40:60].tobytes()
+                assert not view.flags.writeable
             for name in ("gzip", "cols"):  # h5py answers
-                assert ChunkRows.open(f[name], fd, size, int(f.userblock_size)) is None
-            holes = ChunkRows.open(f["holes"], fd, size, int(f.userblock_size))
+                assert ChunkRows.open(f[name], file, base) is None
+            holes = ChunkRows.open(f["holes"], file, base)
             assert holes is not None
-            assert holes.read(0, 100).tobytes() == data[:100].tobytes()
-            assert holes.read(100, 200) is None  # never written: HDF5's fill value
+            assert holes.rows(0, 100).tobytes() == data[:100].tobytes()
+            assert holes.rows(100, 200) is None  # never written: HDF5's fill value
+            assert holes.view(90, 120) is None  # the chunk after 74:111 is not in the file
     finally:
-        import os
-
-        os.close(fd)
+        file.close()
 
 
 def test_log_sum_exp_streamed_matches_one_pass():
@@ -348,6 +355,49 @@ def test_share_runs_every_task_once_in_order():
     assert out == [t * t for t in range(40)]
     assert sorted(t for _, t in ran) == list(range(40))
     assert {w for w, _ in ran} == {"here", "worker"} and len(finished) == 40
+
+
+def test_share_uses_a_head_start_only_for_the_task_it_planned():
+    """A head start's result stands for the scan's task of its index when the worker planned
+    the same task; a task planned otherwise (the files changed in between) runs again here.
+    Either way every task's result is the scan's own."""
+    from srdd_dump.runtime.pool import share
+
+    ran: list[int] = []
+
+    def here(t):
+        ran.append(t)
+        return t * t
+
+    for planned, reran in (([0, 1], []), ([0, 99], [1])):
+        ran.clear()
+
+        heads = [_SynchronousExecutor().submit(lambda t=t: (t, t * t)) for t in planned]
+        out = share(list(range(10)), here, lambda t: t * t, _SynchronousExecutor(), 2,
+                    heads=heads)
+        assert out == [t * t for t in range(10)]
+        assert set(ran) & {0, 1} == set(reran)
+
+
+def test_blas_loaded_at_one_thread_leaves_the_environment_alone():
+    """srdd-compare's process loads numpy's BLAS at one thread (its idle threads would spin,
+    and again in every forked worker), without passing the setting to what it runs later."""
+    code = (
+        "import os, subprocess, sys\n"
+        "import srdd_dump.cli.compare\n"
+        "from threadpoolctl import threadpool_info\n"
+        "print([i['num_threads'] for i in threadpool_info() if i['user_api'] == 'blas'])\n"
+        "print(os.environ.get('OPENBLAS_NUM_THREADS'), os.environ.get('OMP_NUM_THREADS'))\n"
+    )
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env=env, check=True).stdout.splitlines()
+    assert out[0] == "[1]" and out[1] == "None None"
+    env["OPENBLAS_NUM_THREADS"] = "2"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env=env, check=True).stdout.splitlines()
+    assert out[0] == "[1]" and out[1] == "2 None"
 
 
 def test_share_raises_a_workers_error_and_hands_out_nothing_more():

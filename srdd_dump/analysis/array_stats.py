@@ -53,20 +53,27 @@ def std(x: np.ndarray) -> float:
 
 def fraction(mask: np.ndarray) -> float:
     """``np.mean(mask)`` of a boolean array, without converting it to float64."""
-    return np.count_nonzero(mask) / mask.size if mask.size else float("nan")
+    return int(np.count_nonzero(mask)) / mask.size if mask.size else float("nan")
 
 
-def pileup(x: np.ndarray, bins: int = PILEUP_BINS) -> float:
-    """Edge-bin pile-up of ``np.histogram(x, bins)`` (``x``: finite values, 1-D).
+def pileup(x: np.ndarray, bins: int = PILEUP_BINS,
+           extremes: tuple[np.ndarray, np.ndarray] | None = None) -> float:
+    """Edge-bin pile-up of ``np.histogram(x, bins)`` (``x``: finite values).
 
     Only bins 0, 2, 3 and -4, -3, -1 are used. Each is counted by comparing ``x`` with numpy's
     own edges (same linspace, same dtype): numpy's histogram puts a value in bin i exactly when
     edges[i] <= x < edges[i + 1] (the last bin closed). Two passes over ``x`` take the values
     of the four outer bins each side, the counts come from those; binning them costs far more
-    when one huge outlier puts nearly every value there."""
+    when one huge outlier puts nearly every value there. ``extremes``: ``channel_extremes`` of
+    2-D ``x`` (rows): the outer bins' values are then taken from the channels that reach them
+    only (an activation's range is set by a few outlier channels: a tenth of the passes)."""
     if x.size < 10 * bins:
         return float("nan")
-    lo, hi = x.min(), x.max()
+    if extremes is not None:
+        lo, hi = extremes[1].min(), extremes[0].max()
+    else:
+        x = x.reshape(-1)
+        lo, hi = x.min(), x.max()
     if lo == hi:
         return float("nan")
     dtype = np.result_type(lo, hi, x)
@@ -74,14 +81,24 @@ def pileup(x: np.ndarray, bins: int = PILEUP_BINS) -> float:
     if np.any(edges[:-1] >= edges[1:]):
         return float("nan")  # a range of a few ulps: no 100 distinct bins (numpy refuses too)
     x = x.astype(dtype, copy=False)
+    low_in, high_in = x, x
+    if extremes is not None:
+        low_in = _columns_reaching(x, extremes[1] < edges[4])
+        high_in = _columns_reaching(x, extremes[0] >= edges[bins - 4])
     # the values of the four outer bins each side, taken once; their counts from those
-    low, high = x[x < edges[4]], x[x >= edges[bins - 4]]
+    low, high = low_in[low_in < edges[4]], high_in[high_in >= edges[bins - 4]]
     below = [np.count_nonzero(low < edges[k]) for k in (1, 2, 3)] + [low.size]
     above = [high.size] + [np.count_nonzero(high >= edges[k])
                            for k in (bins - 3, bins - 2, bins - 1)]
     left_edge, left = below[0], ((below[2] - below[1]) + (below[3] - below[2])) / 2
     right_edge, right = above[3], ((above[0] - above[1]) + (above[1] - above[2])) / 2
     return float(max(right_edge / max(1.0, right), left_edge / max(1.0, left)))
+
+
+def _columns_reaching(rows: np.ndarray, reaching: np.ndarray) -> np.ndarray:
+    """The columns of 2-D ``rows`` where ``reaching`` holds, or every column when most do."""
+    columns = np.flatnonzero(reaching)
+    return rows[:, columns] if columns.size < rows.shape[1] // 2 else rows
 
 
 def median(x: np.ndarray) -> float:
@@ -227,8 +244,8 @@ def ties(rows: np.ndarray, candidates: int = TIE_CANDIDATES, distinct: bool = Fa
     if rows.shape[0] < 2:
         return float("nan"), float("nan")
     hi, lo = extremes if extremes is not None and distinct else channel_extremes(rows)
-    at_hi = np.where(hi > 0, np.add.reduce(rows == hi, axis=0, dtype=np.int32), 1)
-    at_lo = np.where(lo < 0, np.add.reduce(rows == lo, axis=0, dtype=np.int32), 1)
+    at_hi = np.where(hi > 0, _count_at(rows, hi), 1)
+    at_lo = np.where(lo < 0, _count_at(rows, lo), 1)
     count = int(max(at_hi.max(), at_lo.max()))
     if count < 2:
         return float(count), 1.0
@@ -248,6 +265,17 @@ def ties(rows: np.ndarray, candidates: int = TIE_CANDIDATES, distinct: bool = Fa
             neighbours = float(np.mean(counts[-2:])) if counts.size else 1.0
             best = max(best, (n / max(1.0, neighbours), n))
     return float(count), float(best[0])
+
+
+def _count_at(rows: np.ndarray, extreme: np.ndarray) -> np.ndarray:
+    """Per column, the rows equal to ``extreme`` (a value of each column of ``rows``): int32.
+    Usually every column holds its extreme once, which one count proves; else the counts are
+    summed as bytes (half the time of a sum of booleans into int32)."""
+    equal = rows == extreme
+    if np.count_nonzero(equal) == rows.shape[1]:
+        return np.ones(rows.shape[1], dtype=np.int32)
+    wide = np.uint16 if rows.shape[0] < 1 << 16 else np.int32
+    return np.add.reduce(equal.view(np.uint8), axis=0, dtype=wide).astype(np.int32)
 
 
 def batch_dependence(ref: np.ndarray, clean: np.ndarray) -> tuple[float, float, float]:
@@ -305,7 +333,7 @@ def channel_signals(u: np.ndarray, out: np.ndarray, distinct: bool = False,
     hi, lo = extremes if extremes is not None and distinct else channel_extremes(out)
     with np.errstate(invalid="ignore"):  # inf - inf
         constant = ((hi - lo) == 0) & (out[0] != 0)  # np.ptp(out, axis=0) == 0
-    return dce, cons, float(np.mean(constant))
+    return dce, cons, fraction(constant)
 
 
 def at_row_extreme(rows: np.ndarray) -> np.ndarray:

@@ -35,9 +35,12 @@ class Moments:
     nan_count: int = 0
     inf_count: int = 0
 
-    def add(self, array: np.ndarray) -> Moments:
-        """Fold in every element of ``array`` (any shape, any real dtype). Returns self."""
+    def add(self, array: np.ndarray, bounds: tuple[float, float] | None = None) -> Moments:
+        """Fold in every element of ``array`` (any shape, any real dtype). Returns self.
+        ``bounds``: the array's (min, max) when known, both finite (not looked for again)."""
         flat = np.asarray(array).reshape(-1)
+        if bounds is not None and flat.size <= BLOCK:
+            return self.merge(_block_moments(flat, bounds))
         for start in range(0, flat.size, BLOCK):
             self.merge(_block_moments(flat[start : start + BLOCK]))
         return self
@@ -113,13 +116,14 @@ class Moments:
         return self.zeros / self.count if self.count else 0.0
 
 
-def _block_moments(block: np.ndarray) -> Moments:
+def _block_moments(block: np.ndarray, bounds: tuple[float, float] | None = None) -> Moments:
     out = Moments()
     if block.size == 0:
         return out
     # NaN propagates through max and an Inf is the max or the min: two finite values prove
     # the block finite without a mask
-    lo, hi = float(block.min()), float(block.max())
+    lo, hi = (float(bounds[0]), float(bounds[1])) if bounds is not None else (
+        float(block.min()), float(block.max()))
     if not (math.isfinite(lo) and math.isfinite(hi)):
         finite = np.isfinite(block)
         out.nan_count = int(np.count_nonzero(np.isnan(block)))

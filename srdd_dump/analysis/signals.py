@@ -170,17 +170,22 @@ def round_stats(
         x, before, rows, probes = _valid_rows(x, before, rows, probes, valid)
         if not x.size:
             return None
-    moments = Moments().add(x)
+    # the channels' extremes first: they prove the record finite and give its range to the
+    # moments and the pile-up, and they are the distinct rows' extremes too (the same values),
+    # which the tie count and the stuck channels use
+    x_rows = st.rows_of(x)
+    extremes = st.channel_extremes(x_rows) if x.size else None
+    bounds = (extremes[1].min(), extremes[0].max()) if extremes is not None else None
+    finite_bounds = bounds is not None and bool(np.isfinite(bounds[0]) & np.isfinite(bounds[1]))
+    moments = Moments().add(x, bounds if finite_bounds else None)
     out = RoundStats(sample=sample, dtype=dtype, moments=moments)
     out.rows = float(x.size // x.shape[-1]) if x.ndim else 0.0
     all_finite = moments.nonfinite == 0
     fin = None if all_finite else np.isfinite(x)
     finite = x.reshape(-1) if all_finite else x[fin]
-    out.pileup = st.pileup(finite)
-    # the distinct rows and their channels' extremes: shared by the tie count and the stuck
-    # channels
-    distinct = st.unique_rows(st.rows_of(x))
-    extremes = st.channel_extremes(distinct) if all_finite else None
+    out.pileup = st.pileup(x_rows, extremes=extremes) if all_finite else st.pileup(finite)
+    distinct = st.unique_rows(x_rows)
+    extremes = extremes if all_finite else None
     out.ties, out.tie_excess = st.ties(
         distinct if all_finite else st.unique_rows(st.rows_of(np.where(fin, x, 0.0))),
         distinct=True, extremes=extremes)
@@ -206,16 +211,16 @@ def round_stats(
         nnz = finite.size - moments.zeros  # the moments counted the finite zeros (+-0.0)
         if nnz:
             # a zero's low bits are 0 (the masks leave the sign bit out): every zero is "low"
-            low = np.count_nonzero((finite.view(np.uint32) & np.uint32(mask)) == 0)
+            low = finite.size - np.count_nonzero(finite.view(np.uint32) & np.uint32(mask))
             out.lowbits = (low - moments.zeros) / nnz
-    out.grid = st.grid_rows(st.rows_of(x), dtype)
+    out.grid = st.grid_rows(x_rows, dtype)
     if rows is not None and probes:
         if rows.size and int(rows.max()) >= x.size // x.shape[-1]:
             rows = rows[:0]  # a model-level operator (rotary) has fewer rows than the round
         row_pos = positions[rows] if positions is not None and rows.size and \
             positions.size > int(rows.max()) else None
-        _identities(out, st.rows_of(x), rows, row_pos, probes, dtype)
-        _probes(out, st.rows_of(x)[rows], probes)
+        _identities(out, x_rows, rows, row_pos, probes, dtype)
+        _probes(out, x_rows[rows], probes)
     return out
 
 

@@ -1,11 +1,14 @@
 """What the reference-free compare does before it reads a record: its worker processes started
 first, before the imports and the inspection of the files (``start_workers``: the CLI calls it
 as soon as its options are parsed, and ``api.compare_path`` takes the workers through
-``pipeline.prestart``), and its tasks planned (``plan``). Imports no pandas: the report tables'
-modules load while the records are read.
+``pipeline.prestart``), each already reading its first task (``head_start``), and its tasks
+planned (``plan``). Imports no pandas: the report tables' modules load while the records are
+read.
 """
 
 from __future__ import annotations
+
+import functools
 
 from ..vocabulary import NORM
 from .pipeline import default_jobs, prestart, workers_started
@@ -17,7 +20,7 @@ from .signal_reader import (
     run_task,
     with_experts,
 )
-from .sources import DumpFile, locate
+from .sources import DumpFile, inspect_all, locate
 
 SIGNAL_TASKS = run_task.__module__  # the module a reference-free worker runs tasks of
 
@@ -25,16 +28,34 @@ SIGNAL_TASKS = run_task.__module__  # the module a reference-free worker runs ta
 def start_workers(path: str, jobs: int | None = None, run: str | None = None,
                   fork: bool = False) -> None:
     """Start the worker processes ``compare_path(path, jobs=jobs, run=run)`` will use, now
-    (``fork``: forked where safe, by a process that has opened no file yet). Nothing happens
-    on any error (the compare itself reports it) or for an msprobe dump not yet converted."""
+    (``fork``: forked where safe, by a process that has opened no file yet), each reading its
+    first task (``head_start``) while this process gets ready. Nothing happens on any error
+    (the compare itself reports it) or for an msprobe dump not yet converted."""
     if workers_started():  # the command started them from its raw options already
         return
     try:
         paths, _, _ = locate(path, run=run, convert=False)
         if paths:
-            prestart(default_jobs(paths) if jobs is None else jobs, SIGNAL_TASKS, fork=fork)
+            jobs = default_jobs(paths) if jobs is None else jobs
+            prestart(jobs, SIGNAL_TASKS, fork=fork,
+                     head=functools.partial(head_start, path=path, jobs=jobs, run=run))
     except Exception:  # noqa: BLE001 (the compare reports it)
         pass
+
+
+def head_start(i: int, path: str, jobs: int, run: str | None
+               ) -> tuple[SignalTask | None, list | str | None]:
+    """In a worker: task ``i`` of the plan ``compare_path(path, jobs=jobs, run=run)`` makes,
+    planned here from the files as they are now, and its result (``run_task``); (None, None)
+    when there is none or anything fails (the compare then runs it itself). The worker starts
+    reading while the command converts its options and inspects the files (0.1 s on 2 cores),
+    at the cost of an inspection of its own (20 ms)."""
+    try:
+        paths, root, note = locate(path, run=run, convert=False)
+        tasks = plan(inspect_all(paths, root, note).files, jobs)
+        return (tasks[i], run_task(tasks[i])) if i < len(tasks) else (None, None)
+    except Exception:  # noqa: BLE001 (the compare reports it)
+        return None, None
 
 
 def plan(files: list[DumpFile], jobs: int) -> list[SignalTask]:

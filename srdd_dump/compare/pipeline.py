@@ -16,7 +16,7 @@ import os
 import sys
 import threading
 from collections.abc import Iterable, Iterator, Sequence
-from concurrent.futures import BrokenExecutor, ProcessPoolExecutor
+from concurrent.futures import BrokenExecutor, Future, ProcessPoolExecutor
 from typing import Callable, TypeVar
 
 from ..analysis import sums
@@ -61,25 +61,30 @@ def default_jobs(files: Iterable) -> int:
     return max(1, min(usable_cores(), size // BYTES_PER_JOB + 1))
 
 
-# Workers started before the files are inspected (``prestart``): (jobs, the pool), taken by the
-# next ``scan`` with as many jobs.
-_started: tuple[int, ProcessPoolExecutor] | None = None
+# Workers started before the files are inspected (``prestart``): (jobs, the pool, the futures
+# of their head starts), taken by the next ``scan`` with as many jobs.
+_started: tuple[int, ProcessPoolExecutor, list[Future]] | None = None
 
 
-def prestart(jobs: int, task_module: str, fork: bool = False) -> None:
+def prestart(jobs: int, task_module: str, fork: bool = False,
+             head: Callable[[int], tuple[object, object]] | None = None) -> None:
     """Start the ``jobs - 1`` workers of the next scan now, each importing ``task_module``
     (the module of the tasks it will run): a spawned worker takes 0.2-0.3 s to start, which
     then passes while this process inspects the files and plans (and imports what it needs
     after that), not while the work waits. ``fork``: forked where that is safe
-    (``runtime.pool.can_fork``), for a caller that has opened no file yet. Nothing happens
-    with one job or when workers are already started; ``discard_started`` ends workers no
-    scan took."""
+    (``runtime.pool.can_fork``), for a caller that has opened no file yet. ``head``: a
+    module-level function, ``head(i)`` -> (task, result): the i-th task of the plan this
+    process will make, planned by a worker on its own, and its result; worker i runs it at
+    once instead of waiting for this process's plan (``runtime.pool.share`` uses the result
+    where the task is the scan's i-th). Nothing happens with one job or when workers are
+    already started; ``discard_started`` ends workers no scan took."""
     global _started
     if jobs <= 1 or _started is not None:
         return
     init = functools.partial(_init_worker, keeps_freed_memory())
-    _started = (jobs, start_pool(jobs - 1, init, functools.partial(_import, task_module),
-                                 fork=fork))
+    pool = start_pool(jobs - 1, init, functools.partial(_import, task_module), fork=fork)
+    heads = [pool.submit(head, i) for i in range(jobs - 1)] if head is not None else []
+    _started = (jobs, pool, heads)
 
 
 def workers_started() -> bool:
@@ -95,13 +100,13 @@ def discard_started() -> None:
         pool.shutdown(wait=True, cancel_futures=True)  # gone before this process leaves
 
 
-def _take(jobs: int) -> ProcessPoolExecutor | None:
+def _take(jobs: int) -> tuple[ProcessPoolExecutor | None, list[Future]]:
     global _started
     if _started is None or _started[0] != jobs:
         discard_started()
-        return None
-    pool, _started = _started[1], None
-    return pool
+        return None, []
+    (_, pool, heads), _started = _started, None
+    return pool, heads
 
 
 def _import(module: str) -> None:
@@ -130,11 +135,11 @@ def scan(
 ) -> list[R]:
     """``[run_task(t) for t in tasks]`` on ``jobs`` processes, in task order."""
     init = functools.partial(_init_worker, keeps_freed_memory())
-    pool = _take(jobs)
+    pool, heads = _take(jobs)
     with single_threaded_kernels():
         try:
             return run_tasks(run_task, tasks, jobs, show=progress, desc=desc, worker_init=init,
-                             pool=pool)
+                             pool=pool, heads=heads)
         except BrokenExecutor:
             if jobs <= 1:
                 raise

@@ -34,14 +34,22 @@ def keep_freed_memory() -> bool:
     if not sys.platform.startswith("linux"):
         return False
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
+        mallopt = _mallopt()
     except (OSError, AttributeError):
         return False
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     ok = bool(mallopt(M_MMAP_THRESHOLD, MMAP_BYTES)) and bool(mallopt(M_TRIM_THRESHOLD, TRIM_BYTES))
     _done = ok
     return ok
+
+
+def _mallopt():
+    """glibc's mallopt: among the process's own symbols (``find_library`` runs ``ldconfig -p``,
+    10 ms before a command can start), else from the C library found by name."""
+    try:
+        return ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallopt
 
 
 def keeps_freed_memory() -> bool:

@@ -15,8 +15,6 @@ from concurrent.futures import CancelledError, Executor, Future, ProcessPoolExec
 from importlib.machinery import ModuleSpec
 from typing import Callable, TypeVar
 
-from tqdm import tqdm
-
 from ..errors import UserError
 
 T = TypeVar("T")
@@ -35,7 +33,7 @@ def check_can_spawn(jobs: int) -> None:
 def run_tasks(
     fn: Callable[[T], R], tasks: Sequence[T], jobs: int = 1, *, show: bool = False,
     desc: str = "compare", worker_init: Callable[[], object] | None = None,
-    pool: ProcessPoolExecutor | None = None,
+    pool: ProcessPoolExecutor | None = None, heads: Sequence[Future] = (),
 ) -> list[R]:
     """``[fn(t) for t in tasks]``, shared by ``jobs`` processes when jobs > 1: this one and
     ``jobs - 1`` spawned workers (``worker_init`` runs once in each). Each task goes to whoever
@@ -44,9 +42,14 @@ def run_tasks(
     ``fn`` and ``worker_init`` must be module-level functions (or partials of them). Workers
     are spawned: the parent may hold HDF5 or torch state that a fork would copy.
     ``pool``: the ``jobs - 1`` workers started earlier (``start_pool``), used and shut down
-    here.
+    here; ``heads``: its head starts (``share``).
     """
-    bar = tqdm(total=len(tasks), desc=desc, unit="task", disable=not show, leave=False)
+    bar = None
+    if show:  # tqdm imported and made only then: its monitor thread costs a start-up too
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(tasks), desc=desc, unit="task", leave=False)
+    done = bar.update if bar is not None else _nothing
     try:
         if jobs <= 1 or len(tasks) <= 1:
             if pool is not None:
@@ -54,27 +57,39 @@ def run_tasks(
             out = []
             for task in tasks:
                 out.append(fn(task))
-                bar.update()
+                done()
             return out
         workers = min(jobs - 1, len(tasks))
-        with pool if pool is not None else start_pool(workers, worker_init) as running:
-            return share(tasks, fn, fn, running, workers, bar.update)
+        running = pool if pool is not None else start_pool(workers, worker_init)
+        try:
+            return share(tasks, fn, fn, running, workers, done, heads[:workers])
+        finally:
+            # forked workers end on their own once told: not waited for (20 ms at the end of
+            # every compare); spawned ones are, as their semaphores are the resource tracker's
+            running.shutdown(wait=not getattr(running, "forked", False), cancel_futures=True)
     finally:
-        bar.close()
+        if bar is not None:
+            bar.close()
+
+
+class WorkerPool(ProcessPoolExecutor):
+    """A pool of ``start_pool``: ``forked`` says how its workers were started."""
+
+    forked = False
 
 
 def start_pool(workers: int, initializer: Callable[[], object] | None = None,
                warm: Callable[[], object] | None = None, fork: bool = False
-               ) -> ProcessPoolExecutor:
+               ) -> WorkerPool:
     """``workers`` worker processes, each running ``initializer`` first, started now (each is
     handed ``warm``, a module-level function, e.g. one that imports what its tasks need), not
     at the first task. They are spawned; ``fork``: forked where ``can_fork`` (a worker then
     starts in milliseconds with this process's imports, not in about 0.2 s of CPU)."""
     check_can_spawn(workers + 1)
     method = "fork" if fork and can_fork() else "spawn"
-    pool = ProcessPoolExecutor(max_workers=max(1, workers),
-                               mp_context=multiprocessing.get_context(method),
-                               initializer=functools.partial(_orphan_proof, initializer))
+    pool = WorkerPool(max_workers=max(1, workers), mp_context=multiprocessing.get_context(method),
+                      initializer=functools.partial(_orphan_proof, initializer))
+    pool.forked = method == "fork"
     with _main_left_alone():
         for _ in range(max(1, workers)):
             pool.submit(warm or _nothing)
@@ -144,19 +159,23 @@ def _main_left_alone() -> Iterator[None]:
 def share(
     tasks: Sequence[T], local: Callable[[T], R], remote: Callable[[T], R],
     pool: Executor, workers: int, done: Callable[[], object] | None = None,
+    heads: Sequence[Future] = (),
 ) -> list[R]:
     """``[local(t) for t in tasks]``, with ``workers`` processes of ``pool`` running
     ``remote(t)`` (module-level) alongside this one. Tasks are handed out in order to whoever is
     free first: a worker gets its next task the moment it returns one (a done callback), this
     process takes the next when it finishes its own. Nothing waits queued behind a busy
     process, so at the end nobody idles while another still has a queued task. ``done`` is
-    called once per finished task.
+    called once per finished task. ``heads``: futures the workers already run (at most
+    ``workers``), the i-th giving (task, result) for ``tasks[i]``, planned on its own: its
+    result is used when its task equals ``tasks[i]``, else that task runs here too.
 
     The first error stops the hand-out: a worker's (or a pool that broke) is raised here as
     soon as this process finishes the task in hand; one raised here stops the workers getting
     more. Tasks already running in workers are not waited for then."""
     results: list = [None] * len(tasks)
-    order = iter(range(len(tasks)))
+    heads = list(heads)[: min(workers, len(tasks))]
+    order = iter(range(len(heads), len(tasks)))
     lock = threading.Lock()
     futures: list[tuple[Future, int]] = []
     failed: list[BaseException] = []  # the first error stops the hand-out
@@ -182,7 +201,11 @@ def share(
         fut.add_done_callback(feed)
 
     try:
-        for _ in range(workers):
+        with lock:
+            futures += [(head, i) for i, head in enumerate(heads)]
+        for head in heads:
+            head.add_done_callback(feed)
+        for _ in range(workers - len(heads)):
             feed()
         while not failed:
             with lock:
@@ -198,6 +221,10 @@ def share(
         if failed:
             raise failed[0]
         results[n] = fut.result()
+        if n < len(heads):
+            task, results[n] = results[n]
+            if task != tasks[n]:  # planned otherwise (a file changed between the plans)
+                results[n] = local(tasks[n])
     if failed:
         raise failed[0]
     return results
