@@ -16,7 +16,7 @@ import typer
 
 from srdd_dump.analysis.tolerance import AUTO, MSPROBE_COSINE, InvalidThresholds, Thresholds
 from srdd_dump.errors import UserError, first_line
-from srdd_dump.runtime.memory import keep_freed_memory
+from srdd_dump.runtime.memory import fewer_collections, keep_freed_memory
 from srdd_dump.runtime.watchdog import arm, leave, supervise
 from srdd_dump.version import __version__
 
@@ -248,12 +248,18 @@ def start_workers_early(argv: list[str]) -> None:
 def run_command() -> None:
     """The command as the watched child runs it (``main``: the watchdog around it)."""
     start_workers_early(sys.argv[1:])
-    app(prog_name=PROG)
+    try:
+        app(prog_name=PROG)
+    finally:
+        from srdd_dump.runtime.pool import reap
+
+        reap()  # the workers told to end at the scan's end, ended by now
 
 
 def main() -> None:
     # Process-wide settings belong to the entry point, not to a library call.
     keep_freed_memory()
+    fewer_collections()
     # The command runs in a child process, so a read that hangs inside HDF5 ends in one line.
     leave(supervise(run_command, PROG))
 

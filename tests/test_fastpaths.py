@@ -379,6 +379,24 @@ def test_share_uses_a_head_start_only_for_the_task_it_planned():
         assert set(ran) & {0, 1} == set(reran)
 
 
+def test_forked_workers_released_at_the_scans_end_are_reaped_before_the_command_ends():
+    """A forked pool is told to end without waiting (its workers end while the report is
+    written), and ``reap`` waits for them: no worker outlives the command as an orphan."""
+    code = (
+        "import multiprocessing, os\n"
+        "from srdd_dump.runtime.pool import release, reap, start_pool\n"
+        "pool = start_pool(2, fork=True)\n"
+        "print(pool.forked, pool.submit(os.getpid).result() != os.getpid())\n"
+        "release(pool)\n"
+        "reap()\n"
+        "print(multiprocessing.active_children())\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, timeout=60)
+    assert out.stdout.splitlines() == [f"{sys.platform.startswith('linux')} True", "[]"]
+    assert out.stderr == ""
+
+
 def test_blas_loaded_at_one_thread_leaves_the_environment_alone():
     """srdd-compare's process loads numpy's BLAS at one thread (its idle threads would spin,
     and again in every forked worker), without passing the setting to what it runs later."""

@@ -64,9 +64,7 @@ def run_tasks(
         try:
             return share(tasks, fn, fn, running, workers, done, heads[:workers])
         finally:
-            # forked workers end on their own once told: not waited for (20 ms at the end of
-            # every compare); spawned ones are, as their semaphores are the resource tracker's
-            running.shutdown(wait=not getattr(running, "forked", False), cancel_futures=True)
+            release(running)
     finally:
         if bar is not None:
             bar.close()
@@ -76,6 +74,28 @@ class WorkerPool(ProcessPoolExecutor):
     """A pool of ``start_pool``: ``forked`` says how its workers were started."""
 
     forked = False
+
+
+_ending: list[threading.Thread] = []  # shutdowns of forked pools, waited for by ``reap``
+
+
+def release(pool: ProcessPoolExecutor) -> None:
+    """Shut ``pool`` down. A forked one ends on a thread of its own, waited for by ``reap``:
+    its workers end while this process writes its report (20 ms at the end of every
+    compare). A spawned one now: the resource tracker holds its semaphores until then."""
+    if not getattr(pool, "forked", False):
+        pool.shutdown(wait=True, cancel_futures=True)
+        return
+    ending = threading.Thread(target=pool.shutdown, kwargs={"cancel_futures": True},
+                              name="srdd-pool-end")
+    ending.start()
+    _ending.append(ending)
+
+
+def reap() -> None:
+    """Wait for the pools ``release`` left ending: no worker outlives this process."""
+    while _ending:
+        _ending.pop().join()
 
 
 def start_pool(workers: int, initializer: Callable[[], object] | None = None,
