@@ -223,6 +223,17 @@ def test_worker_processes_give_the_same_report(tmp_path):
     assert one.sites.equals(two.sites)
 
 
+def _mapped_bytes(path: str) -> int:
+    """Bytes of ``path`` this process maps now (Linux)."""
+    total = 0
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            if line.rstrip().endswith(path):
+                lo, hi = line.split()[0].split("-")
+                total += int(hi, 16) - int(lo, 16)
+    return total
+
+
 def test_direct_chunk_reads_match_h5py(tmp_path):
     import h5py
 
@@ -254,6 +265,10 @@ def test_direct_chunk_reads_match_h5py(tmp_path):
                 view = rows.view(40, 60)
                 assert view is not None and view.tobytes() == ds[40:60].tobytes()
                 assert not view.flags.writeable
+                if os.path.exists("/proc/self/maps"):  # the rows' bytes mapped, not the file
+                    assert 0 < _mapped_bytes(path) < 3 * 4096 + view.nbytes
+                    del view
+                    assert _mapped_bytes(path) == 0  # unmapped with the last array
             for name in ("gzip", "cols"):  # h5py answers
                 assert ChunkRows.open(f[name], file, base) is None
             holes = ChunkRows.open(f["holes"], file, base)

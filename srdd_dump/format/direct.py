@@ -4,9 +4,10 @@ The /data sets of a dump are chunked by whole rows and stored without filters, s
 ``start:stop`` are one or a few contiguous byte ranges of the file. HDF5's own slicing copies
 them at about 3.8 GB/s here (per-chunk bookkeeping, a chunk cache for the partial chunks);
 ``os.preadv`` into the result array copies them once, at about 6.6 GB/s from the page cache,
-and costs 39 us instead of 63 us for a 121 x 576 float32 record. Where the file is mapped
-(``DirectFile``), rows whose chunks lie one after another in the file are not copied at all:
-they are a read-only view of the map (the compare of an 834 MB dump then spends 7% less CPU).
+and costs 39 us instead of 63 us for a 121 x 576 float32 record. Where the system maps
+files, rows whose chunks lie one after another in the file are not copied at all: they are a
+read-only view of a map of those bytes (``DirectFile.window``; the compare of an 834 MB dump
+then spends 7% less CPU).
 
 Only used when nothing can differ from HDF5's answer: two-dimensional data sets chunked by
 whole rows, no filters, little-endian, every chunk of its full size inside the file, the chunk
@@ -26,25 +27,31 @@ import numpy as np
 
 
 class DirectFile:
-    """A dump file opened for ``ChunkRows``: its descriptor, its size and, where the system
-    maps files, a read-only map of it."""
+    """A dump file opened for ``ChunkRows``: its descriptor and size, and whether the system
+    maps it (``window``)."""
 
     def __init__(self, fd: int):
         self.fd = fd
         self.size = os.fstat(fd).st_size
-        self.mapped: mmap.mmap | None = None
-        if self.size:
-            try:
-                self.mapped = mmap.mmap(fd, self.size, access=mmap.ACCESS_READ)
-            except (OSError, ValueError, OverflowError):
-                pass
+        self.mappable = hasattr(mmap, "ACCESS_READ")
+
+    def window(self, begin: int, end: int) -> tuple[mmap.mmap, int] | None:
+        """Bytes ``begin:end`` of the file mapped read-only: (the map, where ``begin`` is in
+        it), or None. Each read maps its own window, unmapped when the last array viewing it
+        goes: a compare holds the pages of the records in hand, not of the file it has read
+        (a whole-file map grew the resident set to the file's size, and took 12 ms to unmap
+        at the end of an 834 MB compare)."""
+        if not self.mappable:
+            return None
+        first = begin - begin % mmap.ALLOCATIONGRANULARITY
+        try:
+            return mmap.mmap(self.fd, end - first, offset=first, access=mmap.ACCESS_READ), \
+                begin - first
+        except (OSError, ValueError, OverflowError):
+            self.mappable = False
+            return None
 
     def close(self) -> None:
-        if self.mapped is not None:
-            try:
-                self.mapped.close()
-            except BufferError:
-                pass  # arrays still view it: unmapped when the last one goes
         os.close(self.fd)
 
 
@@ -112,7 +119,7 @@ class ChunkRows:
     def view(self, start: int, stop: int) -> np.ndarray | None:
         """Rows ``start:stop`` as a read-only view of the file's map, or None (not mapped, or
         the rows' chunks not one after another in the file)."""
-        if self.file.mapped is None or stop <= start:
+        if not self.file.mappable or stop <= start:
             return None
         per = self.chunk_rows
         first = start - start % per
@@ -122,9 +129,13 @@ class ChunkRows:
         for chunk in range(first + per, stop, per):
             if self.offsets.get(chunk) != offset + (chunk - first) * self.row_bytes:
                 return None
-        return np.frombuffer(self.file.mapped, self.dtype, count=(stop - start) * self.width,
-                             offset=offset + (start - first) * self.row_bytes
-                             ).reshape(-1, self.width)
+        begin = offset + (start - first) * self.row_bytes
+        window = self.file.window(begin, begin + (stop - start) * self.row_bytes)
+        if window is None:
+            return None
+        mapped, at = window
+        return np.frombuffer(mapped, self.dtype, count=(stop - start) * self.width,
+                             offset=at).reshape(-1, self.width)
 
     def read(self, start: int, stop: int) -> np.ndarray | None:
         """Rows ``start:stop`` copied into a new array."""
