@@ -1,16 +1,10 @@
 """srdd-compare: read the dump files of a run and write the per-layer report. No logic here."""
 
-# ruff: noqa: E402 (the BLAS thread count is set before the imports load numpy)
-
 from __future__ import annotations
 
 import sys
 import traceback
 from typing import Optional
-
-from srdd_dump.runtime.blas import one_blas_thread_from_load
-
-one_blas_thread_from_load()  # before the imports below load numpy
 
 import typer
 

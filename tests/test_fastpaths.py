@@ -223,17 +223,6 @@ def test_worker_processes_give_the_same_report(tmp_path):
     assert one.sites.equals(two.sites)
 
 
-def _mapped_bytes(path: str) -> int:
-    """Bytes of ``path`` this process maps now (Linux)."""
-    total = 0
-    with open("/proc/self/maps") as maps:
-        for line in maps:
-            if line.rstrip().endswith(path):
-                lo, hi = line.split()[0].split("-")
-                total += int(hi, 16) - int(lo, 16)
-    return total
-
-
 def test_direct_chunk_reads_match_h5py(tmp_path):
     import h5py
 
@@ -249,35 +238,26 @@ def test_direct_chunk_reads_match_h5py(tmp_path):
         holes = f.create_dataset("holes", shape=(1000, 24), dtype=np.float32, chunks=(37, 24))
         holes[:100] = data[:100]
         holes[500:600] = data[500:600]
-    file = open_file(path)
+    fd, size = open_file(path)
     try:
         with h5py.File(path, "r") as f:
-            base = int(f.userblock_size)
             for name in ("plain", "u2"):
                 ds = f[name]
-                rows = ChunkRows.open(ds, file, base)
+                rows = ChunkRows.open(ds, fd, size, int(f.userblock_size))
                 assert rows is not None
                 for a, b in [(0, 1), (0, 1000), (36, 38), (37, 74), (999, 1000), (5, 5),
                              (123, 777)]:
                     assert rows.read(a, b).tobytes() == ds[a:b].tobytes()
-                    assert rows.rows(a, b).tobytes() == ds[a:b].tobytes()
-                # rows inside one chunk are a view of the file's map, which nothing can write
-                view = rows.view(40, 60)
-                assert view is not None and view.tobytes() == ds[40:60].tobytes()
-                assert not view.flags.writeable
-                if os.path.exists("/proc/self/maps"):  # the rows' bytes mapped, not the file
-                    assert 0 < _mapped_bytes(path) < 3 * 4096 + view.nbytes
-                    del view
-                    assert _mapped_bytes(path) == 0  # unmapped with the last array
             for name in ("gzip", "cols"):  # h5py answers
-                assert ChunkRows.open(f[name], file, base) is None
-            holes = ChunkRows.open(f["holes"], file, base)
+                assert ChunkRows.open(f[name], fd, size, int(f.userblock_size)) is None
+            holes = ChunkRows.open(f["holes"], fd, size, int(f.userblock_size))
             assert holes is not None
-            assert holes.rows(0, 100).tobytes() == data[:100].tobytes()
-            assert holes.rows(100, 200) is None  # never written: HDF5's fill value
-            assert holes.view(90, 120) is None  # the chunk after 74:111 is not in the file
+            assert holes.read(0, 100).tobytes() == data[:100].tobytes()
+            assert holes.read(100, 200) is None  # never written: HDF5's fill value
     finally:
-        file.close()
+        import os
+
+        os.close(fd)
 
 
 def test_log_sum_exp_streamed_matches_one_pass():
@@ -394,6 +374,27 @@ def test_share_uses_a_head_start_only_for_the_task_it_planned():
         assert set(ran) & {0, 1} == set(reran)
 
 
+def test_a_single_task_is_not_run_again_after_its_head_start():
+    """A plan of one task whose head start a worker already ran: its result is used, the task
+    not run again here (it was: the pool waited for the head, then the task ran again)."""
+    from srdd_dump.runtime.pool import run_tasks
+
+    ran: list[int] = []
+
+    def here(t):
+        ran.append(t)
+        return t * 10
+
+    with ThreadPoolExecutor(1) as pool:
+        head = pool.submit(lambda: (7, 70))
+        assert run_tasks(here, [7], jobs=2, pool=pool, heads=[head]) == [70]
+    assert ran == []
+    with ThreadPoolExecutor(1) as pool:  # planned otherwise: run here
+        head = pool.submit(lambda: (8, 80))
+        assert run_tasks(here, [7], jobs=2, pool=pool, heads=[head]) == [70]
+    assert ran == [7]
+
+
 def test_forked_workers_released_at_the_scans_end_are_reaped_before_the_command_ends():
     """A forked pool is told to end without waiting (its workers end while the report is
     written), and ``reap`` waits for them: no worker outlives the command as an orphan."""
@@ -414,23 +415,35 @@ def test_forked_workers_released_at_the_scans_end_are_reaped_before_the_command_
 
 def test_blas_loaded_at_one_thread_leaves_the_environment_alone():
     """srdd-compare's process loads numpy's BLAS at one thread (its idle threads would spin,
-    and again in every forked worker), without passing the setting to what it runs later."""
-    code = (
-        "import os, subprocess, sys\n"
-        "import srdd_dump.cli.compare\n"
+    and again in every forked worker), without passing the setting to what it runs later;
+    importing the command's module from a script changes nothing."""
+    threads = "[i['num_threads'] for i in threadpool_info() if i['user_api'] == 'blas']"
+    command = (
+        "import os, sys, types\n"
         "from threadpoolctl import threadpool_info\n"
-        "print([i['num_threads'] for i in threadpool_info() if i['user_api'] == 'blas'])\n"
-        "print(os.environ.get('OPENBLAS_NUM_THREADS'), os.environ.get('OMP_NUM_THREADS'))\n"
+        "def report():\n"
+        f"    print({threads})\n"
+        "    print(os.environ.get('OPENBLAS_NUM_THREADS'), os.environ.get('OMP_NUM_THREADS'))\n"
+        "stand_in = types.ModuleType('srdd_dump.cli.compare')\n"
+        "stand_in.main = report\n"
+        "sys.modules['srdd_dump.cli.compare'] = stand_in  # the command, once its BLAS is set\n"
+        "from srdd_dump.cli.compare_command import main\n"
+        "main()\n"
     )
+    script = ("import srdd_dump.cli.compare\n"
+              f"from threadpoolctl import threadpool_info\nprint({threads})\n")
+    plain = f"import numpy\nfrom threadpoolctl import threadpool_info\nprint({threads})\n"
     env = {k: v for k, v in os.environ.items()
            if k not in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         env=env, check=True).stdout.splitlines()
-    assert out[0] == "[1]" and out[1] == "None None"
+
+    def run(code: str) -> list[str]:
+        return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                              env=env, check=True).stdout.splitlines()
+
+    assert run(command) == ["[1]", "None None"]
+    assert run(script) == run(plain)
     env["OPENBLAS_NUM_THREADS"] = "2"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         env=env, check=True).stdout.splitlines()
-    assert out[0] == "[1]" and out[1] == "2 None"
+    assert run(command) == ["[1]", "2 None"]
 
 
 def test_share_raises_a_workers_error_and_hands_out_nothing_more():

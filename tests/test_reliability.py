@@ -479,7 +479,8 @@ def test_no_cell_of_any_report_sheet_is_a_formula(tmp_path):
 # -- compare never unpickles -------------------------------------------------------------------
 
 COMPARE_SIDE = ["srdd_dump/errors.py", "srdd_dump/compare", "srdd_dump/runtime",
-                "srdd_dump/format", "srdd_dump/analysis", "srdd_dump/report", "cli/compare.py"]
+                "srdd_dump/format", "srdd_dump/analysis", "srdd_dump/report", "cli/compare.py",
+                "cli/compare_command.py"]
 
 
 def _compare_side_sources() -> dict[str, str]:

@@ -35,12 +35,15 @@ class Moments:
     nan_count: int = 0
     inf_count: int = 0
 
-    def add(self, array: np.ndarray, bounds: tuple[float, float] | None = None) -> Moments:
+    def add(self, array: np.ndarray, bounds: tuple[float, float] | None = None,
+            wide: np.ndarray | None = None) -> Moments:
         """Fold in every element of ``array`` (any shape, any real dtype). Returns self.
-        ``bounds``: the array's (min, max) when known, both finite (not looked for again)."""
+        ``bounds``: the array's (min, max) when known, both finite (not looked for again);
+        ``wide``: with them, the array already converted to float64 (read, not changed;
+        at most ``BLOCK`` elements)."""
         flat = np.asarray(array).reshape(-1)
         if bounds is not None and flat.size <= BLOCK:
-            return self.merge(_block_moments(flat, bounds))
+            return self.merge(_block_moments(flat, bounds, wide))
         for start in range(0, flat.size, BLOCK):
             self.merge(_block_moments(flat[start : start + BLOCK]))
         return self
@@ -116,7 +119,8 @@ class Moments:
         return self.zeros / self.count if self.count else 0.0
 
 
-def _block_moments(block: np.ndarray, bounds: tuple[float, float] | None = None) -> Moments:
+def _block_moments(block: np.ndarray, bounds: tuple[float, float] | None = None,
+                   wide: np.ndarray | None = None) -> Moments:
     out = Moments()
     if block.size == 0:
         return out
@@ -138,9 +142,14 @@ def _block_moments(block: np.ndarray, bounds: tuple[float, float] | None = None)
     if lo == hi:  # constant: exact zero spread, whatever rounding sum()/n would add
         out.mean_ = lo
         return out
-    d = block.astype(np.float64)  # a copy, so the deviations can overwrite it
-    out.mean_ = total(d) / d.size
-    d -= out.mean_
+    if wide is not None:
+        wide = wide.reshape(-1)
+        out.mean_ = total(wide) / wide.size
+        d = wide - out.mean_
+    else:
+        d = block.astype(np.float64)  # a copy, so the deviations can overwrite it
+        out.mean_ = total(d) / d.size
+        d -= out.mean_
     d2 = d * d
     out.m2 = total(d2)
     out.m3 = dot(d2, d)

@@ -24,6 +24,7 @@ from .identities import (
     zero_check,
     zeros_explained,
 )
+from .moments import BLOCK as MOMENTS_BLOCK
 from .moments import Moments
 from .sums import total
 
@@ -177,7 +178,12 @@ def round_stats(
     extremes = st.channel_extremes(x_rows) if x.size else None
     bounds = (extremes[1].min(), extremes[0].max()) if extremes is not None else None
     finite_bounds = bounds is not None and bool(np.isfinite(bounds[0]) & np.isfinite(bounds[1]))
-    moments = Moments().add(x, bounds if finite_bounds else None)
+    # a record with no previous block's output to subtract is its own update: its float64
+    # rows serve the moments and the update's statistics (one conversion, one sum)
+    own_update = before is None or before.shape != x.shape
+    wide = x_rows.astype(np.float64) if finite_bounds and own_update and \
+        x.size <= MOMENTS_BLOCK else None
+    moments = Moments().add(x, bounds if finite_bounds else None, wide)
     out = RoundStats(sample=sample, dtype=dtype, moments=moments)
     out.rows = float(x.size // x.shape[-1]) if x.ndim else 0.0
     all_finite = moments.nonfinite == 0
@@ -190,15 +196,19 @@ def round_stats(
         distinct if all_finite else st.unique_rows(st.rows_of(np.where(fin, x, 0.0))),
         distinct=True, extremes=extremes)
     update, fin_u, upd_finite = x, fin, all_finite
-    if before is not None and before.shape == x.shape:
+    if not own_update:
         update = x - before
         fin_u = np.isfinite(update)
         upd_finite = bool(fin_u.all())
-    u = st.rows_of(update if upd_finite else np.where(fin_u, update, 0.0)).astype(np.float64)
+    u = wide if wide is not None else \
+        st.rows_of(update if upd_finite else np.where(fin_u, update, 0.0)).astype(np.float64)
     if upd_finite:  # the usual case: the float64 rows are every value, converted once
         flat = u.reshape(-1)
         out.update_rms = upd_rms = st.rms64(flat)
-        mean = total(flat) / flat.size if flat.size else float("nan")
+        if wide is not None and bounds[0] != bounds[1]:
+            mean = moments.mean_  # the same sum of the same rows (a constant's is its value)
+        else:
+            mean = total(flat) / flat.size if flat.size else float("nan")
     else:
         upd = update[fin_u]
         out.update_rms = upd_rms = st.rms(upd)

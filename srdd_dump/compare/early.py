@@ -20,7 +20,7 @@ from .signal_reader import (
     run_task,
     with_experts,
 )
-from .sources import DumpFile, inspect_all, locate
+from .sources import DumpFile, inspected, locate
 
 SIGNAL_TASKS = run_task.__module__  # the module a reference-free worker runs tasks of
 
@@ -49,26 +49,31 @@ def head_start(i: int, path: str, jobs: int, run: str | None
     planned here from the files as they are now, and its result (``run_task``); (None, None)
     when there is none or anything fails (the compare then runs it itself). The worker starts
     reading while the command converts its options and inspects the files (0.1 s on 2 cores),
-    at the cost of an inspection of its own (20 ms)."""
+    at the cost of inspecting the files up to that task's once more (20 ms for one file)."""
     try:
-        paths, root, note = locate(path, run=run, convert=False)
-        tasks = plan(inspect_all(paths, root, note).files, jobs)
-        return (tasks[i], run_task(tasks[i])) if i < len(tasks) else (None, None)
+        paths, root, _ = locate(path, run=run, convert=False)
+        tasks: list[SignalTask] = []
+        for n, f in enumerate(inspected(paths, root)):  # only the files up to task i
+            tasks += file_tasks(n, f, jobs)
+            if i < len(tasks):
+                return tasks[i], run_task(tasks[i])
     except Exception:  # noqa: BLE001 (the compare reports it)
-        return None, None
+        pass
+    return None, None
 
 
 def plan(files: list[DumpFile], jobs: int) -> list[SignalTask]:
     """The signal tasks of the usable ``files``: runs of consecutive layers (``chunks``) when
     ``jobs`` processes share them, else one task per file."""
-    tasks = []
-    for n, f in enumerate(files):
-        if not f.usable:
-            continue
-        table = f.records if f.stats_index is None else f.stats_index
-        keys = with_experts(present_keys(table, stack_input=NORM in f.site_roles),
-                            expert_sites(f.sites, f.site_roles))
-        parts = chunks(table, keys, jobs) if jobs > 1 and len(keys) > 1 else [keys]
-        tasks += [SignalTask(n, f.path, part, f.layers, f.sites, f.site_roles)
-                  for part in parts]
-    return tasks
+    return [task for n, f in enumerate(files) for task in file_tasks(n, f, jobs)]
+
+
+def file_tasks(n: int, f: DumpFile, jobs: int) -> list[SignalTask]:
+    """The signal tasks of ``f``, the ``n``-th file of the compare (none when unusable)."""
+    if not f.usable:
+        return []
+    table = f.records if f.stats_index is None else f.stats_index
+    keys = with_experts(present_keys(table, stack_input=NORM in f.site_roles),
+                        expert_sites(f.sites, f.site_roles))
+    parts = chunks(table, keys, jobs) if jobs > 1 and len(keys) > 1 else [keys]
+    return [SignalTask(n, f.path, part, f.layers, f.sites, f.site_roles) for part in parts]

@@ -23,7 +23,7 @@ from ..analysis import sums
 from ..errors import UserError
 from ..runtime.blas import one_blas_thread, pin_blas_for_process
 from ..runtime.memory import keep_freed_memory, keeps_freed_memory
-from ..runtime.pool import run_tasks, start_pool
+from ..runtime.pool import release, run_tasks, start_pool
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -74,10 +74,11 @@ def prestart(jobs: int, task_module: str, fork: bool = False,
     after that), not while the work waits. ``fork``: forked where that is safe
     (``runtime.pool.can_fork``), for a caller that has opened no file yet. ``head``: a
     module-level function, ``head(i)`` -> (task, result): the i-th task of the plan this
-    process will make, planned by a worker on its own, and its result; worker i runs it at
-    once instead of waiting for this process's plan (``runtime.pool.share`` uses the result
-    where the task is the scan's i-th). Nothing happens with one job or when workers are
-    already started; ``discard_started`` ends workers no scan took."""
+    process will make, planned by a worker on its own, and its result; the workers run
+    ``head(0)`` .. ``head(jobs - 2)`` at once instead of waiting for this process's plan
+    (``runtime.pool.share`` uses a result where the task is the scan's task of that index).
+    Nothing happens with one job or when workers are already started; ``discard_started``
+    ends workers no scan took."""
     global _started
     if jobs <= 1 or _started is not None:
         return
@@ -93,11 +94,12 @@ def workers_started() -> bool:
 
 
 def discard_started() -> None:
-    """End the workers ``prestart`` started if no scan took them."""
+    """End the workers ``prestart`` started if no scan took them (``runtime.pool.release``:
+    forked ones are waited for by ``reap`` at the command's end, spawned ones now)."""
     global _started
     if _started is not None:
         pool, _started = _started[1], None
-        pool.shutdown(wait=True, cancel_futures=True)  # gone before this process leaves
+        release(pool)
 
 
 def _take(jobs: int) -> tuple[ProcessPoolExecutor | None, list[Future]]:

@@ -14,6 +14,7 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -167,7 +168,13 @@ def locate(path: str, option: str = "", run: str | None = None, convert: bool = 
 
 def inspect_all(paths: list[str], root: str, note: str = "") -> Sources:
     """``locate``'s files inspected."""
-    return Sources([inspect(f, os.path.relpath(f, root) if root else f) for f in paths], note)
+    return Sources(list(inspected(paths, root)), note)
+
+
+def inspected(paths: list[str], root: str) -> Iterator[DumpFile]:
+    """``locate``'s files inspected one by one, in order."""
+    for f in paths:
+        yield inspect(f, os.path.relpath(f, root) if root else f)
 
 
 def msprobe_as_srdd(path: str) -> str:

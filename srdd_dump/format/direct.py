@@ -4,10 +4,7 @@ The /data sets of a dump are chunked by whole rows and stored without filters, s
 ``start:stop`` are one or a few contiguous byte ranges of the file. HDF5's own slicing copies
 them at about 3.8 GB/s here (per-chunk bookkeeping, a chunk cache for the partial chunks);
 ``os.preadv`` into the result array copies them once, at about 6.6 GB/s from the page cache,
-and costs 39 us instead of 63 us for a 121 x 576 float32 record. Where the system maps
-files, rows whose chunks lie one after another in the file are not copied at all: they are a
-read-only view of a map of those bytes (``DirectFile.window``; the compare of an 834 MB dump
-then spends 7% less CPU).
+and costs 39 us instead of 63 us for a 121 x 576 float32 record.
 
 Only used when nothing can differ from HDF5's answer: two-dimensional data sets chunked by
 whole rows, no filters, little-endian, every chunk of its full size inside the file, the chunk
@@ -18,7 +15,6 @@ h5py without ``chunk_iter``) falls back to h5py.
 
 from __future__ import annotations
 
-import mmap
 import os
 import sys
 
@@ -26,41 +22,12 @@ import h5py
 import numpy as np
 
 
-class DirectFile:
-    """A dump file opened for ``ChunkRows``: its descriptor and size, and whether the system
-    maps it (``window``)."""
-
-    def __init__(self, fd: int):
-        self.fd = fd
-        self.size = os.fstat(fd).st_size
-        self.mappable = hasattr(mmap, "ACCESS_READ")
-
-    def window(self, begin: int, end: int) -> tuple[mmap.mmap, int] | None:
-        """Bytes ``begin:end`` of the file mapped read-only: (the map, where ``begin`` is in
-        it), or None. Each read maps its own window, unmapped when the last array viewing it
-        goes: a compare holds the pages of the records in hand, not of the file it has read
-        (a whole-file map grew the resident set to the file's size, and took 12 ms to unmap
-        at the end of an 834 MB compare)."""
-        if not self.mappable:
-            return None
-        first = begin - begin % mmap.ALLOCATIONGRANULARITY
-        try:
-            return mmap.mmap(self.fd, end - first, offset=first, access=mmap.ACCESS_READ), \
-                begin - first
-        except (OSError, ValueError, OverflowError):
-            self.mappable = False
-            return None
-
-    def close(self) -> None:
-        os.close(self.fd)
-
-
 class ChunkRows:
-    """``rows(start, stop)`` -> rows of one data set, or None when HDF5 must answer."""
+    """``read(start, stop)`` -> rows of one data set, or None when HDF5 must answer."""
 
-    def __init__(self, file: DirectFile, offsets: dict[int, int], chunk_rows: int, width: int,
+    def __init__(self, fd: int, offsets: dict[int, int], chunk_rows: int, width: int,
                  dtype: np.dtype):
-        self.file = file
+        self.fd = fd
         self.offsets = offsets  # first row of a chunk -> its byte offset in the file
         self.chunk_rows = chunk_rows
         self.width = width
@@ -68,15 +35,14 @@ class ChunkRows:
         self.row_bytes = width * dtype.itemsize
 
     @classmethod
-    def open(cls, ds: h5py.Dataset, file: DirectFile, base: int) -> ChunkRows | None:
+    def open(cls, ds: h5py.Dataset, fd: int, file_size: int, base: int) -> ChunkRows | None:
         try:
-            return cls._open(ds, file, base)
+            return cls._open(ds, fd, file_size, base)
         except Exception:  # anything unexpected: h5py reads this data set
             return None
 
     @classmethod
-    def _open(cls, ds: h5py.Dataset, file: DirectFile, base: int) -> ChunkRows | None:
-        file_size = file.size
+    def _open(cls, ds: h5py.Dataset, fd: int, file_size: int, base: int) -> ChunkRows | None:
         if sys.byteorder != "little" or not hasattr(ds.id, "chunk_iter"):
             return None
         if ds.ndim != 2 or ds.chunks is None or ds.chunks[1] != ds.shape[1]:
@@ -99,46 +65,15 @@ class ChunkRows:
             offsets[int(info.chunk_offset[0])] = offset
 
         ds.id.chunk_iter(visit)
-        reader = cls(file, offsets, chunk_rows, width, np.dtype(dtype.str))
+        reader = cls(fd, offsets, chunk_rows, width, np.dtype(dtype.str))
         check = min(ds.shape[0], chunk_rows + 1)  # crosses a chunk boundary when it can
         if check:
-            want = ds[0:check].tobytes()
-            copied, viewed = reader.read(0, check), reader.view(0, check)
-            if copied is None or copied.tobytes() != want:
-                return None
-            if viewed is not None and viewed.tobytes() != want:
+            mine = reader.read(0, check)
+            if mine is None or mine.tobytes() != ds[0:check].tobytes():
                 return None
         return reader
 
-    def rows(self, start: int, stop: int) -> np.ndarray | None:
-        """Rows ``start:stop``: a view of the file's map where their chunks are consecutive in
-        the file, else read."""
-        view = self.view(start, stop)
-        return view if view is not None else self.read(start, stop)
-
-    def view(self, start: int, stop: int) -> np.ndarray | None:
-        """Rows ``start:stop`` as a read-only view of the file's map, or None (not mapped, or
-        the rows' chunks not one after another in the file)."""
-        if not self.file.mappable or stop <= start:
-            return None
-        per = self.chunk_rows
-        first = start - start % per
-        offset = self.offsets.get(first)
-        if offset is None:
-            return None
-        for chunk in range(first + per, stop, per):
-            if self.offsets.get(chunk) != offset + (chunk - first) * self.row_bytes:
-                return None
-        begin = offset + (start - first) * self.row_bytes
-        window = self.file.window(begin, begin + (stop - start) * self.row_bytes)
-        if window is None:
-            return None
-        mapped, at = window
-        return np.frombuffer(mapped, self.dtype, count=(stop - start) * self.width,
-                             offset=at).reshape(-1, self.width)
-
     def read(self, start: int, stop: int) -> np.ndarray | None:
-        """Rows ``start:stop`` copied into a new array."""
         out = np.empty((max(0, stop - start), self.width), self.dtype)
         if stop <= start:
             return out
@@ -151,7 +86,7 @@ class ChunkRows:
                 return None
             n = min(stop, first + per) - row
             size = n * self.row_bytes
-            if os.preadv(self.file.fd, [view[pos: pos + size]],
+            if os.preadv(self.fd, [view[pos: pos + size]],
                          offset + (row - first) * self.row_bytes) != size:
                 return None
             pos += size
@@ -159,16 +94,12 @@ class ChunkRows:
         return out
 
 
-def open_file(path: str) -> DirectFile | None:
-    """``path`` opened for ChunkRows, or None where preadv is missing."""
+def open_file(path: str) -> tuple[int, int] | None:
+    """(fd, size) of ``path`` for ChunkRows, or None where preadv is missing."""
     if not hasattr(os, "preadv"):
         return None
     try:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
     except OSError:
         return None
-    try:
-        return DirectFile(fd)
-    except OSError:
-        os.close(fd)
-        return None
+    return fd, os.fstat(fd).st_size

@@ -451,7 +451,7 @@ class DumpReader:
         ds, dtype = self._data[int(data)]
         direct = self._direct(int(data))
         with _reading(self.path):
-            stored = direct.rows(start, stop) if direct is not None else None
+            stored = direct.read(start, stop) if direct is not None else None
             if stored is None:
                 stored = ds[start:stop]
         return s.decode(stored, dtype)
@@ -464,7 +464,7 @@ class DumpReader:
         if data not in self._chunk_rows:
             ds = self._data[data][0]
             self._chunk_rows[data] = None if self._fd is None else ChunkRows.open(
-                ds, self._fd, int(self.f.userblock_size))
+                ds, self._fd[0], self._fd[1], int(self.f.userblock_size))
         return self._chunk_rows[data]
 
     def all_probe_rows(self) -> np.ndarray:
@@ -509,7 +509,7 @@ class DumpReader:
     def close(self) -> None:
         fd = getattr(self, "_fd", None)
         if fd is not None:
-            fd.close()
+            os.close(fd[0])
             self._fd = None
             self._chunk_rows = {}
         with _reading(self.path):

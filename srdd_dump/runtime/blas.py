@@ -29,23 +29,35 @@ def one_blas_thread_from_load() -> None:
     a BLAS loaded with more is not enough: OpenBLAS's idle threads spin for about 0.1 s after
     they start, again in every forked worker, which took 0.2 s of the CPU of a 2-core compare.
     The environment is restored after: nothing the process runs later inherits the setting.
-    Then ``one_blas_thread`` has nothing to change, and skips threadpoolctl's search of the
-    loaded libraries (30 ms). Nothing happens once numpy is imported."""
+    With OpenBLAS ``one_blas_thread`` then has nothing to change, and skips threadpoolctl's
+    search of the loaded libraries (30 ms). Nothing happens once numpy is imported. For an
+    entry point only (cli/compare_command.py), never a library call."""
     global _loaded_at_one
     if "numpy" in sys.modules:
         return
     before = {name: os.environ.get(name) for name in THREAD_VARIABLES}
     os.environ.update(dict.fromkeys(THREAD_VARIABLES, "1"))
     try:
-        import numpy  # noqa: F401 (its BLAS loads now, reading the variables)
+        import numpy
 
-        _loaded_at_one = True
+        _loaded_at_one = _openblas(numpy)
     finally:
         for name, value in before.items():
             if value is None:
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
+
+
+def _openblas(numpy) -> bool:
+    """numpy's BLAS is OpenBLAS (the wheels' own), which reads its thread count when it loads
+    (with numpy); for any other (MKL may read it at its first call, or numpy has none)
+    threadpoolctl finds and limits what is loaded."""
+    try:
+        name = numpy.__config__.CONFIG["Build Dependencies"]["blas"]["name"]
+    except (AttributeError, KeyError, TypeError):  # numpy < 1.26
+        return False
+    return "openblas" in str(name).lower()
 
 
 def _blas():
@@ -61,8 +73,8 @@ def _blas():
 @contextlib.contextmanager
 def one_blas_thread() -> Iterator[bool]:
     """Every loaded BLAS at one thread inside the block, the previous counts restored after it.
-    Yields True when a BLAS library was found (and so is now single-threaded), or numpy's was
-    loaded at one thread."""
+    Yields True when a BLAS library was found (and so is now single-threaded), or numpy's
+    OpenBLAS was loaded at one thread."""
     if _loaded_at_one:
         yield True
         return

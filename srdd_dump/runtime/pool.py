@@ -40,9 +40,10 @@ def run_tasks(
     is free first (see ``share``).
 
     ``fn`` and ``worker_init`` must be module-level functions (or partials of them). Workers
-    are spawned: the parent may hold HDF5 or torch state that a fork would copy.
-    ``pool``: the ``jobs - 1`` workers started earlier (``start_pool``), used and shut down
-    here; ``heads``: its head starts (``share``).
+    started here are spawned: the parent may hold HDF5 or torch state that a fork would copy.
+    ``pool``: the ``jobs - 1`` workers started earlier (``start_pool``, perhaps forked), used
+    and released here; ``heads``: the futures of their head starts (``share``), used even for
+    a single task.
     """
     bar = None
     if show:  # tqdm imported and made only then: its monitor thread costs a start-up too
@@ -51,9 +52,9 @@ def run_tasks(
         bar = tqdm(total=len(tasks), desc=desc, unit="task", leave=False)
     done = bar.update if bar is not None else _nothing
     try:
-        if jobs <= 1 or len(tasks) <= 1:
+        if jobs <= 1 or (len(tasks) <= 1 and not heads):
             if pool is not None:
-                pool.shutdown(wait=True, cancel_futures=True)
+                release(pool)
             out = []
             for task in tasks:
                 out.append(fn(task))
