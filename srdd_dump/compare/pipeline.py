@@ -94,12 +94,13 @@ def workers_started() -> bool:
 
 
 def discard_started() -> None:
-    """End the workers ``prestart`` started if no scan took them (``runtime.pool.release``:
-    forked ones are waited for by ``reap`` at the command's end, spawned ones now)."""
+    """End the workers ``prestart`` started if no scan took them (a user error): forked ones
+    are not waited for (one may be reading its head start; they end with this process),
+    spawned ones are (``runtime.pool.release``)."""
     global _started
     if _started is not None:
         pool, _started = _started[1], None
-        release(pool)
+        release(pool, reaped=False)
 
 
 def _take(jobs: int) -> tuple[ProcessPoolExecutor | None, list[Future]]:

@@ -8,6 +8,7 @@ import functools
 import multiprocessing
 import multiprocessing.connection
 import os
+import signal
 import sys
 import threading
 from collections.abc import Iterator, Sequence
@@ -80,12 +81,17 @@ class WorkerPool(ProcessPoolExecutor):
 _ending: list[threading.Thread] = []  # shutdowns of forked pools, waited for by ``reap``
 
 
-def release(pool: ProcessPoolExecutor) -> None:
+def release(pool: ProcessPoolExecutor, reaped: bool = True) -> None:
     """Shut ``pool`` down. A forked one ends on a thread of its own, waited for by ``reap``:
     its workers end while this process writes its report (20 ms at the end of every
-    compare). A spawned one now: the resource tracker holds its semaphores until then."""
+    compare); not ``reaped``: not waited for at all (a user error: a worker may be busy
+    with its head start, and ends when this process does). A spawned one now: the
+    resource tracker holds its semaphores until then."""
     if not getattr(pool, "forked", False):
         pool.shutdown(wait=True, cancel_futures=True)
+        return
+    if not reaped:
+        pool.shutdown(wait=False, cancel_futures=True)
         return
     ending = threading.Thread(target=pool.shutdown, kwargs={"cancel_futures": True},
                               name="srdd-pool-end")
@@ -130,6 +136,9 @@ def _orphan_proof(initializer: Callable[[], object] | None) -> None:
     (the watchdog's child, a user error after the workers were started early) never shuts
     its pool down, and a worker left waiting on its queue would live on, holding the
     parent's stdout and stderr open (``out=$(srdd-compare ...)`` would never return)."""
+    # Ctrl-C reaches the whole process group: the parent stops the compare, a worker
+    # interrupted in the middle of sending a result left the parent waiting for the rest
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     parent = multiprocessing.parent_process()
     if parent is not None:
         def watch() -> None:

@@ -41,12 +41,11 @@ def supervise(run: Callable[[], int], prog: str) -> int:
     if not hasattr(os, "fork"):
         return run()
     shared = mmap.mmap(-1, _SIZE)  # anonymous and shared with the child
-    for stream in (sys.stdout, sys.stderr):
-        stream.flush()
+    _flush()
     pid = os.fork()
     if pid == 0:
         _shared = shared
-        os._exit(_run_child(run))
+        os._exit(_run_child(run, prog))
     _watched = True
     return _watch(pid, shared, prog)
 
@@ -57,9 +56,7 @@ def leave(code: int) -> NoReturn:
     imports (about 80 ms) is skipped."""
     if not _watched:
         sys.exit(code)
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(Exception):
-            stream.flush()
+    _flush()
     os._exit(code)
 
 
@@ -81,20 +78,28 @@ def _publish(path: str | None) -> None:
     struct.pack_into("<dI", _shared, 8, time.monotonic(), len(name))
 
 
-def _run_child(run: Callable[[], int]) -> int:
+def _run_child(run: Callable[[], int], prog: str) -> int:
     try:
         code = run() or 0
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 1
+    except KeyboardInterrupt:  # before the command's own handler (its start-up)
+        with contextlib.suppress(Exception):
+            sys.stderr.write(f"{prog}: interrupted\n")
+        code = 130
     except BaseException:
         traceback.print_exc()
         code = 1
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except Exception:
-            pass
+    _flush()
     return code
+
+
+def _flush() -> None:
+    """Flush stdout and stderr, either closed (``>&-``: None) or failing."""
+    for stream in (sys.stdout, sys.stderr):
+        if stream is not None:
+            with contextlib.suppress(Exception):
+                stream.flush()
 
 
 def _exit_event(pid: int) -> int | None:
@@ -131,6 +136,8 @@ def _watch(pid: int, shared: mmap.mmap, prog: str) -> int:
                     name = signal.Signals(-code).name
                     sys.stderr.write(f"{prog}: error: {where}crashed with {name}{hint}\n")
                     return EXIT_STALLED
+                if -code == signal.SIGKILL:  # not from this command: the kernel's OOM killer?
+                    sys.stderr.write(f"{prog}: error: killed (SIGKILL: out of memory?)\n")
                 return 128 - code
             if timeout > 0 and started > 0 and time.monotonic() - started > timeout:
                 os.kill(pid, signal.SIGKILL)
