@@ -197,6 +197,11 @@ def compare(
     except KeyboardInterrupt:
         typer.echo(f"{PROG}: interrupted", err=True)
         raise typer.Exit(code=130) from None
+    except BrokenPipeError:  # `srdd-compare ... | true`: the report is written, as `yes | true`
+        from srdd_dump.runtime.terminal import quiet_stdout
+
+        quiet_stdout()
+        raise typer.Exit(code=141) from None
     except Exception as exc:
         if debug:
             traceback.print_exc(file=sys.stderr)

@@ -548,6 +548,28 @@ def test_a_workers_head_start_is_the_task_the_compare_plans(tmp_path):
         close_readers()
 
 
+def test_the_command_on_a_closed_pipe_and_beside_an_older_report(tmp_path):
+    """`srdd-compare ... | true`: the report is written, the command ends as a writer to a
+    closed pipe does (141), silently; an earlier report's sub-layer table beside this one (a
+    dump without sub-layers) is removed, not left to pass for this run's; ``--run ./NAME`` and
+    ``--run NAME/`` name a run as ``--run NAME`` does."""
+    folder = tmp_path / "dumps" / "srdd_dump_20261128_090000"
+    faulty_dump(str(folder))
+    out = tmp_path / "r.csv"
+    (tmp_path / "r.sublayers.csv").write_text("an older run's table\n")
+    proc = subprocess.run(
+        ["bash", "-c", '"$0" -c "$1" "$2" -o "$3" -j 1 | true; exit "${PIPESTATUS[0]}"',
+         sys.executable, CLI_JOBS, str(tmp_path / "dumps"), str(out)],
+        capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert (proc.returncode, proc.stderr) == (141, "")
+    assert out.exists() and not (tmp_path / "r.sublayers.csv").exists()
+    for run in ("./srdd_dump_20261128_090000", "srdd_dump_20261128_090000/"):
+        proc = subprocess.run([sys.executable, "-c", CLI_JOBS, str(tmp_path / "dumps"),
+                               "--run", run, "-o", str(out), "-q"], capture_output=True,
+                              text=True, timeout=120, cwd=tmp_path)
+        assert proc.returncode in (0, 1) and "error" not in proc.stderr, proc.stderr
+
+
 def test_workers_are_forked_only_from_a_clean_process(monkeypatch):
     from srdd_dump.runtime.pool import can_fork
 

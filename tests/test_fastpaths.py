@@ -254,9 +254,13 @@ def test_direct_chunk_reads_match_h5py(tmp_path):
             assert holes is not None
             assert holes.read(0, 100).tobytes() == data[:100].tobytes()
             assert holes.read(100, 200) is None  # never written: HDF5's fill value
+            plain = ChunkRows.open(f["plain"], fd, size, int(f.userblock_size))
+        # cut short while compared: an error (HDF5 itself would read zeros: a false FAULT)
+        os.truncate(path, plain.offsets[0] + 10 * plain.row_bytes)
+        assert plain.read(0, 5).tobytes() == data[:5].tobytes()
+        with pytest.raises(OSError, match="shorter than when it was opened"):
+            plain.read(0, 37)
     finally:
-        import os
-
         os.close(fd)
 
 

@@ -258,7 +258,8 @@ def _choose_runs(path: str, root: str, found: list[str], option: str, run: str |
     if run == ALL_RUNS:
         return found, ""
     if run is not None:
-        picked = [k for k in runs if run.strip("/") in (k, os.path.basename(k))]
+        name = os.path.normpath(run.strip()).strip("/")  # ./run, run/ and run name one run
+        picked = [k for k in runs if name in (k, os.path.basename(k))]
         if not picked:
             flag = "--baseline-run" if option.startswith("--baseline") else "--run"
             raise UserError(f"{flag} {run}: no run of that name under {option}{path}; runs: "

@@ -15,6 +15,7 @@ h5py without ``chunk_iter``) falls back to h5py.
 
 from __future__ import annotations
 
+import errno
 import os
 import sys
 
@@ -88,7 +89,9 @@ class ChunkRows:
             size = n * self.row_bytes
             if os.preadv(self.fd, [view[pos: pos + size]],
                          offset + (row - first) * self.row_bytes) != size:
-                return None
+                # the chunk was inside the file when it was opened: HDF5 would read zeros
+                raise OSError(errno.EIO, "the file is shorter than when it was opened "
+                                         "(cut short or replaced while it was compared?)")
             pos += size
             row += n
         return out

@@ -25,7 +25,10 @@ def write_csv(result: CompareResult, path: str) -> list[str]:
     # Escaped too: CSV files are opened in spreadsheet programs as often as XLSX.
     escape_formulas(result.layers).to_csv(path, index=False)
     escape_formulas(result.files).to_csv(written[1], index=False)
+    sublayers = sibling_path(path, "sublayers")
     if len(result.sites):
-        written.append(sibling_path(path, "sublayers"))
-        escape_formulas(result.sites).to_csv(written[-1], index=False)
+        written.append(sublayers)
+        escape_formulas(result.sites).to_csv(sublayers, index=False)
+    elif os.path.isfile(sublayers):  # an earlier report's, beside this one: not of this run
+        os.remove(sublayers)
     return written

@@ -1,4 +1,4 @@
-"""Signals at a terminal: shared by the two commands' parent processes."""
+"""Signals at a terminal (shared by the two commands' parent processes), and a closed stdout."""
 
 from __future__ import annotations
 
@@ -36,3 +36,11 @@ class LazyBar:
     def close(self) -> None:
         if self._bar is not None:
             self._bar.close()
+
+
+def quiet_stdout() -> None:
+    """Point stdout at the null device: its reader is gone (a closed pipe), and the exit's
+    flush would fail again."""
+    null = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, sys.stdout.fileno())
+    os.close(null)
