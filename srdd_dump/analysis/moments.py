@@ -38,9 +38,9 @@ class Moments:
     def add(self, array: np.ndarray, bounds: tuple[float, float] | None = None,
             wide: np.ndarray | None = None) -> Moments:
         """Fold in every element of ``array`` (any shape, any real dtype). Returns self.
-        ``bounds``: the array's (min, max) when known, both finite (not looked for again);
-        ``wide``: with them, the array already converted to float64 (read, not changed;
-        at most ``BLOCK`` elements)."""
+        ``bounds``: the array's (min, max) when known (not looked for again in an array of at
+        most ``BLOCK`` elements); ``wide``: with finite ones, the array already converted to
+        float64 (read, not changed)."""
         flat = np.asarray(array).reshape(-1)
         if bounds is not None and flat.size <= BLOCK:
             return self.merge(_block_moments(flat, bounds, wide))

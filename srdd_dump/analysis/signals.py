@@ -177,16 +177,16 @@ def round_stats(
     x_rows = st.rows_of(x)
     extremes = st.channel_extremes(x_rows) if x.size else None
     bounds = (extremes[1].min(), extremes[0].max()) if extremes is not None else None
-    finite_bounds = bounds is not None and bool(np.isfinite(bounds[0]) & np.isfinite(bounds[1]))
+    # NaN propagates through max and min, an Inf is one of them: finite extremes, finite record
+    all_finite = bounds is None or bool(np.isfinite(bounds[0]) & np.isfinite(bounds[1]))
     # a record with no previous block's output to subtract is its own update: its float64
     # rows serve the moments and the update's statistics (one conversion, one sum)
     own_update = before is None or before.shape != x.shape
-    wide = x_rows.astype(np.float64) if finite_bounds and own_update and \
+    wide = x_rows.astype(np.float64) if all_finite and own_update and \
         x.size <= MOMENTS_BLOCK else None
-    moments = Moments().add(x, bounds if finite_bounds else None, wide)
+    moments = Moments().add(x, bounds, wide)
     out = RoundStats(sample=sample, dtype=dtype, moments=moments)
     out.rows = float(x.size // x.shape[-1]) if x.ndim else 0.0
-    all_finite = moments.nonfinite == 0
     fin = None if all_finite else np.isfinite(x)
     finite = x.reshape(-1) if all_finite else x[fin]
     out.pileup = st.pileup(x_rows, extremes=extremes) if all_finite else st.pileup(finite)

@@ -142,17 +142,16 @@ class RoundMaker:
             return
         if not all(isinstance(e.get("data_name"), str) for e in entries):
             return
-        try:
-            if len(entries) == 1:  # stored as it was saved (bfloat16: its bits)
-                x = self.run.tensor(c, entries[0], bfloat16_bits=True)
-                array = np.ascontiguousarray(x.reshape(r.batch, r.seq, -1),
-                                             dtype=schema.STORAGE_DTYPES[logical])
-            else:
-                x = sum(self.run.tensor(c, e).astype(np.float32) for e in entries)
-                array = _storage(x.reshape(r.batch, r.seq, -1), logical)
-        except UserError as exc:  # a file missing or cut short: the others are compared
-            self.unreadable.append(str(exc))
+        # stored as it was saved when one tensor (bfloat16: its bits)
+        parts = [self._read(c, e, bfloat16_bits=len(entries) == 1) for e in entries]
+        if any(x is None for x in parts):  # a file missing or cut short: the others compared
             return
+        if len(parts) == 1:
+            array = np.ascontiguousarray(parts[0].reshape(r.batch, r.seq, -1),
+                                         dtype=schema.STORAGE_DTYPES[logical])
+        else:
+            x = sum(x.astype(np.float32) for x in parts)
+            array = _storage(x.reshape(r.batch, r.seq, -1), logical)
         r.tensors.append(Tensor(layer=layer, site=site, dtype=logical, array=array))
 
     def _stack_input(self, block0: ModuleCall | None) -> dict | None:
@@ -199,10 +198,11 @@ class RoundMaker:
                     return None if x is None else x.reshape(shape).astype(np.int64)
         return None
 
-    def _read(self, c: ModuleCall, entry: dict) -> np.ndarray | None:
+    def _read(self, c: ModuleCall, entry: dict, bfloat16_bits: bool = False
+              ) -> np.ndarray | None:
         """A saved tensor, or None (and why, in ``unreadable``) when its file cannot be read."""
         try:
-            return np.asarray(self.run.tensor(c, entry))
+            return np.asarray(self.run.tensor(c, entry, bfloat16_bits=bfloat16_bits))
         except UserError as exc:
             self.unreadable.append(str(exc))
             return None

@@ -17,6 +17,7 @@ from importlib.machinery import ModuleSpec
 from typing import Callable, TypeVar
 
 from ..errors import UserError
+from .terminal import LazyBar
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -46,12 +47,8 @@ def run_tasks(
     and released here; ``heads``: the futures of their head starts (``share``), used even for
     a single task.
     """
-    bar = None
-    if show:  # tqdm imported and made only then: its monitor thread costs a start-up too
-        from tqdm import tqdm
-
-        bar = tqdm(total=len(tasks), desc=desc, unit="task", leave=False)
-    done = bar.update if bar is not None else _nothing
+    bar = LazyBar(len(tasks), desc, "task", enabled=show)  # tqdm imported at its first update
+    done = bar.update
     try:
         if jobs <= 1 or (len(tasks) <= 1 and not heads):
             if pool is not None:
@@ -64,12 +61,11 @@ def run_tasks(
         workers = min(jobs - 1, len(tasks))
         running = pool if pool is not None else start_pool(workers, worker_init)
         try:
-            return share(tasks, fn, fn, running, workers, done, heads[:workers])
+            return share(tasks, fn, fn, running, workers, done, heads)
         finally:
             release(running)
     finally:
-        if bar is not None:
-            bar.close()
+        bar.close()
 
 
 class WorkerPool(ProcessPoolExecutor):
