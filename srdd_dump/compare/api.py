@@ -44,11 +44,11 @@ def compare_path(path: str, *, jobs: int | None = 1, progress: bool | None = Non
     inputs.
 
     Unreadable files are skipped with their reason in the file table; files cut short by a
-    crash are used and marked incomplete. ``progress`` (default: stderr is a terminal) shows a
-    bar. ``jobs`` > 1 shares the work with ``jobs - 1`` spawned worker processes (None: as many
-    as the cores this process may use, bounded by the work). A folder holding several runs:
-    the newest, or ``run`` (see ``sources.find_sources``). Raises UserError when there is
-    nothing usable to report.
+    crash are used and marked incomplete. ``progress`` (default: on) shows a bar on stderr
+    when it is a terminal. ``jobs`` > 1 shares the work with ``jobs - 1`` spawned worker
+    processes (None: as many as the cores this process may use, bounded by the work). A
+    folder holding several runs: the newest, or ``run`` (see ``sources.find_sources``).
+    Raises UserError when there is nothing usable to report.
     """
     show = _show(progress)
     try:
