@@ -70,7 +70,7 @@ def main() -> None:
         plain.append(clock() - t)
         tmp = tempfile.mkdtemp(prefix="srdd-moe-cost-")
         t = clock()
-        extra = {"probe_samples": args.probe_samples} if args.probe_samples else {}
+        extra = {} if args.probe_samples is None else {"probe_samples": args.probe_samples}
         if args.probe_steps:
             extra["probe_steps"] = args.probe_steps
         with register_hook(model, DumpConfig(dump_path=tmp, samples=len(ids), progress=False,

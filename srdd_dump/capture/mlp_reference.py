@@ -6,7 +6,7 @@ the activation, a lower precision) shows at default options, where the sub-layer
 finest site. Each output row depends on its input row alone, so the probe rows are all it
 computes.
 
-The float64 weights are kept on the host within a budget (host_weights.py).
+Each call converts the weights to float64 on the host (host_weights.py).
 """
 
 from __future__ import annotations
