@@ -55,6 +55,26 @@ def test_round_trip(dtype, tmp_path):
         assert f["data"][f"clean_{dtype}_16"].chunks is not None
 
 
+@pytest.mark.parametrize("join_bytes", [1, 5 * 16 * 4 * 3, 1 << 30])
+def test_a_rounds_rows_reach_the_file_whole_in_runs_of_any_size(tmp_path, monkeypatch,
+                                                                 join_bytes):
+    """The writer hands a round's rows to h5py in runs joined in a reused buffer: runs of one
+    record, of a few (the buffer reused within and across rounds), of a whole round."""
+    from srdd_dump.format import writer
+
+    monkeypatch.setattr(writer, "JOIN_BYTES", join_bytes)
+    rng = np.random.default_rng(1)
+    rounds = [_round(i, rng, layers=7) for i in range(3)]
+    w = DumpWriter(str(tmp_path / "a.h5"), {"model_class": "X"}, [f"b.{i}" for i in range(7)])
+    for r in rounds:
+        w.submit(r)
+    with DumpReader(w.close()) as rd:
+        for i, r in enumerate(rounds):
+            for t in r.tensors:
+                (rec,) = [x for x in rd.select(t.layer) if x["round"] == i]
+                np.testing.assert_array_equal(rd.read(rec), t.array)
+
+
 @pytest.mark.parametrize("version", [4, schema.SCHEMA_VERSION])
 def test_a_data_set_sorting_first_that_appears_later_keeps_the_records_right(tmp_path,
                                                                             version):
