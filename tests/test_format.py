@@ -55,11 +55,13 @@ def test_round_trip(dtype, tmp_path):
         assert f["data"][f"clean_{dtype}_16"].chunks is not None
 
 
-@pytest.mark.parametrize("join_bytes", [1, 5 * 16 * 4 * 3, 1 << 30])
+# a _round tensor is (2, 5, 16) float32: 640 bytes
+@pytest.mark.parametrize("join_bytes", [1, 1300, 2000, 1 << 30])
 def test_a_rounds_rows_reach_the_file_whole_in_runs_of_any_size(tmp_path, monkeypatch,
                                                                  join_bytes):
     """The writer hands a round's rows to h5py in runs joined in a reused buffer: runs of one
-    record, of a few (the buffer reused within and across rounds), of a whole round."""
+    record, of two or three (the buffer reused within and across rounds), of a whole
+    round."""
     from srdd_dump.format import writer
 
     monkeypatch.setattr(writer, "JOIN_BYTES", join_bytes)
@@ -199,6 +201,51 @@ def test_a_round_cut_off_by_a_crash_is_dropped_whole(cut, tmp_path):
     if cut != "a /stats row not written":  # (a stats row of round 0 is a valid row)
         with pytest.raises(DumpError, match="damaged file"):
             DumpReader(finished)
+
+
+def test_runs_keep_the_order_and_put_an_array_over_the_limit_alone():
+    from srdd_dump.format.writer import _runs
+
+    arrays = [np.zeros((n, 4), np.float32) for n in (1, 1, 9, 1, 2, 1, 0, 1)]  # 16 B a row
+    runs = list(_runs(arrays, 48))
+    assert [[a.shape[0] for a in run] for run in runs] == [[1, 1], [9], [1, 2], [1, 0, 1]]
+    assert [a for run in runs for a in run] == arrays
+
+
+def test_a_write_failing_half_way_through_a_round_leaves_the_earlier_rounds_readable(
+        tmp_path, monkeypatch):
+    """The round's rows are written in runs after one resize of the data set: a failure after
+    the first run (memory, I/O) cuts the data set back, so the file declares no row it does
+    not hold and the rounds before are read as written."""
+    from srdd_dump.format import writer
+
+    monkeypatch.setattr(writer, "JOIN_BYTES", 1 << 20)
+    rng = np.random.default_rng(2)
+    w = DumpWriter(str(tmp_path / "h.h5"), {}, [f"b.{i}" for i in range(39)], max_pending=0)
+    first = _round(0, rng, layers=39)
+    w.submit(first)
+    # 40 records of 256 KB: the failed round's rows reach chunks the file never allocated
+    big = Round(sample=1, step=0, batch=2, seq=2000, positions=np.arange(2000),
+                token_ids=None, tensors=[
+                    Tensor(layer=layer, array=rng.standard_normal((2, 2000, 16)).astype(
+                        np.float32), dtype="float32") for layer in range(-1, 39)])
+    calls = []
+    joined = writer._H5File._joined
+
+    def fails_second_time(self, arrays):
+        calls.append(len(arrays))
+        if len(calls) == 2:
+            raise MemoryError("cannot allocate")
+        return joined(self, arrays)
+
+    monkeypatch.setattr(writer._H5File, "_joined", fails_second_time)
+    w.submit(big)
+    assert "cannot allocate" in w.error and len(calls) == 2
+    with DumpReader(w.close()) as rd:
+        assert len(rd.rounds) == 1
+        for t in first.tensors:
+            (rec,) = rd.select(t.layer)
+            np.testing.assert_array_equal(rd.read(rec), t.array)
 
 
 def test_write_failure_is_kept_not_raised(tmp_path, monkeypatch):

@@ -68,6 +68,22 @@ def test_the_weights_follow_a_change_of_the_model():
     torch.testing.assert_close(weights.linear(bf16, x), _exact(bf16, x), rtol=0, atol=0)
 
 
+@pytest.mark.unit
+def test_a_buffer_made_under_inference_mode_serves_a_later_call_outside_it():
+    """A first probed round under torch.inference_mode (an eval pass), the next under no_grad
+    or with grad on (fine-tuning): the reused buffers take both."""
+    layer = nn.Linear(16, 8)
+    weights = HostWeights()
+    x = torch.randn(3, 16, dtype=torch.float64)
+    with torch.inference_mode():
+        first = weights.linear(layer, x)
+    with torch.no_grad():
+        second = weights.linear(layer, x)
+    third = weights.linear(layer, x)
+    for y in (first, second, third):
+        torch.testing.assert_close(y, _exact(layer, x), rtol=0, atol=0)
+
+
 def test_a_training_step_between_samples_is_no_reference_mismatch(tmp_path):
     """Two samples with an optimizer step between them (fine-tuning under capture): the MLP and
     attention references of the second sample use the updated weights: no FAULT."""

@@ -50,5 +50,8 @@ def _into(buffers: dict, like: torch.Tensor, dtype: torch.dtype | None = None) -
     n = like.numel()
     buffer = buffers.get(dtype)
     if buffer is None or buffer.numel() < n:
-        buffer = buffers[dtype] = torch.empty(n, dtype=dtype, device=HOST)
+        # a normal tensor even when made under inference_mode: a later round outside it
+        # (an eval pass during fine-tuning) writes into it
+        with torch.inference_mode(False):
+            buffer = buffers[dtype] = torch.empty(n, dtype=dtype, device=HOST)
     return buffer[:n].view(like.shape)

@@ -382,10 +382,15 @@ class _H5File:
         per array costs more than the copy."""
         start = row = ds.shape[0]
         ds.resize(start + sum(a.shape[0] for a in arrays), axis=0)
-        for run in _runs(arrays, JOIN_BYTES):
-            joined = run[0] if len(run) == 1 else self._joined(run)
-            ds[row:row + joined.shape[0]] = joined
-            row += joined.shape[0]
+        try:
+            for run in _runs(arrays, JOIN_BYTES):
+                joined = run[0] if len(run) == 1 else self._joined(run)
+                ds[row:row + joined.shape[0]] = joined
+                row += joined.shape[0]
+        except BaseException:
+            # no rows declared that the file does not hold: the earlier rounds stay readable
+            ds.resize(start, axis=0)
+            raise
         return start
 
     def _joined(self, arrays: list[np.ndarray]) -> np.ndarray:
