@@ -7,6 +7,7 @@ dataset plus one flush.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
@@ -389,7 +390,8 @@ class _H5File:
                 row += joined.shape[0]
         except BaseException:
             # no rows declared that the file does not hold: the earlier rounds stay readable
-            ds.resize(start, axis=0)
+            with contextlib.suppress(Exception):  # the first error is the one to report
+                ds.resize(start, axis=0)
             raise
         return start
 
