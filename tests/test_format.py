@@ -248,6 +248,35 @@ def test_a_write_failing_half_way_through_a_round_leaves_the_earlier_rounds_read
             np.testing.assert_array_equal(rd.read(rec), t.array)
 
 
+def test_a_status_that_does_not_fit_leaves_the_rounds_in_a_partial_file(tmp_path,
+                                                                        monkeypatch):
+    """Another process fills the disk after the last round: writing the closing status fails.
+    Every round was flushed, so the file is kept as a crash leaves it (.partial, read as cut
+    short), not set aside as broken."""
+    from srdd_dump.format import writer
+
+    rng = np.random.default_rng(3)
+    w = DumpWriter(str(tmp_path / "s.h5"), {}, ["b.0"], max_pending=0)
+    rounds = [_round(i, rng, layers=1) for i in range(2)]
+    for r in rounds:
+        w.submit(r)
+
+    def full(self, status, complete):
+        self.f.attrs["status"] = "x" * 10
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(writer._H5File, "close", full)
+    path = w.close({"rounds": 2})
+    assert path == str(tmp_path / "s.h5.partial") and "No space left" in w.error
+    assert not (tmp_path / "s.h5").exists() and not (tmp_path / "s.h5.broken").exists()
+    with DumpReader(path) as rd:
+        assert len(rd.rounds) == 2 and not rd.complete
+        for i, r in enumerate(rounds):
+            for t in r.tensors:
+                (rec,) = [x for x in rd.select(t.layer) if x["round"] == i]
+                np.testing.assert_array_equal(rd.read(rec), t.array)
+
+
 def test_write_failure_is_kept_not_raised(tmp_path, monkeypatch):
     w = DumpWriter(str(tmp_path / "e.h5"), {}, ["b.0"])
     rng = np.random.default_rng(0)

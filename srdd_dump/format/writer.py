@@ -453,8 +453,10 @@ class DumpWriter:
     ``submit`` never raises: an I/O failure is kept in ``error`` and later rounds are dropped.
     Before each round the writer checks that it fits under the file-size limit and in the free
     disk space; if not, it stops there and the file is finalised with every round before it.
-    A write that fails anyway (the disk filled up from elsewhere) makes the file abandoned:
-    closed without further writes and renamed ``*.h5.broken``; the process stays safe.
+    A round's write that fails anyway (the disk filled up from elsewhere) makes the file
+    abandoned: closed without further writes and renamed ``*.h5.broken``; the process stays
+    safe. When only the closing status does not fit, the file stays ``.partial``: every round
+    was flushed before it.
     """
 
     def __init__(
@@ -527,7 +529,8 @@ class DumpWriter:
 
     def close(self, status: dict | None = None) -> str:
         """Finish pending writes, mark the file complete and rename it. Returns the final path:
-        ``path``, or ``path + s.BROKEN_SUFFIX`` when a write failed half-way."""
+        ``path``, ``path + s.BROKEN_SUFFIX`` when a write failed half-way, the ``.partial``
+        path when the status could not be written (``error`` says why)."""
         if self._closed:
             for name in (self.path, self.path + s.BROKEN_SUFFIX):
                 if os.path.exists(name):
@@ -544,9 +547,12 @@ class DumpWriter:
         if not self._broken:
             try:
                 self._file.close(status, complete=self.error is None and not status.get("error"))
-            except Exception as exc:
+            except Exception as exc:  # the status did not fit (the disk filled up from
+                # elsewhere): every round was flushed before, so the file is what a crash
+                # leaves, a .partial file the reader takes as cut short
                 self.error = self.error or describe_error(exc)
-                self._broken = True
+                self._file.abandon()
+                return self.partial_path
         if self._broken:
             self._file.abandon()
             return self._set_aside()
