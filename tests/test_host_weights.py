@@ -100,3 +100,21 @@ def test_a_training_step_between_samples_is_no_reference_mismatch(tmp_path):
             optimizer.zero_grad()
     result = compare_path(str(tmp_path))
     assert "FAULT" not in set(result.layers["verdict"]), result.layers.head()
+
+
+def test_a_model_cast_to_bfloat16_between_samples_is_judged_by_bfloat16_limits(tmp_path):
+    """Generation in float32, then the model cast to bfloat16 and run again under the same
+    session (comparing precisions in one script): the bf16 rounds' references differ by bf16
+    rounding, which float32 limits would call a fault in every layer."""
+    from dumpfactory import compare_written as compare_path
+
+    model = build("llama", layers=3)
+    ids = torch.randint(1, 120, (1, 12))
+    with register_hook(model, DumpConfig(dump_path=str(tmp_path), samples=2, probe_samples=2,
+                                         progress=False)), torch.no_grad():
+        model.generate(input_ids=ids, max_new_tokens=3, do_sample=False, pad_token_id=0)
+        model.to(torch.bfloat16)
+        model.generate(input_ids=ids, max_new_tokens=3, do_sample=False, pad_token_id=0)
+    result = compare_path(str(tmp_path))
+    assert result.files["rounds"].iloc[0] >= 2
+    assert "FAULT" not in set(result.layers["verdict"]), result.layers.head()

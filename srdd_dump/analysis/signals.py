@@ -27,6 +27,7 @@ from .identities import (
 from .moments import BLOCK as MOMENTS_BLOCK
 from .moments import Moments
 from .sums import total
+from .tolerance import UNIT_ROUNDOFF
 
 BLOCK_SITE = -1  # Signals.site of a block's own output (the dump schema's BLOCK_SITE)
 PREFILL = "prefill"  # rounds of more than one token per sequence
@@ -56,7 +57,7 @@ class Signals:
     samples: int = 0
     probed_samples: int = 0  # of those, the samples whose rounds carried probe responses
     phase: str = PREFILL  # PREFILL or DECODE: the rounds these signals come from
-    dtype: str = ""  # logical dtype of most of the module's clean records (autocast: its own)
+    dtype: str = ""  # logical dtype of its clean records, the less precise if they differ
     # clean statistics over every captured round
     mean: float = float("nan")
     std: float = float("nan")
@@ -427,7 +428,9 @@ class LayerSignals:
             sig.topk_margin = med(acc["margin"])
         sig.ties = st.nanmax(acc["ties"])
         sig.tie_excess = st.nanmax(acc["tie_excess"])
-        sig.dtype = max(self.dtypes, key=self.dtypes.__getitem__)
+        # a module that ran in two dtypes (the model cast between samples) is judged by the
+        # less precise: its higher-precision rounds then meet looser limits, never the reverse
+        sig.dtype = max(self.dtypes, key=lambda d: UNIT_ROUNDOFF.get(d, 0.0))
         sig.update_rms = med(acc["upd"])
         sig.offset = med(acc["offset"])
         sig.dc_energy = med(acc["dce"])
