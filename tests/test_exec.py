@@ -424,3 +424,29 @@ def test_the_requests_line_says_more_than_n_once_capture_stopped_counting():
     assert ExecResult(0, requests=2).requests_line(1) == (
         "more than 1 request seen by the serving engine; the first 1 captured, one sample "
         "each (the later ones were not counted)")
+
+
+def test_threads_that_start_the_model_at_once_get_one_session_and_file(tmp_path):
+    """Four threads whose first forwards start together: one session attaches (its file alone,
+    its thread's forwards), the program's outputs are those of a plain run."""
+    body = (
+        "import threading\n"
+        "ids = [torch.randint(1, 100, (1, n), generator=torch.Generator().manual_seed(n))\n"
+        "       for n in (6, 7, 8, 9)]\n"
+        "go = threading.Barrier(4)\n"
+        "out = {}\n"
+        "def work(i):\n"
+        "    go.wait()\n"
+        "    with torch.no_grad():\n"
+        "        out[i] = m.generate(ids[i], max_new_tokens=3, do_sample=False,\n"
+        "                            pad_token_id=0).tolist()\n"
+        "ts = [threading.Thread(target=work, args=(i,)) for i in range(4)]\n"
+        "[t.start() for t in ts]; [t.join() for t in ts]\n"
+        "print([out[i] for i in range(4)])\n")
+    plain = subprocess.run([sys.executable, _write(tmp_path / "plain.py", TINY_LLAMA + body)],
+                           capture_output=True, text=True, check=True)
+    res = _exec_tiny(tmp_path, "threads.py", body)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.splitlines()[-1] == plain.stdout.splitlines()[-1]
+    assert "Traceback" not in res.stderr and "capture turned off" not in res.stderr
+    assert len(find_dump_files(str(tmp_path / "d"))) == 1

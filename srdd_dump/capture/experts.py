@@ -12,6 +12,7 @@ out of range (an expert-parallel "not on this rank" slot) gives zeros and is nev
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, NamedTuple
@@ -138,7 +139,11 @@ def pinned_routing(modules: list[nn.Module], recorded: dict[int, Routing]) -> It
     a perturbation that would flip a token to another expert never reads as a fault of the
     module. Calls of another number of tokens are left alone."""
 
+    replaying = threading.get_ident()
+
     def pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> Any:
+        if threading.get_ident() != replaying:  # the program's own call, in another thread
+            return None
         routing = recorded.get(id(module))
         found = routing_of(args, kwargs)
         if routing is None or found is None:

@@ -72,6 +72,20 @@ MAX_NAMED = 20  # sites left out named in the status, at most
 CONTINUED = "continued prefill probes"
 # forwards that recompute the last prefill with one more token (no KV cache)
 NO_CACHE = "decode steps with a KV cache"
+# forwards of the model run by other threads than the captured one
+OTHER_THREADS = "forwards of other threads"
+
+def _starts_fresh(kwargs: dict) -> bool:
+    """A model call with no cached past (a prefill, or a model run without a KV cache)."""
+    for name in ("past_key_values", "cache"):
+        past = kwargs.get(name)
+        if past is not None and hasattr(past, "get_seq_length"):
+            try:
+                return int(past.get_seq_length()) == 0
+            except Exception:  # noqa: BLE001 (a cache that cannot tell: taken as fresh)
+                return True
+    return True
+
 
 # Nothing of this module holds a session strongly: a program that drops its model (del model;
 # gc.collect()) frees it, the session with it (its hooks are the model's), and the session
@@ -238,6 +252,8 @@ class CaptureSession:
         self._fired: set[tuple[int, int]] = set()  # (layer, site) whose hook ran in a round
         self.output = DumpOutput(config.dump_path)
         self._lock = threading.RLock()  # the hooks' thread and the idle finish
+        self._owner: threading.Thread | None = None  # the thread whose forwards are captured
+        self._owner_busy = False  # it is inside a model call
         status_dir = os.environ.get(cfg.ENV_STATUS_DIR)
         self._watch = FileWatch(_weakly(self._finish_idle_file), _weakly(self.close),
                                 status_dir and os.path.join(status_dir, cfg.FINISH_REQUEST))
@@ -266,6 +282,8 @@ class CaptureSession:
     def _install(self) -> None:
         self._handles.append(
             self.model.register_forward_pre_hook(self.on_model_call, with_kwargs=True))
+        self._handles.append(self.model.register_forward_hook(self._on_model_done,
+                                                              always_call=True))
         embed = input_embedding(self.model)
         if embed is not None:
             self._handles.append(embed.register_forward_pre_hook(self._on_embedding))
@@ -295,6 +313,39 @@ class CaptureSession:
                     self._handles.append(module.register_forward_pre_hook(
                         self._on_module_call, with_kwargs=True))
 
+    def _elsewhere(self) -> bool:
+        """The call runs in another thread than the one whose forwards the session captures:
+        it runs uncaptured, since forwards of several threads at once would interleave one
+        sample's rounds with another's (``_take_model_call`` moves the capture from thread
+        to thread)."""
+        me = threading.current_thread()
+        if self._owner is me:
+            return False
+        with self._lock:
+            if self._owner is None:
+                self._owner = me
+                return False
+        return True
+
+    def _take_model_call(self, kwargs: dict) -> bool:
+        """A model call: captured when it runs in the captured thread, or starts a sequence
+        (no cached past) while that thread is not inside a model call (threads that take turns:
+        a server's pool); then its thread is the captured one. Another thread's decode step,
+        or any call while the captured thread is inside one, runs uncaptured."""
+        me = threading.current_thread()
+        with self._lock:
+            owner = self._owner
+            if owner is not me and owner is not None and (
+                    (self._owner_busy and owner.is_alive()) or not _starts_fresh(kwargs)):
+                return False
+            self._owner, self._owner_busy = me, True
+            return True
+
+    @opaque
+    def _on_model_done(self, module: nn.Module, args: tuple, output: Any = None) -> None:
+        if self._owner is threading.current_thread():
+            self._owner_busy = False
+
     def _guard(self, fn, *args) -> None:
         if self._closed or self.replays.active:
             return
@@ -307,6 +358,8 @@ class CaptureSession:
 
     @opaque
     def _on_embedding(self, module: nn.Module, args: tuple) -> None:
+        if self._elsewhere():
+            return
         def grab() -> None:
             ids = args[0] if args else None
             if isinstance(ids, torch.Tensor) and not ids.is_floating_point():
@@ -320,7 +373,7 @@ class CaptureSession:
         """A decode step that will be probed: keep the layer's KV cache as it is before the
         call updates it, so the replays see what the device saw. (``kwargs`` is None when the
         session closed itself inside this very call: torch then calls the hook without.)"""
-        if self._ctx is None or not self._ctx.probed or kwargs is None:
+        if self._ctx is None or not self._ctx.probed or kwargs is None or self._elsewhere():
             return
         if id(module) in self._fused:
             self._guard(self._freeze, module, args, kwargs)
@@ -336,6 +389,14 @@ class CaptureSession:
         """The model's own pre-hook (the forward watcher calls it for the call during which
         the session was made): counts the call, keeps its attention mask."""
         if kwargs is None:  # removed inside this very call (REMOVED)
+            return
+        if not self._take_model_call(kwargs):
+            if not self._closed:
+                self.coverage.expect(OTHER_THREADS)
+                self.coverage.failed(OTHER_THREADS, (
+                    "the model ran in several threads at once: the forwards of one thread "
+                    "at a time are captured (a thread's sample from its prefill on), the "
+                    "others ran uncaptured"))
             return
         if not self._closed:
             self.model_calls += 1
@@ -357,7 +418,7 @@ class CaptureSession:
     @opaque
     def _on_stack_input(self, module: nn.Module, args: tuple, kwargs: dict | None = None
                         ) -> None:
-        if kwargs is None:  # removed inside this very call (REMOVED)
+        if kwargs is None or self._elsewhere():  # removed inside this very call (REMOVED)
             return
         if not (self._closed or self.replays.active):
             self.block_calls += 1
@@ -472,7 +533,7 @@ class CaptureSession:
     def _output_hook(self, layer: int, site: int, last: bool):
         @opaque
         def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any = REMOVED) -> None:
-            if self._ctx is None or output is REMOVED:
+            if self._ctx is None or output is REMOVED or self._elsewhere():
                 return
             if not self.replays.active:
                 self._fired.add((layer, site))
@@ -500,7 +561,7 @@ class CaptureSession:
     def _input_hook(self, layer: int, site: int):
         @opaque
         def hook(module: nn.Module, args: tuple, kwargs: dict | None = None) -> None:
-            if self._ctx is not None and kwargs is not None:
+            if self._ctx is not None and kwargs is not None and not self._elsewhere():
                 if not self.replays.active:
                     self._fired.add((layer, site))
                 self._guard(self._on_input, layer, site, args, kwargs)
@@ -522,7 +583,7 @@ class CaptureSession:
     def _pending_hook(self, index: int):
         @opaque
         def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any = REMOVED) -> None:
-            if output is REMOVED:
+            if output is REMOVED or self._elsewhere():
                 return
 
             def keep() -> None:

@@ -17,6 +17,7 @@ repeat gives them only when its experts call reproduced the recorded output bit 
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -73,8 +74,13 @@ class SharedRepeats:
         calls: dict[int, list[torch.Tensor | None]] = {}
         handles = []
         try:
+            replaying = threading.get_ident()
             for w in self.waiting.get(layer, ()):
-                def hook(module, args, kwargs, output, w=w):
+                def hook(module, args, kwargs, output=None, w=w):
+                    # the program's own call in another thread (which may also see the hook
+                    # removed half-way through its call: torch then passes no output)
+                    if threading.get_ident() != replaying or output is None:
+                        return
                     try:
                         x, _ = hidden_input(args, kwargs, module)
                         out = module_output(module, output)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 import traceback
 import weakref
 from typing import Callable
@@ -24,11 +25,17 @@ def watch_forwards(state: dict, on_attach: Callable[[], None] = lambda: None,
     it, ``state["end"]`` what it leaves when it closes."""
     seen: set[int] = set()
     handle = None
+    attaching = threading.RLock()
 
     @opaque  # inside code torch.compile traces too: run eagerly, at a graph break
     def on_forward(module: nn.Module, args: tuple) -> None:
         if state.get("session") is not None or id(module) in seen:
             return
+        with attaching:  # threads running the model at once: the first attaches, once
+            if state.get("session") is None and id(module) not in seen:
+                attach(module, args)
+
+    def attach(module: nn.Module, args: tuple) -> None:
         generating = _assistant_of(module, state)
         if generating is not None:
             # an assistant (draft) model run inside another model's generate: the model the
