@@ -140,6 +140,35 @@ def test_crash_keeps_every_flushed_round(tmp_path):
         np.testing.assert_array_equal(rd.read(rd.select(0)[1]), np.ones((1, 4, 8)))
 
 
+@pytest.mark.parametrize("spare", [0, 100, 100_000])
+def test_a_file_size_limit_reached_after_the_last_round_leaves_a_readable_partial(tmp_path,
+                                                                                  spare):
+    """The real limit (RLIMIT_FSIZE, SIGXFSZ ignored) set just above the file after its last
+    round: the closing status is refused before anything is written, so the .partial file
+    HDF5 reads back holds every round."""
+    code = textwrap.dedent(f"""
+        import resource, signal, numpy as np
+        from srdd_dump.format.writer import DumpWriter, Round, Tensor
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        w = DumpWriter({str(tmp_path / 'l.h5')!r}, {{}}, ["b.0"], max_pending=0)
+        for i in range(2):
+            x = np.full((1, 4, 8), i, np.float32)
+            w.submit(Round(sample=i, step=0, batch=1, seq=4, positions=np.arange(4),
+                           tensors=[Tensor(layer=0, array=x, dtype="float32")]))
+        size = __import__("os").path.getsize(w.partial_path)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (size + {spare}, resource.RLIM_INFINITY))
+        print(w.close({{"rounds": 2}}))
+        print(w.error)
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    path, error = proc.stdout.splitlines()[:2]
+    assert path == str(tmp_path / "l.h5.partial") and "closing status" in error
+    with DumpReader(path) as rd:
+        assert not rd.complete and len(rd.rounds) == 2
+        np.testing.assert_array_equal(rd.read(rd.select(0)[1]), np.ones((1, 4, 8)))
+
+
 CRASHED_WRITER = """
 import os, time, numpy as np
 from srdd_dump.format import schema
@@ -250,9 +279,9 @@ def test_a_write_failing_half_way_through_a_round_leaves_the_earlier_rounds_read
 
 def test_a_status_that_does_not_fit_leaves_the_rounds_in_a_partial_file(tmp_path,
                                                                         monkeypatch):
-    """Another process fills the disk after the last round: writing the closing status fails.
-    Every round was flushed, so the file is kept as a crash leaves it (.partial, read as cut
-    short), not set aside as broken."""
+    """Another process fills the disk after the last round: the closing status would not fit.
+    Nothing more is written and every round was flushed, so the file is kept as a crash
+    between rounds leaves it (.partial, read as cut short), not set aside as broken."""
     from srdd_dump.format import writer
 
     rng = np.random.default_rng(3)
@@ -261,13 +290,12 @@ def test_a_status_that_does_not_fit_leaves_the_rounds_in_a_partial_file(tmp_path
     for r in rounds:
         w.submit(r)
 
-    def full(self, status, complete):
-        self.f.attrs["status"] = "x" * 10
-        raise OSError(28, "No space left on device")
+    def full(self, need, size, what="the next round"):
+        raise writer.NoRoom(f"no room for {what}: 0.00 MB free")
 
-    monkeypatch.setattr(writer._H5File, "close", full)
+    monkeypatch.setattr(writer._H5File, "_check_room", full)
     path = w.close({"rounds": 2})
-    assert path == str(tmp_path / "s.h5.partial") and "No space left" in w.error
+    assert path == str(tmp_path / "s.h5.partial") and "closing status: 0.00 MB" in w.error
     assert not (tmp_path / "s.h5").exists() and not (tmp_path / "s.h5.broken").exists()
     with DumpReader(path) as rd:
         assert len(rd.rounds) == 2 and not rd.complete

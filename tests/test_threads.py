@@ -81,3 +81,47 @@ def test_threads_running_at_once_leave_the_program_unchanged_and_a_readable_dump
     result = compare_path(str(tmp_path))
     assert result.files["status"].iloc[0] != "skipped"
     assert "FAULT" not in set(result.layers["verdict"]), result.layers.head()
+
+
+def test_a_chat_turn_continued_in_a_new_thread_after_the_first_ended_is_captured(tmp_path):
+    """Turn 1 in one thread, turn 2 (given turn 1's cache) in the next, one after the other:
+    the first thread has ended, so the second's continuation is captured as in one thread."""
+    def turns(model, folder):
+        state = {}
+
+        def first():
+            with torch.no_grad():
+                state["out"] = model.generate(torch.randint(1, 100, (1, 6), generator=g),
+                                              max_new_tokens=3, do_sample=False,
+                                              pad_token_id=0, return_dict_in_generate=True)
+
+        def second():
+            turn = torch.cat([state["out"].sequences, torch.randint(1, 100, (1, 4),
+                                                                    generator=g)], dim=1)
+            with torch.no_grad():
+                model.generate(turn, past_key_values=state["out"].past_key_values,
+                               max_new_tokens=3, do_sample=False, pad_token_id=0)
+
+        with register_hook(model, DumpConfig(dump_path=str(folder), samples=4,
+                                             progress=False)):
+            for work in (first, second):
+                t = threading.Thread(target=work)
+                t.start()
+                t.join()
+        with DumpReader(_file(folder)) as rd:
+            return len(rd.rounds), rd.status.get("coverage", {})
+
+    g = torch.Generator().manual_seed(0)
+    threaded, coverage = turns(build("llama", layers=2), tmp_path / "threads")
+    assert "forwards of other threads" not in coverage
+    g = torch.Generator().manual_seed(0)
+    model = build("llama", layers=2)
+    with register_hook(model, DumpConfig(dump_path=str(tmp_path / "one"), samples=4,
+                                         progress=False)), torch.no_grad():
+        out = model.generate(torch.randint(1, 100, (1, 6), generator=g), max_new_tokens=3,
+                             do_sample=False, pad_token_id=0, return_dict_in_generate=True)
+        turn = torch.cat([out.sequences, torch.randint(1, 100, (1, 4), generator=g)], dim=1)
+        model.generate(turn, past_key_values=out.past_key_values, max_new_tokens=3,
+                       do_sample=False, pad_token_id=0)
+    with DumpReader(_file(tmp_path / "one")) as rd:
+        assert threaded == len(rd.rounds) >= 4

@@ -76,15 +76,30 @@ NO_CACHE = "decode steps with a KV cache"
 OTHER_THREADS = "forwards of other threads"
 
 def _starts_fresh(kwargs: dict) -> bool:
-    """A model call with no cached past (a prefill, or a model run without a KV cache)."""
-    for name in ("past_key_values", "cache"):
+    """A model call with no cached past (a prefill, or a model run without a KV cache); a
+    past it cannot read (a legacy tuple of tensors, a state cache) counts as one."""
+    for name in ("past_key_values", "cache", "cache_params"):
         past = kwargs.get(name)
-        if past is not None and hasattr(past, "get_seq_length"):
+        if past is None:
+            continue
+        if hasattr(past, "get_seq_length"):
             try:
                 return int(past.get_seq_length()) == 0
-            except Exception:  # noqa: BLE001 (a cache that cannot tell: taken as fresh)
-                return True
+            except Exception:  # noqa: BLE001 (a cache that cannot tell)
+                return False
+        if not isinstance(past, (tuple, list)) or len(past) > 0:
+            return False
+    position = kwargs.get("cache_position")
+    if isinstance(position, torch.Tensor) and position.numel():
+        return int(position.reshape(-1)[0]) == 0
     return True
+
+
+def _alive(thread: threading.Thread) -> bool:
+    try:
+        return thread.is_alive()
+    except Exception:  # noqa: BLE001 (a foreign thread's record after a fork)
+        return False
 
 
 # Nothing of this module holds a session strongly: a program that drops its model (del model;
@@ -322,8 +337,8 @@ class CaptureSession:
         if self._owner is me:
             return False
         with self._lock:
-            if self._owner is None:
-                self._owner = me
+            if self._owner is None or not _alive(self._owner):
+                self._owner, self._owner_busy = me, False
                 return False
         return True
 
@@ -335,8 +350,8 @@ class CaptureSession:
         me = threading.current_thread()
         with self._lock:
             owner = self._owner
-            if owner is not me and owner is not None and (
-                    (self._owner_busy and owner.is_alive()) or not _starts_fresh(kwargs)):
+            if (owner is not me and owner is not None and _alive(owner)
+                    and (self._owner_busy or not _starts_fresh(kwargs))):
                 return False
             self._owner, self._owner_busy = me, True
             return True
@@ -373,11 +388,14 @@ class CaptureSession:
         """A decode step that will be probed: keep the layer's KV cache as it is before the
         call updates it, so the replays see what the device saw. (``kwargs`` is None when the
         session closed itself inside this very call: torch then calls the hook without.)"""
-        if self._ctx is None or not self._ctx.probed or kwargs is None or self._elsewhere():
+        if kwargs is None or self._elsewhere():
+            return
+        ctx = self._ctx
+        if ctx is None or not ctx.probed:
             return
         if id(module) in self._fused:
             self._guard(self._freeze, module, args, kwargs)
-        if self._ctx.step > 0:
+        if ctx.step > 0:
             self._guard(self.replays.keep_cache, module, args, kwargs)
 
     def _freeze(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -651,6 +669,9 @@ class CaptureSession:
     def _submit(self) -> None:
         with self._lock:
             ctx, self._ctx = self._ctx, None
+            # its round is done: another thread may start a sequence even if this call's end
+            # is never seen (a KeyboardInterrupt skips the model's always_call hook)
+            self._owner_busy = False
             if self._closed:
                 return  # closed by the file watch while the round ran
             self._submit_round(ctx)

@@ -285,13 +285,13 @@ class _H5File:
                 need += _growth(ds, rows, ds.chunks[0], row_bytes)
         return need
 
-    def _check_room(self, need: int, size: int) -> None:
+    def _check_room(self, need: int, size: int, what: str = "the next round") -> None:
         """Raise NoRoom when ``need`` more bytes would pass the file-size limit or fill the
         disk: a write that fails half-way leaves an HDF5 file that cannot be closed safely."""
         limit = _file_size_limit()
         if limit is not None and size + need > limit:
             raise NoRoom(
-                f"no room for the next round: the file-size limit (RLIMIT_FSIZE, "
+                f"no room for {what}: the file-size limit (RLIMIT_FSIZE, "
                 f"{limit / _MB:.2f} MB) allows {max(0, limit - size) / _MB:.2f} MB more, it "
                 f"needs {need / _MB:.2f} MB"
             )
@@ -299,7 +299,7 @@ class _H5File:
         free = shutil.disk_usage(folder).free
         if need > free:
             raise NoRoom(
-                f"no room for the next round: {free / _MB:.2f} MB free on the file system of "
+                f"no room for {what}: {free / _MB:.2f} MB free on the file system of "
                 f"{folder}, it needs {need / _MB:.2f} MB"
             )
 
@@ -405,8 +405,13 @@ class _H5File:
 
     def close(self, status: dict, complete: bool) -> None:
         """Write the status and close. Everything is flushed before ``close``: if the flush
-        fails the caller can still ``abandon`` the file, which a failed close rules out."""
-        self.f.attrs[s.ATTR_STATUS] = json.dumps(status, default=str)
+        fails the caller can still ``abandon`` the file, which a failed close rules out.
+        Raises NoRoom, having written nothing, when the status may not fit (the disk filled
+        up from elsewhere): the file is then as the last round's flush left it."""
+        text = json.dumps(status, default=str)
+        self._check_room(len(text) + ROOM_RESERVE, self.f.id.get_filesize(),
+                         "the file's closing status")
+        self.f.attrs[s.ATTR_STATUS] = text
         self.f.attrs[s.ATTR_COMPLETE] = int(complete)
         self.f.flush()
         self._close_tried = True
@@ -455,8 +460,8 @@ class DumpWriter:
     disk space; if not, it stops there and the file is finalised with every round before it.
     A round's write that fails anyway (the disk filled up from elsewhere) makes the file
     abandoned: closed without further writes and renamed ``*.h5.broken``; the process stays
-    safe. When only the closing status does not fit, the file stays ``.partial``: every round
-    was flushed before it.
+    safe. When the closing status would not fit, nothing is written and the file stays
+    ``.partial``: every round was flushed before it.
     """
 
     def __init__(
@@ -547,12 +552,14 @@ class DumpWriter:
         if not self._broken:
             try:
                 self._file.close(status, complete=self.error is None and not status.get("error"))
-            except Exception as exc:  # the status did not fit (the disk filled up from
-                # elsewhere): every round was flushed before, so the file is what a crash
-                # leaves, a .partial file the reader takes as cut short
+            except NoRoom as exc:  # nothing written: the file is what a crash between rounds
+                # leaves, every round flushed, a .partial file the reader takes as cut short
                 self.error = self.error or describe_error(exc)
                 self._file.abandon()
                 return self.partial_path
+            except Exception as exc:  # the status write failed half-way: HDF5's metadata
+                self.error = self.error or describe_error(exc)  # may be half-rewritten
+                self._broken = True
         if self._broken:
             self._file.abandon()
             return self._set_aside()

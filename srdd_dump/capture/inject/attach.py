@@ -16,6 +16,11 @@ from ...errors import UserError
 from ..compiled import opaque
 from ..discovery import NoBlocksFound, find_blocks
 
+# held while a session is made; a child forked meanwhile gets a lock of its own (the holder
+# does not exist there)
+_attaching = [threading.RLock()]
+os.register_at_fork(after_in_child=lambda: _attaching.__setitem__(0, threading.RLock()))
+
 
 def watch_forwards(state: dict, on_attach: Callable[[], None] = lambda: None,
                    on_refused: Callable[[], None] = lambda: None) -> None:
@@ -25,13 +30,12 @@ def watch_forwards(state: dict, on_attach: Callable[[], None] = lambda: None,
     it, ``state["end"]`` what it leaves when it closes."""
     seen: set[int] = set()
     handle = None
-    attaching = threading.RLock()
 
     @opaque  # inside code torch.compile traces too: run eagerly, at a graph break
     def on_forward(module: nn.Module, args: tuple) -> None:
         if state.get("session") is not None or id(module) in seen:
             return
-        with attaching:  # threads running the model at once: the first attaches, once
+        with _attaching[0]:  # threads running the model at once: the first attaches, once
             if state.get("session") is None and id(module) not in seen:
                 attach(module, args)
 
