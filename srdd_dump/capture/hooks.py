@@ -49,6 +49,7 @@ from .mlp_reference import MlpReference
 from .model_facts import (
     autocast_dtype,
     cached_tokens,
+    has_past,
     input_embedding,
     sites_of,
     starts_sequence,
@@ -75,24 +76,12 @@ NO_CACHE = "decode steps with a KV cache"
 # forwards of the model run by other threads than the captured one
 OTHER_THREADS = "forwards of other threads"
 
-def _starts_fresh(kwargs: dict) -> bool:
-    """A model call with no cached past (a prefill, or a model run without a KV cache); a
-    past it cannot read (a legacy tuple of tensors, a state cache) counts as one."""
-    for name in ("past_key_values", "cache", "cache_params"):
-        past = kwargs.get(name)
-        if past is None:
-            continue
-        if hasattr(past, "get_seq_length"):
-            try:
-                return int(past.get_seq_length()) == 0
-            except Exception:  # noqa: BLE001 (a cache that cannot tell)
-                return False
-        if not isinstance(past, (tuple, list)) or len(past) > 0:
-            return False
-    position = kwargs.get("cache_position")
-    if isinstance(position, torch.Tensor) and position.numel():
-        return int(position.reshape(-1)[0]) == 0
-    return True
+
+def _continues(module: nn.Module, args: tuple, kwargs: dict) -> bool:
+    """A model call that continues a sequence: its KV cache holds earlier tokens, or it has a
+    past whose length cannot be read."""
+    past = cached_tokens(module, args, kwargs, read_device=True)
+    return bool(past) if past is not None else has_past(args, kwargs)
 
 
 def _alive(thread: threading.Thread) -> bool:
@@ -342,16 +331,19 @@ class CaptureSession:
                 return False
         return True
 
-    def _take_model_call(self, kwargs: dict) -> bool:
+    def _take_model_call(self, module: nn.Module, args: tuple, kwargs: dict) -> bool:
         """A model call: captured when it runs in the captured thread, or starts a sequence
         (no cached past) while that thread is not inside a model call (threads that take turns:
         a server's pool); then its thread is the captured one. Another thread's decode step,
         or any call while the captured thread is inside one, runs uncaptured."""
         me = threading.current_thread()
+        if self._owner is me:
+            self._owner_busy = True
+            return True
         with self._lock:
             owner = self._owner
-            if (owner is not me and owner is not None and _alive(owner)
-                    and (self._owner_busy or not _starts_fresh(kwargs))):
+            if owner is not None and _alive(owner) and (
+                    self._owner_busy or _continues(module, args, kwargs)):
                 return False
             self._owner, self._owner_busy = me, True
             return True
@@ -408,7 +400,7 @@ class CaptureSession:
         the session was made): counts the call, keeps its attention mask."""
         if kwargs is None:  # removed inside this very call (REMOVED)
             return
-        if not self._take_model_call(kwargs):
+        if not self._take_model_call(module, args, kwargs):
             if not self._closed:
                 self.coverage.expect(OTHER_THREADS)
                 self.coverage.failed(OTHER_THREADS, (

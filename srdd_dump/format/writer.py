@@ -396,7 +396,7 @@ class _H5File:
         return start
 
     def _joined(self, arrays: list[np.ndarray]) -> np.ndarray:
-        n, (dtype, width) = sum(a.shape[0] for a in arrays), (arrays[0].dtype, arrays[0].shape[1])
+        n, width, dtype = sum(a.shape[0] for a in arrays), arrays[0].shape[1], arrays[0].dtype
         nbytes = n * width * dtype.itemsize
         if self._rows.size < nbytes:
             self._rows = np.empty(nbytes, np.uint8)

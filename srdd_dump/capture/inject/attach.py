@@ -16,10 +16,16 @@ from ...errors import UserError
 from ..compiled import opaque
 from ..discovery import NoBlocksFound, find_blocks
 
-# held while a session is made; a child forked meanwhile gets a lock of its own (the holder
-# does not exist there)
-_attaching = [threading.RLock()]
-os.register_at_fork(after_in_child=lambda: _attaching.__setitem__(0, threading.RLock()))
+_attaching = threading.RLock()  # held while a session is made
+
+
+def _renew_lock() -> None:
+    """A child forked while a session was being made: the lock's holder is not there."""
+    global _attaching
+    _attaching = threading.RLock()
+
+
+os.register_at_fork(after_in_child=_renew_lock)
 
 
 def watch_forwards(state: dict, on_attach: Callable[[], None] = lambda: None,
@@ -35,7 +41,7 @@ def watch_forwards(state: dict, on_attach: Callable[[], None] = lambda: None,
     def on_forward(module: nn.Module, args: tuple) -> None:
         if state.get("session") is not None or id(module) in seen:
             return
-        with _attaching[0]:  # threads running the model at once: the first attaches, once
+        with _attaching:  # threads running the model at once: the first attaches, once
             if state.get("session") is None and id(module) not in seen:
                 attach(module, args)
 
