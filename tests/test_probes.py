@@ -50,7 +50,7 @@ def test_replay_reproduces_recorded_output_bit_exactly(arch, batched, tmp_path):
                 (clean,) = found
                 want = _rows(r, clean)
                 repeats = r.select(layer, s.KIND_REPEAT, site)
-                assert len(repeats) == 3
+                assert len(repeats) == DumpConfig().repeats
                 for rec in repeats:
                     np.testing.assert_array_equal(r.read(rec)[0], want)
                 # the reference of the perturbed replays is the recorded output too
@@ -79,6 +79,27 @@ def test_perturbations_are_recorded_and_measure_gain(tmp_path):
         dcs = r.select(2, s.KIND_DC)
         assert dcs["param"].tolist() == [1.0, 2.0]
         assert dcs["pert_rms"][1] == pytest.approx(2 * dcs["pert_rms"][0], rel=1e-3)
+
+
+def test_linearity_is_reported_only_with_a_second_noise_size(tmp_path):
+    from srdd_dump.compare.api import file_signals
+
+    model = build("llama")
+    ids = torch.randint(0, 128, (1, 12), generator=torch.Generator().manual_seed(1))
+    two = _dump(model, tmp_path / "two", ids, sigmas=[0.1, 0.01])
+    one = _dump(model, tmp_path / "one", ids)  # the default: one noise size
+    assert DumpConfig().sigmas == [0.1]
+    blocks = {}
+    for name, session in (("two", two), ("one", one)):
+        blocks[name] = [g for g in file_signals(session.path)
+                        if g.site == s.BLOCK_SITE and g.phase == "prefill"]
+        assert blocks[name] and all(np.isfinite(g.gain) and g.gain > 0 for g in blocks[name])
+    # gain(0.01) / gain(0.1) of a smooth block is close to 1; one size has no ratio to give
+    assert all(0.5 < g.linearity < 2 for g in blocks["two"])
+    assert all(np.isnan(g.linearity) and np.isnan(g.gain_small) for g in blocks["one"])
+    # the same top-size draws (same seeds) give the same gain either way
+    for a, b in zip(blocks["two"], blocks["one"]):
+        assert a.gain == pytest.approx(b.gain, rel=1e-3)
 
 
 def test_store_sample_keeps_whole_seeded_rows(tmp_path):

@@ -21,6 +21,8 @@ from tiny_models import build
 
 pytestmark = pytest.mark.capture
 
+REPEATS = DumpConfig().repeats  # the default scan's unperturbed re-runs
+
 PROMPT = torch.tensor([[5, 17, 9, 33, 61, 2, 44, 8, 19, 70, 12, 3]])
 
 
@@ -50,11 +52,11 @@ def _sublayer_repeats(reader: DumpReader, name: str) -> list[tuple[np.ndarray, n
 def test_sublayer_repeats_come_from_the_block_and_equal_the_recorded_output(tmp_path):
     model = build("llama", layers=3)
     reader = _dump(tmp_path, model)
-    # 3 layers x 2 sub-layers x 3 repeats, in each probed round (the prefill, decode step 1)
-    assert reader.status["repeats_from_blocks"] == 3 * 2 * 3 * 2
+    # 3 layers x 2 sub-layers x REPEATS repeats, in each probed round (the prefill, decode step 1)
+    assert reader.status["repeats_from_blocks"] == 3 * 2 * REPEATS * 2
     for name in ("model.layers.1.self_attn", "model.layers.2.mlp"):
         pairs = _sublayer_repeats(reader, name)
-        assert len(pairs) == 6
+        assert len(pairs) == REPEATS * 2  # each probed round's repeats
         for clean, again in pairs:
             np.testing.assert_array_equal(again, clean)
 
@@ -76,12 +78,12 @@ def test_a_sublayer_whose_input_differs_in_the_block_run_repeats_alone(tmp_path)
         reader = _dump(tmp_path, model)
     finally:
         handle.remove()
-    # layer 1's attention and, after it, its MLP (3 repeats x 2 probed rounds each) ran
+    # layer 1's attention and, after it, its MLP (REPEATS repeats x 2 probed rounds each) ran
     # alone; the other layers' sub-layers shared their block's repeats
-    assert reader.status["repeats_from_blocks"] == 3 * 2 * 3 * 2 - 12
+    assert reader.status["repeats_from_blocks"] == 3 * 2 * REPEATS * 2 - 2 * REPEATS * 2
     for name in ("model.layers.1.self_attn", "model.layers.1.mlp"):
         pairs = _sublayer_repeats(reader, name)
-        assert len(pairs) == 6
+        assert len(pairs) == REPEATS * 2  # each probed round's repeats
         for clean, again in pairs:
             np.testing.assert_array_equal(again, clean)
 
@@ -191,11 +193,11 @@ def test_expert_slot_repeats_come_from_the_block_and_equal_the_slots_re_run(
     is the clean slots, and every record equals a dump whose slots re-ran alone."""
     model = _fused_moe(arch)
     shared = _moe_dump(tmp_path / "shared", model)
-    # 3 layers x (attention, MLP, slots) x 3 repeats, in each probed round (2)
-    assert shared.status["repeats_from_blocks"] == 3 * 3 * 3 * 2
+    # 3 layers x (attention, MLP, slots) x REPEATS repeats, in each probed round (2)
+    assert shared.status["repeats_from_blocks"] == 3 * 3 * REPEATS * 2
     slots = shared.sites.index("model.layers.1.mlp.experts.slots")
     pairs = _sublayer_repeats(shared, "model.layers.1.mlp.experts.slots")
-    assert len(pairs) == 6
+    assert len(pairs) == REPEATS * 2  # each probed round's repeats
     for clean, again in pairs:
         np.testing.assert_array_equal(again, clean)
     real = Replays._shares_repeats
@@ -205,10 +207,10 @@ def test_expert_slot_repeats_come_from_the_block_and_equal_the_slots_re_run(
 
     monkeypatch.setattr(Replays, "_shares_repeats", sublayers_only)
     alone = _moe_dump(tmp_path / "alone", model)
-    assert alone.status["repeats_from_blocks"] == 3 * 2 * 3 * 2
+    assert alone.status["repeats_from_blocks"] == 3 * 2 * REPEATS * 2
     got, want = _records(shared), _records(alone)
     assert got.keys() == want.keys()
-    assert sum(key[2] == slots and key[3] == schema.KIND_REPEAT for key in got) == 6
+    assert sum(key[2] == slots and key[3] == schema.KIND_REPEAT for key in got) == REPEATS * 2
     for key, value in want.items():
         np.testing.assert_array_equal(got[key], value, err_msg=str(key))
 
@@ -230,11 +232,11 @@ def test_expert_slots_whose_experts_call_changes_repeat_alone(tmp_path):
         reader = _moe_dump(tmp_path, model)
     finally:
         handle.remove()
-    # layer 1's slots ran their 3 repeats alone in both probed rounds; its MLP's input is
+    # layer 1's slots ran their REPEATS repeats alone in both probed rounds; its MLP's input is
     # its recorded input in the block's run, so the MLP's repeats still come from there
-    assert reader.status["repeats_from_blocks"] == 3 * 3 * 3 * 2 - 6
+    assert reader.status["repeats_from_blocks"] == 3 * 3 * REPEATS * 2 - REPEATS * 2
     pairs = _sublayer_repeats(reader, "model.layers.1.mlp.experts.slots")
-    assert len(pairs) == 6
+    assert len(pairs) == REPEATS * 2  # each probed round's repeats
     for clean, again in pairs:
         assert not np.array_equal(again, clean)
     for clean, again in _sublayer_repeats(reader, "model.layers.2.mlp.experts.slots"):
@@ -245,4 +247,4 @@ def test_expert_slots_of_the_stats_store_take_the_block_repeats(tmp_path):
     model = _fused_moe("deepseek_v3")
     reader = _moe_dump(tmp_path, model, store="stats")
     assert reader.complete and reader.status["site_errors"] == 0
-    assert reader.status["repeats_from_blocks"] == 3 * 3 * 3 * 2
+    assert reader.status["repeats_from_blocks"] == 3 * 3 * REPEATS * 2

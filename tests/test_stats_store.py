@@ -30,6 +30,7 @@ from tiny_models import build
 pytestmark = pytest.mark.capture
 
 SIGMAS, DRAWS, DC, REPEATS = (0.1, 0.01), 2, (1.0,), 2
+DEFAULT = DumpConfig()  # the capture defaults a plain dump is made with
 COLUMNS = s.stat_columns(SIGMAS, DRAWS, DC, REPEATS)
 
 
@@ -261,7 +262,7 @@ def test_stats_dump_size_does_not_grow_with_the_tokens(tmp_path):
             sizes[tokens] = (f[s.STATS_VALUES].shape, {
                 name: ds.shape for name, ds in f[s.DATA].items()})
             assert f[s.STATS_VALUES].shape[1] == len(
-                s.stat_columns((0.1, 0.01), 2, (1.0,), 3))
+                s.stat_columns(DEFAULT.sigmas, DEFAULT.draws, DEFAULT.dc, DEFAULT.repeats))
             assert set(f[s.RECORDS][:]["subset"]) == {1}  # only the row sample
             assert set(f[s.RECORDS][:]["site"]) == {s.BLOCK_SITE}
     assert sizes[24] == sizes[96]

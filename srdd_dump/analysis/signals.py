@@ -442,8 +442,9 @@ class LayerSignals:
             big, small = max(self.gains), min(self.gains)
             sig.gain = med(self.gains[big])
             sig.gain_spread = st.mad(self.gains[big])
-            sig.gain_small = med(self.gains[small])
-            sig.linearity = sig.gain_small / sig.gain if sig.gain > 0 else float("nan")
+            if small < big:  # one noise size (the default) has no linearity to report
+                sig.gain_small = med(self.gains[small])
+                sig.linearity = sig.gain_small / sig.gain if sig.gain > 0 else float("nan")
         if self.dc_dead:
             sig.dc_dead, sig.dc_low = med(self.dc_dead), med(self.dc_low)
             sig.flat_zero, sig.flat_value = med(self.flat_zero), med(self.flat_value)

@@ -60,6 +60,9 @@ class DumpConfig:
         at operator granularity), causal (the causality identity of attention and blocks),
         attention, mlp, norm (the float64 references of the attention and MLP sub-layers and
         of the block's norms).
+    sigmas, draws, dc, repeats: the gain noise sizes (relative to each token's std), noise
+        draws per size, dc shifts (in token stds) and unperturbed re-runs; a second, smaller
+        sigma adds the reported (not judged) ``linearity``.
     granularity: block, sublayer (attention, MLP and the norms of the block too) or op (every
         operator inside).
     reference: none, or host: each probed site re-run in float64 on the host CPU.
@@ -85,10 +88,10 @@ class DumpConfig:
     probes: str = "gain,dc,repeat,scale,causal,attention,mlp,norm"
     probe_steps: str = PROBE_STEPS
     probe_samples: int = 1
-    sigmas: list = field(default_factory=lambda: [0.1, 0.01])
+    sigmas: list = field(default_factory=lambda: [0.1])
     draws: int = 2
     dc: list = field(default_factory=lambda: [1.0])
-    repeats: int = 3
+    repeats: int = 2
     granularity: str = "sublayer"
     sublayers: str | None = None
     reference: str = "none"
