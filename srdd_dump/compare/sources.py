@@ -23,7 +23,6 @@ from ..errors import UserError, first_line
 from ..format import schema as s
 from ..format.blocks import clean_block_records, clean_site_records, first_rows
 from ..format.coverage import partial_lines, shortfall_lines
-from ..format.from_msprobe import cache_folder, convert
 from ..format.msprobe import is_msprobe_dump, msprobe_dumps_below, runs_without_dump_json
 from ..format.reader import DumpError, DumpReader, find_dump_files
 from .readers import open_reader
@@ -180,6 +179,10 @@ def inspected(paths: list[str], root: str) -> Iterator[DumpFile]:
 def msprobe_as_srdd(path: str) -> str:
     """The folder of srdd files made from the msprobe dump at ``path`` (format/from_msprobe.py),
     made once and kept in the temporary folder, named by the dump."""
+    # here, not at the top: the converter and the dump writer it uses are 10 ms of imports
+    # that every compare of srdd's own dumps would pay before its workers start
+    from ..format.from_msprobe import cache_folder, convert
+
     folder = cache_folder(path, cache_root())
     _prune_cache(folder)
     if not find_dump_files(folder):
