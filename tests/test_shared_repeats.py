@@ -248,3 +248,113 @@ def test_expert_slots_of_the_stats_store_take_the_block_repeats(tmp_path):
     reader = _moe_dump(tmp_path, model, store="stats")
     assert reader.complete and reader.status["site_errors"] == 0
     assert reader.status["repeats_from_blocks"] == 3 * 3 * REPEATS * 2
+
+
+def _batched_calls(module: torch.nn.Module) -> tuple[list, object]:
+    """Every call of ``module`` on a batch of more than one sequence: (input, output) copies."""
+    calls = []
+
+    def hook(mod, args, kwargs, output):
+        x = kwargs.get("hidden_states", args[0] if args else None)
+        out = output[0] if isinstance(output, tuple) else output
+        if isinstance(x, torch.Tensor) and x.dim() == 3 and x.shape[0] > 1:
+            calls.append((x.detach().clone(), out.detach().clone()))
+
+    return calls, module.register_forward_hook(hook, with_kwargs=True)
+
+
+def _prefill(reader: DumpReader, layer: int, site: int, kind: int) -> list:
+    """The records of one kind of a site in the prefill round (round 0), by probe number."""
+    recs = [r for r in reader.select(layer=layer, kind=kind, site=site) if int(r["round"]) == 0]
+    return sorted(recs, key=lambda r: int(r["probe"]))
+
+
+def test_sublayer_probes_are_its_calls_in_the_block_batched_replay(tmp_path):
+    """The attention and the MLP run once inside their block's batched replay, on the block's
+    perturbed copies as they reach them: those calls are their probe records (no batched
+    replay of their own), each perturbation what differs at their input from the unperturbed
+    copy's, which is their recorded input."""
+    model = build("llama", layers=3)
+    mlp, attn = model.model.layers[1].mlp, model.model.layers[1].self_attn
+    mlp_calls, h1 = _batched_calls(mlp)
+    attn_calls, h2 = _batched_calls(attn)
+    try:
+        reader = _dump(tmp_path, model)
+    finally:
+        h1.remove()
+        h2.remove()
+    assert reader.status["probes_from_blocks"] >= 3 * 2  # every prefill sub-layer at least
+    # the prefill's block replays 5 copies (reference, 2 gain draws, dc, causality) in one call
+    # and no sub-layer replays a batch of its own there (decode steps: one call each at most)
+    prefill = [c for c in mlp_calls if c[0].shape[1] == PROMPT.shape[1]]
+    assert len(prefill) == 1 and prefill[0][0].shape[0] == 5
+    assert len([c for c in attn_calls if c[0].shape[1] == PROMPT.shape[1]]) == 1
+    rows = reader.probe_rows(reader.rounds[0])
+    for module, calls, name, kinds in (
+            (mlp, prefill, "model.layers.1.mlp", (schema.KIND_GAIN, schema.KIND_DC)),
+            (attn, [c for c in attn_calls if c[0].shape[1] == PROMPT.shape[1]],
+             "model.layers.1.self_attn",
+             (schema.KIND_GAIN, schema.KIND_DC, schema.KIND_CAUSAL))):
+        site = reader.sites.index(name)
+        (x, out), = calls
+        width = out.shape[-1]
+        clean = reader.read(_prefill(reader, 1, site, schema.KIND_CLEAN)[0]).reshape(-1, width)
+        ref = reader.read(_prefill(reader, 1, site, schema.KIND_REPLAY)[0]).reshape(-1, width)
+        np.testing.assert_array_equal(ref, out[0].numpy()[rows])  # the unperturbed copy
+        np.testing.assert_array_equal(ref, clean[rows])  # ... of its recorded input
+        copy = 1
+        for kind in kinds:
+            for rec in _prefill(reader, 1, site, kind):
+                got = reader.read(rec).reshape(-1, width)
+                np.testing.assert_array_equal(got, out[copy].numpy()[rows], err_msg=name)
+                delta = (x[copy] - x[0]).double().numpy()[rows]
+                assert rec["pert_rms"] == pytest.approx(np.sqrt(np.mean(delta ** 2)), rel=1e-6)
+                copy += 1
+        assert copy == (4 if module is mlp else 5)  # the MLP takes no causality copy
+
+
+def test_a_sublayer_whose_input_differs_in_the_block_batch_replays_its_own_probes(tmp_path):
+    """An attention whose output depends on the batch it runs in: the MLP after it sees
+    another input in the block's unperturbed copy than it recorded, so it replays its own
+    perturbed copies (a second batched call) and its records are complete."""
+    model = build("llama", layers=3)
+    attn, mlp = model.model.layers[1].self_attn, model.model.layers[1].mlp
+
+    def batch_dependent(module, args, output):
+        return (output[0] + 1e-3 * output[0].shape[0], *output[1:])
+
+    handle = attn.register_forward_hook(batch_dependent)
+    mlp_calls, h2 = _batched_calls(mlp)
+    try:
+        reader = _dump(tmp_path, model)
+    finally:
+        handle.remove()
+        h2.remove()
+    prefill = [c for c in mlp_calls if c[0].shape[1] == PROMPT.shape[1]]
+    assert len(prefill) == 2  # the block's batched replay, then its own (4 copies)
+    assert prefill[1][0].shape[0] == 4
+    site = reader.sites.index("model.layers.1.mlp")
+    assert [int(r["probe"]) for r in _prefill(reader, 1, site, schema.KIND_GAIN)] == [0, 1]
+    assert len(_prefill(reader, 1, site, schema.KIND_DC)) == 1
+    width = prefill[1][1].shape[-1]
+    rows = reader.probe_rows(reader.rounds[0])
+    ref = reader.read(_prefill(reader, 1, site, schema.KIND_REPLAY)[0]).reshape(-1, width)
+    np.testing.assert_array_equal(ref, prefill[1][1][0].numpy()[rows])
+    # its own perturbation: sigma 0.1 of each token row's std of its recorded input
+    clean_in = prefill[1][0][0].double().numpy()
+    want = 0.1 * np.sqrt(np.mean(clean_in.var(axis=-1)[rows]))
+    for rec in _prefill(reader, 1, site, schema.KIND_GAIN):
+        assert rec["pert_rms"] == pytest.approx(want, rel=0.15)
+
+
+@pytest.mark.parametrize("arch", ["mixtral"])
+def test_a_causal_attention_in_a_block_without_a_causality_copy_keeps_its_own(tmp_path, arch):
+    """A block with fused experts has no causality probe (a grouped expert GEMM's rounding
+    depends on the group): its attention, which has one, replays its own copies."""
+    model = _fused_moe(arch)
+    reader = _moe_dump(tmp_path, model)
+    site = reader.sites.index("model.layers.1.self_attn")
+    assert len(_prefill(reader, 1, site, schema.KIND_CAUSAL)) == 1
+    assert len(_prefill(reader, 1, schema.BLOCK_SITE, schema.KIND_CAUSAL)) == 0
+    # the MoE MLP sub-layer takes its copies from the block's batch
+    assert reader.status["probes_from_blocks"] >= 3
