@@ -326,8 +326,6 @@ def run_probes(
     extra: tuple[tuple[int, torch.Tensor], ...] = (),
     rows: Callable[[torch.Tensor], torch.Tensor] | None = None,
     fused_add: bool = False,
-    around_batch: Callable[[list[tuple[int, int, float, int]], int],
-                           contextlib.AbstractContextManager] | None = None,
 ) -> tuple[list[ProbeOutput], bool]:
     """Replay ``module`` on perturbed copies of its input; returns (outputs, batched?).
 
@@ -341,11 +339,7 @@ def run_probes(
     rows of its input alone (``recorded`` holds those rows): the inputs are perturbed whole,
     as without it, then cut to those rows; its repeats re-run the whole call (the call's own
     shapes), their outputs cut to those rows. ``fused_add``: a norm called with a residual it
-    adds first (serving.fused_add_perturbation). ``around_batch(copies, batch)``: a context
-    entered around the batched call of a (batch, tokens, width) input, given each perturbed
-    copy's (kind, probe, param, seed) and the batch size; it yields an object whose ``ok`` is
-    set when the batched call succeeded (the sub-layers inside take their probes from it:
-    shared_repeats.SharedRepeats.around_batch).
+    adds first (serving.fused_add_perturbation).
     """
     args, kwargs = replay_arguments(args, kwargs, cache)
     x, rebuild = hidden_input(args, kwargs, module, stream, fused_add)
@@ -364,13 +358,7 @@ def run_probes(
                    and not serving.replays_alone(module))
         outputs = None
         if batched:
-            taking = (around_batch([tuple(p[:4]) for p in perturbed], x.shape[0])
-                      if around_batch is not None and x.dim() == 3
-                      else contextlib.nullcontext())
-            with taking as call:
-                outputs = _batched(module, x, rebuild, perturbed, recorded)
-                if call is not None:
-                    call.ok = outputs is not None
+            outputs = _batched(module, x, rebuild, perturbed, recorded)
             batched = outputs is not None
         if outputs is None:
             outputs = [recorded] + [_call(module, *rebuild(xp)) for *_, xp in perturbed]
@@ -387,27 +375,19 @@ def run_probes(
     return results, batched
 
 
-def held_call(module: nn.Module, args: tuple, kwargs: dict, cache: FrozenCache | None = None
-              ) -> tuple[torch.Tensor, tuple, dict]:
-    """A recorded call kept for a later replay: a copy of its hidden-state input (the model
-    may change the tensor in place later) and the replay's arguments holding that copy."""
-    args, kwargs = replay_arguments(args, kwargs, cache)
-    x, rebuild = hidden_input(args, kwargs, module)
-    if x is None:
-        raise TypeError(f"cannot find the hidden-state input of {type(module).__name__}")
-    x = x.clone()
-    return (x, *rebuild(x))
-
-
 def repeat_call(module: nn.Module, args: tuple, kwargs: dict, cache: FrozenCache | None = None
                 ) -> tuple[torch.Tensor, Callable[[], torch.Tensor]]:
     """A copy of the hidden-state input of a recorded call and a function that re-runs the
     call on it unperturbed (a repeat), as ``run_probes`` does."""
-    x, args, kwargs = held_call(module, args, kwargs, cache)
+    args, kwargs = replay_arguments(args, kwargs, cache)
+    x, rebuild = hidden_input(args, kwargs, module)
+    if x is None:
+        raise TypeError(f"cannot find the hidden-state input of {type(module).__name__}")
+    x = x.clone()  # the recorded input as it was: the model may change it in place later
 
     def again() -> torch.Tensor:
         with torch.no_grad(), preserved_rng(x.device):
-            return _call(module, args, kwargs)
+            return _call(module, *rebuild(x))
 
     return x, again
 

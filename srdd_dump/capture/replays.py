@@ -8,7 +8,6 @@ what was asked for and what ran goes to the coverage (format/coverage.py).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
@@ -44,7 +43,6 @@ from .probes import (
     FrozenCache,
     ProbeSpec,
     first_tensor,
-    held_call,
     layer_index,
     other_kernels,
     outside_output_recording,
@@ -109,7 +107,6 @@ class Replays:
     def status(self) -> dict:
         return {"batched_replays": self.batched, "sequential_replays": self.sequential,
                 "repeats_from_blocks": self.shared.taken,
-                "probes_from_blocks": self.shared.batches_taken,
                 "decode_replays_skipped": self.decode_skipped, "host_replays": self.host_done,
                 "host_replays_failed": self.host_failed,
                 "compiled_probes_dropped": self.compiled_dropped}
@@ -174,11 +171,7 @@ class Replays:
     def _shares_repeats(self, module: nn.Module, layer: int, site: int, spec: ProbeSpec
                         ) -> bool:
         """A sub-layer whose repeats its block's repeats can give."""
-        return bool(spec.repeats) and self._inside_block_replay(module, layer, site)
-
-    def _inside_block_replay(self, module: nn.Module, layer: int, site: int) -> bool:
-        """A sub-layer that its block's replays run as they run in the model's call."""
-        if site not in self._nested:
+        if site not in self._nested or not spec.repeats:
             return False
         block = self.blocks[layer]
         return (id(block) not in self.serving and not serving.overwrites_inputs(module)
@@ -187,25 +180,17 @@ class Replays:
 
     def _defer(self, module: nn.Module, layer: int, site: int, x: torch.Tensor,
                again: Callable[[], torch.Tensor], outputs: list, hidden: torch.Tensor,
-               ctx: RoundContext, family: str, cut_already: bool = False,
-               probes: Callable[[], tuple[list, bool]] | None = None,
-               causal: bool = False) -> None:
+               ctx: RoundContext, family: str, cut_already: bool = False) -> None:
         """A sub-layer waits for its block's repeats holding copies of what it will hand on
         (its outputs cut to the stored rows, unless ``cut_already``: replayed on those rows
         alone; the stats store's clean entry): the block may change the sub-layer's tensors
-        in place meanwhile (Falcon adds the attention into the MLP's output). ``probes``: its
-        perturbed replays have not run: the block's batched replay gives them, or this runs
-        them (``run_probes``' result) when it does not; ``causal``: one of them is the
-        causality copy."""
+        in place meanwhile (Falcon adds the attention into the MLP's output)."""
         def cut(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else ctx.probe_rows(t)
 
-        def held_of(outputs: list) -> list:
-            return outputs if cut_already else [
-                dataclasses.replace(p, output=cut(p.output), perturbation=cut(p.perturbation))
-                for p in outputs]
-
-        held = held_of(outputs)
+        held = outputs if cut_already else [
+            dataclasses.replace(p, output=cut(p.output), perturbation=cut(p.perturbation))
+            for p in outputs]
         recorded = cut(hidden)
         self.sink.hold(ctx, layer, site)
 
@@ -218,16 +203,7 @@ class Replays:
             with self.moe.pinned() if self.moe is not None else nullcontext():
                 return cut(again())
 
-        own = None
-        if probes is not None:
-            def own() -> list:  # the block's batch did not give them
-                with self.moe.pinned() if self.moe is not None else nullcontext():
-                    outputs, batched = probes()
-                self._count(batched)
-                return held_of(outputs)
-
-        self.shared.defer(layer, Waiting(module, site, x, alone, held, emit, family=family,
-                                         probes=own, causal=causal))
+        self.shared.defer(layer, Waiting(module, site, x, alone, held, emit, family=family))
 
     def _finish_waiting(self, layer: int, ctx: RoundContext) -> None:
         if not self.shared.waiting.get(layer):
@@ -281,43 +257,26 @@ class Replays:
                                      f"not be copied: {why}")
             return
         if probes:
-            inside = self._inside_block_replay(module, layer, site)
             share = self._shares_repeats(module, layer, site, spec)
-            # its perturbed copies from the block's batched replay (shared_repeats.py): a
-            # causality probe of its own needs the block's causality copy
-            from_block = inside and spec.batched and bool(spec.sigmas or spec.dc) and (
-                cut is None or (spec.causal and self.causal.get(id(self.blocks[layer]))))
-            around = around_batch = None
+            around = None
             if site == schema.BLOCK_SITE and self.shared.waiting.get(layer):
                 def around(t: int, layer=layer, ctx=ctx):
                     return self.shared.around(layer, t, ctx.probe_rows)
-                if self.shared.awaits_batch(layer):
-                    def around_batch(copies, batch, layer=layer, ctx=ctx):
-                        return self.shared.around_batch(layer, copies, batch, ctx.probe_rows)
             # a row-wise MLP whose probe rows are a small part of its call: perturbed on
             # those rows alone (its repeats re-run the whole call)
             rows_only = not decode and cut is None and self._row_wise(
                 module, role, args, kwargs, hidden, ctx)
             recorded = ctx.probe_rows(hidden) if rows_only else hidden
-            replay = functools.partial(
-                run_probes, spec=dataclasses.replace(spec, repeats=0) if share else spec,
-                seeds=ctx.seeds(layer, site), cache=cache, causal_cut=cut,
-                stream=id(module) in self.serving, causal_stop=stop,
-                rows=ctx.probe_rows if rows_only else None)
             try:
                 with self.running(), self.coverage.attempt(probes), (
                         self.moe.pinned() if self.moe is not None else nullcontext()):
-                    if from_block:  # replayed later, on the call as it is now
-                        x, *call = held_call(module, args, kwargs, cache)
-                        outputs, own = [], functools.partial(
-                            replay, module, *call,
-                            recorded if rows_only else recorded.clone())
-                    else:
-                        outputs, batched = replay(module, args, kwargs, recorded,
-                                                  around_repeat=around,
-                                                  around_batch=around_batch)
-                        self._count(batched)
-                    if share or from_block:
+                    outputs, batched = run_probes(
+                        module, args, kwargs, recorded,
+                        dataclasses.replace(spec, repeats=0) if share else spec,
+                        ctx.seeds(layer, site), cache, cut, stream=id(module) in self.serving,
+                        causal_stop=stop, around_repeat=around,
+                        rows=ctx.probe_rows if rows_only else None)
+                    if share:
                         x, again = repeat_call(module, args, kwargs, cache)
             except Exception:
                 if not decode:
@@ -326,21 +285,18 @@ class Replays:
                 # clean data is kept, the step is not probed (and coverage says so)
                 self.decode_skipped += 1
                 return
-            if share or from_block:
+            if batched:
+                self.batched += 1
+            else:
+                self.sequential += 1
+            if share:
                 self._defer(module, layer, site, x, again, outputs, hidden, ctx, probes,
-                            cut_already=rows_only, probes=own if from_block else None,
-                            causal=cut is not None)
+                            cut_already=rows_only)
             elif self._keep_probes(module, outputs, recorded):  # rows_only: cut already
                 self.sink.probe_outputs(ctx, layer, site, outputs,
                                         None if rows_only else (ctx.positions, ctx.rows))
         if host:
             self.host_record(module, layer, site, args, kwargs, cache, ctx)
-
-    def _count(self, batched: bool) -> None:
-        if batched:
-            self.batched += 1
-        else:
-            self.sequential += 1
 
     def _row_wise(self, module: nn.Module, role: str, args: tuple, kwargs: dict,
                   hidden: torch.Tensor, ctx: RoundContext) -> bool:
