@@ -263,7 +263,7 @@ def capture_and_scan(name: str, model, args, workdir: str) -> dict:
         # capture only: the hooks are installed around every other forward of one session
         plain, captured, res["capture_bytes_per_sample"] = capture_only(model, ids, reps,
                                                                         workdir)
-        # default scan: gain 2 sigmas x 2 draws + dc 1 + repeat 3, batched, store sample:32768
+        # default scan (DumpConfig's probes), batched, store sample:32768
         scan = []
         scan_bytes = 0
         for _ in range(max(2, reps // 2)):

@@ -47,14 +47,23 @@ def _records(reader: DumpReader, name: str, kinds) -> dict[tuple, np.ndarray]:
             for r in reader.select(kind=None, site=site) if int(r["kind"]) in kinds}
 
 
+def _copies() -> int:
+    """The copies of an MLP's batched probe replay: the unperturbed one, the gain draws and the
+    dc shifts of the default probes."""
+    spec = DumpConfig()
+    return 1 + len(spec.sigmas) * spec.draws + len(spec.dc)
+
+
 def test_a_long_call_probes_a_gated_mlp_on_its_probe_rows_alone(tmp_path, monkeypatch):
     model = build("llama", layers=2)
     mlp = model.model.layers[1].mlp
-    copies = 1 + 2 * 2 + 1  # the clean copy, 2 sigmas x 2 draws, one dc shift
+    spec = DumpConfig()  # the default probes
+    copies = _copies()
+    assert spec.repeats > 0 and copies > 2
     _, shapes = _dump(tmp_path / "rows", model, mlp)
     assert (copies, PROBE_ROWS, 64) in shapes
     assert (copies, TOKENS, 64) not in shapes
-    assert shapes.count((1, TOKENS, 64)) == 1 + 3  # its own call, the block's 3 repeats
+    assert shapes.count((1, TOKENS, 64)) == 1 + spec.repeats  # its own call, the block's
     monkeypatch.setattr(replays, "ROW_WISE_SHARE", 0.0)  # every call replayed whole
     _, shapes = _dump(tmp_path / "whole", model, mlp)
     assert (copies, TOKENS, 64) in shapes
@@ -76,7 +85,7 @@ def test_the_probe_rows_alone_give_the_whole_calls_records(tmp_path, monkeypatch
         # the repeats re-run the whole call in both: the same records bit for bit
         rounds = {k[0] for k in a}  # the probed rounds: the prefill, decode step 1
         a, b = (_records(r, name, (schema.KIND_REPEAT,)) for r in (rows, whole))
-        assert len(a) == 3 * len(rounds) and a.keys() == b.keys()
+        assert len(a) == DumpConfig().repeats * len(rounds) and a.keys() == b.keys()
         for key in a:
             np.testing.assert_array_equal(a[key], b[key])
 
@@ -85,4 +94,5 @@ def test_a_short_call_and_an_mlp_of_another_kind_are_replayed_whole(tmp_path):
     model = build("gpt2", layers=2)  # Conv1D projections: no gated MLP of the HF kind
     mlp = model.transformer.h[1].mlp
     _, shapes = _dump(tmp_path / "gpt2", model, mlp)
-    assert (6, TOKENS, 64) in shapes and (6, PROBE_ROWS, 64) not in shapes
+    copies = _copies()
+    assert (copies, TOKENS, 64) in shapes and (copies, PROBE_ROWS, 64) not in shapes

@@ -21,14 +21,14 @@ from tiny_models import build
 
 pytestmark = pytest.mark.capture
 
-REPEATS = DumpConfig().repeats  # the default scan's unperturbed re-runs
+REPEATS = 2  # unperturbed re-runs of the dumps here (the default since 2026-11-28)
 
 PROMPT = torch.tensor([[5, 17, 9, 33, 61, 2, 44, 8, 19, 70, 12, 3]])
 
 
 def _dump(tmp_path, model):
     session = register_hook(model, DumpConfig(dump_path=str(tmp_path), samples=1,
-                                              progress=False))
+                                              progress=False, repeats=REPEATS))
     with torch.no_grad():
         model.generate(PROMPT, max_new_tokens=3, do_sample=False, pad_token_id=0)
     session.close()
@@ -172,7 +172,8 @@ def _fused_moe(arch: str):
 
 def _moe_dump(tmp_path, model, **options) -> DumpReader:
     session = register_hook(model, DumpConfig(dump_path=str(tmp_path), samples=1,
-                                              progress=False, **options))
+                                              progress=False, **{"repeats": REPEATS,
+                                                                 **options}))
     with torch.no_grad():
         model.generate(PROMPT, max_new_tokens=3, do_sample=False, pad_token_id=0)
     session.close()

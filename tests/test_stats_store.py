@@ -214,11 +214,11 @@ def test_store_option():
 # -- whole dumps -------------------------------------------------------------------------------
 
 
-def _dump(tmp, name, store, inject=(), tokens=40, pad=False, seed=0, prompts=2):
+def _dump(tmp, name, store, inject=(), tokens=40, pad=False, seed=0, prompts=2, **probes):
     model = build("llama", layers=4)
     path = os.path.join(tmp, name)
     config = DumpConfig(dump_path=path, samples=prompts, store=store, progress=False,
-                        inject=list(inject), seed=seed)
+                        inject=list(inject), seed=seed, **probes)
     torch.manual_seed(1)
     with register_hook(model, config), torch.no_grad():
         for _ in range(prompts):
@@ -231,12 +231,16 @@ def _dump(tmp, name, store, inject=(), tokens=40, pad=False, seed=0, prompts=2):
     return path
 
 
+# the former default probes: two noise sizes (the linearity) and 3 repeats
+FORMER_PROBES = {"sigmas": [0.1, 0.01], "repeats": 3}
+
+
 @pytest.mark.integration
-@pytest.mark.parametrize("pad", [False, True])
-def test_stats_dump_gives_the_default_stores_diagnosis(tmp_path, pad):
+@pytest.mark.parametrize("pad,probes", [(False, {}), (True, {}), (False, FORMER_PROBES)])
+def test_stats_dump_gives_the_default_stores_diagnosis(tmp_path, pad, probes):
     fault = ["saturation@layer=2,quantile=0.95,site=mlp"]
-    full = _dump(str(tmp_path), "full", "sample:32768", fault, pad=pad)
-    stats = _dump(str(tmp_path), "stats", "stats", fault, pad=pad)
+    full = _dump(str(tmp_path), "full", "sample:32768", fault, pad=pad, **probes)
+    stats = _dump(str(tmp_path), "stats", "stats", fault, pad=pad, **probes)
     a, b = compare_path(full), compare_path(stats)
     assert a.layers["verdict"].iloc[0] == "FAULT" and int(a.layers["layer"].iloc[0]) == 2
     cols = ["layer", "verdict", "diagnosis", "site"]
@@ -246,11 +250,15 @@ def test_stats_dump_gives_the_default_stores_diagnosis(tmp_path, pad):
         b.sites[["module", "phase", "verdict"]].values.tolist()
     signals = {(g.layer, g.site, g.phase): g.as_dict() for g in file_signals(
         glob.glob(os.path.join(full, "*.h5"))[0])}
+    linear = []
     for g in file_signals(glob.glob(os.path.join(stats, "*.h5"))[0]):
         want = signals.pop((g.layer, g.site, g.phase))
         for name, value in g.as_dict().items():
             assert _close(want[name], value, 1e-5), (g.module, g.phase, name)
+        linear.append(math.isfinite(g.linearity))
     assert not signals
+    # the stats store's gain columns name each draw's sigma: two sizes give the linearity
+    assert any(linear) == (len(probes.get("sigmas", DEFAULT.sigmas)) > 1)
 
 
 @pytest.mark.integration
