@@ -12,7 +12,6 @@ out of range (an expert-parallel "not on this rank" slot) gives zeros and is nev
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, NamedTuple
@@ -20,6 +19,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
+from .probes import this_thread
 from .serving import signature
 
 
@@ -139,10 +139,10 @@ def pinned_routing(modules: list[nn.Module], recorded: dict[int, Routing]) -> It
     a perturbation that would flip a token to another expert never reads as a fault of the
     module. Calls of another number of tokens are left alone."""
 
-    replaying = threading.get_ident()
+    replaying = this_thread()
 
     def pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> Any:
-        if threading.get_ident() != replaying:  # the program's own call, in another thread
+        if not replaying():  # the program's own call, in another thread
             return None
         routing = recorded.get(id(module))
         found = routing_of(args, kwargs)

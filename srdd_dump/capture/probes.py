@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -70,6 +71,13 @@ class ProbeOutput:
     seed: int
     output: torch.Tensor  # same shape as the module's hidden-state output
     perturbation: torch.Tensor | None  # what was added to the input (None for repeats)
+
+
+def this_thread() -> Callable[[], bool]:
+    """A test that a call runs in the thread that made it: a replay's hooks leave alone the
+    program's own calls of the same module in other threads."""
+    me = threading.get_ident()
+    return lambda: threading.get_ident() == me
 
 
 def probe_seed(*parts: int) -> int:

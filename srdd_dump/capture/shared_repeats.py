@@ -17,7 +17,6 @@ repeat gives them only when its experts call reproduced the recorded output bit 
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -27,7 +26,7 @@ import torch
 from torch import nn
 
 from ..format import schema
-from .probes import ProbeOutput, hidden_input, module_output
+from .probes import ProbeOutput, hidden_input, module_output, this_thread
 
 
 @dataclass
@@ -74,12 +73,12 @@ class SharedRepeats:
         calls: dict[int, list[torch.Tensor | None]] = {}
         handles = []
         try:
-            replaying = threading.get_ident()
+            replaying = this_thread()
             for w in self.waiting.get(layer, ()):
                 def hook(module, args, kwargs, output=None, w=w):
                     # the program's own call in another thread (which may also see the hook
                     # removed half-way through its call: torch then passes no output)
-                    if threading.get_ident() != replaying or output is None:
+                    if not replaying() or output is None:
                         return
                     try:
                         x, _ = hidden_input(args, kwargs, module)
