@@ -331,6 +331,13 @@ def test_a_script_that_does_not_exist_or_a_bad_sigma(tmp_path):
                   "--sigma", "-0.1")
     assert res.returncode == 2 and "sigma must be a positive number" in res.stderr
     assert len(res.stderr.strip().splitlines()) == 1
+    # a size given twice would be probed twice (twice the draws): refused, as a repeated dc
+    for option, value in (("--sigma", "0.1"), ("--dc", "1")):
+        res = run_cli("srdd-dump", "--exec", f"{sys.executable} -c pass", "-o",
+                      str(tmp_path / "d"), option, value, option, value)
+        assert res.returncode == 2, res.stderr
+        assert res.stderr.strip().splitlines() == [
+            f"srdd-dump: error: {option} {value} is given twice; give each value once"]
 
 
 def _exec_tiny(tmp_path, name: str, body: str):

@@ -128,6 +128,10 @@ class DumpConfig:
         bad = [v for v in self.dc if not math.isfinite(v)]
         if bad:
             raise UserError(f"dc must be a finite number (a shift in token stds), got {bad[0]}")
+        for option, values in (("--sigma", self.sigmas), ("--dc", self.dc)):
+            twice = next((v for i, v in enumerate(values) if v in values[:i]), None)
+            if twice is not None:  # a second probe of the same size would only cost its replays
+                raise UserError(f"{option} {twice:g} is given twice; give each value once")
         self.faults()
 
     def parsed(self) -> ParsedOptions:
