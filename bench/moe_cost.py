@@ -2,12 +2,13 @@
 experts loop): the plain generation against the same generation under capture, interleaved.
 
     python bench/moe_cost.py [--repeats 3] [--prompts 8] [--dense] [--cpu] [--probe-samples N]
-                             [--probe-steps STEPS]
+                             [--probe-steps STEPS] [--probes WORDS]
 
 The default work is the dense figure's (bench/scan_cost.py): the first 8 chat prompts, 8 new
 tokens each, so the default scan captures its 8 samples (--samples 8) and probes the first.
 Fewer prompts spread the probes' fixed cost over fewer tokens (2 prompts: about twice the
-ratio, for the dense model as for the MoE one).
+ratio, for the dense model as for the MoE one). ``--probes none`` measures the capture without
+a replay (hooks, records, the file written): the floor every probe's cost adds to.
 """
 
 from __future__ import annotations
@@ -50,6 +51,8 @@ def main() -> None:
     parser.add_argument("--probe-samples", type=int,
                         help="probe this many samples instead of the default")
     parser.add_argument("--probe-steps", help="probe these steps instead of the default")
+    parser.add_argument("--probes", help="these probe words instead of the default (none: "
+                        "no replay at all)")
     args = parser.parse_args()
     clock = time.process_time if args.cpu else time.perf_counter
     if args.cpu:
@@ -73,6 +76,8 @@ def main() -> None:
         extra = {} if args.probe_samples is None else {"probe_samples": args.probe_samples}
         if args.probe_steps:
             extra["probe_steps"] = args.probe_steps
+        if args.probes:
+            extra["probes"] = args.probes
         with register_hook(model, DumpConfig(dump_path=tmp, samples=len(ids), progress=False,
                                              **extra)):
             generate(model, ids)
