@@ -432,9 +432,10 @@ def test_a_csv_report_does_not_load_openpyxl(tmp_path):
     assert out == ["False"]
 
 
-def test_pandas_is_not_loaded_before_the_records_are_read(tmp_path):
-    """pandas (0.25 s) is for the report tables: with workers it loads on a thread while they
-    read (pipeline.import_meanwhile); nothing imports it before the scan."""
+def test_pandas_is_not_loaded_by_a_reference_free_compare_to_csv(tmp_path):
+    """pandas (0.15 s of CPU) is for DataFrames: a reference-free compare, its CSV report and
+    the terminal summary of a healthy run never import it (compare/table.py); the table of
+    flagged layers in the summary does."""
     faulty_dump(str(tmp_path))
     code = (
         "import sys\nfrom srdd_dump.compare import api\n"
@@ -443,10 +444,17 @@ def test_pandas_is_not_loaded_before_the_records_are_read(tmp_path):
         "    return real(*a, **k)\n"
         "api.scan = scan\n"
         "from srdd_dump.report import write_report\n"
-        "write_report(api.compare_path(sys.argv[1], progress=False), sys.argv[1] + '/r.csv')\n"
-        "print(seen[0], 'pandas' in sys.modules)\n"
+        "from srdd_dump.report.terminal import diagnosis_text\n"
+        "r = api.compare_path(sys.argv[1], progress=False)\n"
+        "written = write_report(r, sys.argv[1] + '/r.csv')\n"
+        "flagged = r.layer_table.rows\n"
+        "r.layer_table.rows = [dict(x, verdict='NORMAL') for x in flagged]\n"
+        "diagnosis_text(r, written)\nseen.append('pandas' in sys.modules)\n"
+        "r.layer_table.rows = flagged\n"
+        "print(seen[0], seen[1], 'FAULT' in diagnosis_text(r, written), "
+        "'pandas' in sys.modules)\n"
     )
-    assert python_words(code, str(tmp_path)) == ["False", "True"]
+    assert python_words(code, str(tmp_path)) == ["False", "False", "True", "True"]
 
 
 @pytest.mark.integration

@@ -11,9 +11,9 @@ departs. Records are streamed in blocks; one task per (group, layer).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
-import pandas as pd
 
 from ..analysis.tolerance import Thresholds, tolerance_dtype
 from ..format import schema as s
@@ -21,6 +21,9 @@ from ..format.layer_numbers import layer_numbers, number_of
 from .consistency_task import ConsistencyTask
 from .results import CONSISTENCY_COLUMNS, CONSISTENCY_SUMMARY_COLUMNS, ConsistencyResult
 from .sources import DumpFile
+
+if TYPE_CHECKING:  # its tables: pandas, imported once a group is found (a one-card compare
+    import pandas as pd  # needs none)
 
 MIN_SOURCES = 3
 @dataclass
@@ -120,6 +123,8 @@ def _least_precise(members: list[_Source]) -> tuple[str, str]:
 
 
 def _table(rows: list[dict]) -> pd.DataFrame:
+    import pandas as pd
+
     df = pd.DataFrame(rows, columns=[c for c in CONSISTENCY_COLUMNS if c != "first_departure"])
     df = df.sort_values(["group", "layer", "source"], kind="mergesort").reset_index(drop=True)
     df["first_departure"] = False
@@ -131,6 +136,8 @@ def _table(rows: list[dict]) -> pd.DataFrame:
 
 
 def _summary(table: pd.DataFrame, groups: list[list[_Source]]) -> pd.DataFrame:
+    import pandas as pd
+
     rows = []
     for g, members in enumerate(groups):
         part = table[table["group"] == g]

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import math
 
-import pandas as pd
-
 from ..analysis.diagnosis import LayerVerdict, diagnose, headline, site_verdicts
 from ..analysis.signals import DECODE, PREFILL, Signals, set_kurtosis_change
 from ..analysis.verdicts import FAULT, NORMAL, VERDICT_ORDER
@@ -29,6 +27,7 @@ from .results import (
 )
 from .signal_reader import SignalTask
 from .sources import DumpFile
+from .table import Table
 
 
 def finish(path: str, files: list[DumpFile], tasks: list[SignalTask],
@@ -72,8 +71,8 @@ def finish(path: str, files: list[DumpFile], tasks: list[SignalTask],
         else:
             file_rows.append(_file_row(f.source, f.status, f.reason, layers=len(rows), **counts))
     return CompareResult(
-        path=path, layers=layers_table(layer_rows), files=files_table(file_rows),
-        sites=sites_table(site_rows), headlines=headlines, hunts=hunts,
+        path=path, layer_table=layers_table(layer_rows), file_table=files_table(file_rows),
+        site_table=sites_table(site_rows), headlines=headlines, hunts=hunts,
     )
 
 
@@ -173,35 +172,26 @@ def site_row(source: str, sig: Signals, rank: int | None = None, pid: int | None
     return row
 
 
-def sites_table(rows: list[dict]) -> pd.DataFrame:
-    df = pd.DataFrame(rows, columns=SITE_COLUMNS)
-    for col in ("rank", "pid"):
-        df[col] = df[col].astype("Int64")
-    return df.sort_values(["source", "layer", "phase", "module"],
-                          kind="mergesort").reset_index(drop=True)
+def sites_table(rows: list[dict]) -> Table:
+    ordered = sorted(rows, key=lambda r: (r["source"], r["layer"], r["phase"], r["module"]))
+    return Table(SITE_COLUMNS, ordered, whole_numbers=("rank", "pid"))
 
 
-def layers_table(rows: list[dict]) -> pd.DataFrame:
+def layers_table(rows: list[dict]) -> Table:
     """Rows sorted most suspicious first: verdict, then score descending, source, layer."""
-    df = pd.DataFrame(rows, columns=LAYER_COLUMNS)
-    for col in ("rank", "pid"):
-        df[col] = df[col].astype("Int64")
-    if df.empty:
-        return df
-    order = df["verdict"].map(VERDICT_ORDER).fillna(len(VERDICT_ORDER))
-    df = df.assign(_order=order).sort_values(
-        ["_order", "score", "source", "layer"],
-        ascending=[True, False, True, True],
-        kind="mergesort",
-    )
-    return df.drop(columns="_order").reset_index(drop=True)
+    def most_suspicious_first(r: dict) -> tuple:
+        score = r["score"]
+        unscored = score is None or math.isnan(score)  # last, as pandas sorts a NaN
+        return (VERDICT_ORDER.get(r["verdict"], len(VERDICT_ORDER)), unscored,
+                0.0 if unscored else -score, r["source"], r["layer"])
+
+    return Table(LAYER_COLUMNS, sorted(rows, key=most_suspicious_first),
+                 whole_numbers=("rank", "pid"))
 
 
-def files_table(rows: list[dict]) -> pd.DataFrame:
-    df = pd.DataFrame(rows, columns=FILE_COLUMNS)
-    for col in ("rounds", "samples", "layers", "rank", "pid"):
-        df[col] = df[col].astype("Int64")
-    return df
+def files_table(rows: list[dict]) -> Table:
+    return Table(FILE_COLUMNS, rows,
+                 whole_numbers=("rounds", "samples", "layers", "rank", "pid"))
 
 
 def _file_row(source: str, status: str, reason: str, **counts) -> dict:

@@ -1,14 +1,15 @@
 """What a compare returns: one result type per mode, with the columns of each of its tables.
 
 The report package renders these; nothing here writes a file. Table cells are numbers, text
-and booleans; verdict words come from ``analysis.verdicts``.
+and booleans; verdict words come from ``analysis.verdicts``. The reference-free result holds
+its tables as rows (``table.Table``) and gives them as DataFrames on first use: its CSV report
+and terminal summary need no pandas.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-
-import pandas as pd
+from typing import TYPE_CHECKING
 
 from ..analysis.verdicts import (
     AS_DIAGNOSIS,
@@ -20,6 +21,10 @@ from ..analysis.verdicts import (
     VERDICT_ORDER,
 )
 from .sources import INCOMPLETE, OK, SKIPPED
+from .table import Table
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 # file statuses, defined with the files; --fail-on's levels, with the verdicts
 __all__ = ["FAIL_ON", "INCOMPLETE", "OK", "SKIPPED"]
@@ -50,13 +55,16 @@ FILE_COLUMNS = ["source", "status", "reason", "rounds", "samples", "layers", "ra
 
 @dataclass
 class CompareResult:
-    """Reference-free diagnosis of every dump file under ``path``."""
+    """Reference-free diagnosis of every dump file under ``path``. Its tables are given as
+    DataFrames (``layers``, ``files``, ``sites``) or rows (``layer_table``...); either may be
+    passed in, as a DataFrame or a ``Table``."""
 
     path: str  # what was compared, as given
-    layers: pd.DataFrame  # LAYER_COLUMNS: one row per (file, block layer), most suspicious first
-    files: pd.DataFrame  # FILE_COLUMNS: one row per dump file found
-    sites: pd.DataFrame = field(default_factory=lambda: pd.DataFrame(columns=SITE_COLUMNS))
+    # LAYER_COLUMNS: one row per (file, block layer), most suspicious first
+    layer_table: Table | pd.DataFrame
+    file_table: Table | pd.DataFrame  # FILE_COLUMNS: one row per dump file found
     # SITE_COLUMNS: one row per (file, sub-layer module) when the dump has sub-layers
+    site_table: Table | pd.DataFrame = field(default_factory=lambda: Table(SITE_COLUMNS, []))
     headlines: list[str] = field(default_factory=list)  # one verdict sentence per file
     # srdd-dump commands that capture the operators of a FAULT layer (compare/hunt.py)
     hunts: list[str] = field(default_factory=list)
@@ -65,14 +73,32 @@ class CompareResult:
     # evidence the capture asked for and did not get: the verdicts cannot rest on it
     missing_evidence: list[str] = field(default_factory=list)
 
+    def __post_init__(self) -> None:
+        for name in ("layer_table", "file_table", "site_table"):
+            value = getattr(self, name)
+            if not isinstance(value, Table):
+                setattr(self, name, Table.of_frame(value))
+
+    @property
+    def layers(self) -> pd.DataFrame:
+        return self.layer_table.frame()
+
+    @property
+    def files(self) -> pd.DataFrame:
+        return self.file_table.frame()
+
+    @property
+    def sites(self) -> pd.DataFrame:
+        return self.site_table.frame()
+
     @property
     def skipped_reasons(self) -> list[str]:
-        return list(self.files.loc[self.files["status"] == SKIPPED, "reason"])
+        return [r["reason"] for r in self.file_table.rows if r["status"] == SKIPPED]
 
     def worst_verdict(self) -> str:
         """FAULT, SUSPECT or NORMAL: the worst layer verdict of every file; an odd card out
         of the consistency check (one card of a group departs from the others) is a FAULT."""
-        verdicts = set(self.layers["verdict"])
+        verdicts = set(self.layer_table.column("verdict"))
         if self.consistency is not None and self.consistency.odd_sources:
             verdicts.add(FAULT)
         return next((v for v in (FAULT, SUSPECT) if v in verdicts), NORMAL)
@@ -155,8 +181,7 @@ class BaselineResult:
     notes: list[str] = field(default_factory=list)  # e.g. which run of a folder was compared
     # SITE_BASELINE_COLUMNS: sub-layers and operators of the paired blocks (empty when the
     # dumps hold none on both sides)
-    sites: pd.DataFrame = field(
-        default_factory=lambda: pd.DataFrame(columns=SITE_BASELINE_COLUMNS))
+    sites: pd.DataFrame = field(default_factory=lambda: _empty(SITE_BASELINE_COLUMNS))
 
     @property
     def skipped_reasons(self) -> list[str]:
@@ -208,3 +233,9 @@ class ConsistencyResult:
     def odd_sources(self) -> list[str]:
         return list(self.summary.loc[self.summary["odd"], "source"])
 
+
+
+def _empty(columns: list[str]) -> pd.DataFrame:
+    import pandas as pd
+
+    return pd.DataFrame(columns=columns)

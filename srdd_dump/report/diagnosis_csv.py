@@ -3,10 +3,12 @@ the input files and ``<stem>.sublayers.csv`` the sub-layer signals (when the dum
 
 from __future__ import annotations
 
+import csv
 import os
 
 from ..compare.results import CompareResult
-from .escape import escape_formulas
+from ..compare.table import Table
+from .escape import escape_formula, escape_formulas
 
 
 def sibling_path(csv_path: str, part: str) -> str:
@@ -22,13 +24,29 @@ def files_csv_path(csv_path: str) -> str:
 def write_csv(result: CompareResult, path: str) -> list[str]:
     """Write the tables of a CompareResult; returns the paths written (layers first)."""
     written = [path, files_csv_path(path)]
-    # Escaped too: CSV files are opened in spreadsheet programs as often as XLSX.
-    escape_formulas(result.layers).to_csv(path, index=False)
-    escape_formulas(result.files).to_csv(written[1], index=False)
+    write_table(result.layer_table, path)
+    write_table(result.file_table, written[1])
     sublayers = sibling_path(path, "sublayers")
-    if len(result.sites):
+    if len(result.site_table):
         written.append(sublayers)
-        escape_formulas(result.sites).to_csv(sublayers, index=False)
+        write_table(result.site_table, sublayers)
     elif os.path.isfile(sublayers):  # an earlier report's, beside this one: not of this run
         os.remove(sublayers)
     return written
+
+
+def write_table(table: Table, path: str) -> None:
+    """``table`` as CSV, text cells escaped (CSV files are opened in spreadsheet programs as
+    often as XLSX): the bytes ``DataFrame.to_csv`` writes, without pandas where the table's
+    own rows say them (``Table.text_rows``)."""
+    texts = None
+    if not table.has_frame:
+        escaped = [{k: escape_formula(v) for k, v in r.items()} for r in table.rows]
+        texts = Table(table.columns, escaped, table.whole_numbers).text_rows()
+    if texts is None:
+        escape_formulas(table.frame()).to_csv(path, index=False)
+        return
+    with open(path, "w", newline="", encoding="utf-8") as fh:
+        out = csv.writer(fh, lineterminator="\n")
+        out.writerow(table.columns)
+        out.writerows(texts)

@@ -1,9 +1,13 @@
 """Formula escaping of every report table, CSV and XLSX alike: CSV files are opened in
-spreadsheet programs as often as XLSX. No openpyxl here (0.09 s of a CSV compare)."""
+spreadsheet programs as often as XLSX. No openpyxl here (0.09 s of a CSV compare), and pandas
+only for a DataFrame's escaping."""
 
 from __future__ import annotations
 
-import pandas as pd
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 # Spreadsheet programs run a cell that starts with one of these as a formula.
 _FORMULA_START = ("=", "+", "-", "@", "\t", "\r")
@@ -18,6 +22,8 @@ def escape_formula(value):
 
 def escape_formulas(df: pd.DataFrame) -> pd.DataFrame:
     """Copy of ``df`` with every text cell passed through ``escape_formula``."""
+    import pandas as pd
+
     out = df.copy()
     for col in out.columns:
         if not pd.api.types.is_numeric_dtype(out[col]):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 from ..analysis.verdicts import NORMAL, NOT_COMPARED, VERDICT_ORDER, VERDICTS
 from ..compare.results import (
     INCOMPLETE,
@@ -24,7 +26,7 @@ def diagnosis_text(result: CompareResult, written: list[str] | None = None,
     layers x M samples"), files read/skipped/incomplete, layers per verdict, the FAULT and
     SUSPECT rows (no table when there are none), the evidence behind each (``explain``) and the
     report path."""
-    layers, files = result.layers, result.files
+    layers, files = result.layer_table, result.file_table
     lines = list(result.headlines)
     lines += [f"to name the operator inside it, capture that layer's operators: {hunt}"
               for hunt in result.hunts]
@@ -32,17 +34,18 @@ def diagnosis_text(result: CompareResult, written: list[str] | None = None,
         lines.append("evidence missing from these verdicts (the capture asked for it and did "
                      "not get it):")
         lines.extend(f"  {line}" for line in result.missing_evidence)
-    status = files["status"].value_counts()
-    n_ok, n_inc, n_skip = (int(status.get(k, 0)) for k in (OK, INCOMPLETE, SKIPPED))
+    status = Counter(files.column("status"))
+    n_ok, n_inc, n_skip = (status[k] for k in (OK, INCOMPLETE, SKIPPED))
     lines.append(
         f"files: {len(files)} found, {n_ok + n_inc} read ({n_inc} incomplete), {n_skip} skipped"
     )
-    verdicts = layers["verdict"].value_counts()
-    by_verdict = ", ".join(f"{int(verdicts.get(v, 0))} {v}" for v in VERDICT_ORDER)
+    verdicts = Counter(layers.column("verdict"))
+    by_verdict = ", ".join(f"{verdicts[v]} {v}" for v in VERDICT_ORDER)
     lines.append(f"layers: {len(layers)} rows: {by_verdict}")
-    flagged = layers[layers["verdict"] != NORMAL]
-    if len(flagged):
-        top = flagged[SHOWN].head(TOP).copy()
+    flagged = [r for r in layers.rows if r["verdict"] != NORMAL]
+    if flagged:  # their table: pandas, only now
+        frame = result.layers
+        top = frame[frame["verdict"] != NORMAL][SHOWN].head(TOP).copy()
         for col in ("source", "module"):
             top[col] = top[col].map(_shorten)
         more = f" (of {len(flagged)}; all in the report)" if len(flagged) > TOP else ""
@@ -50,9 +53,9 @@ def diagnosis_text(result: CompareResult, written: list[str] | None = None,
         text = top.to_string(index=False, float_format=lambda x: f"{x:.4g}")
         lines.extend("  " + line for line in text.splitlines())
     if explain:
-        if len(flagged):
+        if flagged:
             lines.append("evidence:")
-        for _, r in flagged.iterrows():
+        for r in flagged:
             lines.append(f"  {r['source']} layer {r['layer']} {r['verdict']}: {r['evidence']}")
     if result.consistency is not None:
         lines.append(consistency_text(result.consistency))
