@@ -38,8 +38,11 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 BIN = os.path.dirname(sys.executable)
 DEMO = "python fixtures/infer_smollm2.py --prompts 8"
-SHIM = ("import sys; from srdd_dump.cli.compare import main; sys.argv[0] = 'srdd-compare'; "
-        "sys.exit(main())")
+# another tree's command as its console script runs it (cli/compare_command.py: numpy's BLAS
+# at one thread before numpy loads; a tree before that file: its cli/compare.py)
+SHIM = ("import sys\ntry:\n    from srdd_dump.cli.compare_command import main\n"
+        "except ImportError:\n    from srdd_dump.cli.compare import main\n"
+        "sys.argv[0] = 'srdd-compare'\nsys.exit(main())")
 
 
 def dump_files(path: str) -> list[str]:
