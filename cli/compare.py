@@ -133,7 +133,6 @@ def compare(
 
             start_workers(dumps, jobs, run)
         # imported here, in the supervised child: --help and --version stay fast
-        # (pandas, for the report tables, is imported while the files are read: compare/api.py)
         from srdd_dump import compare as modes
         from srdd_dump.analysis.verdicts import FAIL_ON
         from srdd_dump.format.reader import set_read_monitor

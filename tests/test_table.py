@@ -62,9 +62,29 @@ def test_empty_tables_and_a_given_frame(tmp_path):
     for rows in ([], [{"a": ""}], [{"a": None}]):
         assert _rows_csv(Table(["a", "b"], rows), tmp_path) == _pandas_csv(rows, ["a", "b"])
     frame = pd.DataFrame({"a": [np.float32(0.5), np.float32(-2)], "b": ["=1", "x"]})
-    table = Table.of_frame(frame)
-    assert table.frame() is frame and table.has_frame
+    table = Table.of(frame)
+    assert table.frame() is frame and table.has_frame and table.text_rows() is None
     assert _rows_csv(table, tmp_path) == _pandas_csv(frame.to_dict("records"), ["a", "b"])
+    assert Table(["n"], [{"n": 2.5}], whole_numbers=("n",)).text_rows() is None  # pandas raises
+
+
+def test_the_dataframe_once_built_is_the_table():
+    """A change made to ``result.layers`` is what the verdict, the counts and the report read;
+    new rows replace the DataFrame."""
+    rows = [{"source": "a", "layer": 0, "verdict": "FAULT", "score": 9.0, "rank": None},
+            {"source": "a", "layer": 1, "verdict": "NORMAL", "score": 0.1, "rank": 2}]
+    result = CompareResult("x", layers_table(rows), Table(["status", "reason"], []))
+    assert not result.layer_table.has_frame and result.worst_verdict() == "FAULT"
+    assert str(result.layers["rank"].dtype) == "Int64"
+    result.layers.loc[0, "verdict"] = "NORMAL"
+    assert result.worst_verdict() == "NORMAL"
+    assert result.layer_table.column("verdict") == ["NORMAL", "NORMAL"]
+    result.layer_table.rows = rows
+    assert not result.layer_table.has_frame and result.worst_verdict() == "FAULT"
+    result.layers = result.layers.head(1)  # a DataFrame set, as before the tables were rows
+    assert len(result.layer_table) == 1
+    keywords = CompareResult(path="x", layers=result.layers, files=pd.DataFrame())
+    assert keywords.worst_verdict() == "FAULT" and keywords.sites.empty
 
 
 def _pandas_layer_order(rows: list[dict]) -> list[dict]:
@@ -121,3 +141,14 @@ def test_a_compare_to_csv_is_the_same_from_rows_and_from_frames(tmp_path):
             assert a.read() == b.read()
     assert result.worst_verdict() == framed.worst_verdict() == "FAULT"
     assert result.skipped_reasons == framed.skipped_reasons == []
+
+
+def test_the_flagged_layers_are_an_aligned_table():
+    from srdd_dump.report.terminal import aligned
+
+    rows = [{"verdict": "FAULT", "score": 12.345678, "module": "model.layers.1", "gain": math.nan},
+            {"verdict": "SUSPECT", "score": 3.0, "module": "m", "gain": None}]
+    lines = aligned(rows, ["verdict", "score", "module", "gain"])
+    assert lines == ["verdict score         module gain",
+                     "  FAULT 12.35 model.layers.1  NaN",
+                     "SUSPECT     3              m  NaN"]

@@ -2,8 +2,8 @@
 first, before the imports and the inspection of the files (``start_workers``: the CLI calls it
 as soon as its options are parsed, and ``api.compare_path`` takes the workers through
 ``pipeline.prestart``), each already reading its first task (``head_start``), and its tasks
-planned (``plan``). Imports no pandas: the report tables' modules load while the records are
-read.
+planned (``plan``). Imports no pandas (the reference-free tables need none) and not the
+diagnosis: its modules load while the records are read.
 """
 
 from __future__ import annotations

@@ -118,10 +118,9 @@ def _import(module: str) -> None:
 
 def import_meanwhile(module: str) -> None:
     """Import ``module`` on a thread of its own, starting now: while this process and its
-    workers scan, the import takes this process's turns, and its workers read on (the import of
-    pandas for the report tables, 0.25 s of one core, then costs the workers' share of the
-    scan, not a wait before it). Its first use waits for the import; an import that fails
-    fails again there, with its own error."""
+    workers scan, the import takes this process's turns, and its workers read on (a mode's
+    result modules then cost the workers' share of the scan, not a wait before it). Its first
+    use waits for the import; an import that fails fails again there, with its own error."""
     if module not in sys.modules:
         threading.Thread(target=_import_quietly, args=(module,), daemon=True,
                          name="srdd-import").start()

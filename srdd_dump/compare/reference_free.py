@@ -71,8 +71,8 @@ def finish(path: str, files: list[DumpFile], tasks: list[SignalTask],
         else:
             file_rows.append(_file_row(f.source, f.status, f.reason, layers=len(rows), **counts))
     return CompareResult(
-        path=path, layer_table=layers_table(layer_rows), file_table=files_table(file_rows),
-        site_table=sites_table(site_rows), headlines=headlines, hunts=hunts,
+        path=path, layers=layers_table(layer_rows), files=files_table(file_rows),
+        sites=sites_table(site_rows), headlines=headlines, hunts=hunts,
     )
 
 

@@ -53,43 +53,54 @@ SITE_COLUMNS = (["source", "layer", "module", "expert", "role", "phase", "score"
 FILE_COLUMNS = ["source", "status", "reason", "rounds", "samples", "layers", "rank", "pid"]
 
 
-@dataclass
 class CompareResult:
-    """Reference-free diagnosis of every dump file under ``path``. Its tables are given as
-    DataFrames (``layers``, ``files``, ``sites``) or rows (``layer_table``...); either may be
-    passed in, as a DataFrame or a ``Table``."""
+    """Reference-free diagnosis of every dump file under ``path``. Its tables are DataFrames
+    (``layers``, ``files``, ``sites``: built on first use) over rows (``layer_table``...: what
+    the CSV report and the terminal read); each may be given or set as either."""
 
-    path: str  # what was compared, as given
-    # LAYER_COLUMNS: one row per (file, block layer), most suspicious first
-    layer_table: Table | pd.DataFrame
-    file_table: Table | pd.DataFrame  # FILE_COLUMNS: one row per dump file found
-    # SITE_COLUMNS: one row per (file, sub-layer module) when the dump has sub-layers
-    site_table: Table | pd.DataFrame = field(default_factory=lambda: Table(SITE_COLUMNS, []))
-    headlines: list[str] = field(default_factory=list)  # one verdict sentence per file
-    # srdd-dump commands that capture the operators of a FAULT layer (compare/hunt.py)
-    hunts: list[str] = field(default_factory=list)
-    consistency: ConsistencyResult | None = None  # when 3+ cards ran the same inputs
-    notes: list[str] = field(default_factory=list)  # e.g. which run of a folder was compared
-    # evidence the capture asked for and did not get: the verdicts cannot rest on it
-    missing_evidence: list[str] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        for name in ("layer_table", "file_table", "site_table"):
-            value = getattr(self, name)
-            if not isinstance(value, Table):
-                setattr(self, name, Table.of_frame(value))
+    def __init__(
+        self, path: str, layers: Table | pd.DataFrame, files: Table | pd.DataFrame,
+        sites: Table | pd.DataFrame | None = None, headlines: list[str] | None = None,
+        hunts: list[str] | None = None, consistency: ConsistencyResult | None = None,
+        notes: list[str] | None = None, missing_evidence: list[str] | None = None,
+    ):
+        self.path = path  # what was compared, as given
+        # LAYER_COLUMNS: one row per (file, block layer), most suspicious first
+        self.layers = layers
+        self.files = files  # FILE_COLUMNS: one row per dump file found
+        # SITE_COLUMNS: one row per (file, sub-layer module) when the dump has sub-layers
+        self.sites = Table(SITE_COLUMNS, []) if sites is None else sites
+        self.headlines = headlines or []  # one verdict sentence per file
+        # srdd-dump commands that capture the operators of a FAULT layer (compare/hunt.py)
+        self.hunts = hunts or []
+        self.consistency = consistency  # when 3+ cards ran the same inputs
+        self.notes = notes or []  # e.g. which run of a folder was compared
+        # evidence the capture asked for and did not get: the verdicts cannot rest on it
+        self.missing_evidence = missing_evidence or []
 
     @property
     def layers(self) -> pd.DataFrame:
         return self.layer_table.frame()
 
+    @layers.setter
+    def layers(self, value: Table | pd.DataFrame) -> None:
+        self.layer_table = Table.of(value)
+
     @property
     def files(self) -> pd.DataFrame:
         return self.file_table.frame()
 
+    @files.setter
+    def files(self, value: Table | pd.DataFrame) -> None:
+        self.file_table = Table.of(value)
+
     @property
     def sites(self) -> pd.DataFrame:
         return self.site_table.frame()
+
+    @sites.setter
+    def sites(self, value: Table | pd.DataFrame) -> None:
+        self.site_table = Table.of(value)
 
     @property
     def skipped_reasons(self) -> list[str]:

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 from ..errors import UserError
 
-if TYPE_CHECKING:  # the result modules import pandas: not before a compare has run
+if TYPE_CHECKING:  # the result modules: not before a compare has run
     from ..compare.results import BaselineResult, CompareResult
 
 REPORT_FORMATS = (".csv", ".xlsx")

@@ -39,14 +39,11 @@ def write_table(table: Table, path: str) -> None:
     """``table`` as CSV, text cells escaped (CSV files are opened in spreadsheet programs as
     often as XLSX): the bytes ``DataFrame.to_csv`` writes, without pandas where the table's
     own rows say them (``Table.text_rows``)."""
-    texts = None
-    if not table.has_frame:
-        escaped = [{k: escape_formula(v) for k, v in r.items()} for r in table.rows]
-        texts = Table(table.columns, escaped, table.whole_numbers).text_rows()
+    texts = table.text_rows(escape_formula)
     if texts is None:
         escape_formulas(table.frame()).to_csv(path, index=False)
         return
     with open(path, "w", newline="", encoding="utf-8") as fh:
-        out = csv.writer(fh, lineterminator="\n")
+        out = csv.writer(fh, lineterminator=os.linesep)  # pandas' default
         out.writerow(table.columns)
         out.writerows(texts)

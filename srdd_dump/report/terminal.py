@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 
 from ..analysis.verdicts import NORMAL, NOT_COMPARED, VERDICT_ORDER, VERDICTS
@@ -43,15 +44,10 @@ def diagnosis_text(result: CompareResult, written: list[str] | None = None,
     by_verdict = ", ".join(f"{verdicts[v]} {v}" for v in VERDICT_ORDER)
     lines.append(f"layers: {len(layers)} rows: {by_verdict}")
     flagged = [r for r in layers.rows if r["verdict"] != NORMAL]
-    if flagged:  # their table: pandas, only now
-        frame = result.layers
-        top = frame[frame["verdict"] != NORMAL][SHOWN].head(TOP).copy()
-        for col in ("source", "module"):
-            top[col] = top[col].map(_shorten)
+    if flagged:
         more = f" (of {len(flagged)}; all in the report)" if len(flagged) > TOP else ""
         lines.append(f"flagged layers{more}:")
-        text = top.to_string(index=False, float_format=lambda x: f"{x:.4g}")
-        lines.extend("  " + line for line in text.splitlines())
+        lines.extend("  " + line for line in aligned(flagged[:TOP], SHOWN))
     if explain:
         if flagged:
             lines.append("evidence:")
@@ -62,6 +58,24 @@ def diagnosis_text(result: CompareResult, written: list[str] | None = None,
     if written:
         lines.append("report: " + ", ".join(written))
     return "\n".join(lines)
+
+
+def aligned(rows: list[dict], columns: list[str]) -> list[str]:
+    """``columns`` of ``rows`` as a text table: a header line, then one line per row, each
+    column right-aligned to its widest cell; numbers to 4 significant digits, long texts
+    shortened from the left (a path's end says most)."""
+    cells = [[_cell(r.get(c)) for c in columns] for r in rows]
+    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
+    return [" ".join(text.rjust(w) for text, w in zip(line, widths))
+            for line in [columns, *cells]]
+
+
+def _cell(value) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "NaN"
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return _shorten(value)
 
 
 def _shorten(text) -> str:
