@@ -53,10 +53,28 @@ SITE_COLUMNS = (["source", "layer", "module", "expert", "role", "phase", "score"
 FILE_COLUMNS = ["source", "status", "reason", "rounds", "samples", "layers", "rank", "pid"]
 
 
+class TableAsFrame:
+    """An attribute read as a DataFrame (``Table.frame``) and set from a DataFrame or a
+    ``Table``, held as a Table in ``table_attr``."""
+
+    def __init__(self, table_attr: str):
+        self.table_attr = table_attr
+
+    def __get__(self, obj: object, owner: type | None = None) -> pd.DataFrame | TableAsFrame:
+        return self if obj is None else getattr(obj, self.table_attr).frame()
+
+    def __set__(self, obj: object, value: Table | pd.DataFrame) -> None:
+        setattr(obj, self.table_attr, Table.of(value))
+
+
 class CompareResult:
     """Reference-free diagnosis of every dump file under ``path``. Its tables are DataFrames
     (``layers``, ``files``, ``sites``: built on first use) over rows (``layer_table``...: what
     the CSV report and the terminal read); each may be given or set as either."""
+
+    layers = TableAsFrame("layer_table")
+    files = TableAsFrame("file_table")
+    sites = TableAsFrame("site_table")
 
     def __init__(
         self, path: str, layers: Table | pd.DataFrame, files: Table | pd.DataFrame,
@@ -77,30 +95,6 @@ class CompareResult:
         self.notes = notes or []  # e.g. which run of a folder was compared
         # evidence the capture asked for and did not get: the verdicts cannot rest on it
         self.missing_evidence = missing_evidence or []
-
-    @property
-    def layers(self) -> pd.DataFrame:
-        return self.layer_table.frame()
-
-    @layers.setter
-    def layers(self, value: Table | pd.DataFrame) -> None:
-        self.layer_table = Table.of(value)
-
-    @property
-    def files(self) -> pd.DataFrame:
-        return self.file_table.frame()
-
-    @files.setter
-    def files(self, value: Table | pd.DataFrame) -> None:
-        self.file_table = Table.of(value)
-
-    @property
-    def sites(self) -> pd.DataFrame:
-        return self.site_table.frame()
-
-    @sites.setter
-    def sites(self, value: Table | pd.DataFrame) -> None:
-        self.site_table = Table.of(value)
 
     @property
     def skipped_reasons(self) -> list[str]:
