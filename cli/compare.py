@@ -9,6 +9,7 @@ from typing import Optional
 import typer
 
 from srdd_dump.analysis.tolerance import AUTO, MSPROBE_COSINE, InvalidThresholds, Thresholds
+from srdd_dump.cli.usage import run
 from srdd_dump.errors import UserError, first_line
 from srdd_dump.runtime.memory import fewer_collections, keep_freed_memory
 from srdd_dump.runtime.watchdog import arm, leave, supervise
@@ -243,11 +244,12 @@ def start_workers_early(argv: list[str]) -> None:
     start_workers(opts["dumps"], jobs, opts.get("run"), fork=True)
 
 
-def run_command() -> None:
-    """The command as the watched child runs it (``main``: the watchdog around it)."""
+def run_command() -> int:
+    """The command as the watched child runs it (``main``: the watchdog around it); returns
+    its exit code."""
     start_workers_early(sys.argv[1:])
     try:
-        app(prog_name=PROG)
+        return run(app, PROG)
     finally:
         from srdd_dump.runtime.pool import reap
 

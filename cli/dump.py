@@ -10,6 +10,7 @@ import typer
 from srdd_dump.capture.config import DumpConfig
 from srdd_dump.capture.diskspace import MIN_FREE_GB
 from srdd_dump.capture.launch import run_exec
+from srdd_dump.cli.usage import run
 from srdd_dump.errors import UserError
 from srdd_dump.version import __version__
 
@@ -137,8 +138,8 @@ def dump(
     raise typer.Exit(result.exit_code)
 
 
-def main() -> None:
-    app(prog_name="srdd-dump")
+def main() -> int:
+    return run(app, "srdd-dump")
 
 
 if __name__ == "__main__":

@@ -269,6 +269,13 @@ def test_cli_bad_inputs_one_line_exit_2(tmp_path):
         assert not out.exists()
         if case == "newer_schema":
             assert f"schema version {s.SCHEMA_VERSION + 1}" in lines[0]
+    # what the option parser refuses: one line as well, naming the option, not click's usage
+    for args, named in ((["x", "-j", "two"], "--jobs"), (["x", "--bogus"], "--bogus"),
+                        ([], "DUMPS"), (["x", "y"], "(y)")):
+        proc = run_cli(*args)
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == 2 and len(lines) == 1, (args, proc.stderr)
+        assert lines[0].startswith("srdd-compare: error: ") and named in lines[0], lines
 
 
 def test_cli_good_and_bad_file_writes_report(tmp_path):
@@ -557,19 +564,21 @@ def test_a_workers_head_start_is_the_task_the_compare_plans(tmp_path):
 
 def test_the_command_on_a_closed_pipe_and_beside_an_older_report(tmp_path):
     """`srdd-compare ... | true`: the report is written, the command ends as a writer to a
-    closed pipe does (141), silently; an earlier report's sub-layer table beside this one (a
-    dump without sub-layers) is removed, not left to pass for this run's; ``--run ./NAME`` and
-    ``--run NAME/`` name a run as ``--run NAME`` does."""
+    closed pipe does (141), silently; an earlier report's sub-layer and consistency tables
+    beside this one (a dump without sub-layers, one card) are removed, not left to pass for
+    this run's; ``--run ./NAME`` and ``--run NAME/`` name a run as ``--run NAME`` does."""
     folder = tmp_path / "dumps" / "srdd_dump_20261128_090000"
     faulty_dump(str(folder))
     out = tmp_path / "r.csv"
-    (tmp_path / "r.sublayers.csv").write_text("an older run's table\n")
+    older = ["r.sublayers.csv", "r.consistency.csv", "r.consistency_summary.csv"]
+    for name in older:
+        (tmp_path / name).write_text("an older run's table\n")
     proc = subprocess.run(
         ["bash", "-c", '"$0" -c "$1" "$2" -o "$3" -j 1 | true; exit "${PIPESTATUS[0]}"',
          sys.executable, CLI_JOBS, str(tmp_path / "dumps"), str(out)],
         capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert (proc.returncode, proc.stderr) == (141, "")
-    assert out.exists() and not (tmp_path / "r.sublayers.csv").exists()
+    assert out.exists() and not any((tmp_path / name).exists() for name in older)
     for run in ("./srdd_dump_20261128_090000", "srdd_dump_20261128_090000/"):
         proc = subprocess.run([sys.executable, "-c", CLI_JOBS, str(tmp_path / "dumps"),
                                "--run", run, "-o", str(out), "-q"], capture_output=True,

@@ -338,6 +338,12 @@ def test_a_script_that_does_not_exist_or_a_bad_sigma(tmp_path):
         assert res.returncode == 2, res.stderr
         assert res.stderr.strip().splitlines() == [
             f"srdd-dump: error: {option} {value} is given twice; give each value once"]
+    # an option's value of the wrong kind, an unknown option: one line too, not click's usage
+    for args in (["--draws", "two"], ["--bogus"]):
+        res = run_cli("srdd-dump", *args, "--exec", f"{sys.executable} -c pass", "-o",
+                      str(tmp_path / "d"))
+        assert res.returncode == 2 and res.stderr.startswith("srdd-dump: error: "), res.stderr
+        assert len(res.stderr.strip().splitlines()) == 1 and "Usage:" not in res.stderr
 
 
 def _exec_tiny(tmp_path, name: str, body: str):

@@ -15,6 +15,7 @@ import pandas as pd
 from openpyxl.styles import Font, PatternFill
 
 from ..compare.results import ConsistencyResult
+from .diagnosis_csv import CONSISTENCY_PARTS, sibling_path
 from .escape import escape_formulas
 from .sheets import format_table
 
@@ -25,9 +26,8 @@ RED = PatternFill(fill_type="solid", start_color="FFFFC7CE", end_color="FFFFC7CE
 
 def consistency_paths(report_path: str) -> list[str]:
     """Files ``write_consistency`` writes for a report path (CSV: two siblings; XLSX: itself)."""
-    stem, ext = os.path.splitext(report_path)
-    if ext.lower() == ".csv":
-        return [stem + ".consistency.csv", stem + ".consistency_summary.csv"]
+    if os.path.splitext(report_path)[1].lower() == ".csv":
+        return [sibling_path(report_path, part) for part in CONSISTENCY_PARTS]
     return [report_path]
 
 

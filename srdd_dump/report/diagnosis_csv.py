@@ -21,8 +21,14 @@ def files_csv_path(csv_path: str) -> str:
     return sibling_path(csv_path, "files")
 
 
+# the consistency check's CSV files beside a report (report/consistency.py writes them)
+CONSISTENCY_PARTS = ("consistency", "consistency_summary")
+
+
 def write_csv(result: CompareResult, path: str) -> list[str]:
-    """Write the tables of a CompareResult; returns the paths written (layers first)."""
+    """Write the tables of a CompareResult; returns the paths written (layers first). The
+    sub-layer and consistency files of an earlier report at ``path`` that this result has no
+    table for are removed: beside this report they would pass for this run's."""
     written = [path, files_csv_path(path)]
     write_table(result.layer_table, path)
     write_table(result.file_table, written[1])
@@ -30,9 +36,17 @@ def write_csv(result: CompareResult, path: str) -> list[str]:
     if len(result.site_table):
         written.append(sublayers)
         write_table(result.site_table, sublayers)
-    elif os.path.isfile(sublayers):  # an earlier report's, beside this one: not of this run
-        os.remove(sublayers)
+    else:
+        _remove(sublayers)
+    if result.consistency is None:
+        for part in CONSISTENCY_PARTS:
+            _remove(sibling_path(path, part))
     return written
+
+
+def _remove(path: str) -> None:
+    if os.path.isfile(path):
+        os.remove(path)
 
 
 def write_table(table: Table, path: str) -> None:

@@ -1,0 +1,23 @@
+"""The commands' usage errors (an option's bad value, an unknown option, a missing argument) as
+one line, like every other error of theirs: ``PROG: error: ...`` and exit code 2, without
+click's usage block."""
+
+from __future__ import annotations
+
+import typer
+
+# click's UsageError, whether typer vendors click (0.29) or imports it (older releases)
+USAGE_ERROR = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "UsageError")
+
+
+def run(app: typer.Typer, prog: str) -> int:
+    """Run ``app`` on the command line; returns its exit code."""
+    try:
+        code = app(prog_name=prog, standalone_mode=False)
+    except USAGE_ERROR as exc:
+        typer.echo(f"{prog}: error: {exc.format_message()} (see {prog} --help)", err=True)
+        return exc.exit_code
+    except typer.Abort:  # Ctrl-C before the command's own handler (while options are read)
+        typer.echo(f"{prog}: interrupted", err=True)
+        return 130
+    return code if isinstance(code, int) else 0
