@@ -337,7 +337,7 @@ sys.modules["torch"] = None
 from srdd_dump.cli.compare import run_command  # the command, in this process
 sys.argv = ["srdd-compare", *{args!r}]
 try:
-    run_command()
+    print("exit", run_command())
 except SystemExit as e:
     print("exit", e.code)
 """
