@@ -830,7 +830,7 @@ def test_an_incomplete_file_is_named_so_in_the_baseline_summary(tmp_path):
     golden = write_dump(str(tmp_path / "g" / "g.h5"), rounds)
     make_partial(write_dump(str(tmp_path / "m" / "m.h5"), rounds))
     text = baseline_text(compare(str(tmp_path / "m"), golden))
-    assert "my dumps: " in text and "1 files, 0 skipped, 1 incomplete" in text
+    assert "my dumps: " in text and "1 file, 0 skipped, 1 incomplete" in text
 
 
 @pytest.mark.unit

@@ -117,12 +117,16 @@ def _diagnose_file(f: DumpFile, signals: list[Signals]
 
 def phases_note(signals: list[Signals]) -> str:
     """What a healthy headline says of the phases judged: the decode steps when any was
-    captured, and when none of them was probed (``--probe-steps 0``, a static cache) or the
-    blocks of only some layers were (a sliding-window cache longer than its window)."""
+    captured, and when none of them was probed while the prefill was (``--probe-steps 0``, a
+    static cache) or the blocks of only some layers were (a sliding-window cache longer than
+    its window). Nothing probed at all (an msprobe dump, ``--probes none``) is said once, by
+    the sample count ("none probed")."""
     decode = [g for g in signals if g.phase == DECODE]
     if not decode:
         return ""
     if not any(g.probed_samples for g in decode):
+        if not any(g.probed_samples for g in signals):
+            return " (prefill and decode steps)"
         return " (prefill and decode steps, decode unprobed)"
     blocks = [g for g in decode if g.site == s.BLOCK_SITE and g.layer >= 0]  # no stack input
     probed = sum(1 for g in blocks if g.probed_samples)

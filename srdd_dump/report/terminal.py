@@ -112,7 +112,8 @@ def baseline_text(result: BaselineResult, written: list[str] | None = None) -> s
         skipped = int((side["status"] == SKIPPED).sum())
         incomplete = int((side["status"] == INCOMPLETE).sum())
         where = result.path if role == "my" else result.baseline
-        lines.append(f"{label}: {where}: {len(side)} files, {skipped} skipped"
+        n = len(side)
+        lines.append(f"{label}: {where}: {n} file{'s' if n != 1 else ''}, {skipped} skipped"
                      + (f", {incomplete} incomplete (a process stopped before finishing it)"
                         if incomplete else ""))
     counts = ", ".join(f"{s.verdicts[v]} {v}" for v in VERDICTS)
