@@ -1,9 +1,8 @@
 """The three compare modes, each: find the files once, plan, ``pipeline.scan``, finish.
 
-The modules of the result tables are imported where a mode needs them: the reference-free mode
-imports its own on a thread while its workers read the records (``pipeline.import_meanwhile``);
-its tables are rows (no pandas, 0.15 s of CPU to import, unless a DataFrame is asked for), the
-baseline mode's are DataFrames.
+The modules of the result tables are imported where a mode needs them. The reference-free
+mode's tables are rows (no pandas, 0.15 s of CPU to import, unless a DataFrame is asked for);
+the baseline mode's are DataFrames.
 """
 
 from __future__ import annotations
@@ -24,7 +23,6 @@ from .pipeline import (
     check_jobs,
     default_jobs,
     discard_started,
-    import_meanwhile,
     prestart,
     scan,
 )
@@ -34,9 +32,6 @@ from .sources import DumpFile, find_sources, inspect, inspect_all, locate, no_us
 
 if TYPE_CHECKING:
     from .results import BaselineResult, CompareResult, ConsistencyResult
-
-REFERENCE_FREE = __package__ + ".reference_free"  # its diagnosis and tables
-
 
 def compare_path(path: str, *, jobs: int | None = 1, progress: bool | None = None,
                  run: str | None = None) -> CompareResult:
@@ -60,8 +55,6 @@ def compare_path(path: str, *, jobs: int | None = 1, progress: bool | None = Non
         found = inspect_all(paths, root, note)
         files = found.files
         tasks = plan_reference_free(files, jobs)
-        if jobs > 1 and len(tasks) > 1:
-            import_meanwhile(REFERENCE_FREE)  # while the workers read: a core is busy anyway
         results = scan(run_signal_task, tasks, jobs, progress=show, desc="reference-free")
         from .reference_free import finish as finish_reference_free
 

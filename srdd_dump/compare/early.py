@@ -3,7 +3,7 @@ first, before the imports and the inspection of the files (``start_workers``: th
 as soon as its options are parsed, and ``api.compare_path`` takes the workers through
 ``pipeline.prestart``), each already reading its first task (``head_start``), and its tasks
 planned (``plan``). Imports no pandas (the reference-free tables need none) and not the
-diagnosis: its modules load while the records are read.
+diagnosis (``api.compare_path`` imports it after the scan).
 """
 
 from __future__ import annotations

@@ -14,7 +14,6 @@ import functools
 import importlib
 import os
 import sys
-import threading
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import BrokenExecutor, Future, ProcessPoolExecutor
 from typing import Callable, TypeVar
@@ -114,21 +113,6 @@ def _take(jobs: int) -> tuple[ProcessPoolExecutor | None, list[Future]]:
 
 def _import(module: str) -> None:
     importlib.import_module(module)
-
-
-def import_meanwhile(module: str) -> None:
-    """Import ``module`` on a thread of its own, starting now: while this process and its
-    workers scan, the import takes this process's turns, and its workers read on (a mode's
-    result modules then cost the workers' share of the scan, not a wait before it). Its first
-    use waits for the import; an import that fails fails again there, with its own error."""
-    if module not in sys.modules:
-        threading.Thread(target=_import_quietly, args=(module,), daemon=True,
-                         name="srdd-import").start()
-
-
-def _import_quietly(module: str) -> None:
-    with contextlib.suppress(Exception):
-        importlib.import_module(module)
 
 
 def scan(

@@ -239,7 +239,6 @@ class ConsistencyResult:
         return list(self.summary.loc[self.summary["odd"], "source"])
 
 
-
 def _empty(columns: list[str]) -> pd.DataFrame:
     import pandas as pd
 

@@ -94,9 +94,9 @@ class Table:
         for name in self.columns:
             values = [r.get(name) for r in rows]
             if name in self.whole_numbers:
-                if any(not _missing(v) and v != int(v) for v in values):
+                if any(not missing(v) and v != int(v) for v in values):
                     return None
-                columns.append(["" if _missing(v) else str(int(v)) for v in values])
+                columns.append(["" if missing(v) else str(int(v)) for v in values])
             else:
                 columns.append(_texts(values))
         return [list(row) for row in zip(*columns)] if columns else [[] for _ in rows]
@@ -105,17 +105,17 @@ class Table:
 def _texts(values: list[Any]) -> list[str]:
     kind = column_kind(values)
     if kind == "float":
-        return ["" if _missing(v) else repr(float(v)) for v in values]
+        return ["" if missing(v) else repr(float(v)) for v in values]
     if kind == "int":
         return [str(int(v)) for v in values]
-    return ["" if _missing(v) else str(v) for v in values]
+    return ["" if missing(v) else str(v) for v in values]
 
 
 def column_kind(values: list[Any]) -> str:
     """The dtype pandas gives a column of these plain values (``PLAIN``): "int" (every value
     an integer), "float" (numbers, at least one a float or missing), "bool" (every value a
     bool) or "object" (anything else: text, mixed kinds, nothing but missing values)."""
-    present = [v for v in values if not _missing(v)]
+    present = [v for v in values if not missing(v)]
     if not present:
         return "object"
     if all(isinstance(v, (bool, np.bool_)) for v in present):
@@ -128,5 +128,6 @@ def column_kind(values: list[Any]) -> str:
     return "float"
 
 
-def _missing(v: Any) -> bool:
+def missing(v: Any) -> bool:
+    """None or a NaN: an empty cell."""
     return v is None or (isinstance(v, float) and math.isnan(v))  # np.float64 is a float

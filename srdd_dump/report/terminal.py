@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from collections import Counter
 
 from ..analysis.verdicts import NORMAL, NOT_COMPARED, VERDICT_ORDER, VERDICTS
@@ -14,6 +13,7 @@ from ..compare.results import (
     CompareResult,
     ConsistencyResult,
 )
+from ..compare.table import missing
 
 TOP = 10
 SHOWN = ["verdict", "diagnosis", "score", "source", "layer", "module", "gain", "instability"]
@@ -71,7 +71,7 @@ def aligned(rows: list[dict], columns: list[str]) -> list[str]:
 
 
 def _cell(value) -> str:
-    if value is None or (isinstance(value, float) and math.isnan(value)):
+    if missing(value):
         return "NaN"
     if isinstance(value, float):
         return f"{value:.4g}"
