@@ -2,13 +2,14 @@
 experts loop): the plain generation against the same generation under capture, interleaved.
 
     python bench/moe_cost.py [--repeats 3] [--prompts 8] [--dense] [--cpu] [--probe-samples N]
-                             [--probe-steps STEPS] [--probes WORDS]
+                             [--probe-steps STEPS] [--probes WORDS] [--set FIELD=VALUE ...]
 
 The default work is the dense figure's (bench/scan_cost.py): the first 8 chat prompts, 8 new
 tokens each, so the default scan captures its 8 samples (--samples 8) and probes the first.
 Fewer prompts spread the probes' fixed cost over fewer tokens (2 prompts: about twice the
 ratio, for the dense model as for the MoE one). ``--probes none`` measures the capture without
-a replay (hooks, records, the file written): the floor every probe's cost adds to.
+a replay (hooks, records, the file written): the floor every probe's cost adds to. ``--set
+draws=1`` (any DumpConfig field, an int or a float or a word) measures another default.
 """
 
 from __future__ import annotations
@@ -40,6 +41,25 @@ def generate(model, ids) -> None:
             model.generate(x, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
 
 
+def config_fields(pairs: list[str]) -> dict:
+    """["draws=1", "sigmas=0.1"] -> {"draws": 1, "sigmas": [0.1]}: a list field takes commas."""
+    fields = {}
+    for pair in pairs:
+        name, _, text = pair.partition("=")
+        values = [_number(v) for v in text.split(",")]
+        fields[name] = values if name in ("sigmas", "dc") else values[0]
+    return fields
+
+
+def _number(text: str):
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--repeats", type=int, default=3)
@@ -53,6 +73,8 @@ def main() -> None:
     parser.add_argument("--probe-steps", help="probe these steps instead of the default")
     parser.add_argument("--probes", help="these probe words instead of the default (none: "
                         "no replay at all)")
+    parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                        help="a DumpConfig field of the captured runs, e.g. draws=1")
     args = parser.parse_args()
     clock = time.process_time if args.cpu else time.perf_counter
     if args.cpu:
@@ -78,6 +100,7 @@ def main() -> None:
             extra["probe_steps"] = args.probe_steps
         if args.probes:
             extra["probes"] = args.probes
+        extra.update(config_fields(args.set))
         with register_hook(model, DumpConfig(dump_path=tmp, samples=len(ids), progress=False,
                                              **extra)):
             generate(model, ids)
