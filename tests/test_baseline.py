@@ -171,6 +171,15 @@ def test_consistency_names_the_odd_card_and_its_first_layer(cards, tmp_path):
     write_consistency(result, str(xlsx))
     wb = openpyxl.load_workbook(xlsx)
     assert wb.sheetnames == ["Sheet", "consistency", "consistency_summary"]
+    # the whole compare's XLSX summary names the odd card as its terminal screen does
+    from srdd_dump.compare import compare_path
+    from srdd_dump.report import write_report
+
+    full = compare_path(str(cards), progress=False)
+    assert full.consistency is not None
+    write_report(full, str(tmp_path / "full.xlsx"))
+    summary = [c.value for c in openpyxl.load_workbook(tmp_path / "full.xlsx")["summary"]["A"]]
+    assert any(isinstance(v, str) and "odd card out: " + odd in v for v in summary)
 
 
 def test_consistency_needs_three_sources_with_the_same_inputs(cards, tmp_path):

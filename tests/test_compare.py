@@ -202,6 +202,33 @@ def test_xlsx_report_sheets_colours_and_formula_escape(tmp_path):
     assert files[1][:2] == ["run_rank0.h5", "ok"]
 
 
+def test_xlsx_of_a_table_the_user_changed_and_the_summary_as_the_terminals(tmp_path):
+    """The in-code API: a result whose layer table lost columns or rows is written to XLSX as
+    it stands (the CSV already was); the summary sheet holds what the terminal's first screen
+    says (the hunt command included), a missing value empty."""
+    from srdd_dump.report import write_report
+
+    faulty_dump(str(tmp_path / "dumps"))
+    result = compare_path(str(tmp_path / "dumps"), progress=False)
+    result.hunts = ["srdd-dump --exec 'python infer.py' --layers model.layers.1"]
+    out = tmp_path / "all.xlsx"
+    write_report(result, str(out))
+    summary = [c.value for c in openpyxl.load_workbook(out)["summary"]["A"] if c.value]
+    assert any(result.hunts[0] in line for line in summary)
+    rows = list(openpyxl.load_workbook(out)["summary"].iter_rows(values_only=True))
+    assert not any(v == "nan" for row in rows for v in row)
+    result.layers = result.layers.drop(columns=["score", "nan_count", "kurtosis", "diagnosis"])
+    result.layers = result.layers[result.layers["layer"] >= 1]
+    out = tmp_path / "cut.xlsx"
+    assert write_report(result, str(out)) == [str(out)]
+    ws = openpyxl.load_workbook(out)["layers"]
+    header = [c.value for c in ws[1]]
+    assert "score" not in header and "verdict" in header and ws.max_row == 4
+    result.layers = result.layers.drop(columns=["verdict", "source"])
+    write_report(result, str(out))
+    assert "layers" in openpyxl.load_workbook(out).sheetnames
+
+
 def test_partial_file_is_used_and_flagged(tmp_path):
     rng = np.random.default_rng(1)
     good = write_dump(str(tmp_path / "a.h5"), normal_rounds(rng))

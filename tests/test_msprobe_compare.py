@@ -3,6 +3,7 @@ input of the reference-free diagnosis and as the golden side of --baseline."""
 
 from __future__ import annotations
 
+import csv
 import glob
 import os
 
@@ -119,6 +120,13 @@ def test_a_statistics_dump_gets_a_reference_free_report_saying_what_it_lacks(tmp
     text = _compare(tmp_path, _fixture("smollm2_bf16_stats"))
     assert "30 rows: 0 FAULT" in text
     assert "Max, Min, Mean and Norm of each tensor" in text
+    # what the statistics do not hold is blank, not a value: the kurtosis and the zero
+    # fraction (msprobe counts no zeros); what they do hold is there
+    for name in ("report.csv", "report.sublayers.csv"):
+        with open(tmp_path / name, newline="") as f:
+            rows = list(csv.DictReader(f))
+        assert rows and all(r["zero_frac"] == "" and r["kurtosis"] == "" for r in rows)
+        assert all(float(r["std"]) > 0 and float(r["absmax"]) > 0 for r in rows)
 
 
 def test_a_mix_dump_of_one_layers_modules_is_compared_where_both_have_them(tmp_path):

@@ -149,6 +149,6 @@ def test_the_flagged_layers_are_an_aligned_table():
     rows = [{"verdict": "FAULT", "score": 12.345678, "module": "model.layers.1", "gain": math.nan},
             {"verdict": "SUSPECT", "score": 3.0, "module": "m", "gain": None}]
     lines = aligned(rows, ["verdict", "score", "module", "gain"])
-    assert lines == ["verdict score         module gain",
-                     "  FAULT 12.35 model.layers.1  NaN",
-                     "SUSPECT     3              m  NaN"]
+    assert lines == ["verdict score         module gain",  # not measured: "-", not NaN
+                     "  FAULT 12.35 model.layers.1    -",
+                     "SUSPECT     3              m    -"]

@@ -22,7 +22,8 @@ class Moments:
     """Count, mean, central sums M2..M4 and value counters of a stream of arrays.
 
     NaN and +-Inf are counted in ``nan_count`` / ``inf_count`` and left out of everything else;
-    ``count``, ``zeros`` and ``absmax`` refer to the finite values only.
+    ``count``, ``zeros`` and ``absmax`` refer to the finite values only. ``m3``, ``m4`` and
+    ``zeros`` are NaN where a source did not record them (statistics converted from msprobe).
     """
 
     count: int = 0
@@ -31,7 +32,7 @@ class Moments:
     m3: float = 0.0
     m4: float = 0.0
     absmax: float = 0.0
-    zeros: int = 0
+    zeros: int | float = 0  # a count, NaN when unknown
     nan_count: int = 0
     inf_count: int = 0
 
@@ -115,7 +116,8 @@ class Moments:
 
     @property
     def zero_frac(self) -> float:
-        """Fraction of the finite values that are exactly zero (0 when there are none)."""
+        """Fraction of the finite values that are exactly zero (0 when there are none; NaN
+        when the zeros were not counted)."""
         return self.zeros / self.count if self.count else 0.0
 
 

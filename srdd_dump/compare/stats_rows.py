@@ -46,12 +46,14 @@ class StatsLayout:
             v = get(name)
             return int(v) if math.isfinite(v) else 0
 
-        # a file without the higher moments (converted from msprobe statistics) leaves them
-        # unknown: NaN, so the kurtosis is not taken for that of a normal distribution
+        # a file without the higher moments or the zero count (converted from msprobe
+        # statistics) leaves them unknown: NaN, so the kurtosis is not taken for that of a
+        # normal distribution, nor the zero fraction for 0
         m3, m4 = (_zero(get(k)) if self.fixed[k] is not None else math.nan for k in ("m3", "m4"))
+        zeros = count("zeros") if self.fixed["zeros"] is not None else math.nan
         moments = Moments(count=count("n"), mean_=_zero(get("mean")), m2=_zero(get("m2")),
                           m3=m3, m4=m4, absmax=_zero(get("absmax")),
-                          zeros=count("zeros"), nan_count=count("nan"),
+                          zeros=zeros, nan_count=count("nan"),
                           inf_count=count("inf"))
         out = RoundStats(sample=sample, dtype=dtype, moments=moments,
                          **{name: get(name) for name in s.SHAPE_COLUMNS})

@@ -1,5 +1,7 @@
 """Reference-free report as XLSX: summary, per-layer table (coloured by verdict), signals by
-layer with native line charts, sub-layer signals and the input files."""
+layer with native line charts, sub-layer signals and the input files. A table whose columns a
+user of the API changed (``result.layers`` filtered, a column dropped) is written as it is: a
+part that needs a missing column is left out."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from ..analysis.verdicts import FAULT, NORMAL, SUSPECT, VERDICT_ORDER
 from ..compare.results import CompareResult
 from .escape import escape_formula, escape_formulas
 from .sheets import format_table
+from .terminal import consistency_text
 
 SUMMARY_SHEET = "summary"
 LAYERS_SHEET = "layers"
@@ -27,6 +30,8 @@ FILLS = {
 }
 # Per-layer signals charted against the layer index (one chart each, one line per source).
 CHARTED = ("score", "gain", "kurtosis", "instability", "zero_frac", "offset", "ties")
+# the summary's row per flagged layer
+WORST_SHOWN = ("source", "layer", "verdict", "diagnosis", "score", "evidence")
 MAX_CHART_SOURCES = 8
 
 
@@ -61,6 +66,15 @@ def _summary(xw: pd.ExcelWriter, result: CompareResult) -> None:
         cell = ws.cell(row=row, column=1, value=escape_formula(line))
         cell.font = Font(bold=True)
         row += 1
+    for hunt in result.hunts:
+        ws.cell(row=row, column=1, value=escape_formula(
+            f"to name the operator inside it, capture that layer's operators: {hunt}"))
+        row += 1
+    if result.consistency is not None:
+        row += 1
+        for line in consistency_text(result.consistency).splitlines():
+            ws.cell(row=row, column=1, value=escape_formula(line))
+            row += 1
     if result.missing_evidence:
         row += 1
         ws.cell(row=row, column=1, value="evidence missing from these verdicts").font = Font(
@@ -70,7 +84,9 @@ def _summary(xw: pd.ExcelWriter, result: CompareResult) -> None:
             ws.cell(row=row, column=1, value=escape_formula(line))
             row += 1
     row += 1
-    counts = result.layers["verdict"].value_counts()
+    layers = result.layers
+    verdicts = layers["verdict"] if "verdict" in layers else pd.Series([], dtype=object)
+    counts = verdicts.value_counts()
     for verdict in VERDICT_ORDER:
         ws.cell(row=row, column=1, value=verdict).font = Font(bold=True)
         ws.cell(row=row, column=2, value=int(counts.get(verdict, 0)))
@@ -78,21 +94,21 @@ def _summary(xw: pd.ExcelWriter, result: CompareResult) -> None:
             ws.cell(row=row, column=1).fill = FILLS[verdict]
         row += 1
     row += 1
-    status = result.files["status"].value_counts()
-    ws.cell(row=row, column=1, value="files")
-    ws.cell(row=row, column=2, value=", ".join(f"{n} {k}" for k, n in status.items()))
+    if "status" in result.files:
+        status = result.files["status"].value_counts()
+        ws.cell(row=row, column=1, value="files")
+        ws.cell(row=row, column=2, value=", ".join(f"{n} {k}" for k, n in status.items()))
     row += 2
-    worst = result.layers[result.layers["verdict"] != NORMAL].head(10)
+    worst = layers[verdicts != NORMAL].head(10) if "verdict" in layers else layers.head(0)
+    shown = [c for c in WORST_SHOWN if c in layers]
     if len(worst):
         ws.cell(row=row, column=1, value="most suspicious layers").font = Font(bold=True)
         row += 1
         for _, r in worst.iterrows():
-            ws.cell(row=row, column=1, value=escape_formula(str(r["source"])))
-            ws.cell(row=row, column=2, value=int(r["layer"]))
-            ws.cell(row=row, column=3, value=r["verdict"]).fill = FILLS[r["verdict"]]
-            ws.cell(row=row, column=4, value=escape_formula(str(r["diagnosis"])))
-            ws.cell(row=row, column=5, value=float(r["score"]))
-            ws.cell(row=row, column=6, value=escape_formula(str(r["evidence"])))
+            for col, name in enumerate(shown, start=1):
+                cell = ws.cell(row=row, column=col, value=_cell(r[name]))
+                if name == "verdict":
+                    cell.fill = FILLS[r[name]]
             row += 1
     ws.column_dimensions["A"].width = 100
     for col in "BCDE":
@@ -100,7 +116,18 @@ def _summary(xw: pd.ExcelWriter, result: CompareResult) -> None:
     ws["A1"].alignment = Alignment(wrap_text=False)
 
 
+def _cell(value):
+    """A table value as a summary cell: a text escaped, nothing for a missing value."""
+    if isinstance(value, str):
+        return escape_formula(value)
+    if pd.isna(value):
+        return None
+    return value.item() if hasattr(value, "item") else value
+
+
 def _colour_layers(ws, layers: pd.DataFrame) -> None:
+    if "verdict" not in layers:
+        return
     verdict_col = list(layers.columns).index("verdict")
     for i, verdict in enumerate(layers["verdict"], start=2):  # row 1 is the header
         fill = FILLS.get(verdict)
@@ -112,13 +139,16 @@ def _colour_layers(ws, layers: pd.DataFrame) -> None:
     if n < 2:
         return
     cols = list(layers.columns)
-    score = get_column_letter(cols.index("score") + 1)
-    ws.conditional_formatting.add(
-        f"{score}2:{score}{n}",
-        ColorScaleRule(start_type="num", start_value=0, start_color="FFFFFFFF",
-                       end_type="num", end_value=1, end_color="FFF8696B"),
-    )
+    if "score" in cols:
+        score = get_column_letter(cols.index("score") + 1)
+        ws.conditional_formatting.add(
+            f"{score}2:{score}{n}",
+            ColorScaleRule(start_type="num", start_value=0, start_color="FFFFFFFF",
+                           end_type="num", end_value=1, end_color="FFF8696B"),
+        )
     for name in ("nan_count", "inf_count"):
+        if name not in cols:
+            continue
         col = get_column_letter(cols.index(name) + 1)
         ws.conditional_formatting.add(
             f"{col}2:{col}{n}",
@@ -128,11 +158,14 @@ def _colour_layers(ws, layers: pd.DataFrame) -> None:
 
 def _signals(xw: pd.ExcelWriter, layers: pd.DataFrame) -> None:
     """A layer-ordered table (one column per source and signal) and a line chart per signal."""
+    charted = [c for c in CHARTED if c in layers]
+    if not charted or "source" not in layers or "layer" not in layers:
+        return
     sources = list(dict.fromkeys(layers["source"]))[:MAX_CHART_SOURCES]
     by_layer = layers[layers["source"].isin(sources)].sort_values(["source", "layer"])
-    wide = by_layer.pivot_table(index="layer", columns="source", values=list(CHARTED))
+    wide = by_layer.pivot_table(index="layer", columns="source", values=charted)
     table = pd.DataFrame({"layer": wide.index})
-    for signal in CHARTED:
+    for signal in charted:
         for src in sources:
             key = (signal, src)
             table[f"{signal} | {src}"] = wide[key].values if key in wide else float("nan")
@@ -140,7 +173,7 @@ def _signals(xw: pd.ExcelWriter, layers: pd.DataFrame) -> None:
     ws = xw.sheets[SIGNALS_SHEET]
     n = len(table) + 1
     anchor_col = get_column_letter(len(table.columns) + 2)
-    for k, signal in enumerate(CHARTED):
+    for k, signal in enumerate(charted):
         chart = LineChart()
         chart.title = f"{signal} by layer"
         chart.x_axis.title = "layer"

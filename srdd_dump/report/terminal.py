@@ -63,7 +63,8 @@ def diagnosis_text(result: CompareResult, written: list[str] | None = None,
 def aligned(rows: list[dict], columns: list[str]) -> list[str]:
     """``columns`` of ``rows`` as a text table: a header line, then one line per row, each
     column right-aligned to its widest cell; numbers to 4 significant digits, long texts
-    shortened from the left (a path's end says most)."""
+    shortened from the left (a path's end says most); "-" where the report's cell is empty
+    (not measured: "NaN" would read as an overflow)."""
     cells = [[_cell(r.get(c)) for c in columns] for r in rows]
     widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
     return [" ".join(text.rjust(w) for text, w in zip(line, widths))
@@ -72,7 +73,7 @@ def aligned(rows: list[dict], columns: list[str]) -> list[str]:
 
 def _cell(value) -> str:
     if missing(value):
-        return "NaN"
+        return "-"
     if isinstance(value, float):
         return f"{value:.4g}"
     return _shorten(value)
