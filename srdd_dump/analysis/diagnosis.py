@@ -39,6 +39,7 @@ from ..vocabulary import (
     UNIT_ROUNDOFF,
     sublayer_kind,
 )
+from . import array_stats as st
 from .identities import CLIP, OFFSET, OTHER, ZERO
 from .signals import BLOCK_SITE, LOW_BITS, PREFILL, Signals
 from .tolerance import DEFAULT_LIMITS, tolerance_dtype
@@ -392,11 +393,14 @@ def relative_z(group: list[Signals]) -> dict[str, np.ndarray]:
     among the layers of one site kind, in the order of ``group``."""
     kurt = _log([g.kurtosis + 3 for g in group])  # plain kurtosis > 0
     # offsets within the dtype's rounding of the values are the rounding's own (a normalised
-    # output's mean is 0 up to it): their spread among layers is no evidence
+    # output's mean is 0 up to it), and offsets within the chance mean of the values a round
+    # averages are chance (one decode token of 576 channels: 0.04): their spread among layers
+    # is no evidence
     rounding = max((UNIT_ROUNDOFF.get(g.dtype, 0.0) for g in group), default=0.0)
+    noise = st.nanmedian([g.offset_noise for g in group])
     return {
         "offset": robust_z(np.array([g.offset for g in group], dtype=np.float64),
-                           max(rounding, 1e-12)),
+                           max(rounding, noise if np.isfinite(noise) else 0.0, 1e-12)),
         "gain": robust_z(_log([g.gain for g in group])),
         "kurt_drop": -robust_z(np.concatenate([[np.nan], np.diff(kurt)])),
     }

@@ -9,6 +9,7 @@ decode steps are accumulated apart (``phase``): a decode kernel has signals of i
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields
 from typing import NamedTuple
 
@@ -74,6 +75,9 @@ class Signals:
     tie_excess: float = float("nan")  # those tokens / the count at the next values inward
     update_rms: float = float("nan")  # RMS of what the module adds (block: h_k - h_{k-1})
     offset: float = float("nan")  # |mean(update)| / st.rms(update)
+    # the offset a mean of that many random values reaches by chance: 1/sqrt(values of a
+    # round), median over rounds, over sqrt(rounds) (the noise floor of the relative z)
+    offset_noise: float = float("nan")
     dc_energy: float = float("nan")  # ||token-mean of update||^2 / mean ||update row||^2
     consistency: float = float("nan")  # 99th pct over channels of |mean_t u_c| / rms_t u_c
     stuck: float = float("nan")  # fraction of channels at one non-zero value over all tokens
@@ -344,7 +348,7 @@ class LayerSignals:
         self.probed_samples: set[int] = set()
         self.per_sample: dict[str, list[float]] = {
             k: [] for k in ("pileup", "ties", "tie_excess", "offset", "upd", "dce", "cons",
-                            "stuck", "lowbits", "rows", "margin", "grid")
+                            "stuck", "lowbits", "rows", "margin", "grid", "noise")
         }
         self.gains: dict[float, list[float]] = {}
         self.dc_dead: list[float] = []
@@ -383,7 +387,8 @@ class LayerSignals:
                            ("upd", r.update_rms), ("offset", r.offset), ("dce", r.dc_energy),
                            ("cons", r.consistency), ("stuck", r.stuck),
                            ("lowbits", r.lowbits), ("rows", r.rows), ("grid", r.grid),
-                           ("margin", r.topk_margin)):
+                           ("margin", r.topk_margin),
+                           ("noise", _offset_noise(r.moments.count))):
             acc[key].append(value)
         if r.scale is not None:
             self.scale.append(r.scale)
@@ -433,6 +438,7 @@ class LayerSignals:
         sig.dtype = max(self.dtypes, key=lambda d: UNIT_ROUNDOFF.get(d, 0.0))
         sig.update_rms = med(acc["upd"])
         sig.offset = med(acc["offset"])
+        sig.offset_noise = med(acc["noise"]) / math.sqrt(len(acc["noise"]))
         sig.dc_energy = med(acc["dce"])
         sig.consistency = med(acc["cons"])
         sig.stuck = st.nanmax(acc["stuck"])
@@ -501,3 +507,9 @@ def set_kurtosis_change(signals: list[Signals]) -> None:
         before = blocks.get(layer - 1)
         if before is not None and g.kurtosis + 3 > 0 and before.kurtosis + 3 > 0:
             g.kurt_change = float(np.log((g.kurtosis + 3) / (before.kurtosis + 3)))
+
+
+def _offset_noise(count: int) -> float:
+    """The typical |mean| / rms of ``count`` random values: what a round's offset is by
+    chance (a single decode token of 576 channels: 0.04)."""
+    return 1.0 / math.sqrt(count) if count > 0 else float("nan")
