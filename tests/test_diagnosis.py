@@ -320,3 +320,38 @@ def test_without_repeat_runs_the_exact_identities_are_suspect_at_most():
     unrepeated = run(float("nan"))
     assert unrepeated.verdict == SUSPECT
     assert "no repeat runs were made" in unrepeated.evidence[0].text
+
+
+def test_a_decode_tokens_chance_offset_is_no_bias_a_constant_one_is():
+    """BIAS is relative: the offset |mean(u)| / rms(u) of one layer against the others. One
+    decode token of 576 channels has a mean of about 1/sqrt(576) = 0.04 of its rms by chance,
+    so a layer whose three decode tokens happen to sit there (healthy SmolLM2 on a plain-text
+    prompt reached z = 8.8 among layers whose other tokens had smaller means) is no evidence;
+    a constant added to every element is, at decode as at the prefill."""
+    from srdd_dump.analysis.signals import DECODE, PREFILL, LayerSignals
+    from srdd_dump.analysis.verdicts import SUSPECT
+
+    rng = np.random.default_rng(7)
+
+    def layer(k: int, phase: str, tokens: int, shift: float, rounds: int = 3):
+        acc = LayerSignals(k, -1, f"model.layers.{k}", phase)
+        for _ in range(rounds):
+            x = rng.standard_normal((1, tokens, 576))
+            x -= x.mean(axis=-1, keepdims=True) * 0.7  # means smaller than chance, as measured
+            acc.add((x + shift).astype(np.float32), "float32", 0, None, None, [])
+        return acc.result()
+
+    def verdicts(phase: str, tokens: int, shifts: dict[int, float]):
+        signals = [layer(k, phase, tokens, shifts.get(k, 0.0)) for k in range(30)]
+        return {v.layer: v for v in diagnose(signals, "float32", 30)}
+
+    # a mean of 1.5 chance levels at one layer: nothing
+    chance = verdicts(DECODE, 1, {22: 1.5 / np.sqrt(576)})
+    assert all(v.verdict == NORMAL for v in chance.values()), [
+        (k, v.verdict) for k, v in chance.items() if v.verdict != NORMAL]
+    # a constant of 0.8 rms on every element of one decode token, or 0.1 rms in a prefill of
+    # 40 tokens: a FAULT named BIAS
+    for phase, tokens, shift in ((DECODE, 1, 0.8), (PREFILL, 40, 0.1)):
+        found = verdicts(phase, tokens, {12: shift})
+        assert found[12].verdict == FAULT and found[12].diagnosis.startswith("BIAS"), found[12]
+        assert all(v.verdict not in (FAULT, SUSPECT) for k, v in found.items() if k != 12)
