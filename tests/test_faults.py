@@ -103,10 +103,38 @@ def test_noise_is_fresh_on_every_call_so_repeats_see_it(tmp_path):
     ("bias@layer=1,sparsity=0", "sparsity must be"),
     ("bias@layer=1,m", "expected key=value"),
     ("double_scale@layer=1,site=mlp", "inside the attention kernel"),
+    ("dead_zone@layer=5,mm=0.3", "unknown option 'mm'"),  # a typo is not silently dropped
+    ("bias@layer=5,sparsty=0.1", "unknown option 'sparsty'"),
 ])
 def test_bad_fault_specs(text, message):
     with pytest.raises(UserError, match=message):
         parse_fault(text)
+
+
+def test_every_documented_fault_option_is_accepted():
+    """The options the fault types read (faults.py, attention_faults.py) all parse."""
+    for text in ("saturation@layer=1,mode=absolute,limit=2,phase=decode,rank=0,scope=sample",
+                 "nondeterminism@layer=1,mode=amplified", "stuck_at@layer=1,value=3",
+                 "bitflip@layer=1,rate=1e-3,bits=exponent", "precision@layer=1,dtype=float16",
+                 "int8@layer=1,per=tensor", "bias@layer=1,quantile=0.5,seed=3,sparsity=0.1",
+                 "rotary_offset@layer=1,shift=2"):
+        parse_fault(text)
+
+
+def test_dump_config_refuses_values_of_the_wrong_type_by_name():
+    """The in-code API checks what the command line's parser checks: a value of the wrong type
+    is a one-line UserError naming the field, not a TypeError later or a capture turned off;
+    one fault spec or one noise size given alone is taken as a list of one."""
+    for kwargs, name in ((dict(samples="two"), "samples"), (dict(samples=2.5), "samples"),
+                         (dict(samples=True), "samples"), (dict(seed="x"), "seed"),
+                         (dict(dump_path=123), "dump_path"), (dict(steps=3), "steps"),
+                         (dict(sigmas=["a"]), "sigmas"), (dict(inject=[3]), "inject"),
+                         (dict(progress="no"), "progress")):
+        with pytest.raises(UserError, match=f"DumpConfig {name} must be"):
+            DumpConfig(**kwargs)
+    config = DumpConfig(inject="noise@layer=3", sigmas=0.05, samples=np.int64(2))
+    assert config.inject == ["noise@layer=3"] and config.sigmas == [0.05]
+    assert DumpConfig.from_json(config.to_json()) == config
 
 
 def test_fault_site_errors_are_user_errors():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
 import os
 from dataclasses import asdict, dataclass, field
 from typing import NamedTuple
@@ -105,6 +106,9 @@ class DumpConfig:
     command_dir: str | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.inject, str):  # one spec given as a string, not a list of them
+            self.inject = [self.inject]
+        self._check_types()
         if self.samples < 1:
             raise UserError(f"--samples must be at least 1, got {self.samples}")
         self.parsed()
@@ -133,6 +137,44 @@ class DumpConfig:
             if twice is not None:  # a second probe of the same size would only cost its replays
                 raise UserError(f"{option} {twice:g} is given twice; give each value once")
         self.faults()
+
+    def _check_types(self) -> None:
+        """A field of the wrong type (``samples="two"``, ``dump_path=123``) is refused by
+        name, as the command line would, not met later as a TypeError or a capture turned
+        off."""
+        def refuse(name: str, what: str) -> None:
+            raise UserError(f"DumpConfig {name} must be {what}, got "
+                            f"{getattr(self, name)!r}")
+
+        for name in ("samples", "seed", "probe_samples", "draws", "repeats"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+                refuse(name, "a whole number")
+            setattr(self, name, int(value))  # a numpy integer, as JSON and the CLI have it
+        if not isinstance(self.dump_path, (str, os.PathLike)):
+            refuse("dump_path", "a folder path")
+        self.dump_path = os.fspath(self.dump_path)
+        for name in ("steps", "tokens", "probes", "probe_steps", "granularity", "reference",
+                     "store", "tp_replays"):
+            if not isinstance(getattr(self, name), str):
+                refuse(name, "a string")
+        for name in ("layers", "sublayers", "command", "command_dir"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
+                refuse(name, "a string or None")
+        for name in ("sigmas", "dc"):
+            values = getattr(self, name)
+            if isinstance(values, numbers.Real) and not isinstance(values, bool):
+                values = [values]  # one value, not a list of them
+            if not isinstance(values, (list, tuple)) or not all(
+                    isinstance(v, numbers.Real) and not isinstance(v, bool) for v in values):
+                refuse(name, "a list of numbers")
+            setattr(self, name, [float(v) for v in values])
+        if not isinstance(self.inject, (list, tuple)) or not all(
+                isinstance(v, str) for v in self.inject):
+            refuse("inject", "a list of fault specs (strings)")
+        for name in ("batch_probes", "progress", "debug"):
+            if not isinstance(getattr(self, name), bool):
+                refuse(name, "True or False")
 
     def parsed(self) -> ParsedOptions:
         """The text options parsed (UserError names a bad one): what a session reads."""

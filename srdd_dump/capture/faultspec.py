@@ -14,6 +14,10 @@ FAULT_TYPES = (
     "softmax_precision", "double_scale", "rotary_offset", "mask_shift", "gqa_mapping",
 )
 ATTENTION_KERNEL = FAULT_TYPES[-5:]
+# the key=value options a fault reads besides layer, site, m, sparsity and seed (faults.py,
+# attention_faults.py): any other key is a typo that would otherwise be silently ignored
+OPTION_KEYS = ("scope", "per", "phase", "rank", "limit", "quantile", "mode", "value", "rate",
+               "bits", "dtype", "shift")
 
 
 @dataclass
@@ -44,6 +48,11 @@ def parse_fault(text: str) -> FaultSpec:
         values[key.strip()] = value.strip()
     if "layer" not in values:
         raise UserError(f"--inject {text!r}: layer=K is required")
+    unknown = [k for k in values if k not in (*OPTION_KEYS, "layer", "site", "m", "sparsity",
+                                              "seed")]
+    if unknown:
+        raise UserError(f"--inject {text!r}: unknown option {unknown[0]!r}; the options are "
+                        f"layer, site, m, sparsity, seed, {', '.join(OPTION_KEYS)}")
     try:
         spec = FaultSpec(
             type=kind,
