@@ -355,3 +355,12 @@ def test_a_decode_tokens_chance_offset_is_no_bias_a_constant_one_is():
         found = verdicts(phase, tokens, {12: shift})
         assert found[12].verdict == FAULT and found[12].diagnosis.startswith("BIAS"), found[12]
         assert all(v.verdict not in (FAULT, SUSPECT) for k, v in found.items() if k != 12)
+
+
+def test_a_small_share_of_elements_never_reads_as_none():
+    """The clip-limit evidence quotes the share of elements the batch moved: a few elements of
+    a large output are not '0.00%'."""
+    from srdd_dump.analysis.diagnosis import _share
+
+    assert _share(3.1e-5) == "0.0031%" and _share(0.0042) == "0.42%"
+    assert _share(0.25) == "25.00%" and _share(0.0) == "0.00%"

@@ -288,7 +288,7 @@ def _exact_evidence(sig: Signals, dtype: str, instab_median: float, compute_dtyp
             "SAT_SOURCE" if at_edge else "BATCH_DEP", sig.batch_dep / batch_limit,
             f"the output of {where} for one input changes with the rest of its batch by "
             f"{sig.batch_dep:.2g} of max|x|"
-            + (f", at its extremes ({sig.batch_dep_moved:.2%} of the elements, at "
+            + (f", at its extremes ({_share(sig.batch_dep_moved)} of the elements, at "
                f"{sig.batch_dep_level:.2f} max|x|): a clip limit taken from the whole batch"
                if at_edge else ""), secondary=True)))
     if quantized:
@@ -615,6 +615,13 @@ def _mark_propagation(verdicts: list[LayerVerdict], signals: list[Signals]) -> N
         if v.verdict == FAULT:
             for f in families:
                 sources.setdefault(f, v.score)
+
+
+def _share(fraction: float) -> str:
+    """A small share in words that never reads as none: '0.42%', '0.0031%'."""
+    if fraction <= 0 or fraction >= 0.01:
+        return f"{fraction:.2%}"
+    return f"{100 * fraction:.2g}%"
 
 
 def headline(v: LayerVerdict) -> str:
