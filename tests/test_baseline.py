@@ -768,7 +768,12 @@ def test_a_sub_layer_birth_is_named_when_no_block_multiplies_the_error_tenfold()
     from srdd_dump.compare.results import BaselineResult
 
     table = mark_divergence(_rounds_table([[0.004, 0.006, 0.009, 0.03, 0.035, 0.04]] * 4))
-    assert summarize(table).pattern == "gradual"
+    gradual = summarize(table)
+    assert gradual.pattern == "gradual"
+    # the message names the layer that grows the error most (x3.3 at layer 3), and does not
+    # claim there is no fault: one growing the error less than 10x looks the same
+    assert "at most x3.33 across one layer (layer 3," in gradual.message, gradual.message
+    assert "reference-free report" in gradual.message
     summary = summarize(table, sites=_site_rows(table, 3, [("FAIL", 12.0)] * 3
                                                 + [("FAIL", 6.0)]))
     assert summary.pattern == "site" and summary.first_layer == 3, summary.message

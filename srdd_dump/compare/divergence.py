@@ -521,14 +521,20 @@ def _explain(s: BaselineSummary, compared: pd.DataFrame, same_setup: np.ndarray,
     if np.isnan(reds[broken.index.to_numpy()]).all():
         held = (sources[broken.index.to_numpy()] >= 0).any()  # in both dumps, not compared
         return "unlocated", _unlocated(s, start, tol, held)
-    growth = s.per_layer["max_error_amplification"].max()
+    amplification = s.per_layer["max_error_amplification"]
+    growth = amplification.max()
     isolated = " in more than isolated rounds" if growth >= BIRTH_GROWTH else ""
+    most = s.per_layer.loc[amplification.idxmax()] if amplification.notna().any() else None
+    at = f" (layer {int(most['layer'])}, {most['module']})" if most is not None else ""
     return "gradual", (
         f"no layer multiplies the error by {BIRTH_GROWTH:g}x or more{isolated}: "
         f"the first layer beyond {tol} tolerance is {int(start['layer'])} ({start['module']}, "
         f"{start['verdict']}); the relative error grows to "
         f"{s.per_layer['max_relative_euclidean_distance'].max():.3g}, at most x{growth:.3g} "
-        f"across one layer: an accumulation such as a precision difference, not one faulty layer"
+        f"across one layer{at}: an accumulation such as a precision difference, not one "
+        f"layer this comparison can single out (a fault that grows the error less than "
+        f"{BIRTH_GROWTH:g}x looks the same here; the reference-free report of these dumps "
+        f"judges each layer by its own replays)"
     )
 
 
