@@ -364,3 +364,23 @@ def test_a_small_share_of_elements_never_reads_as_none():
 
     assert _share(3.1e-5) == "0.0031%" and _share(0.0042) == "0.42%"
     assert _share(0.25) == "25.00%" and _share(0.0) == "0.00%"
+
+
+def test_a_headline_says_which_evidence_the_fault_rests_on():
+    """The headline names the main finding with its own evidence; when that is under the
+    FAULT limit and a secondary evidence makes the verdict, it says the verdict rests on it
+    (a new user read '(0.5x the FAULT limit); also ...' as a FAULT below its limit)."""
+    from srdd_dump.analysis.diagnosis import Evidence, LayerVerdict, headline
+
+    ties = Evidence("PILEUP_SAT", 0.5, "6 tokens share a channel's exact extreme",
+                    module="model.layers.17.mlp")
+    batch = Evidence("SAT_SOURCE", 33.3, "the output changes with the rest of its batch",
+                     module="model.layers.17.mlp", secondary=True)
+    v = LayerVerdict(17, "model.layers.17", 33.3, FAULT, "PILEUP_SAT,SAT_SOURCE",
+                     [ties, batch], site="model.layers.17.mlp")
+    line = headline(v)
+    assert "(0.5x the FAULT limit); the verdict rests on the output changes" in line, line
+    strong = Evidence("PILEUP_SAT", 2.0, "9 tokens share a channel's exact extreme",
+                      module="model.layers.17.mlp")
+    v.evidence = [strong, batch]
+    assert "; also the output changes" in headline(v)

@@ -652,7 +652,11 @@ def headline(v: LayerVerdict) -> str:
     line = (f"Layer {v.layer} ({v.site or v.module}): {v.verdict} - {what}: {top.text} "
             f"({top.strength:.3g}x the FAULT limit)")
     if strongest is not top and strongest.strength > top.strength:
-        line += f"; also {strongest.text} ({strongest.strength:.3g}x)"
+        # the main finding's own evidence under the limit: the stronger one is what makes
+        # the verdict, and the line says so rather than quote an evidence below 1x first
+        joint = ("; the verdict rests on" if top.strength < 1 <= strongest.strength
+                 else "; also")
+        line += f"{joint} {strongest.text} ({strongest.strength:.3g}x)"
     return line
 
 
