@@ -46,7 +46,8 @@ def config_fields(pairs: list[str]) -> dict:
     fields = {}
     for pair in pairs:
         name, _, text = pair.partition("=")
-        values = [_number(v) for v in text.split(",")]
+        numeric = name in ("samples", "seed", "probe_samples", "draws", "repeats", "sigmas", "dc")
+        values = [_number(v) if numeric else v for v in text.split(",")]
         fields[name] = values if name in ("sigmas", "dc") else values[0]
     return fields
 

@@ -364,6 +364,7 @@ def test_a_small_share_of_elements_never_reads_as_none():
 
     assert _share(3.1e-5) == "0.0031%" and _share(0.0042) == "0.42%"
     assert _share(0.25) == "25.00%" and _share(0.0) == "0.00%"
+    assert _share(0.00999) == "1.00%" and _share(1e-7) == "under 0.0001%"
 
 
 def test_a_headline_says_which_evidence_the_fault_rests_on():

@@ -619,8 +619,10 @@ def _mark_propagation(verdicts: list[LayerVerdict], signals: list[Signals]) -> N
 
 def _share(fraction: float) -> str:
     """A small share in words that never reads as none: '0.42%', '0.0031%'."""
-    if fraction <= 0 or fraction >= 0.01:
+    if fraction <= 0 or fraction >= 0.00995:
         return f"{fraction:.2%}"
+    if fraction < 1e-6:
+        return "under 0.0001%"
     return f"{100 * fraction:.2g}%"
 
 

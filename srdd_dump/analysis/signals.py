@@ -438,7 +438,9 @@ class LayerSignals:
         sig.dtype = max(self.dtypes, key=lambda d: UNIT_ROUNDOFF.get(d, 0.0))
         sig.update_rms = med(acc["upd"])
         sig.offset = med(acc["offset"])
-        sig.offset_noise = med(acc["noise"]) / math.sqrt(len(acc["noise"]))
+        rounds = int(np.isfinite(np.asarray(acc["offset"], dtype=np.float64)).sum())
+        if rounds:  # the rounds the offset is the median of
+            sig.offset_noise = med(acc["noise"]) / math.sqrt(rounds)
         sig.dc_energy = med(acc["dce"])
         sig.consistency = med(acc["cons"])
         sig.stuck = st.nanmax(acc["stuck"])

@@ -107,8 +107,8 @@ def attention_layout(module: nn.Module, model: nn.Module) -> AttentionLayout | s
     if any(isinstance(getattr(p, "weight", None), torch.Tensor) and p.weight.numel() == 0
            for p in projections):
         # vLLM's CPU backend packs its Linear weights for oneDNN and leaves an empty tensor
-        return ("projections whose weights the engine keeps in its own packed form (an empty "
-                "weight tensor: vLLM's CPU backend)")
+        return ("projections whose weights are kept elsewhere (an empty weight tensor: the "
+                "engine's own packed form, e.g. vLLM's CPU backend, or a partitioned parameter)")
     if o is None or not all(isinstance(p, nn.Linear) and p.weight.is_floating_point()
                             for p in projections):
         return "projections that are not floating-point torch Linear modules"

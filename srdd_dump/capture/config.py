@@ -108,6 +108,8 @@ class DumpConfig:
     def __post_init__(self) -> None:
         if isinstance(self.inject, str):  # one spec given as a string, not a list of them
             self.inject = [self.inject]
+        elif isinstance(self.inject, tuple):
+            self.inject = list(self.inject)
         self._check_types()
         if self.samples < 1:
             raise UserError(f"--samples must be at least 1, got {self.samples}")

@@ -533,8 +533,8 @@ def _explain(s: BaselineSummary, compared: pd.DataFrame, same_setup: np.ndarray,
         f"{s.per_layer['max_relative_euclidean_distance'].max():.3g}, at most x{growth:.3g} "
         f"across one layer{at}: an accumulation such as a precision difference, not one "
         f"layer this comparison can single out (a fault that grows the error less than "
-        f"{BIRTH_GROWTH:g}x looks the same here; the reference-free report of these dumps "
-        f"judges each layer by its own replays)"
+        f"{BIRTH_GROWTH:g}x looks the same here; the reference-free report judges each "
+        f"layer on its own, by its replays where the dumps hold them)"
     )
 
 
