@@ -637,7 +637,7 @@ def test_the_healthy_headline_names_the_phases_judged_and_unprobed_decode_steps(
     from srdd_dump.compare.reference_free import phases_note
 
     prefill = Signals(layer=0, site=-1, module="m", phase=PREFILL, probed_samples=1)
-    assert phases_note([prefill]) == ""
+    assert phases_note([prefill]) == " (prefill only: no decode step was captured)"
     probed = Signals(layer=0, site=-1, module="m", phase=DECODE, probed_samples=1)
     unprobed = Signals(layer=0, site=-1, module="m", phase=DECODE, probed_samples=0)
     unprobed_site = Signals(layer=0, site=0, module="m.mlp", phase=DECODE, probed_samples=0)

@@ -159,7 +159,8 @@ def test_healthy_first_screen_is_one_line_and_counts(tmp_path):
     result = compare_path(str(tmp_path), progress=False)
     text = diagnosis_text(result)
     first = text.splitlines()[0]
-    assert first.endswith("no faulty layer found in 4 layers x 2 samples, 1 probed"), text
+    assert first.endswith("no faulty layer found in 4 layers x 2 samples, 1 probed (prefill "
+                          "only: no decode step was captured)"), text
     assert "layers: 4 rows: 0 FAULT, 0 SUSPECT, 4 NORMAL" in text
     assert "NORMAL  " not in text and "flagged" not in text  # no table of NORMAL rows
 
@@ -170,7 +171,8 @@ def test_healthy_first_screen_is_one_line_and_counts(tmp_path):
 def test_healthy_first_screen_says_how_many_samples_were_probed(tmp_path, options, says):
     _session(tmp_path, **options)
     first = diagnosis_text(compare_path(str(tmp_path), progress=False)).splitlines()[0]
-    assert first.endswith(f"no faulty layer found in 4 layers {says}"), first
+    assert first.endswith(f"no faulty layer found in 4 layers {says} (prefill only: no decode "
+                          "step was captured)"), first
 
 
 @pytest.mark.integration

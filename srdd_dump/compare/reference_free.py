@@ -117,13 +117,13 @@ def _diagnose_file(f: DumpFile, signals: list[Signals]
 
 def phases_note(signals: list[Signals]) -> str:
     """What a healthy headline says of the phases judged: the decode steps when any was
-    captured, and when none of them was probed while the prefill was (``--probe-steps 0``, a
-    static cache) or the blocks of only some layers were (a sliding-window cache longer than
-    its window). Nothing probed at all (an msprobe dump, ``--probes none``) is said once, by
-    the sample count ("none probed")."""
+    captured (else that none was), and when none of them was probed while the prefill was
+    (``--probe-steps 0``, a static cache) or the blocks of only some layers were (a
+    sliding-window cache longer than its window). Nothing probed at all (an msprobe dump,
+    ``--probes none``) is said once, by the sample count ("none probed")."""
     decode = [g for g in signals if g.phase == DECODE]
-    if not decode:
-        return ""
+    if not decode:  # a program of forwards only (an evaluation harness, use_cache=False)
+        return " (prefill only: no decode step was captured)"
     if not any(g.probed_samples for g in decode):
         if not any(g.probed_samples for g in signals):
             return " (prefill and decode steps)"
