@@ -107,7 +107,7 @@ def _summary(xw: pd.ExcelWriter, result: CompareResult) -> None:
         for _, r in worst.iterrows():
             for col, name in enumerate(shown, start=1):
                 cell = ws.cell(row=row, column=col, value=_cell(r[name]))
-                if name == "verdict":
+                if name == "verdict" and r[name] in FILLS:  # a verdict the user wrote: plain
                     cell.fill = FILLS[r[name]]
             row += 1
     ws.column_dimensions["A"].width = 100
