@@ -74,6 +74,22 @@ def test_exit_code_propagates_and_dump_is_finalised(tmp_path):
         assert r.complete and len(r.rounds) == 1
 
 
+def test_a_program_that_fails_in_its_first_forward_is_pointed_at(tmp_path):
+    """The program's own prefill raises inside the model (a reshape that does not fit): the
+    end of the run says nothing was captured and that the command failed, pointing at its own
+    error rather than only at capture."""
+    script = _write(tmp_path / "breaks.py", (
+        TINY_LLAMA +
+        "def broken(*args, **kwargs):\n    raise RuntimeError('shape is invalid')\n"
+        "m.model.layers[1].mlp.forward = broken\n"
+        "with torch.no_grad(): m(input_ids=torch.randint(0, 128, (1, 6)))\n"))
+    res = run_cli("srdd-dump", "--exec", f"{sys.executable} {script}", "-o", str(tmp_path / "d"))
+    assert res.returncode == 1, res.stderr[-2000:]
+    assert "shape is invalid" in res.stderr  # the user's own error, theirs to see
+    line = next(x for x in res.stderr.splitlines() if "no prefill seen" in x)
+    assert "the command failed (exit code 1): see its own error above" in line, line
+
+
 def test_exception_in_script_propagates(tmp_path):
     script = _write(tmp_path / "raises.py", "raise ValueError('user bug')\n")
     res = run_cli("srdd-dump", "--exec", f"{sys.executable} {script}", "-o", str(tmp_path / "d"))

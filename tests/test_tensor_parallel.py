@@ -180,6 +180,21 @@ def test_lockstep_replays_find_noise_on_one_rank_and_stop_when_a_rank_stops(
     assert (faults["diagnosis"] == "NOISE_SOURCE").any()
 
 
+@pytest.mark.slow
+def test_lockstep_sub_layers_say_why_they_have_no_float64_reference(smollm2_cache, tmp_path):
+    """At the default granularity the lockstep replays reach the attention and MLP, whose
+    weights each rank holds a part of: their float64 references cannot be made, and the end
+    of the run says so in words (it printed torch's 'mixed torch.Tensor and DTensor')."""
+    command = shlex.join([*TORCHRUN, os.path.join(FIXTURES, "infer_tp.py"), "--prompts", "1",
+                          "--new-tokens", "2"])
+    res = run_cli("srdd-dump", "--exec", command, "-o", str(tmp_path / "dumps"), "-q",
+                  "--samples", "1", "--tp-replays", "lockstep", timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "attention references (0 of" in res.stderr and "MLP references (0 of" in res.stderr
+    assert "its weights are split over the tensor-parallel ranks" in res.stderr
+    assert "mixed torch.Tensor and DTensor" not in res.stderr, res.stderr[-3000:]
+
+
 def test_lockstep_agreement_leaves_no_rank_alone():
     """The store protocol behind --tp-replays lockstep: all arrive -> every rank replays; one
     never arrives -> nobody does, including a rank that arrives after the others gave up."""

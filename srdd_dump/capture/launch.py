@@ -452,7 +452,8 @@ def _collect(returncode: int, status_dir: str, new_partials: set[str] | None = N
         else:
             result.problems.append(
                 "no model forward with more than one token was captured (no prefill seen)"
-            )
+                + (f"; the command {_ended(returncode)}: see its own error above"
+                   if returncode != 0 else ""))
     return result
 
 

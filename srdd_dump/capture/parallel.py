@@ -165,6 +165,10 @@ class TensorParallel:
             return False
         return True
 
+    def sharded(self, module: nn.Module) -> bool:
+        """The module holds distributed (DTensor) parameters: each rank has a part of them."""
+        return id(module) in self._distributed
+
     def batched(self, module: nn.Module) -> bool:
         """A lockstep replay runs one input at a time with the recorded shapes (the order an
         all-reduce sums an element in depends on its offset in the buffer)."""
