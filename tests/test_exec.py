@@ -451,8 +451,13 @@ def test_the_requests_line_says_more_than_n_once_capture_stopped_counting():
         "3 requests seen by the serving engine, each captured as one sample")
     # 12 requests, --samples 1: capture closed after the second, which it counted
     assert ExecResult(0, requests=2).requests_line(1) == (
-        "more than 1 request seen by the serving engine; the first 1 captured, one sample "
+        "more than 1 request seen by the serving engine; the first captured as one sample "
+        "(the later ones were not counted)")
+    assert ExecResult(0, requests=9).requests_line(8) == (
+        "more than 8 requests seen by the serving engine; the first 8 captured, one sample "
         "each (the later ones were not counted)")
+    assert ExecResult(0, requests=1).requests_line(8) == (
+        "1 request seen by the serving engine, captured as one sample")
 
 
 def test_threads_that_start_the_model_at_once_get_one_session_and_file(tmp_path):

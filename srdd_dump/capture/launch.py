@@ -78,12 +78,15 @@ class ExecResult:
         """What the serving engine's requests came to (None: no engine ran). Capture, and
         its count of requests, stop once ``samples`` requests are captured."""
         if self.requests > samples:
+            first = ("the first captured as one sample" if samples == 1 else
+                     f"the first {samples} captured, one sample each")
             return (f"more than {samples} request{'s' if samples > 1 else ''} seen by the "
-                    f"serving engine; the first {samples} captured, one sample each (the "
-                    "later ones were not counted)")
+                    f"serving engine; {first} (the later ones were not counted)")
+        if self.requests == 1:
+            return "1 request seen by the serving engine, captured as one sample"
         if self.requests:
-            return (f"{self.requests} request{'s' if self.requests > 1 else ''} seen by the "
-                    "serving engine, each captured as one sample")
+            return (f"{self.requests} requests seen by the serving engine, each captured as "
+                    "one sample")
         return None
 
     def describe_exit(self) -> str | None:
