@@ -18,6 +18,7 @@ ATTENTION_KERNEL = FAULT_TYPES[-5:]
 # attention_faults.py): any other key is a typo that would otherwise be silently ignored
 OPTION_KEYS = ("scope", "per", "phase", "rank", "limit", "quantile", "mode", "value", "rate",
                "bits", "dtype", "shift")
+KEYS = ("layer", "site", "m", "sparsity", "seed", *OPTION_KEYS)
 
 
 @dataclass
@@ -48,11 +49,10 @@ def parse_fault(text: str) -> FaultSpec:
         values[key.strip()] = value.strip()
     if "layer" not in values:
         raise UserError(f"--inject {text!r}: layer=K is required")
-    unknown = [k for k in values if k not in (*OPTION_KEYS, "layer", "site", "m", "sparsity",
-                                              "seed")]
+    unknown = [k for k in values if k not in KEYS]
     if unknown:
         raise UserError(f"--inject {text!r}: unknown option {unknown[0]!r}; the options are "
-                        f"layer, site, m, sparsity, seed, {', '.join(OPTION_KEYS)}")
+                        f"{', '.join(KEYS)}")
     try:
         spec = FaultSpec(
             type=kind,

@@ -172,7 +172,7 @@ class TensorParallel:
     def batched(self, module: nn.Module) -> bool:
         """A lockstep replay runs one input at a time with the recorded shapes (the order an
         all-reduce sums an element in depends on its offset in the buffer)."""
-        return id(module) not in self._distributed
+        return not self.sharded(module)
 
     def local(self, t: torch.Tensor, name: str, role: str = "", module: nn.Module | None = None,
               width: int = 0) -> torch.Tensor:

@@ -324,8 +324,6 @@ class Replays:
         there is none (the coverage says why)."""
         name = self._family(ctx, site, "references")
         self.coverage.expect(name)
-        if self._sharded(module, name):
-            return False
         layout = self.attention[id(module)]
         x = first_tensor(args) if args else kwargs.get("hidden_states")
         why = layout if isinstance(layout, str) else None
@@ -365,26 +363,20 @@ class Replays:
             return False
         name = self._family(ctx, site, "references")
         self.coverage.expect(name)
-        if self._sharded(module, name):
-            return False
         return self._reference(module, layer, site, ctx, name,
                                lambda: self.mlp.rows(module, kept(x, ctx.positions, ctx.rows)[0]))
-
-    def _sharded(self, module: nn.Module, name: str) -> bool:
-        """A module whose weights are split over tensor-parallel ranks (replayed with
-        ``--tp-replays lockstep``) has no float64 reference: it needs the whole weights.
-        Counted in coverage family ``name`` as not obtained, saying why."""
-        if not self.tp.sharded(module):
-            return False
-        self.coverage.failed(name, f"{type(module).__name__}: its weights are split over the "
-                             "tensor-parallel ranks (a float64 reference needs them whole)")
-        return True
 
     def _reference(self, module: nn.Module, layer: int, site: int, ctx: RoundContext,
                    name: str, compute: Callable[[], torch.Tensor | str]) -> bool:
         """A reference's rows (or why none: a string) as the site's KIND_HOST record of the
         probe rows, counted in coverage family ``name``; an error is counted, never raised
-        (the site's probes go on)."""
+        (the site's probes go on). A module whose weights are split over tensor-parallel
+        ranks (replayed with ``--tp-replays lockstep``) has none: it needs the whole weights."""
+        if self.tp.sharded(module):
+            self.coverage.failed(name, f"{type(module).__name__}: its weights are split over "
+                                 "the tensor-parallel ranks (a float64 reference needs them "
+                                 "whole)")
+            return False
         try:
             with torch.no_grad():
                 out = compute()

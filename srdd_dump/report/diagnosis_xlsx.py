@@ -17,7 +17,7 @@ from ..analysis.verdicts import FAULT, NORMAL, SUSPECT, VERDICT_ORDER
 from ..compare.results import CompareResult
 from .escape import escape_formula, escape_formulas
 from .sheets import format_table
-from .terminal import consistency_text
+from .terminal import consistency_text, hunt_line
 
 SUMMARY_SHEET = "summary"
 LAYERS_SHEET = "layers"
@@ -67,8 +67,7 @@ def _summary(xw: pd.ExcelWriter, result: CompareResult) -> None:
         cell.font = Font(bold=True)
         row += 1
     for hunt in result.hunts:
-        ws.cell(row=row, column=1, value=escape_formula(
-            f"to name the operator inside it, capture that layer's operators: {hunt}"))
+        ws.cell(row=row, column=1, value=escape_formula(hunt_line(hunt)))
         row += 1
     if result.consistency is not None:
         row += 1

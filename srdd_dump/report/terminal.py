@@ -29,8 +29,7 @@ def diagnosis_text(result: CompareResult, written: list[str] | None = None,
     report path."""
     layers, files = result.layer_table, result.file_table
     lines = list(result.headlines)
-    lines += [f"to name the operator inside it, capture that layer's operators: {hunt}"
-              for hunt in result.hunts]
+    lines += [hunt_line(hunt) for hunt in result.hunts]
     if result.missing_evidence:
         lines.append("evidence missing from these verdicts (the capture asked for it and did "
                      "not get it):")
@@ -58,6 +57,11 @@ def diagnosis_text(result: CompareResult, written: list[str] | None = None,
     if written:
         lines.append("report: " + ", ".join(written))
     return "\n".join(lines)
+
+
+def hunt_line(hunt: str) -> str:
+    """The sentence that hands the user the command capturing a FAULT layer's operators."""
+    return f"to name the operator inside it, capture that layer's operators: {hunt}"
 
 
 def aligned(rows: list[dict], columns: list[str]) -> list[str]:
