@@ -6,7 +6,7 @@ import json
 import math
 import numbers
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import NamedTuple
 
 from ..errors import UserError
@@ -106,10 +106,6 @@ class DumpConfig:
     command_dir: str | None = None
 
     def __post_init__(self) -> None:
-        if isinstance(self.inject, str):  # one spec given as a string, not a list of them
-            self.inject = [self.inject]
-        elif isinstance(self.inject, tuple):
-            self.inject = list(self.inject)
         self._check_types()
         if self.samples < 1:
             raise UserError(f"--samples must be at least 1, got {self.samples}")
@@ -143,40 +139,37 @@ class DumpConfig:
     def _check_types(self) -> None:
         """A field of the wrong type (``samples="two"``, ``dump_path=123``) is refused by
         name, as the command line would, not met later as a TypeError or a capture turned
-        off."""
-        def refuse(name: str, what: str) -> None:
-            raise UserError(f"DumpConfig {name} must be {what}, got "
-                            f"{getattr(self, name)!r}")
+        off: each field is checked against its declared type (a path may be a PathLike, a
+        numpy integer is an int, a list field given one value is a list of one)."""
+        def number(v) -> bool:
+            return isinstance(v, numbers.Real) and not isinstance(v, bool)
 
-        for name in ("samples", "seed", "probe_samples", "draws", "repeats"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-                refuse(name, "a whole number")
-            setattr(self, name, int(value))  # a numpy integer, as JSON and the CLI have it
-        if not isinstance(self.dump_path, (str, os.PathLike)):
-            refuse("dump_path", "a folder path")
-        self.dump_path = os.fspath(self.dump_path)
-        for name in ("steps", "tokens", "probes", "probe_steps", "granularity", "reference",
-                     "store", "tp_replays"):
-            if not isinstance(getattr(self, name), str):
-                refuse(name, "a string")
-        for name in ("layers", "sublayers", "command", "command_dir"):
-            if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
-                refuse(name, "a string or None")
-        for name in ("sigmas", "dc"):
-            values = getattr(self, name)
-            if isinstance(values, numbers.Real) and not isinstance(values, bool):
-                values = [values]  # one value, not a list of them
-            if not isinstance(values, (list, tuple)) or not all(
-                    isinstance(v, numbers.Real) and not isinstance(v, bool) for v in values):
-                refuse(name, "a list of numbers")
-            setattr(self, name, [float(v) for v in values])
-        if not isinstance(self.inject, (list, tuple)) or not all(
-                isinstance(v, str) for v in self.inject):
-            refuse("inject", "a list of fault specs (strings)")
-        for name in ("batch_probes", "progress", "debug"):
-            if not isinstance(getattr(self, name), bool):
-                refuse(name, "True or False")
+        for f in fields(self):
+            name, value = f.name, getattr(self, f.name)
+            if name == "dump_path" and isinstance(value, os.PathLike):
+                value = os.fspath(value)
+            if f.type == "int":
+                if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+                    raise UserError(f"DumpConfig {name} must be a whole number, got {value!r}")
+                value = int(value)  # a numpy integer, as JSON and the command line have it
+            elif f.type == "list":
+                item, what = (str, "fault specs (strings)") if name == "inject" else (
+                    None, "numbers")
+                if isinstance(value, str if item else numbers.Real) and not isinstance(
+                        value, bool):
+                    value = [value]  # one value, not a list of them
+                if not isinstance(value, (list, tuple)) or not all(
+                        isinstance(v, item) if item else number(v) for v in value):
+                    raise UserError(f"DumpConfig {name} must be a list of {what}, got "
+                                    f"{getattr(self, name)!r}")
+                value = list(value) if item else [float(v) for v in value]
+            else:
+                optional = f.type.endswith(" | None")
+                kind = f.type.removesuffix(" | None")
+                if not (isinstance(value, TYPES[kind][0]) or (optional and value is None)):
+                    raise UserError(f"DumpConfig {name} must be {TYPES[kind][1]}"
+                                    f"{' or None' if optional else ''}, got {value!r}")
+            setattr(self, name, value)
 
     def parsed(self) -> ParsedOptions:
         """The text options parsed (UserError names a bad one): what a session reads."""
@@ -276,6 +269,8 @@ def token_positions(parts: list[slice | int] | None, seq: int) -> list[int]:
     return sorted(chosen)
 
 
+# DumpConfig's declared field types other than int and list: (type, in words)
+TYPES = {"str": (str, "a string"), "bool": (bool, "True or False")}
 PROBE_NAMES = ("gain", "dc", "repeat", "scale", "causal", "attention", "mlp", "norm")
 GRANULARITIES = ("block", "sublayer", "op")
 REFERENCES = ("none", "host")
