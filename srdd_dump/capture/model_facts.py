@@ -74,11 +74,28 @@ def autocast_dtype(model: nn.Module) -> str:
     param = next(model.parameters(), None)
     device = param.device.type if param is not None else "cpu"
     try:
-        if not torch.is_autocast_enabled(device):
-            return ""
-        return str(torch.get_autocast_dtype(device)).replace("torch.", "")
+        enabled, dtype = torch.is_autocast_enabled(device), torch.get_autocast_dtype(device)
     except (TypeError, RuntimeError, AttributeError):  # torch < 2.4 has no device argument
-        return ""
+        enabled, dtype = _autocast_before_2_4(device)
+    return str(dtype).replace("torch.", "") if enabled else ""
+
+
+def _autocast_before_2_4(device: str) -> tuple[bool, object]:
+    """Autocast's switch and dtype for ``device`` through the per-device functions of torch
+    < 2.4 (``torch.npu``'s from torch_npu); (False, None) where there are none."""
+    if device == "cpu":
+        enabled, dtype = torch.is_autocast_cpu_enabled, torch.get_autocast_cpu_dtype
+    elif device == "cuda":
+        enabled, dtype = torch.is_autocast_enabled, torch.get_autocast_gpu_dtype
+    else:
+        module = getattr(torch, device, None)
+        enabled = getattr(module, "is_autocast_enabled", None)
+        dtype = getattr(module, "get_autocast_dtype", None)
+    try:
+        return (True, dtype()) if enabled is not None and dtype is not None and enabled() \
+            else (False, None)
+    except (TypeError, RuntimeError, AttributeError):
+        return False, None
 
 
 def float32_matmul(device_type: str = "cuda") -> str:

@@ -9,7 +9,7 @@ import re
 import sys
 
 # (oldest, newest) tested, inclusive
-TESTED = {"transformers": ("4.48.3", "5.24.0")}
+TESTED = {"transformers": ("4.48.3", "5.24.0"), "torch": ("2.1.0", "2.13.0")}
 
 
 def version_tuple(version: str) -> tuple[int, ...]:

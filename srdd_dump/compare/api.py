@@ -66,6 +66,9 @@ def compare_path(path: str, *, jobs: int | None = 1, progress: bool | None = Non
         if result.layer_table.empty:
             raise no_usable_file(result.file_table.column("reason"), path, under=True)
         result.consistency = _consistency(files, None, jobs, show)
+        from .consistency import too_few
+
+        result.notes += too_few(files)
         return result
     finally:
         discard_started()

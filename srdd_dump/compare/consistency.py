@@ -10,6 +10,7 @@ departs. Records are streamed in blocks; one task per (group, layer).
 
 from __future__ import annotations
 
+import shlex
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -50,12 +51,7 @@ def plan(files: list[DumpFile], thresholds: Thresholds | None = None
     """Tasks of every group of 3+ sources with the same model and inputs; the groups and their
     tolerance dtypes. No tasks: no such group. Files without recorded input ids are left out."""
     thresholds = (thresholds or Thresholds()).validate()
-    sources = [x for x in map(_source, files) if x is not None]
-    grouped: dict[tuple, list[_Source]] = {}
-    for src in sources:
-        grouped.setdefault((tuple(src.layers), src.samples, src.file.block_dtype()),
-                           []).append(src)
-    groups = [g for g in grouped.values() if len(g) >= MIN_SOURCES]
+    groups = [g for g in _groups(files) if len(g) >= MIN_SOURCES]
     tasks: list[ConsistencyTask] = []
     kept: list[list[_Source]] = []
     tolerance: list[str] = []
@@ -77,6 +73,31 @@ def plan(files: list[DumpFile], thresholds: Thresholds | None = None
         kept.append(members)
         tolerance.append(limits.tolerance)
     return tasks, kept, tolerance
+
+
+def too_few(files: list[DumpFile]) -> list[str]:
+    """A note for each group of two sources with the same model and inputs: the check needs
+    three (the median of the others is then one card, and a difference names neither)."""
+    notes = []
+    for pair in _groups(files):
+        if len(pair) != 2 or not set(pair[0].rounds) & set(pair[1].rounds):
+            continue
+        (a, b), (path_a, path_b) = ((m.source for m in pair),
+                                    (shlex.quote(m.file.path) for m in pair))
+        notes.append(f"{a} and {b} ran the same model on the same inputs: the multi-card "
+                     f"check needs {MIN_SOURCES} such cards (of two that differ, neither can "
+                     f"be named the odd one); to see where these two part: srdd-compare "
+                     f"{path_a} --baseline {path_b}")
+    return notes
+
+
+def _groups(files: list[DumpFile]) -> list[list[_Source]]:
+    """The sources of the same model (layer names), inputs and block dtype, grouped."""
+    grouped: dict[tuple, list[_Source]] = {}
+    for src in filter(None, map(_source, files)):
+        grouped.setdefault((tuple(src.layers), src.samples, src.file.block_dtype()),
+                           []).append(src)
+    return list(grouped.values())
 
 
 def finish(tasks: list[ConsistencyTask], groups: list[list[_Source]], tolerance: list[str],
