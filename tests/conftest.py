@@ -4,7 +4,7 @@ both; ``pytest -m unit`` is the quick loop while editing. ``capture`` (a module'
 marks the modules that exercise capture against the installed transformers: `make test` runs
 them again in .venv-oldest, on the oldest transformers of the tested range. Not marked:
 test_moe*, test_tensor_parallel (fused experts and DistributedConfig are transformers 5
-features) and test_compiled (its fullgraph fixture fails on transformers 4 without capture).
+features).
 
 Modules of integration tests say so with ``pytestmark = pytest.mark.integration``; every other
 test is marked ``unit`` here. (tests/ and fixtures/ are on the path through pyproject.toml.)

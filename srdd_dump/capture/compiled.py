@@ -24,6 +24,10 @@ try:
     from torch._C._dynamo.eval_frame import get_eval_frame_callback
 except Exception:  # noqa: BLE001 (another torch)
     get_eval_frame_callback = None
+try:  # torch < 2.3 has no getter: the setter returns the callback it replaces
+    _set_eval_frame = torch._C._dynamo.eval_frame.set_eval_frame
+except Exception:  # noqa: BLE001 (another torch)
+    _set_eval_frame = None
 
 from .config import LAYERS_HINT
 
@@ -44,15 +48,33 @@ def _graph_breaks_allowed() -> bool:
     """Whether the graph dynamo is tracing may break (not ``fullgraph=True``). Dynamo calls
     this once while tracing and keeps the answer as a constant (``assume_constant_result``)."""
     try:
-        from torch._dynamo.symbolic_convert import InstructionTranslator
-
-        tx = InstructionTranslator.current_tx()
-        allowed = not (tx.one_graph or tx.error_on_graph_break)
+        tx = _tracer()
+        allowed = not (tx.one_graph or getattr(tx, "error_on_graph_break", False))
     except Exception:  # noqa: BLE001 (another torch: never break a graph then)
         allowed = False
     if not allowed:
         _state["compiled_out"] = True
     return allowed
+
+
+def _tracer():
+    """The root instruction translator of the graph dynamo is tracing: its ``current_tx``
+    (torch >= 2.3); before, the ``self`` of a calling frame (without it every compiled graph
+    was taken for a fullgraph one and its hooks compiled out, on torch 2.1)."""
+    from torch._dynamo.symbolic_convert import InstructionTranslator, InstructionTranslatorBase
+
+    current = getattr(InstructionTranslator, "current_tx", None)
+    if current is not None:
+        return current()
+    frame = sys._getframe(1)
+    while frame is not None:
+        tx = frame.f_locals.get("self")
+        if isinstance(tx, InstructionTranslatorBase):
+            while getattr(tx, "parent", None) is not None:
+                tx = tx.parent
+            return tx
+        frame = frame.f_back
+    raise LookupError("no instruction translator on the stack")
 
 
 def opaque(fn: F) -> F:
@@ -85,11 +107,45 @@ def opaque(fn: F) -> F:
 _HOOK_CODES: set = set()
 
 
+class opaque_method:  # noqa: N801 (used as a decorator, like a function)
+    """:func:`opaque` for a method: each instance's attribute is an opaque plain function bound
+    to it (made once, then kept on the instance). Dynamo before torch 2.3 cannot call a bound
+    method of an object of ours inside a graph (a ``fullgraph=True`` compile then failed in the
+    user's program, on torch 2.1); a plain function it inlines, and compiles out there."""
+
+    def __init__(self, fn: Callable) -> None:
+        self.fn = fn
+        self.name = fn.__name__
+        functools.update_wrapper(self, fn)
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, obj: object, owner: type | None = None) -> Callable:
+        if obj is None:
+            return self
+        fn = self.fn
+
+        @functools.wraps(fn)
+        def bound(*args, **kwargs):
+            return fn(obj, *args, **kwargs)
+
+        hook = obj.__dict__[self.name] = opaque(bound)
+        return hook
+
+
 def _dynamo_active() -> bool:
-    if get_eval_frame_callback is None:
-        return False
+    """Dynamo's frame callback is set: the hook runs at a graph break of compiled code. (No
+    name of torch in here: dynamo then never compiles this frame, as it runs among the frames
+    of a compiled call on torch 2.1.)"""
     try:
-        return get_eval_frame_callback() not in (None, False)
+        if get_eval_frame_callback is not None:
+            return get_eval_frame_callback() not in (None, False)
+        if _set_eval_frame is None:
+            return False
+        callback = _set_eval_frame(None)
+        _set_eval_frame(callback)
+        return callback not in (None, False)
     except Exception:  # noqa: BLE001 (another torch)
         return False
 

@@ -76,7 +76,7 @@ from ..vocabulary import EXPERT, EXPERTS, ROUTER
 from . import serving
 from .attention_faults import AttentionKernelFault
 from .attention_reference import rotary_of
-from .compiled import opaque
+from .compiled import opaque_method
 from .discovery import find_moe_sites
 from .experts import call_experts, routing_of
 from .faultspec import ATTENTION_KERNEL, FaultSpec
@@ -267,7 +267,7 @@ class _Fault:
         as_int = x.contiguous().view(torch.int32) ^ flips.to(torch.int32)
         return as_int.view(torch.float32)
 
-    @opaque  # in a compiled model too: run eagerly, with fresh noise on every call
+    @opaque_method  # in a compiled model too: run eagerly, with fresh noise on every call
     def __call__(self, module: nn.Module, args: tuple, output: Any) -> Any:
         if isinstance(output, torch.Tensor):
             return map_local(output, self.corrupt) if self.applies(output) else output
@@ -375,6 +375,7 @@ def install_faults(
         elif spec.site == "router":
             handles.append(module.register_forward_hook(_RouterFault(spec), prepend=True))
         else:
-            handles.append(module.register_forward_hook(_Fault(spec), prepend=True))
+            # its opaque function, not the object: dynamo < 2.3 cannot call an object of ours
+            handles.append(module.register_forward_hook(_Fault(spec).__call__, prepend=True))
         described.append({**spec.describe(), "module": name})
     return handles, described

@@ -36,6 +36,7 @@ from .compiled import (
     explain_partial,
     explain_silence,
     opaque,
+    opaque_method,
     skip_hook_frames,
 )
 from .config import DumpConfig
@@ -348,7 +349,7 @@ class CaptureSession:
             self._owner, self._owner_busy = me, True
             return True
 
-    @opaque
+    @opaque_method
     def _on_model_done(self, module: nn.Module, args: tuple, output: Any = None) -> None:
         if self._owner is threading.current_thread():
             self._owner_busy = False
@@ -363,7 +364,7 @@ class CaptureSession:
                 traceback.print_exc()
             self._fail(describe_error(exc))
 
-    @opaque
+    @opaque_method
     def _on_embedding(self, module: nn.Module, args: tuple) -> None:
         if self._elsewhere():
             return
@@ -374,7 +375,7 @@ class CaptureSession:
 
         self._guard(grab)
 
-    @opaque
+    @opaque_method
     def _on_module_call(self, module: nn.Module, args: tuple, kwargs: dict | None = None
                         ) -> None:
         """A decode step that will be probed: keep the layer's KV cache as it is before the
@@ -393,7 +394,7 @@ class CaptureSession:
     def _freeze(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         self._frozen[id(module)] = serving.frozen_call(module, args, kwargs)
 
-    @opaque
+    @opaque_method
     def on_model_call(self, module: nn.Module, args: tuple, kwargs: dict | None = None
                       ) -> None:
         """The model's own pre-hook (the forward watcher calls it for the call during which
@@ -425,7 +426,7 @@ class CaptureSession:
 
         self._guard(grab)
 
-    @opaque
+    @opaque_method
     def _on_stack_input(self, module: nn.Module, args: tuple, kwargs: dict | None = None
                         ) -> None:
         if kwargs is None or self._elsewhere():  # removed inside this very call (REMOVED)

@@ -87,8 +87,11 @@ def map_local(t: torch.Tensor, fn: Callable[[torch.Tensor], torch.Tensor]) -> to
     if not is_dtensor(t):
         return fn(t)
     local = fn(t.to_local())
-    return type(t).from_local(local, t.device_mesh, t.placements, run_check=False,
-                              shape=t.shape, stride=t.stride())
+    try:
+        return type(t).from_local(local, t.device_mesh, t.placements, run_check=False,
+                                  shape=t.shape, stride=t.stride())
+    except TypeError:  # torch < 2.2: no shape / stride (an uneven shard is then not known)
+        return type(t).from_local(local, t.device_mesh, t.placements, run_check=False)
 
 
 def env_rank() -> int:

@@ -13,7 +13,7 @@ from torch import nn
 from torch.nn.modules.module import register_module_forward_pre_hook
 
 from ...errors import UserError
-from ..compiled import opaque
+from ..compiled import frames_compiled, opaque
 from ..discovery import NoBlocksFound, find_blocks
 
 _attaching = threading.RLock()  # held while a session is made
@@ -46,6 +46,9 @@ def watch_forwards(state: dict, on_attach: Callable[[], None] = lambda: None,
                 attach(module, args)
 
     def attach(module: nn.Module, args: tuple) -> None:
+        if _compiled_graph(module):
+            seen.update(id(m) for m in module.modules())
+            return
         generating = _assistant_of(module, state)
         if generating is not None:
             # an assistant (draft) model run inside another model's generate: the model the
@@ -97,6 +100,16 @@ def watch_forwards(state: dict, on_attach: Callable[[], None] = lambda: None,
         handle.remove()
 
     handle = register_module_forward_pre_hook(on_forward)
+
+
+def _compiled_graph(module: nn.Module) -> bool:
+    """A graph torch.compile produced (an fx GraphModule, or the OptimizedModule around one,
+    called as a module on torch 2.1): the user's model runs inside it, flattened, never a
+    model to capture."""
+    import torch.fx
+
+    inner = getattr(module, "_orig_mod", module)
+    return isinstance(inner, torch.fx.GraphModule) and frames_compiled() > 0
 
 
 def watch_later_models(state: dict) -> None:
