@@ -133,8 +133,12 @@ def test_hooks_registered_after_the_compiled_call_say_nothing_was_captured(tmp_p
     plain = _generate(model)
     with register_hook(model, _config(tmp_path)) as session:
         assert _generate(model) == plain
-    if session.path is not None:  # torch 2.1 recompiles for new shapes, tracing the hooks in
-        assert len(_clean_blocks(session.path)) > 0 and session.silence is None
+    from torch._dynamo.symbolic_convert import InstructionTranslator
+
+    if session.path is not None:
+        # torch 2.1 may recompile for the new shapes of later calls, tracing the hooks in
+        assert not hasattr(InstructionTranslator, "current_tx")
+        assert len(_clean_blocks(session.path)) > 0
         return
     assert find_dump_files(str(tmp_path)) == []
     assert "torch.compile'd code" in session.silence and "before" in session.silence
@@ -155,6 +159,21 @@ def test_a_fullgraph_compile_runs_and_its_hooks_are_compiled_out(tmp_path, how):
             model.forward = run = torch.compile(model.forward, backend="eager", fullgraph=True)
         with torch.no_grad():
             got = [run(ids).logits for ids in PROMPTS]
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
+    assert session.path is None and "fullgraph=True" in session.silence
+
+
+def test_a_fullgraph_function_around_the_model_runs_and_says_so(tmp_path):
+    """The model called inside a fullgraph-compiled function: the hooks are compiled out
+    (on torch 2.1 the hooks, bound methods then, failed the user's compile)."""
+    model = build("llama")
+    with torch.no_grad():
+        want = [model(ids).logits for ids in PROMPTS]
+    with register_hook(model, _config(tmp_path)) as session:
+        run = torch.compile(lambda ids: model(ids).logits, backend="eager", fullgraph=True)
+        with torch.no_grad():
+            got = [run(ids) for ids in PROMPTS]
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b)
     assert session.path is None and "fullgraph=True" in session.silence

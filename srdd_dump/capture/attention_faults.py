@@ -65,6 +65,10 @@ class AttentionKernelFault:
         self.spec, self.module, self.inv_freq = spec, module, inv_freq
         self.phase = spec.options.get("phase", "decode" if spec.type == "mask_shift" else "all")
         self.softmax_dtype = getattr(torch, spec.options.get("dtype", "bfloat16"))
+        # asked once, eagerly: a compiled graph would trace a try/except's first branch
+        param = next(module.parameters(), None)
+        self.softmax_native = _softmax_runs(self.softmax_dtype,
+                                            param.device if param is not None else "cpu")
         self.shift = float(spec.options.get("shift", 1))
         self.original_config = config
         implementation = config._attn_implementation or "eager"
@@ -133,16 +137,20 @@ class AttentionKernelFault:
         # masked scores must stay finite in the softmax's own dtype too (cast first: a bf16
         # tensor cannot hold float32's lowest value)
         scores = scores.to(dtype).clamp(min=torch.finfo(dtype).min)
-        weights = _softmax(scores).to(query.dtype)
+        if dtype == torch.float32 or self.softmax_native:
+            weights = torch.softmax(scores, dim=-1)
+        else:  # no kernel in that dtype (torch 2.1's CPU has no float16 softmax): rounded to it
+            weights = torch.softmax(scores.float(), dim=-1).to(dtype)
+        weights = weights.to(query.dtype)
         out = torch.matmul(weights, value)
         return out.transpose(1, 2).contiguous(), None
 
 
-def _softmax(scores: torch.Tensor) -> torch.Tensor:
-    """Softmax over the last dimension in the scores' dtype; where the device has no kernel for
-    it (torch 2.1 has no float16 softmax on CPU), computed in float32 and rounded to that dtype:
-    the planted fault must never stop the program it is planted in."""
+def _softmax_runs(dtype: torch.dtype, device) -> bool:
+    """The device computes a softmax in ``dtype`` (the planted fault must never stop the
+    program it is planted in)."""
     try:
-        return torch.softmax(scores, dim=-1)
+        torch.softmax(torch.zeros(2, dtype=dtype, device=device), dim=-1)
     except RuntimeError:
-        return torch.softmax(scores.float(), dim=-1).to(scores.dtype)
+        return False
+    return True

@@ -109,9 +109,10 @@ _HOOK_CODES: set = set()
 
 class opaque_method:  # noqa: N801 (used as a decorator, like a function)
     """:func:`opaque` for a method: each instance's attribute is an opaque plain function bound
-    to it (made once, then kept on the instance). Dynamo before torch 2.3 cannot call a bound
-    method of an object of ours inside a graph (a ``fullgraph=True`` compile then failed in the
-    user's program, on torch 2.1); a plain function it inlines, and compiles out there."""
+    to it (made at the first look-up, kept on the instance until :meth:`forget`). Dynamo
+    before torch 2.3 cannot call a bound method of an object of ours inside a graph (a
+    ``fullgraph=True`` compile then failed in the user's program, on torch 2.1); a plain
+    function it inlines, and compiles out there."""
 
     def __init__(self, fn: Callable) -> None:
         self.fn = fn
@@ -132,6 +133,15 @@ class opaque_method:  # noqa: N801 (used as a decorator, like a function)
 
         hook = obj.__dict__[self.name] = opaque(bound)
         return hook
+
+    @staticmethod
+    def forget(obj: object) -> None:
+        """Drop ``obj``'s kept functions (each holds ``obj``: a cycle) once its hooks are
+        removed, so that it is freed without waiting for the garbage collector."""
+        for cls in type(obj).__mro__:
+            for name, value in vars(cls).items():
+                if isinstance(value, opaque_method):
+                    obj.__dict__.pop(name, None)
 
 
 def _dynamo_active() -> bool:

@@ -76,7 +76,7 @@ from ..vocabulary import EXPERT, EXPERTS, ROUTER
 from . import serving
 from .attention_faults import AttentionKernelFault
 from .attention_reference import rotary_of
-from .compiled import opaque_method
+from .compiled import opaque, opaque_method
 from .discovery import find_moe_sites
 from .experts import call_experts, routing_of
 from .faultspec import ATTENTION_KERNEL, FaultSpec
@@ -267,8 +267,7 @@ class _Fault:
         as_int = x.contiguous().view(torch.int32) ^ flips.to(torch.int32)
         return as_int.view(torch.float32)
 
-    @opaque_method  # in a compiled model too: run eagerly, with fresh noise on every call
-    def __call__(self, module: nn.Module, args: tuple, output: Any) -> Any:
+    def _corrupt_output(self, module: nn.Module, args: tuple, output: Any) -> Any:
         if isinstance(output, torch.Tensor):
             return map_local(output, self.corrupt) if self.applies(output) else output
         stream = serving.stream_output(module, output)
@@ -281,6 +280,12 @@ class _Fault:
                 return output
             return (map_local(output[0], self.corrupt), *output[1:])
         return output
+
+    # in a compiled model too: run eagerly, with fresh noise on every call. ``hook`` is what
+    # is registered (a plain function: dynamo < 2.3 cannot call a bound method of an object
+    # of ours in a fullgraph compile); ``__call__`` stays a method for the subclasses' super()
+    __call__ = opaque(_corrupt_output)
+    hook = opaque_method(_corrupt_output)
 
 
 def _mean_of_later(x: torch.Tensor) -> torch.Tensor:
@@ -375,7 +380,6 @@ def install_faults(
         elif spec.site == "router":
             handles.append(module.register_forward_hook(_RouterFault(spec), prepend=True))
         else:
-            # its opaque function, not the object: dynamo < 2.3 cannot call an object of ours
-            handles.append(module.register_forward_hook(_Fault(spec).__call__, prepend=True))
+            handles.append(module.register_forward_hook(_Fault(spec).hook, prepend=True))
         described.append({**spec.describe(), "module": name})
     return handles, described

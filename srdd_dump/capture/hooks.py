@@ -734,6 +734,7 @@ class CaptureSession:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        opaque_method.forget(self)  # the hooks' functions hold the session: freed at once
         for _, block in self.blocks:
             if _open.get(id(block)) is self:
                 del _open[id(block)]

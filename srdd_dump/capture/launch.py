@@ -424,12 +424,9 @@ def _collect(returncode: int, status_dir: str, new_partials: set[str] | None = N
                      f"the command {_ended(returncode)} after the model was called "
                      "and before any of its blocks ran: see the command's own error above")
                   for st in statuses if st.get("silence")]
-        # a fullgraph compile's modules met one by one (torch 2.1 calls them from the graph)
-        # have no block stack: the compile is the reason then
-        compiled_out = any(st.get("compiled_out") for st in statuses)
         if silent:
             result.problems.extend(silent)
-        elif reasons and not compiled_out:
+        elif reasons:
             result.problems.append(reasons[0])
         elif not statuses:
             result.problems.append(
@@ -443,7 +440,7 @@ def _collect(returncode: int, status_dir: str, new_partials: set[str] | None = N
                     f"pid {unwatched[0]}: torch was imported past srdd-dump's import hook (an "
                     "import hook of the program found it first), so capture never attached; "
                     "use srdd_dump.register_hook in the program")
-            elif compiled_out:
+            elif any(st.get("compiled_out") for st in statuses):
                 result.problems.append(
                     "no model forward was seen: the models run inside fullgraph=True "
                     "torch.compile'd code, where srdd-dump's hooks cannot run; run eagerly: "

@@ -82,6 +82,8 @@ def too_few(files: list[DumpFile]) -> list[str]:
     for pair in _groups(files):
         if len(pair) != 2 or not set(pair[0].rounds) & set(pair[1].rounds):
             continue
+        if any(m.file.sharded_layers for m in pair):  # tensor-parallel ranks: parts by design
+            continue
         (a, b), (path_a, path_b) = ((m.source for m in pair),
                                     (shlex.quote(m.file.path) for m in pair))
         notes.append(f"{a} and {b} ran the same model on the same inputs: the multi-card "

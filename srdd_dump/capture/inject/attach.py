@@ -46,7 +46,7 @@ def watch_forwards(state: dict, on_attach: Callable[[], None] = lambda: None,
                 attach(module, args)
 
     def attach(module: nn.Module, args: tuple) -> None:
-        if _compiled_graph(module):
+        if _compiled_graph(module, args):
             seen.update(id(m) for m in module.modules())
             return
         generating = _assistant_of(module, state)
@@ -102,14 +102,17 @@ def watch_forwards(state: dict, on_attach: Callable[[], None] = lambda: None,
     handle = register_module_forward_pre_hook(on_forward)
 
 
-def _compiled_graph(module: nn.Module) -> bool:
-    """A graph torch.compile produced (an fx GraphModule, or the OptimizedModule around one,
-    called as a module on torch 2.1): the user's model runs inside it, flattened, never a
-    model to capture."""
+def _compiled_graph(module: nn.Module, args: tuple) -> bool:
+    """A graph torch.compile produced, or a module called while it traces: torch 2.1 runs a
+    graph as an fx GraphModule (or the OptimizedModule around one) called as a module, and
+    calls the model's modules on fake tensors while tracing it. Never a model to capture."""
+    if not frames_compiled() and "torch._dynamo.eval_frame" not in sys.modules:
+        return False
     import torch.fx
+    from torch._subclasses.fake_tensor import FakeTensor
 
-    inner = getattr(module, "_orig_mod", module)
-    return isinstance(inner, torch.fx.GraphModule) and frames_compiled() > 0
+    return (isinstance(getattr(module, "_orig_mod", module), torch.fx.GraphModule)
+            or any(isinstance(a, FakeTensor) for a in args))
 
 
 def watch_later_models(state: dict) -> None:
