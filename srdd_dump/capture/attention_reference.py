@@ -69,10 +69,16 @@ def rotary_of(module: nn.Module, model: nn.Module, layer_type: str | None
     """((rotary module, attribute of its inverse frequencies), attention scaling) of the
     attention's rotary table: its own rotary module's or the model's; a model with one table
     per layer type (Gemma 3: sliding and full attention) holds them as
-    ``{layer_type}_inv_freq``."""
+    ``{layer_type}_inv_freq`` (transformers 5) or in a ``*_local`` module (4.5x)."""
     prefixes = ((f"{layer_type}_",) if layer_type else ()) + ("",)
+    # transformers 4.5x's Gemma 3 keeps the sliding layers' table in a second module
+    # (``rotary_emb_local``): a sliding attention looks there first
+    sliding = layer_type == "sliding_attention" or getattr(module, "is_sliding", False) is True
     for owner in (module, model):
-        for m in owner.modules():
+        named = list(owner.named_modules())
+        if sliding:
+            named.sort(key=lambda item: "local" not in item[0].rsplit(".", 1)[-1])
+        for _, m in named:
             for prefix in prefixes:
                 table = getattr(m, f"{prefix}inv_freq", None)
                 if isinstance(table, torch.Tensor):

@@ -253,6 +253,28 @@ def outside_output_recording() -> Iterator[None]:
         collector.reset(token)
 
 
+@contextlib.contextmanager
+def without_forward_recorders(module: nn.Module) -> Iterator[None]:
+    """The replays of ``module`` run its modules' own forwards: transformers 4.5x's
+    ``check_model_inputs`` records ``hidden_states`` / ``attentions`` by replacing the
+    recorded modules' ``forward`` with a wrapper (``wrapped_forward``, its original as
+    ``__wrapped__``) that appends to the call's collected outputs, so a replay inside the call
+    lengthened the user's tuples (17 hidden states instead of 5 on a 4-layer Llama)."""
+    patched = []
+    for m in module.modules():
+        forward = m.__dict__.get("forward")
+        code = getattr(forward, "__code__", None)
+        if code is not None and code.co_name == "wrapped_forward" and hasattr(
+                forward, "__wrapped__"):
+            m.forward = forward.__wrapped__
+            patched.append((m, forward))
+    try:
+        yield
+    finally:
+        for m, forward in patched:
+            m.forward = forward
+
+
 def _row_std(x: torch.Tensor) -> torch.Tensor:
     return x.float().std(dim=-1, keepdim=True, unbiased=False)
 

@@ -51,6 +51,7 @@ from .probes import (
     repeat_call,
     run_probes,
     snapshot_cache,
+    without_forward_recorders,
 )
 from .roles import EXPERT_CALLS, NO_REPLAY, ROLE_CAPTURE, ROWS, WHOLE
 from .rounds import RoundContext
@@ -157,7 +158,7 @@ class Replays:
         kind = ROLE_CAPTURE[role].replay
         if not ctx.probed and kind != EXPERT_CALLS:
             return
-        with outside_output_recording():
+        with outside_output_recording(), without_forward_recorders(module):
             try:
                 self._by_kind[kind](module, layer, site, role, args, kwargs, hidden, ctx)
             finally:
