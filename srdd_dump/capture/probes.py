@@ -229,15 +229,20 @@ def preserved_rng(device: torch.device):
 
 
 @contextlib.contextmanager
-def outside_output_recording() -> Iterator[None]:
-    """Replays add nothing to the outputs the model call is collecting: transformers >= 5 records
-    ``hidden_states``, ``attentions`` and ``router_logits`` through forward hooks that append to
-    the call's active collector (``utils/output_capturing._active_collector``), so a replay
-    inside the call would lengthen the user's tuples and change an MoE ``aux_loss``."""
+def outside_output_recording(module: nn.Module) -> Iterator[None]:
+    """The replays of ``module`` add nothing to the outputs the model call is collecting
+    (``hidden_states``, ``attentions``, ``router_logits``): a replay inside the call would
+    lengthen the user's tuples and change an MoE ``aux_loss``. transformers >= 5 records them
+    through forward hooks that append to the call's active collector
+    (``utils/output_capturing._active_collector``): paused. transformers 4.5x's
+    ``check_model_inputs`` replaces the recorded modules' ``forward`` with a wrapper
+    (``wrapped_forward``, its original as ``__wrapped__``): the module's own forwards run (a
+    replay made a 4-layer Llama return 17 hidden states instead of 5)."""
     recording = sys.modules.get("transformers.utils.output_capturing")
     collector = getattr(recording, "_active_collector", None)
     if collector is None or not hasattr(collector, "set"):
-        yield
+        with _own_forwards(module):
+            yield
         return
     if getattr(collector, "compiling", False):  # a compiled model call: a plain global
         held, collector.global_var = collector.global_var, None
@@ -254,12 +259,9 @@ def outside_output_recording() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def without_forward_recorders(module: nn.Module) -> Iterator[None]:
-    """The replays of ``module`` run its modules' own forwards: transformers 4.5x's
-    ``check_model_inputs`` records ``hidden_states`` / ``attentions`` by replacing the
-    recorded modules' ``forward`` with a wrapper (``wrapped_forward``, its original as
-    ``__wrapped__``) that appends to the call's collected outputs, so a replay inside the call
-    lengthened the user's tuples (17 hidden states instead of 5 on a 4-layer Llama)."""
+def _own_forwards(module: nn.Module) -> Iterator[None]:
+    """``module``'s modules run their own forwards, not transformers 4.5x's recording
+    wrappers."""
     patched = []
     for m in module.modules():
         forward = m.__dict__.get("forward")

@@ -51,7 +51,6 @@ from .probes import (
     repeat_call,
     run_probes,
     snapshot_cache,
-    without_forward_recorders,
 )
 from .roles import EXPERT_CALLS, NO_REPLAY, ROLE_CAPTURE, ROWS, WHOLE
 from .rounds import RoundContext
@@ -158,7 +157,7 @@ class Replays:
         kind = ROLE_CAPTURE[role].replay
         if not ctx.probed and kind != EXPERT_CALLS:
             return
-        with outside_output_recording(), without_forward_recorders(module):
+        with outside_output_recording(module):
             try:
                 self._by_kind[kind](module, layer, site, role, args, kwargs, hidden, ctx)
             finally:

@@ -28,7 +28,7 @@ from .pipeline import (
 )
 from .readers import close_readers
 from .signal_reader import run_task as run_signal_task
-from .sources import DumpFile, find_sources, inspect, inspect_all, locate, no_usable_file
+from .sources import find_sources, inspect, inspect_all, locate, no_usable_file
 
 if TYPE_CHECKING:
     from .results import BaselineResult, CompareResult, ConsistencyResult
@@ -65,10 +65,11 @@ def compare_path(path: str, *, jobs: int | None = 1, progress: bool | None = Non
                                    for line in f.missing_evidence]
         if result.layer_table.empty:
             raise no_usable_file(result.file_table.column("reason"), path, under=True)
-        result.consistency = _consistency(files, None, jobs, show)
-        from .consistency import too_few
+        from .consistency import group_sources, too_few
 
-        result.notes += too_few(files)
+        groups = group_sources(files)
+        result.consistency = _consistency(groups, None, jobs, show)
+        result.notes += too_few(groups)
         return result
     finally:
         discard_started()
@@ -174,18 +175,21 @@ def check_consistency(
     check_jobs(jobs)
     try:
         found = [inspect(f, os.path.relpath(f, root) if root else f) for f in files]
-        return _consistency(found, thresholds, jobs, progress)
+        from .consistency import group_sources
+
+        return _consistency(group_sources(found), thresholds, jobs, progress)
     finally:
         close_readers()
 
 
-def _consistency(files: list[DumpFile], thresholds: Thresholds | None, jobs: int,
+def _consistency(sources: list, thresholds: Thresholds | None, jobs: int,
                  show: bool) -> ConsistencyResult | None:
+    """The check of the groups of sources (``consistency.group_sources``) of 3 or more."""
     from .consistency import finish as finish_consistency
     from .consistency import plan as plan_consistency
     from .consistency_task import run_task as run_consistency_task
 
-    tasks, groups, tolerance = plan_consistency(files, thresholds)
+    tasks, groups, tolerance = plan_consistency(sources, thresholds)
     if not groups:
         return None
     parts = scan(run_consistency_task, tasks, jobs, progress=show, desc="consistency")

@@ -46,12 +46,12 @@ class _Source:
         return self.file.clean_blocks
 
 
-def plan(files: list[DumpFile], thresholds: Thresholds | None = None
+def plan(groups: list[list[_Source]], thresholds: Thresholds | None = None
          ) -> tuple[list[ConsistencyTask], list[list[_Source]], list[str]]:
-    """Tasks of every group of 3+ sources with the same model and inputs; the groups and their
-    tolerance dtypes. No tasks: no such group. Files without recorded input ids are left out."""
+    """Tasks of every group (``group_sources``) of 3+ sources; the groups and their tolerance
+    dtypes. No tasks: no such group."""
     thresholds = (thresholds or Thresholds()).validate()
-    groups = [g for g in _groups(files) if len(g) >= MIN_SOURCES]
+    groups = [g for g in groups if len(g) >= MIN_SOURCES]
     tasks: list[ConsistencyTask] = []
     kept: list[list[_Source]] = []
     tolerance: list[str] = []
@@ -75,11 +75,11 @@ def plan(files: list[DumpFile], thresholds: Thresholds | None = None
     return tasks, kept, tolerance
 
 
-def too_few(files: list[DumpFile]) -> list[str]:
-    """A note for each group of two sources with the same model and inputs: the check needs
-    three (the median of the others is then one card, and a difference names neither)."""
+def too_few(groups: list[list[_Source]]) -> list[str]:
+    """A note for each group of two sources: the check needs three (the median of the others
+    is then one card, and a difference names neither)."""
     notes = []
-    for pair in _groups(files):
+    for pair in groups:
         if len(pair) != 2 or not set(pair[0].rounds) & set(pair[1].rounds):
             continue
         if any(m.file.sharded_layers for m in pair):  # tensor-parallel ranks: parts by design
@@ -93,8 +93,9 @@ def too_few(files: list[DumpFile]) -> list[str]:
     return notes
 
 
-def _groups(files: list[DumpFile]) -> list[list[_Source]]:
-    """The sources of the same model (layer names), inputs and block dtype, grouped."""
+def group_sources(files: list[DumpFile]) -> list[list[_Source]]:
+    """The sources of the same model (layer names), inputs and block dtype, grouped; files
+    without recorded input ids are left out."""
     grouped: dict[tuple, list[_Source]] = {}
     for src in filter(None, map(_source, files)):
         grouped.setdefault((tuple(src.layers), src.samples, src.file.block_dtype()),

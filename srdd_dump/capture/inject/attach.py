@@ -13,7 +13,7 @@ from torch import nn
 from torch.nn.modules.module import register_module_forward_pre_hook
 
 from ...errors import UserError
-from ..compiled import frames_compiled, opaque
+from ..compiled import opaque
 from ..discovery import NoBlocksFound, find_blocks
 
 _attaching = threading.RLock()  # held while a session is made
@@ -106,7 +106,7 @@ def _compiled_graph(module: nn.Module, args: tuple) -> bool:
     """A graph torch.compile produced, or a module called while it traces: torch 2.1 runs a
     graph as an fx GraphModule (or the OptimizedModule around one) called as a module, and
     calls the model's modules on fake tensors while tracing it. Never a model to capture."""
-    if not frames_compiled() and "torch._dynamo.eval_frame" not in sys.modules:
+    if "torch._dynamo" not in sys.modules:  # nothing compiled or traced in this process
         return False
     import torch.fx
     from torch._subclasses.fake_tensor import FakeTensor
