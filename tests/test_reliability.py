@@ -99,9 +99,14 @@ def _command(*argv: str) -> str:
     return shlex.join([sys.executable, *argv])
 
 
-def _start(*args: str, umask: int | None = None) -> subprocess.Popen:
-    """srdd-dump as a user starts it, in its own session (no terminal to deliver Ctrl-C)."""
+def _start(*args: str, umask: int | None = None, gate: str | None = None) -> subprocess.Popen:
+    """srdd-dump as a user starts it, in its own session (no terminal to deliver Ctrl-C);
+    ``gate``: SRDD_DUMP_MIN_FREE_GB ("": unset, the command's own default; None: as the tests
+    set it, conftest.py)."""
     env = dict(os.environ)
+    if gate is not None:
+        env.pop("SRDD_DUMP_MIN_FREE_GB", None)
+        env.update({"SRDD_DUMP_MIN_FREE_GB": gate} if gate else {})
     env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
     return subprocess.Popen(
         [sys.executable, "-m", "srdd_dump.cli.dump", *args], cwd=ROOT, env=env,
@@ -134,8 +139,9 @@ def _finish(proc: subprocess.Popen, timeout: float = 120) -> tuple[int, str, str
     return proc.returncode, out, err
 
 
-def _dump_cli(*args: str, umask: int | None = None) -> tuple[int, str, str]:
-    return _finish(_start(*args, umask=umask))
+def _dump_cli(*args: str, umask: int | None = None, gate: str | None = None
+              ) -> tuple[int, str, str]:
+    return _finish(_start(*args, umask=umask, gate=gate))
 
 
 def _only(folder) -> str:
@@ -302,7 +308,7 @@ def small_disk(tmp_path):
 def test_disk_full_gate_and_stop(small_disk, tmp_path):
     out = small_disk / "d"
     cmd = _command(_script(tmp_path), "40", "0", "64", "toy")
-    code, _, err = _dump_cli("--exec", cmd, "-o", str(out), "--samples", "1000")
+    code, _, err = _dump_cli("--exec", cmd, "-o", str(out), "--samples", "1000", gate="")
     lines = err.strip().splitlines()
     assert code == 2 and len(lines) == 1, err  # the default 2 GB gate refuses to start
     assert "GB free on its file system, 2 GB required" in lines[0] and "--min-free-gb 0" in err
@@ -315,15 +321,28 @@ def test_disk_full_gate_and_stop(small_disk, tmp_path):
     assert compare_path(path, progress=False).files["status"].tolist() == ["incomplete"]
 
 
-def test_free_space_gate_runs_before_the_command(tmp_path):
+@pytest.mark.parametrize("option, gate", [(["--min-free-gb", "1e9"], None), ([], "1e9")],
+                         ids=["option", "environment"])
+def test_free_space_gate_runs_before_the_command(tmp_path, option, gate):
     marker = tmp_path / "ran"
     cmd = _command("-c", f"open({str(marker)!r}, 'w')")
-    code, _, err = _dump_cli("--exec", cmd, "-o", str(tmp_path / "new" / "d"),
-                             "--min-free-gb", "1e9")
+    code, _, err = _dump_cli("--exec", cmd, "-o", str(tmp_path / "new" / "d"), *option,
+                             gate=gate)
     lines = err.strip().splitlines()
     assert code == 2 and len(lines) == 1 and lines[0].startswith("srdd-dump: error: -o ")
     assert "1e+09 GB required" in lines[0] and "--min-free-gb 0" in lines[0]
     assert not marker.exists() and not (tmp_path / "new").exists()
+
+
+def test_the_option_overrides_the_machines_gate_and_a_bad_gate_is_one_line(tmp_path):
+    marker = tmp_path / "ran"
+    cmd = _command("-c", f"open({str(marker)!r}, 'w')")
+    code, _, err = _dump_cli("--exec", cmd, "-o", str(tmp_path / "d"), "--min-free-gb", "0",
+                             gate="1e9")
+    assert code == 3 and marker.exists() and "no model" in err, err  # ran: no gate
+    code, _, err = _dump_cli("--exec", cmd, "-o", str(tmp_path / "e"), gate="lots")
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and "SRDD_DUMP_MIN_FREE_GB" in lines[0], err
 
 
 # -- the capture hook raises -------------------------------------------------------------------

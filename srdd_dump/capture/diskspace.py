@@ -10,6 +10,7 @@ from ..errors import UserError
 
 GB = 1 << 30
 MIN_FREE_GB = 2.0  # srdd-dump refuses to start with less free space (msit: 2 GB)
+MIN_FREE_GB_ENV = "SRDD_DUMP_MIN_FREE_GB"  # sets the default of --min-free-gb
 
 
 def refuse_a_file(path: str, named: str) -> None:

@@ -45,6 +45,7 @@ from .diskspace import refuse_a_file
 from .dump_file import DumpOutput, FileWatch, dump_meta
 from .evidence import expect_sites, levels_of, never_run
 from .faults import install_faults
+from .host import HOOK_TABLES
 from .host_weights import HostWeights
 from .mlp_reference import MlpReference
 from .model_facts import (
@@ -270,6 +271,7 @@ class CaptureSession:
         self._mask_unread = False  # the model call's mask was of another form
         self._autocast: str | None = None  # "" when the first model call ran without autocast
         self._handles: list[Any] = []
+        self._copy_said = False
         self._closed = True  # until its hooks are all in place (a half-built one is not closed)
         skip_hook_frames()
         self._install()
@@ -401,6 +403,8 @@ class CaptureSession:
         the session was made): counts the call, keeps its attention mask."""
         if kwargs is None:  # removed inside this very call (REMOVED)
             return
+        if module is not self.model and self._a_copy_ran(module):
+            return
         if not self._take_model_call(module, args, kwargs):
             if not self._closed:
                 self.coverage.expect(OTHER_THREADS)
@@ -425,6 +429,29 @@ class CaptureSession:
                 self._autocast = autocast_dtype(self.model)
 
         self._guard(grab)
+
+    def _a_copy_ran(self, copy: nn.Module) -> bool:
+        """A copy of the model (``copy.deepcopy``) carries the capture hooks' table entries:
+        they are taken out of it, so the copy runs uncaptured from this call on, as any model
+        after the first (its forwards would otherwise land in this dump as the model's own
+        samples), and that is said once. False for a replica sharing the model's tables
+        (DataParallel's): it runs as the model, as before."""
+        if all(getattr(copy, name, None) is getattr(self.model, name, None)
+               for name in HOOK_TABLES):
+            return False
+        ours = {h.id for h in self._handles}
+        for module in copy.modules():
+            for name in HOOK_TABLES:
+                table = getattr(module, name, None)
+                for key in ours.intersection(table or ()):
+                    del table[key]
+        if not self._copy_said:
+            self._copy_said = True
+            sys.stderr.write(
+                f"srdd-dump: note: a copy of the captured model ran ({type(copy).__name__}, "
+                f"copy.deepcopy, pid {os.getpid()}): it runs uncaptured; the dump holds the "
+                "model capture attached to\n")
+        return True
 
     @opaque_method
     def _on_stack_input(self, module: nn.Module, args: tuple, kwargs: dict | None = None
