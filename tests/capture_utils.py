@@ -23,6 +23,31 @@ def run_cli(tool: str, *args: str, cwd: str | None = None, timeout: float = 600,
     )
 
 
+def run_plain(args: list[str], timeout: float = 600, attempts: int = 1,
+              **kwargs) -> subprocess.CompletedProcess:
+    """Run a program without capture (the reference a captured run is compared with); when it
+    fails, the test fails naming the command, its exit code and the end of its stderr.
+
+    ``attempts`` > 1 only for programs whose failure can come from the machine rather than the
+    code (torchrun's rendezvous and gloo sockets on a loaded runner): a failed attempt is
+    reported as a warning with its stderr, and the next one is run."""
+    import warnings
+
+    import pytest
+
+    attempt = 1
+    while True:
+        proc = subprocess.run(args, capture_output=True, text=True, timeout=timeout, **kwargs)
+        if proc.returncode == 0:
+            return proc
+        tail = "\n".join(proc.stderr.splitlines()[-40:])
+        what = f"the plain run failed (exit code {proc.returncode}): {' '.join(args)}\n{tail}"
+        if attempt == attempts:
+            pytest.fail(what, pytrace=False)
+        warnings.warn(f"attempt {attempt} of {attempts}: {what}", stacklevel=2)
+        attempt += 1
+
+
 def py(script: str, *args: str) -> str:
     """An --exec command line running a fixture script with this interpreter."""
     import shlex

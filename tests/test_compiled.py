@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import numpy as np
@@ -20,7 +19,7 @@ from srdd_dump.capture import compiled
 from srdd_dump.compare import compare_path
 from srdd_dump.format.reader import DumpReader, find_dump_files
 
-from capture_utils import FIXTURES, py, run_cli
+from capture_utils import FIXTURES, py, run_cli, run_plain
 from serving_model import generate, tiny
 from tiny_models import build
 
@@ -211,8 +210,8 @@ def test_compiled_parts_names_every_way_of_compiling():
 
 def _plain(tmp_path, *args):
     out = tmp_path / "plain.json"
-    subprocess.run([sys.executable, os.path.join(FIXTURES, "infer_compiled.py"), *args,
-                    "--out", str(out)], check=True, capture_output=True)
+    run_plain([sys.executable, os.path.join(FIXTURES, "infer_compiled.py"), *args,
+               "--out", str(out)])
     return json.loads(out.read_text())
 
 

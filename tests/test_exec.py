@@ -11,7 +11,7 @@ import pytest
 
 from srdd_dump.format.reader import DumpReader, find_dump_files
 
-from capture_utils import FIXTURES, py, run_cli
+from capture_utils import FIXTURES, py, run_cli, run_plain
 
 pytestmark = [pytest.mark.integration, pytest.mark.capture]
 
@@ -32,8 +32,7 @@ def test_exec_is_transparent_and_dumps(arch, tmp_path):
     res = run_cli("srdd-dump", "--exec", py("infer_tiny.py", arch, str(plain)), "-o",
                   str(tmp_path / "unused"), "--samples", "0")
     assert res.returncode == 2 and "--samples must be at least 1" in res.stderr
-    subprocess.run([sys.executable, os.path.join(FIXTURES, "infer_tiny.py"), arch, str(plain)],
-                   check=True, capture_output=True)
+    run_plain([sys.executable, os.path.join(FIXTURES, "infer_tiny.py"), arch, str(plain)])
     res = run_cli("srdd-dump", "--exec", py("infer_tiny.py", arch, str(captured)), "-o",
                   str(tmp_path / "d"), "--steps", "all")
     assert res.returncode == 0, res.stderr
@@ -477,8 +476,7 @@ def test_threads_that_start_the_model_at_once_get_one_session_and_file(tmp_path)
         "ts = [threading.Thread(target=work, args=(i,)) for i in range(4)]\n"
         "[t.start() for t in ts]; [t.join() for t in ts]\n"
         "print([out[i] for i in range(4)])\n")
-    plain = subprocess.run([sys.executable, _write(tmp_path / "plain.py", TINY_LLAMA + body)],
-                           capture_output=True, text=True, check=True)
+    plain = run_plain([sys.executable, _write(tmp_path / "plain.py", TINY_LLAMA + body)])
     res = _exec_tiny(tmp_path, "threads.py", body)
     assert res.returncode == 0, res.stderr
     assert res.stdout.splitlines()[-1] == plain.stdout.splitlines()[-1]

@@ -5,12 +5,11 @@ from __future__ import annotations
 import json
 import os
 import shlex
-import subprocess
 
 import pytest
 import torch
 
-from capture_utils import FIXTURES, py
+from capture_utils import FIXTURES, py, run_plain
 from moe_models import ARCHS, blocks_path, build, experts_modules, upcycle_smollm2
 
 pytestmark = pytest.mark.integration
@@ -51,10 +50,9 @@ def test_infer_moe_left_padding_matches_one_by_one(tmp_path):
     outs = {}
     for padded in ("none", "left"):
         outs[padded] = tmp_path / f"{padded}.json"
-        subprocess.run(shlex.split(py("infer_moe.py", "--model", "deepseek_v3", "--prompts", "3",
-                                      "--new-tokens", "3", "--padded", padded, "--out",
-                                      str(outs[padded]))),
-                       check=True, capture_output=True)
+        run_plain(shlex.split(py("infer_moe.py", "--model", "deepseek_v3", "--prompts", "3",
+                                 "--new-tokens", "3", "--padded", padded, "--out",
+                                 str(outs[padded]))))
     tokens = json.loads(outs["none"].read_text())
     assert len(tokens) == 3 and all(len(t) == 3 for t in tokens)
     assert tokens == json.loads(outs["left"].read_text())

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import numpy as np
@@ -21,7 +20,7 @@ from srdd_dump.compare import compare_baseline, compare_path
 from srdd_dump.format import schema
 from srdd_dump.format.reader import DumpReader, find_dump_files
 
-from capture_utils import FIXTURES, py, run_cli
+from capture_utils import FIXTURES, py, run_cli, run_plain
 from serving_model import RMSNorm, from_hf, generate, tiny
 from tiny_models import build
 
@@ -266,8 +265,7 @@ def test_fault_on_a_serving_block_acts_on_the_stream():
 def test_exec_on_an_unmodified_serving_script(tmp_path):
     plain, captured = tmp_path / "plain.json", tmp_path / "captured.json"
     script = ["--model", "tiny", "--flat", "--out"]
-    subprocess.run([sys.executable, os.path.join(FIXTURES, "infer_serving.py"), *script,
-                    str(plain)], check=True, capture_output=True)
+    run_plain([sys.executable, os.path.join(FIXTURES, "infer_serving.py"), *script, str(plain)])
     res = run_cli("srdd-dump", "--exec", py("infer_serving.py", *script, str(captured)),
                   "-o", str(tmp_path / "ok"))
     assert res.returncode == 0, res.stderr

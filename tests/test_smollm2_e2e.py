@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import json
 import shlex
-import subprocess
 
 import pandas as pd
 import pytest
 
 from srdd_dump.format.reader import DumpReader, find_dump_files
 
-from capture_utils import py, run_cli
+from capture_utils import py, run_cli, run_plain
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.capture]
 
@@ -25,9 +24,8 @@ def smollm2_cache():
 
 def test_real_model_dump_is_transparent_and_compares(smollm2_cache, tmp_path):
     plain, captured = tmp_path / "plain.json", tmp_path / "captured.json"
-    subprocess.run(shlex.split(py("infer_smollm2.py", "--prompts", "3", "--new-tokens", "6",
-                                        "--out", str(plain))),
-                   check=True, capture_output=True)
+    run_plain(shlex.split(py("infer_smollm2.py", "--prompts", "3", "--new-tokens", "6",
+                             "--out", str(plain))))
     dumps = tmp_path / "dumps"
     res = run_cli("srdd-dump", "--exec",
                   py("infer_smollm2.py", "--prompts", "3", "--new-tokens", "6", "--out",

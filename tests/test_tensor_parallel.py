@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import shlex
-import subprocess
 import sys
 import textwrap
 import threading
@@ -25,7 +24,7 @@ from srdd_dump.errors import UserError
 from srdd_dump.format import schema as s
 from srdd_dump.format.reader import DumpReader, find_dump_files
 
-from capture_utils import FIXTURES, run_cli
+from capture_utils import FIXTURES, run_cli, run_plain
 
 pytestmark = pytest.mark.integration
 
@@ -66,8 +65,7 @@ def smollm2_cache():
 @pytest.fixture(scope="module")
 def plain_tokens(smollm2_cache, tmp_path_factory):
     out = str(tmp_path_factory.mktemp("plain") / "tokens.json")
-    subprocess.run(shlex.split(tp_command("--out", out, "--out-per-rank")), check=True,
-                   capture_output=True, timeout=600)
+    run_plain(shlex.split(tp_command("--out", out, "--out-per-rank")), attempts=2)
     return rank_tokens(out)
 
 
