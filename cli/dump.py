@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shlex
 import sys
 from typing import Optional
 
@@ -122,7 +123,7 @@ def dump(
         what = "run folder" if folder == result.run_dir else "the program's own folder"
         typer.echo(f"srdd-dump: {what} {folder} ({len(files)} file"
                    f"{'s' if len(files) > 1 else ''}); compare it with: "
-                   f"srdd-compare {folder}", err=True)
+                   f"srdd-compare {shlex.quote(str(folder))}", err=True)
     requests = result.requests_line(samples)
     if requests:
         typer.echo(f"srdd-dump: {requests}", err=True)

@@ -42,8 +42,8 @@ FAULT = "noise@layer=2,site=mlp,m=0.05"
 
 
 def capture(folder, *, dtype=torch.float32, inject=(), layers=4, prompts=PROMPTS[:1],
-            new_tokens=0, steps="0") -> str:
-    model = build("llama", layers=layers, dtype=dtype)
+            new_tokens=0, steps="0", arch="llama") -> str:
+    model = build(arch, layers=layers, dtype=dtype)
     cfg = DumpConfig(dump_path=str(folder), probes="none", inject=list(inject), steps=steps)
     with register_hook(model, cfg) as session, torch.no_grad():
         for ids in prompts:
@@ -187,6 +187,14 @@ def test_consistency_needs_three_sources_with_the_same_inputs(cards, tmp_path):
     assert check_consistency(files[:2], str(cards)) is None
     other = capture(tmp_path / "other", prompts=PROMPTS[2:3])  # same model, other input
     assert check_consistency(files[:2] + [other]) is None
+
+
+def test_another_model_of_the_same_layer_names_is_no_card_of_the_group(cards, tmp_path):
+    """Qwen2 and Llama name their blocks alike (model.layers.N): a Qwen2 run on the same
+    inputs next to two Llama cards is not a third card (it was named the odd card out)."""
+    qwen = capture(tmp_path / "qwen", prompts=PROMPTS[:2], arch="qwen2")
+    files = [f for f in find_dump_files(str(cards)) if "card1" not in f] + [qwen]
+    assert check_consistency(files) is None
 
 
 def test_two_cards_on_the_same_inputs_are_told_how_to_compare_them(cards, tmp_path):

@@ -243,6 +243,31 @@ def test_partial_file_is_used_and_flagged(tmp_path):
     assert len(result.layers) == 4
 
 
+def test_a_file_still_being_written_is_skipped_saying_so(tmp_path):
+    """A run still writing its file (HDF5 holds it locked): the compare of its folder skips it
+    saying so and uses the others; alone, it is that one line (it was "not a readable HDF5
+    file ([Errno 11] ...)")."""
+    rng = np.random.default_rng(1)
+    write_dump(str(tmp_path / "a.h5"), normal_rounds(rng))
+    live = make_partial(write_dump(str(tmp_path / "b.h5"), normal_rounds(rng)))
+    code = ("import h5py, sys, time\nf = h5py.File(sys.argv[1], 'r+')\nprint('open', "
+            "flush=True)\ntime.sleep(60)\n")
+    writer = subprocess.Popen([sys.executable, "-c", code, live], stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        assert writer.stdout.readline().strip() == "open"
+        result = compare_path(str(tmp_path), progress=False)
+        status = dict(zip(result.files["source"], result.files["status"]))
+        assert status == {"a.h5": "ok", "b.h5.partial": "skipped"}
+        reason = result.files.set_index("source").loc["b.h5.partial", "reason"]
+        assert "still being written" in reason
+        with pytest.raises(UserError, match="still being written"):
+            compare_path(live, progress=False)
+    finally:
+        writer.kill()
+        writer.wait()
+
+
 def test_compare_path_user_errors(tmp_path):
     with pytest.raises(UserError, match="no such file or directory"):
         compare_path(str(tmp_path / "nope"))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import subprocess
 import sys
 
@@ -174,11 +175,50 @@ def test_an_inject_a_pool_workers_model_lacks_stops_the_program_too(tmp_path):
     ("", "needs a command"),
     ("no-such-program-xyz --flag", "command not found: no-such-program-xyz"),
     ("python 'unclosed", "cannot parse"),
+    ("python x.py > out.txt", "'>' is shell syntax"),
+    ("cd sub", "command not found: cd (--exec runs the command without a shell"),
 ])
 def test_bad_exec_commands(command, message, tmp_path):
     res = run_cli("srdd-dump", "--exec", command, "-o", str(tmp_path))
     assert res.returncode == 2 and message in res.stderr
     assert "Traceback" not in res.stderr and len(res.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("code", [0, 4])
+def test_a_program_ending_with_os_exit_leaves_a_finished_file(code, tmp_path):
+    """os._exit skips atexit: the file was left .partial and a successful program's run ended
+    with exit 3 ("ended without finishing it"). The program's own exit code stays."""
+    body = ("import os\nwith torch.no_grad():\n"
+            "    m.generate(torch.randint(1, 100, (1, 7)), max_new_tokens=2, do_sample=False,\n"
+            "               pad_token_id=0)\nprint('finished', flush=True)\n")
+    (tmp_path / "plain").mkdir()
+    ended = _exec_tiny(tmp_path / "plain", "plain.py", body)
+    (plain,) = find_dump_files(str(tmp_path / "plain" / "d"))
+    res = _exec_tiny(tmp_path, "osexit.py", body + f"os._exit({code})\n")
+    assert res.returncode == code and "finished" in res.stdout, res.stderr
+    (path,) = find_dump_files(str(tmp_path / "d"))
+    assert not path.endswith(".partial") and "without finishing" not in res.stderr
+    with DumpReader(path) as r, DumpReader(plain) as p:
+        assert ended.returncode == 0 and r.complete
+        assert len(r.rounds) == len(p.rounds) and len(r.records) == len(p.records)
+
+
+def test_a_tokens_range_that_keeps_nothing_says_so(tmp_path):
+    """--tokens 5:2 keeps no position of any forward: refused before the command runs.
+    --tokens 20: on 9-token prompts keeps none of these: the end says that, not "no prefill
+    seen" (a 9-token prefill ran)."""
+    script = _write(tmp_path / "gen.py", TINY_LLAMA + "with torch.no_grad():\n"
+                    "    m.generate(torch.randint(1, 100, (1, 9)), max_new_tokens=2, "
+                    "do_sample=False, pad_token_id=0)\nprint('finished')\n")
+    res = run_cli("srdd-dump", "--exec", f"{sys.executable} {script}", "-o", str(tmp_path / "d"),
+                  "--tokens", "0:4,5:2")
+    assert res.returncode == 2 and "finished" not in res.stdout
+    assert "--tokens 5:2 keeps no position" in res.stderr
+    res = run_cli("srdd-dump", "--exec", f"{sys.executable} {script}", "-o", str(tmp_path / "d"),
+                  "--tokens", "20:")
+    assert res.returncode == 3 and "finished" in res.stdout
+    assert "--tokens 20: keeps no position of the forwards seen (the longest had 9 tokens)" \
+        in res.stderr and "no prefill seen" not in res.stderr
 
 
 def test_a_script_without_its_execute_bit_and_a_negative_free_space(tmp_path):
@@ -202,10 +242,23 @@ def test_an_output_folder_on_a_file_system_of_no_size_says_it_cannot_be_created(
 
 
 def test_exec_never_uses_a_shell(tmp_path):
+    """Shell syntax outside quotes is refused before anything runs (it reached the program as
+    plain arguments: `> out.txt` wrote no file and said nothing); quoted, it is an argument."""
     marker = tmp_path / "pwned"
-    res = run_cli("srdd-dump", "--exec", f"echo hi; touch {marker}", "-o", str(tmp_path / "d"))
-    assert not marker.exists()
-    assert res.stdout.strip() == f"hi; touch {marker}"  # echo got the rest as plain arguments
+    for command, operator in ((f"echo hi; touch {marker}", ";"),
+                              (f"echo hi > {marker}", ">"), ("echo hi | tee x", "|"),
+                              ("echo hi 2>&1", ">&"), (f"cd {tmp_path} && echo hi", "&&")):
+        res = run_cli("srdd-dump", "--exec", command, "-o", str(tmp_path / "d"))
+        assert res.returncode == 2 and res.stdout == "", res.stderr
+        (line,) = res.stderr.splitlines()
+        assert f"{operator!r} is shell syntax" in line and "bash -c" in line
+    assert not marker.exists() and not (tmp_path / "d").exists()
+    res = run_cli("srdd-dump", "--exec", f"echo 'hi;' '>' \\| \"{marker}&\"",
+                  "-o", str(tmp_path / "d"))
+    assert res.stdout.strip() == f"hi; > | {marker}&"  # quoted: plain arguments
+    for command in ("cd sub", "FOO=1 python x.py"):
+        res = run_cli("srdd-dump", "--exec", command, "-o", str(tmp_path / "d"))
+        assert res.returncode == 2 and "without a shell" in res.stderr, res.stderr
 
 
 def test_wheel_ships_the_sitecustomize(tmp_path):
@@ -306,6 +359,21 @@ def test_two_sessions_of_the_program_in_two_folders_are_both_listed(tmp_path):
         assert f"srdd-dump: wrote {path}" in res.stderr
         assert f"compare it with: srdd-compare {tmp_path / folder}" in res.stderr
     assert "run folder" not in res.stderr
+
+
+def test_the_compare_command_it_prints_can_be_pasted(tmp_path):
+    """An output folder with a space and a quote: the printed srdd-compare command is quoted
+    for the shell, and running it as printed compares the run."""
+    script = _write(tmp_path / "one.py", TINY_LLAMA + "with torch.no_grad():\n"
+                    "    m(torch.randint(1, 100, (1, 7)))\n")
+    res = run_cli("srdd-dump", "--exec", f"{sys.executable} {script}", "-o",
+                  str(tmp_path / "my dumps" / "it's"))
+    assert res.returncode == 0, res.stderr
+    (line,) = [ln for ln in res.stderr.splitlines() if "compare it with: " in ln]
+    tool, *args = shlex.split(line.split("compare it with: ")[1])
+    done = run_cli(tool, *args, "-o", str(tmp_path / "report.csv"), "-q")
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "report.csv").exists()
 
 
 @pytest.mark.parametrize("context", ["fork", "spawn"])

@@ -192,6 +192,26 @@ def test_healthy_models_hold_every_identity(tmp_path, arch, dtype):
 
 
 @pytest.mark.integration
+@pytest.mark.parametrize("arch", [a for a in ARCHS if a != "bert"])
+def test_short_prompts_hold_the_causality_identity(tmp_path, arch):
+    """Prompts of 2 to 7 tokens at the default options (batched probes, every layer and
+    sub-layer): a 2-token prompt was a FAULT "attention mask bug" in every layer, because the
+    causality copy ran in the batched replay, where a row's last bits depend on its place in
+    the batch (a GEMM's tail tiles on this CPU); it now runs alone, with the call's shapes."""
+    model = build(arch, layers=2)
+    gen = torch.Generator().manual_seed(4)
+    config = DumpConfig(dump_path=str(tmp_path), samples=6, probe_samples=6, progress=False)
+    with register_hook(model, config), torch.no_grad():
+        for n in range(2, 8):
+            ids = torch.randint(1, 128, (1, n), generator=gen)
+            model.generate(ids, max_new_tokens=2, do_sample=False, pad_token_id=0)
+    result = compare_path(str(tmp_path), progress=False)
+    causal = result.sites["causal_broken"].dropna()
+    assert len(causal) >= 2 and (causal == 0).all(), result.sites[["module", "causal_broken"]]
+    assert FAULT not in set(result.layers["verdict"]), result.headlines
+
+
+@pytest.mark.integration
 @pytest.mark.parametrize("spec, module, family", [
     ("dead_zone@layer=2,site=mlp.up_proj,quantile=0.05", "mlp.up_proj", "DEAD_ZONE"),
     ("saturation@layer=1,site=self_attn.q_proj,quantile=0.99", "self_attn.q_proj",

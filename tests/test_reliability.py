@@ -453,11 +453,14 @@ def test_every_variable_passed_to_the_child_is_documented(tmp_path):
 def test_exec_arguments_are_never_expanded(tmp_path):
     marker = tmp_path / "pwned"
     res = run_cli("srdd-dump", "--exec",
-                  f"echo $HOME `touch {marker}` $(touch {marker}) '*' > {marker}",
+                  f"echo $HOME `touch {marker}` $(touch {marker}) '*' '>' {marker}",
                   "-o", str(tmp_path / "d"), "--min-free-gb", "0", timeout=60)
     assert not marker.exists()
     assert res.stdout.strip() == f"$HOME `touch {marker}` $(touch {marker}) * > {marker}"
     assert res.returncode == 3  # echo is no Python program: nothing was captured
+    res = run_cli("srdd-dump", "--exec", f"echo hi > {marker}", "-o", str(tmp_path / "d"),
+                  timeout=60)
+    assert res.returncode == 2 and not marker.exists()  # refused, never run
 
 
 # -- reports: formula injection ----------------------------------------------------------------

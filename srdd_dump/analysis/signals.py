@@ -258,11 +258,17 @@ def _identities(out: RoundStats, x_rows: np.ndarray, rows: np.ndarray,
             check = zero_check(st.rows_of(p.data), x_rows[rows])
             out.scale = (check.broken / check.judged if check.judged else 0.0, check.judged,
                          check.pattern, check.size)
-    refs = [p.data for p in probes if p.kind == "replay"]
+    # unperturbed runs of the same rows: the repeats and the recorded output (the shapes the
+    # causality copy runs with: it runs alone) and the in-batch copy (where it ran in the
+    # batched replay, in dumps made before 2026-11-29): the closest one is its reference
+    refs = [st.rows_of(p.data) for p in probes if p.kind in ("replay", "repeat")]
+    refs.append(x_rows[rows])
     for p in probes:
         if p.kind == "causal" and row_pos is not None:
-            ref = st.rows_of(refs[0]) if refs else x_rows[rows]
-            moved, judged, size = causal_check(ref, st.rows_of(p.data), row_pos, int(p.param))
+            out_rows = st.rows_of(p.data)
+            checks = [causal_check(ref, out_rows, row_pos, int(p.param))
+                      for ref in refs if ref.shape == out_rows.shape]
+            moved, judged, size = min(checks, default=(0, 0, 0.0))
             if judged:
                 out.causal.append((moved / judged, judged, size))
         elif p.kind == "host":

@@ -830,6 +830,10 @@ class CaptureSession:
                     sys.stderr.write(f"srdd-dump: warning: evidence missing: {line}\n")
         elif not self.error:
             self.silence = explain_silence(self.model, self.model_calls, self.block_calls)
+            if not self.silence and self._rounds.no_kept_position:
+                self.silence = (f"--tokens {self.config.tokens} keeps no position of the "
+                                f"forwards seen (the longest had "
+                                f"{self._rounds.no_kept_position} tokens)")
             if self.silence and not os.environ.get(cfg.ENV_CONFIG):
                 sys.stderr.write(f"srdd-dump: warning: nothing captured: {self.silence}\n")
         return self.path

@@ -105,6 +105,11 @@ class ExecResult:
         return None
 
 
+SHELL_ONLY = ("cd", "export", "source", ".", "set", "unset", "ulimit", "alias")
+NO_SHELL = ("--exec runs the command without a shell: for a shell's syntax give --exec \"bash "
+            "-c '...'\" (and env VAR=value for a variable)")
+
+
 def split_command(command: str) -> list[str]:
     try:
         argv = shlex.split(command)
@@ -112,12 +117,38 @@ def split_command(command: str) -> list[str]:
         raise UserError(f"cannot parse --exec {command!r}: {exc}") from None
     if not argv:
         raise UserError("--exec needs a command, e.g. --exec \"python infer.py\"")
+    operator = shell_operator(command)
+    if operator:  # it would reach the program as an argument, silently
+        raise UserError(f"--exec: {operator!r} is shell syntax; {NO_SHELL}")
     if shutil.which(argv[0]) is None:
         if os.sep in argv[0] and os.path.isfile(argv[0]):  # ./infer.py without its x bit
             raise UserError(f"--exec: {argv[0]}: permission denied (not executable: chmod +x "
                             f"it, or run it as --exec \"python {argv[0]}\")")
+        if argv[0] in SHELL_ONLY or re.match(r"[A-Za-z_][A-Za-z0-9_]*=", argv[0]):
+            raise UserError(f"--exec: command not found: {argv[0]} ({NO_SHELL})")
         raise UserError(f"--exec: command not found: {argv[0]}")
     return argv
+
+
+def shell_operator(command: str) -> str | None:
+    """The first redirection, pipe or list operator (``>``, ``2>&1``, ``|``, ``&&``, ``;``)
+    outside quotes in ``command``; None when it has none."""
+    quote, escaped, run = "", False, ""
+    for ch in command + " ":
+        if escaped:
+            escaped = False
+        elif ch == "\\" and quote != "'":
+            escaped = True
+        elif quote:
+            quote = "" if ch == quote else quote
+        elif ch in "'\"":
+            quote = ch
+        elif ch in "|&;<>":
+            run += ch
+            continue
+        if run:
+            return run
+    return None
 
 
 def child_env(config: DumpConfig, status_dir: str, eager: bool = False) -> dict[str, str]:

@@ -532,11 +532,13 @@ def _identities(out: dict, x: torch.Tensor, rows: torch.Tensor, row_pos, probes,
             broken, judged, pattern, size = zero_check(_rows(p.data), x[rows])
             out.update(zip(s.SCALE_COLUMNS, (broken / judged if judged else 0.0, judged,
                                              s.SCALE_PATTERNS.index(pattern), size)))
-    refs = [p.data for p in probes if p.kind == "replay"]
+    refs = [_rows(p.data) for p in probes if p.kind in ("replay", "repeat")] + [x[rows]]
     for p in probes:
-        if p.kind == "causal" and row_pos is not None:
-            ref = _rows(refs[0]) if refs else x[rows]
-            moved, judged, size = causal_check(ref, _rows(p.data), row_pos, int(p.param))
+        if p.kind == "causal" and row_pos is not None:  # signals._identities says why min
+            out_rows = _rows(p.data)
+            checks = [causal_check(ref, out_rows, row_pos, int(p.param))
+                      for ref in refs if ref.shape == out_rows.shape]
+            moved, judged, size = min(checks, default=(0, 0, 0.0))
             if judged:
                 out.update(zip(s.CAUSAL_COLUMNS, (moved / judged, judged, size)))
         elif p.kind == "host":

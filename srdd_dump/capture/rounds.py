@@ -110,6 +110,7 @@ class RoundPlanner:
         self.unprobed_continuation = False  # its prefill would have been probed: it was not
         self.probed: dict[int, set[int]] = {}  # step -> the samples in which it was probed
         self.requests = RequestTracker()  # a serving engine's requests
+        self.no_kept_position = 0  # the longest forward --tokens kept no position of
         # request calls within --samples, each captured (None) or why not (coverage: the
         # session counts them in the "request samples" family)
         self.request_calls: list[str | None] = []
@@ -142,6 +143,7 @@ class RoundPlanner:
             return None
         positions = cfg.token_positions(self.options.tokens, seq)
         if not positions:
+            self.no_kept_position = max(self.no_kept_position, seq)
             return None
         ids = None
         if token_ids is not None and token_ids.shape[-1] == seq:

@@ -94,12 +94,12 @@ def too_few(groups: list[list[_Source]]) -> list[str]:
 
 
 def group_sources(files: list[DumpFile]) -> list[list[_Source]]:
-    """The sources of the same model (layer names), inputs and block dtype, grouped; files
-    without recorded input ids are left out."""
+    """The sources of the same model (class and layer names), inputs and block dtype,
+    grouped; files without recorded input ids are left out."""
     grouped: dict[tuple, list[_Source]] = {}
     for src in filter(None, map(_source, files)):
-        grouped.setdefault((tuple(src.layers), src.samples, src.file.block_dtype()),
-                           []).append(src)
+        grouped.setdefault((src.file.model_class, tuple(src.layers), src.samples,
+                            src.file.block_dtype()), []).append(src)
     return list(grouped.values())
 
 

@@ -51,6 +51,7 @@ class DumpFile:
     sites: list[str] = field(default_factory=list)  # sub-layer module names, by site number
     site_roles: list[str] = field(default_factory=list)  # linear, norm, ... (older dumps: none)
     device: str = ""  # the device type the model ran on (cpu, cuda, npu), "" when unknown
+    model_class: str = ""  # the captured model's class (meta.model_class), "" when unknown
     capture_notes: list[str] = field(default_factory=list)  # what capture could not record
     # evidence families the capture options asked for and did not get (format/coverage.py)
     missing_evidence: list[str] = field(default_factory=list)
@@ -377,6 +378,7 @@ def inspect(path: str, source: str) -> DumpFile:
     roles = reader.meta.get("site_roles")
     f.site_roles = [str(r) for r in roles] if isinstance(roles, list) else []
     f.device = str(reader.meta.get("device") or "").split(":")[0]
+    f.model_class = str(reader.meta.get("model_class") or "")
     options = reader.meta.get("dump_config")
     f.capture_options = options if isinstance(options, dict) else {}
     if reader.meta.get("tool") == "msprobe":

@@ -94,6 +94,11 @@ class DumpReader:
             try:
                 self.f = h5py.File(path, "r")
             except Exception as exc:
+                if "unable to lock file" in str(exc):  # HDF5's lock: a writer holds it open
+                    raise DumpError(
+                        f"{path}: still being written (the capture writing it holds it open): "
+                        "compare it once the run has ended, or in code once the hook is "
+                        "closed (the end of its with block, or .close())") from exc
                 raise DumpError(f"{path}: not a readable HDF5 file ({first_line(exc)})") from exc
             try:
                 self._validate()

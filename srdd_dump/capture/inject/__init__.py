@@ -43,6 +43,7 @@ def install() -> None:
         return
     _state["config"] = config
     atexit.register(_report_status)
+    os._exit = _finishing_first(os._exit)
     os.register_at_fork(after_in_child=_after_fork_in_child)
     if "torch" in sys.modules:
         _on_torch_imported()
@@ -181,6 +182,22 @@ def _end_on(wake: threading.Event, timeout: float = 10.0) -> None:
             time.sleep(0.05)  # another thread's report under way
     finally:
         os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _finishing_first(real_exit: Callable[[int], None], timeout: float = 30.0):
+    """``os._exit`` that first finishes this process's dump and report (a program ending with
+    ``os._exit(0)`` skips atexit: its file was left unfinished and the run failed). The close
+    runs in a thread, waited for at most ``timeout`` s: a caller stopped inside a capture hook
+    (a watchdog's exit) may hold what the close needs, and the exit must come."""
+    def _exit(status: int, /) -> None:
+        if not _state.get("reported"):
+            closing = threading.Thread(target=_report_status, daemon=True, name="srdd-exit")
+            closing.start()
+            closing.join(timeout)
+        real_exit(status)
+
+    _exit.__wrapped__ = real_exit
+    return _exit
 
 
 def _after_fork_in_child() -> None:
