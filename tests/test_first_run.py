@@ -93,6 +93,19 @@ def test_runs_of_different_hosts_are_compared_together(tmp_path):
     assert "multi-card check needs 3" in note and len(result.files) == 2
 
 
+def test_runs_of_different_folders_started_hours_apart_are_compared_saying_so(tmp_path):
+    """exp1/ and exp2/ each holding a run of its own day: still compared together (the layout
+    of one run's hosts), but one line says they started hours apart and how to pick one."""
+    _run(tmp_path / "exp1", "srdd_dump_20261102_000000", 2_000_000)
+    _run(tmp_path / "exp2", "srdd_dump_20261102_020000", 2_000_000)
+    result = compare_path(str(tmp_path), progress=False)
+    (note,) = [n for n in result.notes if "apart" in n]
+    assert "started 2.0 h apart (separate runs?); --run NAME compares one" in note
+    assert len(result.files) == 2
+    one = compare_path(str(tmp_path), progress=False, run="srdd_dump_20261102_020000")
+    assert len(one.files) == 1 and not any("apart" in n for n in one.notes)
+
+
 def test_a_flat_dump_folder_is_one_run(tmp_path):
     for rank in range(2):
         write_dump(str(tmp_path / f"srdd_rank{rank}_pid{rank}.h5"), normal_rounds(RNG))

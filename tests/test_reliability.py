@@ -575,6 +575,26 @@ def test_a_file_finished_by_a_process_killed_before_it_reported_keeps_its_missin
     assert "LlamaAttention: no layout" in result.degraded[0]
 
 
+def test_a_command_whose_python_has_no_torch_is_told_so(tmp_path):
+    """srdd-dump installed without its dump extra (a compare-only install): the end said "no
+    model with a block stack ran a forward" and nothing of torch."""
+    import json
+
+    from srdd_dump.capture.launch import _collect
+
+    status_dir = tmp_path / "status"
+    status_dir.mkdir()
+    for pid in (11, 12):
+        (status_dir / f"{pid}.json").write_text(json.dumps(
+            {"pid": pid, "files": [], "model_seen": False, "torch_missing": True}))
+    (problem,) = _collect(0, str(status_dir)).problems
+    assert "has no torch" in problem and "[dump] extra" in problem
+    (status_dir / "12.json").write_text(json.dumps({"pid": 12, "files": [],
+                                                    "model_seen": False}))
+    (problem,) = _collect(0, str(status_dir)).problems  # one process had torch
+    assert "no model with a block stack ran a forward in any process" in problem
+
+
 def test_forwards_srdd_dump_does_not_capture_keep_a_serving_file_open():
     """A serving engine's file is finished after IDLE seconds without a forward: the chunks of
     a long prefill it does not capture are forwards too (a generate call was split in two

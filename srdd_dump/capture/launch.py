@@ -480,9 +480,16 @@ def _collect(returncode: int, status_dir: str, new_partials: set[str] | None = N
                 result.problems.append(f"nothing captured: the command {_ended(returncode)} "
                                        "before any model with a block stack ran a forward"
                                        + ("" if returncode < 0 else ": see its own error above"))
+            elif all(st.get("torch_missing") for st in statuses):
+                result.problems.append(
+                    "no model ran: the command's Python has no torch (srdd-dump captures "
+                    "PyTorch programs: install the device's torch there, or srdd-dump with "
+                    "its [dump] extra, which pulls torch>=2.1)")
             else:
-                result.problems.append("no model with a block stack ran a forward in any "
-                                       "process")
+                result.problems.append(
+                    "no model with a block stack ran a forward in any process (a Python the "
+                    "program starts with an environment of its own, env={...} without "
+                    f"{ENV_CONFIG} and PYTHONPATH, runs uncaptured: hand it os.environ)")
         else:
             result.problems.append(
                 "no model forward with more than one token was captured (no prefill seen)"

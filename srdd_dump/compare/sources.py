@@ -286,7 +286,27 @@ def _choose_runs(path: str, root: str, found: list[str], option: str, run: str |
             notes.append(f"{option}{shown} holds {len(keys)} runs; comparing the newest, "
                          f"{_names([newest])} ({n} file{'s' if n > 1 else ''}); "
                          f"{flag} NAME for another ({_names(others)}) or {flag} all")
+    apart = _started_apart([(k, runs[k]) for k in runs if k in keep])
+    if apart:
+        notes.append(f"{option}{path}: the runs compared together as one run's cards, "
+                     f"{_names(k for k in runs if k in keep)}, started {apart} apart (separate "
+                     "runs?); --run NAME compares one")
     return [f for key, files in runs.items() if key in keep for f in files], "; ".join(notes)
+
+
+SAME_RUN_SPAN = 600.0  # s: the cards of one run (a launcher on each host) start within this
+
+
+def _started_apart(runs: list[tuple[str, list[str]]]) -> str:
+    """How far apart the runs of different folders started ("2.0 h"), when more than
+    SAME_RUN_SPAN: likely separate experiments, not one run's hosts; "" otherwise."""
+    if len(runs) < 2:
+        return ""
+    starts = [_started(k, files) for k, files in runs]
+    span = max(starts) - min(starts)
+    if span <= SAME_RUN_SPAN:
+        return ""
+    return f"{span / 3600:.1f} h" if span >= 3600 else f"{span / 60:.0f} min"
 
 
 def _names(runs) -> str:

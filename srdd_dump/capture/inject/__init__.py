@@ -244,6 +244,14 @@ def _compiled_out() -> bool:
     return bool(compiled is not None and compiled.hooks_compiled_out())
 
 
+def _torch_missing() -> bool:
+    """This Python cannot import torch (a compare-only install of srdd-dump)."""
+    try:
+        return importlib.util.find_spec("torch") is None
+    except (ImportError, ValueError):
+        return True
+
+
 def _report_status() -> None:
     if _state.get("reported"):
         return
@@ -273,6 +281,7 @@ def _report_status() -> None:
         "degraded": getattr(end, "degraded", []),
         # torch was imported but the watcher never saw it (an import hook placed before it)
         "torch_unwatched": "torch" in sys.modules and not _state.get("watching"),
+        "torch_missing": "torch" not in sys.modules and _torch_missing(),
         "untested_versions": getattr(end, "version_notes", []),
     }
     try:
