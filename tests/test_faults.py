@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -135,6 +137,16 @@ def test_dump_config_refuses_values_of_the_wrong_type_by_name():
     config = DumpConfig(inject="noise@layer=3", sigmas=0.05, samples=np.int64(2))
     assert config.inject == ["noise@layer=3"] and config.sigmas == [0.05]
     assert DumpConfig.from_json(config.to_json()) == config
+
+
+def test_dump_config_names_a_keyword_it_does_not_take_and_msits_counterpart():
+    """msit users write DumpConfig(token_range=..., module_list=...): the error names the
+    field that does the job here (a bare "unexpected keyword argument" did not)."""
+    with pytest.raises(TypeError, match="msit's token_range is steps .*its fields: .*steps"):
+        DumpConfig(dump_path="d", token_range=[0, 1])
+    with pytest.raises(TypeError, match="no field 'smaples' \\(its fields: .*samples"):
+        DumpConfig(smaples=2)
+    assert dataclasses.replace(DumpConfig(samples=2), samples=3).samples == 3
 
 
 def test_fault_site_errors_are_user_errors():

@@ -207,6 +207,36 @@ class DumpConfig:
         return cls.from_json(text) if text else None
 
 
+# msit's DumpConfig keywords (msit llm dump) and what does their job here
+MSIT_KEYWORDS = {
+    "token_range": 'steps (token_range=[0, 1] is steps="0,1": the prefill and decode step 1)',
+    "module_list": 'layers (a glob of block names) or granularity ("sublayer", "op")',
+    "api_list": 'granularity="op" (every operator)',
+    "tensor_part": "not needed: each module's output is dumped",
+    "device": "not needed: capture runs where the model runs",
+}
+
+
+def _refusing_unknown_keywords(init):
+    """DumpConfig's __init__, naming a keyword it does not take and, for msit's own, the field
+    that does its job (a bare TypeError said only "unexpected keyword argument")."""
+    def __init__(self, *args, **kwargs):
+        names = {f.name for f in fields(DumpConfig)}
+        unknown = next((k for k in kwargs if k not in names), None)
+        if unknown is not None:
+            hint = MSIT_KEYWORDS.get(unknown)
+            raise TypeError(f"DumpConfig has no field {unknown!r}"
+                            + (f"; msit's {unknown} is {hint} here" if hint else "")
+                            + f" (its fields: {', '.join(sorted(names))})")
+        init(self, *args, **kwargs)
+
+    __init__.__doc__, __init__.__wrapped__ = init.__doc__, init
+    return __init__
+
+
+DumpConfig.__init__ = _refusing_unknown_keywords(DumpConfig.__init__)
+
+
 def parse_steps(spec: str, option: str = "--steps") -> list[tuple[int, int]] | None:
     """"0,2-5" -> [(0, 0), (2, 5)] (inclusive); "all" -> None (every step). ``option``: the
     option named in an error."""
