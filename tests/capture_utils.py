@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shlex
 import subprocess
 import sys
 
@@ -41,7 +42,7 @@ def run_plain(args: list[str], timeout: float = 600, attempts: int = 1,
         if proc.returncode == 0:
             return proc
         tail = "\n".join(proc.stderr.splitlines()[-40:])
-        what = f"the plain run failed (exit code {proc.returncode}): {' '.join(args)}\n{tail}"
+        what = f"the plain run failed (exit code {proc.returncode}): {shlex.join(args)}\n{tail}"
         if attempt == attempts:
             pytest.fail(what, pytrace=False)
         warnings.warn(f"attempt {attempt} of {attempts}: {what}", stacklevel=2)

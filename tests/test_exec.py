@@ -10,6 +10,7 @@ import sys
 
 import pytest
 
+from srdd_dump.errors import UserError
 from srdd_dump.format.reader import DumpReader, find_dump_files
 
 from capture_utils import FIXTURES, py, run_cli, run_plain
@@ -214,6 +215,12 @@ def test_a_tokens_range_that_keeps_nothing_says_so(tmp_path):
                   "--tokens", "0:4,5:2")
     assert res.returncode == 2 and "finished" not in res.stdout
     assert "--tokens 5:2 keeps no position" in res.stderr
+    from srdd_dump.capture.config import parse_tokens
+
+    for empty in (":0", "-1:0", "-2:-8"):
+        with pytest.raises(UserError, match=f"--tokens {empty} keeps no position"):
+            parse_tokens(empty)
+    assert parse_tokens("-8:") and parse_tokens("2:-1") and parse_tokens("0:1")
     res = run_cli("srdd-dump", "--exec", f"{sys.executable} {script}", "-o", str(tmp_path / "d"),
                   "--tokens", "20:")
     assert res.returncode == 3 and "finished" in res.stdout

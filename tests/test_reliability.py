@@ -589,6 +589,8 @@ def test_a_command_whose_python_has_no_torch_is_told_so(tmp_path):
             {"pid": pid, "files": [], "model_seen": False, "torch_missing": True}))
     (problem,) = _collect(0, str(status_dir)).problems
     assert "has no torch" in problem and "[dump] extra" in problem
+    (problem,) = _collect(1, str(status_dir)).problems  # the program's `import torch` failed
+    assert "has no torch" in problem and problem.endswith("failed (exit code 1)")
     (status_dir / "12.json").write_text(json.dumps({"pid": 12, "files": [],
                                                     "model_seen": False}))
     (problem,) = _collect(0, str(status_dir)).problems  # one process had torch

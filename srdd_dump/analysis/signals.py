@@ -261,8 +261,10 @@ def _identities(out: RoundStats, x_rows: np.ndarray, rows: np.ndarray,
     # unperturbed runs of the same rows: the repeats and the recorded output (the shapes the
     # causality copy runs with: it runs alone) and the in-batch copy (where it ran in the
     # batched replay, in dumps made before 2026-11-29): the closest one is its reference
-    refs = [st.rows_of(p.data) for p in probes if p.kind in ("replay", "repeat")]
-    refs.append(x_rows[rows])
+    refs = []
+    if row_pos is not None and any(p.kind == "causal" for p in probes):
+        refs = [st.rows_of(p.data) for p in probes if p.kind in ("replay", "repeat")]
+        refs.append(x_rows[rows])
     for p in probes:
         if p.kind == "causal" and row_pos is not None:
             out_rows = st.rows_of(p.data)

@@ -280,8 +280,8 @@ def parse_tokens(spec: str) -> list[slice | int] | None:
                 lo, hi = part.split(":", 1)
                 parts.append(slice(int(lo) if lo else None, int(hi) if hi else None))
                 start, stop = parts[-1].start, parts[-1].stop
-                if start is not None and stop is not None and (start < 0) == (stop < 0) \
-                        and start >= stop:
+                if stop == 0 or (start is not None and stop is not None
+                                 and (start < 0) == (stop < 0) and start >= stop):
                     raise UserError(f"--tokens {part} keeps no position: its start must come "
                                     "before its end (e.g. 2:5, -8:)")
             else:

@@ -790,6 +790,12 @@ class CaptureSession:
         with self._lock:
             pass
 
+    def busy_here(self) -> bool:
+        """This thread is inside the session's hooks or close (it holds the session's lock): a
+        close from another thread would wait for it."""
+        owned = getattr(self._lock, "_is_owned", None)
+        return bool(owned is not None and owned())
+
     def _close(self) -> str | None:
         if self._closed:
             return self.path

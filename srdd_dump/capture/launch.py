@@ -119,7 +119,8 @@ def split_command(command: str) -> list[str]:
         raise UserError("--exec needs a command, e.g. --exec \"python infer.py\"")
     operator = shell_operator(command)
     if operator:  # it would reach the program as an argument, silently
-        raise UserError(f"--exec: {operator!r} is shell syntax; {NO_SHELL}")
+        raise UserError(f"--exec: {operator!r} is shell syntax (quote it where it is an "
+                        f"argument); {NO_SHELL}")
     if shutil.which(argv[0]) is None:
         if os.sep in argv[0] and os.path.isfile(argv[0]):  # ./infer.py without its x bit
             raise UserError(f"--exec: {argv[0]}: permission denied (not executable: chmod +x "
@@ -476,15 +477,16 @@ def _collect(returncode: int, status_dir: str, new_partials: set[str] | None = N
                     "no model forward was seen: the models run inside fullgraph=True "
                     "torch.compile'd code, where srdd-dump's hooks cannot run; run eagerly: "
                     "srdd-dump --eager")
-            elif returncode != 0:
-                result.problems.append(f"nothing captured: the command {_ended(returncode)} "
-                                       "before any model with a block stack ran a forward"
-                                       + ("" if returncode < 0 else ": see its own error above"))
             elif all(st.get("torch_missing") for st in statuses):
                 result.problems.append(
                     "no model ran: the command's Python has no torch (srdd-dump captures "
                     "PyTorch programs: install the device's torch there, or srdd-dump with "
-                    "its [dump] extra, which pulls torch>=2.1)")
+                    "its [dump] extra, which pulls torch>=2.1)"
+                    + (f"; the command {_ended(returncode)}" if returncode else ""))
+            elif returncode != 0:
+                result.problems.append(f"nothing captured: the command {_ended(returncode)} "
+                                       "before any model with a block stack ran a forward"
+                                       + ("" if returncode < 0 else ": see its own error above"))
             else:
                 result.problems.append(
                     "no model with a block stack ran a forward in any process (a Python the "

@@ -532,7 +532,9 @@ def _identities(out: dict, x: torch.Tensor, rows: torch.Tensor, row_pos, probes,
             broken, judged, pattern, size = zero_check(_rows(p.data), x[rows])
             out.update(zip(s.SCALE_COLUMNS, (broken / judged if judged else 0.0, judged,
                                              s.SCALE_PATTERNS.index(pattern), size)))
-    refs = [_rows(p.data) for p in probes if p.kind in ("replay", "repeat")] + [x[rows]]
+    refs = []
+    if row_pos is not None and any(p.kind == "causal" for p in probes):
+        refs = [_rows(p.data) for p in probes if p.kind in ("replay", "repeat")] + [x[rows]]
     for p in probes:
         if p.kind == "causal" and row_pos is not None:  # signals._identities says why min
             out_rows = _rows(p.data)

@@ -288,9 +288,10 @@ def _choose_runs(path: str, root: str, found: list[str], option: str, run: str |
                          f"{flag} NAME for another ({_names(others)}) or {flag} all")
     apart = _started_apart([(k, runs[k]) for k in runs if k in keep])
     if apart:
+        flag = "--baseline-run" if option.startswith("--baseline") else "--run"
         notes.append(f"{option}{path}: the runs compared together as one run's cards, "
                      f"{_names(k for k in runs if k in keep)}, started {apart} apart (separate "
-                     "runs?); --run NAME compares one")
+                     f"runs?); {flag} NAME compares one")
     return [f for key, files in runs.items() if key in keep for f in files], "; ".join(notes)
 
 
@@ -398,7 +399,9 @@ def inspect(path: str, source: str) -> DumpFile:
     roles = reader.meta.get("site_roles")
     f.site_roles = [str(r) for r in roles] if isinstance(roles, list) else []
     f.device = str(reader.meta.get("device") or "").split(":")[0]
-    f.model_class = str(reader.meta.get("model_class") or "")
+    # a class of the main script is __mp_main__'s in a spawned child: the same class
+    f.model_class = str(reader.meta.get("model_class") or "").replace("__mp_main__.",
+                                                                        "__main__.")
     options = reader.meta.get("dump_config")
     f.capture_options = options if isinstance(options, dict) else {}
     if reader.meta.get("tool") == "msprobe":

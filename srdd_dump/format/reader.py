@@ -94,7 +94,9 @@ class DumpReader:
             try:
                 self.f = h5py.File(path, "r")
             except Exception as exc:
-                if "unable to lock file" in str(exc):  # HDF5's lock: a writer holds it open
+                if "unable to lock file" in str(exc) and (
+                        "errno = 11" in str(exc) or "Errno 11" in str(exc)
+                        or "temporarily unavailable" in str(exc)):  # a writer holds it open
                     raise DumpError(
                         f"{path}: still being written (the capture writing it holds it open): "
                         "compare it once the run has ended, or in code once the hook is "

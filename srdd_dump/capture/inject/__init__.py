@@ -187,14 +187,22 @@ def _end_on(wake: threading.Event, timeout: float = 10.0) -> None:
 def _finishing_first(real_exit: Callable[[int], None], timeout: float = 30.0):
     """``os._exit`` that first finishes this process's dump and report (a program ending with
     ``os._exit(0)`` skips atexit: its file was left unfinished and the run failed). The close
-    runs in a thread, waited for at most ``timeout`` s: a caller stopped inside a capture hook
-    (a watchdog's exit) may hold what the close needs, and the exit must come."""
+    runs in a thread, waited for at most ``timeout`` s, and not at all when the caller is inside
+    the session's hooks (a watchdog's or a signal handler's exit holds what the close needs);
+    the exit comes whatever happens."""
     def _exit(status: int, /) -> None:
-        if not _state.get("reported"):
-            closing = threading.Thread(target=_report_status, daemon=True, name="srdd-exit")
-            closing.start()
-            closing.join(timeout)
-        real_exit(status)
+        try:
+            session = _session()
+            if not _state.get("reported") and not (session is not None
+                                                   and session.busy_here()):
+                closing = threading.Thread(target=_report_status, daemon=True,
+                                           name="srdd-exit")
+                closing.start()  # raises at interpreter shutdown (Python 3.12): exit anyway
+                closing.join(timeout)
+        except BaseException:  # noqa: BLE001 (the exit the program asked for comes first)
+            pass
+        finally:
+            real_exit(status)
 
     _exit.__wrapped__ = real_exit
     return _exit
