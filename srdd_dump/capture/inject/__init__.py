@@ -190,7 +190,7 @@ def _finishing_first(real_exit: Callable[[int], None], timeout: float = 30.0):
     runs in a thread, waited for at most ``timeout`` s, and not at all when the caller is inside
     the session's hooks (a watchdog's or a signal handler's exit holds what the close needs);
     the exit comes whatever happens."""
-    def _exit(status: int, /) -> None:
+    def exit_when_finished(status: int, /) -> None:
         try:
             session = _session()
             if not _state.get("reported") and not (session is not None
@@ -204,8 +204,8 @@ def _finishing_first(real_exit: Callable[[int], None], timeout: float = 30.0):
         finally:
             real_exit(status)
 
-    _exit.__wrapped__ = real_exit
-    return _exit
+    exit_when_finished.__wrapped__ = real_exit
+    return exit_when_finished
 
 
 def _after_fork_in_child() -> None:
