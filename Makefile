@@ -34,7 +34,7 @@ DEMO ?= demo-out
 # took on the slowest runner seen are left.
 ROOM_OLDEST := 8 16
 ROOM_LAST4 := 3 15
-ROOM_VLLM := 5 9
+ROOM_VLLM := 5 13
 ROOM := python3 .ci/room.py
 DONE_WITH := $(if $(filter true,$(CI)),rm -rf,true)
 
