@@ -196,8 +196,8 @@ def test_healthy_models_hold_every_identity(tmp_path, arch, dtype):
 def test_short_prompts_hold_the_causality_identity(tmp_path, arch):
     """Prompts of 2 to 7 tokens at the default options (batched probes, every layer and
     sub-layer): a 2-token prompt was a FAULT "attention mask bug" in every layer, because the
-    causality copy ran in the batched replay, where a row's last bits depend on its place in
-    the batch (a GEMM's tail tiles on this CPU); it now runs alone, with the call's shapes."""
+    causality copy's rows were compared with the in-batch copy only, and a row's last bits
+    depend on its place in the batch (a GEMM's tail tiles on this CPU)."""
     model = build(arch, layers=2)
     gen = torch.Generator().manual_seed(4)
     config = DumpConfig(dump_path=str(tmp_path), samples=6, probe_samples=6, progress=False)

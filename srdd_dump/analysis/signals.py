@@ -258,9 +258,9 @@ def _identities(out: RoundStats, x_rows: np.ndarray, rows: np.ndarray,
             check = zero_check(st.rows_of(p.data), x_rows[rows])
             out.scale = (check.broken / check.judged if check.judged else 0.0, check.judged,
                          check.pattern, check.size)
-    # unperturbed runs of the same rows: the repeats and the recorded output (the shapes the
-    # causality copy runs with: it runs alone) and the in-batch copy (where it ran in the
-    # batched replay, in dumps made before 2026-11-29): the closest one is its reference
+    # unperturbed runs of the same rows: the in-batch copy, the repeats and the recorded
+    # output; a row's last bits may depend on its place in the batch, so the closest one is
+    # the causality copy's reference
     refs = []
     if row_pos is not None and any(p.kind == "causal" for p in probes):
         refs = [st.rows_of(p.data) for p in probes if p.kind in ("replay", "repeat")]

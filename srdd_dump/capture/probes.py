@@ -388,22 +388,12 @@ def run_probes(
         perturbed += [(kind, 0, 0.0, 0, xe) for kind, xe in extra]
         batched = (spec.batched and bool(perturbed) and x.dim() >= 2
                    and not serving.replays_alone(module))
-        # the causality copy runs alone, with the recorded call's shapes: its rows before the
-        # cut are compared bit for bit with an unperturbed run, and a row's last bits may
-        # depend on its place in a larger batch (a GEMM's tail tiles)
-        in_batch = [p for p in perturbed if p[0] != schema.KIND_CAUSAL]
         outputs = None
-        if batched and in_batch:
-            outputs = _batched(module, x, rebuild, in_batch, recorded)
+        if batched:
+            outputs = _batched(module, x, rebuild, perturbed, recorded)
             batched = outputs is not None
-        else:
-            batched = False
         if outputs is None:
-            outputs = [recorded] + [_call(module, *rebuild(xp)) for *_, xp in in_batch]
-        if len(in_batch) < len(perturbed):
-            alone = iter(outputs[1:])
-            outputs = [outputs[0]] + [_call(module, *rebuild(xp)) if kind == schema.KIND_CAUSAL
-                                      else next(alone) for kind, *_, xp in perturbed]
+            outputs = [recorded] + [_call(module, *rebuild(xp)) for *_, xp in perturbed]
         results.append(ProbeOutput(schema.KIND_REPLAY, 0, 0.0, 0, outputs[0], None))
         for i, ((kind, probe, param, seed, xp), out) in enumerate(zip(perturbed, outputs[1:])):
             delta = xp.float() - x.float() if i < n_perturbed else None
