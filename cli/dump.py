@@ -11,6 +11,7 @@ import typer
 from srdd_dump.capture.config import DumpConfig
 from srdd_dump.capture.diskspace import MIN_FREE_GB, MIN_FREE_GB_ENV
 from srdd_dump.capture.launch import run_exec
+from srdd_dump.capture.option_names import named_as_flags
 from srdd_dump.cli.usage import run
 from srdd_dump.errors import UserError
 from srdd_dump.version import __version__
@@ -99,15 +100,16 @@ def dump(
     Exit code: the command's own if non-zero; 3 if capture failed; 2 for bad options.
     """
     try:
-        config = DumpConfig(
-            dump_path=output, samples=samples, steps=steps, tokens=tokens, layers=layers,
-            seed=seed, probes=probes, probe_steps=probe_steps,
-            probe_samples=probe_samples, sigmas=list(sigma), draws=draws, dc=list(dc),
-            repeats=repeats, granularity=granularity, sublayers=sublayers, store=store,
-            reference=reference,
-            inject=list(inject), batch_probes=batch_probes, tp_replays=tp_replays,
-            progress=not quiet, debug=debug,
-        )
+        with named_as_flags():  # an error names the flag, not the DumpConfig field
+            config = DumpConfig(
+                dump_path=output, samples=samples, steps=steps, tokens=tokens, layers=layers,
+                seed=seed, probes=probes, probe_steps=probe_steps,
+                probe_samples=probe_samples, sigmas=list(sigma), draws=draws, dc=list(dc),
+                repeats=repeats, granularity=granularity, sublayers=sublayers, store=store,
+                reference=reference,
+                inject=list(inject), batch_probes=batch_probes, tp_replays=tp_replays,
+                progress=not quiet, debug=debug,
+            )
         result = run_exec(exec_, config, min_free_gb=min_free_gb, eager=eager)
     except UserError as exc:
         typer.echo(f"srdd-dump: error: {exc}", err=True)

@@ -277,11 +277,11 @@ def test_a_whole_module_is_replayed_with_its_causality_cut():
 
 
 def test_probe_steps_that_name_no_captured_step_are_refused():
-    with pytest.raises(UserError, match="--probe-steps 3 names no captured step"):
+    with pytest.raises(UserError, match="DumpConfig probe_steps 3 names no captured step"):
         DumpConfig(probe_steps="3")  # --steps 0-2,7 by default
-    with pytest.raises(UserError, match="bad --probe-steps 'x'"):
+    with pytest.raises(UserError, match="bad DumpConfig probe_steps 'x'"):
         DumpConfig(probe_steps="x")
-    with pytest.raises(UserError, match="--probe-steps 1 names no captured step"):
+    with pytest.raises(UserError, match="DumpConfig probe_steps 1 names no captured step"):
         DumpConfig(steps="0", probe_steps="1")
     DumpConfig(steps="0")  # the default probe steps 0,1: the prefill is probed
     DumpConfig(steps="3-5")  # later steps captured clean: the default probes none of them

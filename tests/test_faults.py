@@ -10,6 +10,7 @@ import torch
 
 from srdd_dump import DumpConfig, register_hook
 from srdd_dump.capture.faultspec import ATTENTION_KERNEL, FAULT_TYPES, parse_fault
+from srdd_dump.capture.option_names import named_as_flags
 from srdd_dump.errors import UserError
 from srdd_dump.format import schema as s
 from srdd_dump.format.reader import DumpReader
@@ -137,6 +138,29 @@ def test_dump_config_refuses_values_of_the_wrong_type_by_name():
     config = DumpConfig(inject="noise@layer=3", sigmas=0.05, samples=np.int64(2))
     assert config.inject == ["noise@layer=3"] and config.sigmas == [0.05]
     assert DumpConfig.from_json(config.to_json()) == config
+
+
+def test_errors_name_the_option_as_the_user_gave_it():
+    """In code an error names the DumpConfig field (an in-code user has no flags to look up);
+    from srdd-dump's command line (its own config, or the config it hands to the command) the
+    flag."""
+    cases = ((dict(samples=0), "samples", "--samples"), (dict(steps="x"), "steps", "--steps"),
+             (dict(tokens="5:2"), "tokens", "--tokens"), (dict(draws=-1), "draws", "--draws"),
+             (dict(repeats=-1), "repeats", "--repeats"), (dict(probes="gian"), "probes",
+                                                         "--probes"),
+             (dict(store="all"), "store", "--store"), (dict(sigmas=[0]), "sigmas", "--sigma"),
+             (dict(probe_samples=-1), "probe_samples", "--probe-samples"),
+             (dict(inject=["noise@m=1"]), "inject", "--inject"),
+             (dict(granularity="layer"), "granularity", "--granularity"))
+    for kwargs, field, flag in cases:
+        with pytest.raises(UserError) as in_code:
+            DumpConfig(**kwargs)
+        assert f"DumpConfig {field}" in str(in_code.value) and "--" not in str(in_code.value)
+        with pytest.raises(UserError) as by_command:
+            DumpConfig(command="python infer.py", **kwargs)
+        assert flag in str(by_command.value) and "DumpConfig" not in str(by_command.value)
+    with named_as_flags(), pytest.raises(UserError, match="^--samples must be at least 1"):
+        DumpConfig(samples=0)
 
 
 def test_dump_config_names_a_keyword_it_does_not_take_and_msits_counterpart():

@@ -207,7 +207,7 @@ def test_store_option():
     assert parse_store("sample:100") == ("sample", 100, 0)
     assert parse_store("full").elements is None
     for bad in ("stats:x", "stats:-1", "sample:0", "sample", "everything"):
-        with pytest.raises(UserError, match="bad --store"):
+        with pytest.raises(UserError, match="bad DumpConfig store"):
             parse_store(bad)
 
 

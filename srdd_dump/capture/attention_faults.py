@@ -27,6 +27,7 @@ from torch import nn
 
 from ..errors import UserError
 from .faultspec import FaultSpec
+from .option_names import option
 
 ATTENTION_FAULTS = ("softmax_precision", "double_scale", "rotary_offset", "mask_shift",
                     "gqa_mapping")
@@ -58,10 +59,11 @@ class AttentionKernelFault:
         registry = _registry()
         config = getattr(module, "config", None)
         if registry is None or config is None or not hasattr(config, "_attn_implementation"):
-            raise UserError(f"--inject {spec.type}: needs a Hugging Face attention module "
-                            "(one with a config naming its attention implementation)")
+            raise UserError(f"{option('inject')} {spec.type}: needs a Hugging Face attention "
+                            "module (one with a config naming its attention implementation)")
         if spec.type == "rotary_offset" and inv_freq is None:
-            raise UserError("--inject rotary_offset: the model has no rotary embedding table")
+            raise UserError(f"{option('inject')} rotary_offset: the model has no rotary "
+                            "embedding table")
         self.spec, self.module, self.inv_freq = spec, module, inv_freq
         self.phase = spec.options.get("phase", "decode" if spec.type == "mask_shift" else "all")
         self.softmax_dtype = getattr(torch, spec.options.get("dtype", "bfloat16"))

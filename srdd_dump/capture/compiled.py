@@ -29,7 +29,7 @@ try:  # torch < 2.3 has no getter: the setter returns the callback it replaces
 except Exception:  # noqa: BLE001 (another torch)
     _set_eval_frame = None
 
-from .config import LAYERS_HINT
+from .option_names import option
 
 F = TypeVar("F", bound=Callable)
 
@@ -235,7 +235,7 @@ def explain_silence(model: nn.Module, model_calls: int, block_calls: int) -> str
                 f"{LATE_HINT}")
     if model_calls:
         return (f"the model ran {model_calls} time{'s' if model_calls > 1 else ''} but none "
-                f"of its blocks did {LAYERS_HINT}")
+                f"of its blocks did (name them with {option('layers')})")
     return None
 
 

@@ -11,6 +11,7 @@ from typing import NamedTuple
 
 from ..errors import UserError
 from .faultspec import FaultSpec, parse_fault
+from .option_names import named_as_flags, option
 
 ENV_CONFIG = "SRDD_DUMP_CONFIG"  # JSON DumpConfig handed to every child Python process
 # the end of the line a session gives when the model ran and none of its blocks did: under
@@ -106,34 +107,40 @@ class DumpConfig:
     command_dir: str | None = None
 
     def __post_init__(self) -> None:
+        with named_as_flags(self.command is not None):  # srdd-dump --exec's own config
+            self._check()
+
+    def _check(self) -> None:
         self._check_types()
         if self.samples < 1:
-            raise UserError(f"--samples must be at least 1, got {self.samples}")
+            raise UserError(f"{option('samples')} must be at least 1, got {self.samples}")
         self.parsed()
         if self.granularity not in GRANULARITIES:
-            raise UserError(f"granularity must be one of {', '.join(GRANULARITIES)}, "
+            raise UserError(f"{option('granularity')} must be one of {', '.join(GRANULARITIES)}, "
                             f"got {self.granularity!r}")
         if self.reference not in REFERENCES:
-            raise UserError(f"reference must be one of {', '.join(REFERENCES)}, "
+            raise UserError(f"{option('reference')} must be one of {', '.join(REFERENCES)}, "
                             f"got {self.reference!r}")
         if self.tp_replays not in TP_REPLAYS:
-            raise UserError(f"tp_replays must be one of {', '.join(TP_REPLAYS)}, "
+            raise UserError(f"{option('tp_replays')} must be one of {', '.join(TP_REPLAYS)}, "
                             f"got {self.tp_replays!r}")
         if self.probe_samples < 0:
-            raise UserError(f"--probe-samples must be >= 0, got {self.probe_samples}")
-        if self.draws < 0 or self.repeats < 0:
-            raise UserError("--draws and --repeats must be >= 0")
+            raise UserError(f"{option('probe_samples')} must be >= 0, got {self.probe_samples}")
+        for name in ("draws", "repeats"):
+            if getattr(self, name) < 0:
+                raise UserError(f"{option(name)} must be >= 0, got {getattr(self, name)}")
         bad = [v for v in self.sigmas if not (math.isfinite(v) and v > 0)]
         if bad:
-            raise UserError(f"sigma must be a positive number (a noise size in token stds), "
-                            f"got {bad[0]}")
+            raise UserError(f"{option('sigmas')} must be a positive number (a noise size in "
+                            f"token stds), got {bad[0]}")
         bad = [v for v in self.dc if not math.isfinite(v)]
         if bad:
-            raise UserError(f"dc must be a finite number (a shift in token stds), got {bad[0]}")
-        for option, values in (("--sigma", self.sigmas), ("--dc", self.dc)):
+            raise UserError(f"{option('dc')} must be a finite number (a shift in token stds), "
+                            f"got {bad[0]}")
+        for name, values in (("sigmas", self.sigmas), ("dc", self.dc)):
             twice = next((v for i, v in enumerate(values) if v in values[:i]), None)
             if twice is not None:  # a second probe of the same size would only cost its replays
-                raise UserError(f"{option} {twice:g} is given twice; give each value once")
+                raise UserError(f"{option(name)} {twice:g} is given twice; give each value once")
         self.faults()
 
     def _check_types(self) -> None:
@@ -150,7 +157,7 @@ class DumpConfig:
                 value = os.fspath(value)
             if f.type == "int":
                 if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-                    raise UserError(f"DumpConfig {name} must be a whole number, got {value!r}")
+                    raise UserError(f"{option(name)} must be a whole number, got {value!r}")
                 value = int(value)  # a numpy integer, as JSON and the command line have it
             elif f.type == "list":
                 item, what = (str, "fault specs (strings)") if name == "inject" else (
@@ -160,21 +167,25 @@ class DumpConfig:
                     value = [value]  # one value, not a list of them
                 if not isinstance(value, (list, tuple)) or not all(
                         isinstance(v, item) if item else number(v) for v in value):
-                    raise UserError(f"DumpConfig {name} must be a list of {what}, got "
+                    raise UserError(f"{option(name)} must be a list of {what}, got "
                                     f"{getattr(self, name)!r}")
                 value = list(value) if item else [float(v) for v in value]
             else:
                 optional = f.type.endswith(" | None")
                 kind = f.type.removesuffix(" | None")
                 if not (isinstance(value, TYPES[kind][0]) or (optional and value is None)):
-                    raise UserError(f"DumpConfig {name} must be {TYPES[kind][1]}"
+                    raise UserError(f"{option(name)} must be {TYPES[kind][1]}"
                                     f"{' or None' if optional else ''}, got {value!r}")
             setattr(self, name, value)
 
     def parsed(self) -> ParsedOptions:
         """The text options parsed (UserError names a bad one): what a session reads."""
+        with named_as_flags(self.command is not None):
+            return self._parsed()
+
+    def _parsed(self) -> ParsedOptions:
         steps = parse_steps(self.steps)
-        probe_steps = parse_steps(self.probe_steps, "--probe-steps")
+        probe_steps = parse_steps(self.probe_steps, "probe_steps")
         probes = frozenset(parse_probes(self.probes))
         # a probe-steps list the user gave that names no captured step probes nothing; the
         # default (0,1, or a former one) may miss a capture of later steps only (they are
@@ -184,15 +195,17 @@ class DumpConfig:
         if probing and steps is not None and probe_steps is not None and not any(
                 step_selected(steps, k) for lo, hi in probe_steps
                 for k in range(lo, int(min(hi, last_step(steps))) + 1)):
-            raise UserError(f"--probe-steps {self.probe_steps} names no captured step (--steps "
-                            f"{self.steps}): a probed step must be a captured one")
+            raise UserError(f"{option('probe_steps')} {self.probe_steps} names no captured step "
+                            f"({option('steps')} {self.steps}): a probed step must be a "
+                            "captured one")
         return ParsedOptions(
             steps=steps, last_step=last_step(steps), probe_steps=probe_steps,
             tokens=parse_tokens(self.tokens), probes=probes, store=parse_store(self.store))
 
     def faults(self) -> list[FaultSpec]:
         """The ``inject`` specs parsed (the simulator's faults); UserError names a bad one."""
-        return [parse_fault(text) for text in self.inject]
+        with named_as_flags(self.command is not None):
+            return [parse_fault(text) for text in self.inject]
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -237,9 +250,9 @@ def _refusing_unknown_keywords(init):
 DumpConfig.__init__ = _refusing_unknown_keywords(DumpConfig.__init__)
 
 
-def parse_steps(spec: str, option: str = "--steps") -> list[tuple[int, int]] | None:
-    """"0,2-5" -> [(0, 0), (2, 5)] (inclusive); "all" -> None (every step). ``option``: the
-    option named in an error."""
+def parse_steps(spec: str, field: str = "steps") -> list[tuple[int, int]] | None:
+    """"0,2-5" -> [(0, 0), (2, 5)] (inclusive); "all" -> None (every step). ``field``: the
+    DumpConfig field named in an error."""
     spec = str(spec).strip().lower()
     if spec in ("all", "*"):
         return None
@@ -252,9 +265,9 @@ def parse_steps(spec: str, option: str = "--steps") -> list[tuple[int, int]] | N
             else:
                 lo = hi = int(part)
         except ValueError:
-            raise UserError(f"bad {option} {spec!r}: use e.g. 0 or 0,1-4 or all") from None
+            raise UserError(f"bad {option(field)} {spec!r}: use e.g. 0 or 0,1-4 or all") from None
         if lo < 0 or hi < lo:
-            raise UserError(f"bad {option} range {part!r}: need 0 <= start <= end")
+            raise UserError(f"bad {option(field)} range {part!r}: need 0 <= start <= end")
         ranges.append((lo, hi))
     return ranges
 
@@ -282,12 +295,13 @@ def parse_tokens(spec: str) -> list[slice | int] | None:
                 start, stop = parts[-1].start, parts[-1].stop
                 if stop == 0 or (start is not None and stop is not None
                                  and (start < 0) == (stop < 0) and start >= stop):
-                    raise UserError(f"--tokens {part} keeps no position: its start must come "
-                                    "before its end (e.g. 2:5, -8:)")
+                    raise UserError(f"{option('tokens')} {part} keeps no position: its start "
+                                    "must come before its end (e.g. 2:5, -8:)")
             else:
                 parts.append(int(part))
         except ValueError:
-            raise UserError(f"bad --tokens {spec!r}: use e.g. all, 0:16, -8: or 0,5,-1") from None
+            raise UserError(f"bad {option('tokens')} {spec!r}: use e.g. all, 0:16, -8: or "
+                            "0,5,-1") from None
     return parts
 
 
@@ -320,7 +334,8 @@ def parse_probes(spec: str) -> set[str]:
     names = {p.strip() for p in spec.split(",") if p.strip()}
     unknown = names - set(PROBE_NAMES)
     if unknown:
-        raise UserError(f"bad --probes {spec!r}: unknown {sorted(unknown)}; use {PROBE_NAMES}")
+        raise UserError(f"bad {option('probes')} {spec!r}: unknown {sorted(unknown)}; use "
+                        f"{PROBE_NAMES}")
     return names
 
 
@@ -351,4 +366,5 @@ def parse_store(spec: str) -> StoreSpec:
         return StoreSpec("sample", n)
     if kind == "stats" and (n is None or n >= 0):
         return StoreSpec("stats", PROBE_ELEMENTS, STATS_ROWS if n is None else n)
-    raise UserError(f"bad --store {spec!r}: use full, sample:N (N >= 1) or stats[:R] (R >= 0)")
+    raise UserError(f"bad {option('store')} {spec!r}: use full, sample:N (N >= 1) or "
+                    "stats[:R] (R >= 0)")

@@ -26,6 +26,7 @@ from ..vocabulary import (  # noqa: F401 (the roles, read from here by the captu
     ROW_WISE,
     SUBLAYER,
 )
+from .option_names import option
 
 
 class NoBlocksFound(UserError):
@@ -75,7 +76,7 @@ def _by_pattern(model: nn.Module, pattern: str) -> list[tuple[str, nn.Module]]:
         matched.append((name, module))
     if not matched:
         raise NoBlocksFound(
-            f"--layers {pattern!r} matches no module of {type(model).__name__}; "
+            f"{option('layers')} {pattern!r} matches no module of {type(model).__name__}; "
             + _largest(model)
         )
     return matched
@@ -97,7 +98,7 @@ def _largest(model: nn.Module, n: int = 3) -> str:
 def _nothing_found(model: nn.Module) -> str:
     return (
         f"no stack of repeated blocks found in {type(model).__name__}; {_largest(model)}; "
-        "name the blocks with --layers PATTERN (e.g. 'model.layers.*')"
+        f"name the blocks with {option('layers')} (e.g. 'model.layers.*')"
     )
 
 
@@ -131,7 +132,8 @@ def find_sites(
             if name and any(fnmatchcase(name, g) for g in globs):
                 sites.append(Site(index, f"{block_name}.{name}", module, _role(module)))
     if patterns and not sites:
-        raise NoBlocksFound(f"--sublayers {patterns!r} matches no module inside the blocks")
+        raise NoBlocksFound(f"{option('sublayers')} {patterns!r} matches no module inside the "
+                            "blocks")
     return sites + find_moe_sites(blocks)
 
 

@@ -80,6 +80,7 @@ from .compiled import opaque, opaque_method
 from .discovery import find_moe_sites
 from .experts import call_experts, routing_of
 from .faultspec import ATTENTION_KERNEL, FaultSpec
+from .option_names import option
 from .parallel import env_rank, map_local
 
 SITE_NAMES = {
@@ -103,7 +104,8 @@ def fault_site(blocks: list[tuple[str, nn.Module]], model: nn.Module, spec: Faul
     for path in (spec.site, f"{name}.{spec.site}"):
         if path in modules:
             return path, modules[path]
-    raise UserError(f"--inject: no site {spec.site!r} in {name} (children: {sorted(children)})")
+    raise UserError(f"{option('inject')}: no site {spec.site!r} in {name} (children: "
+                    f"{sorted(children)})")
 
 
 def fault_block(blocks: list[tuple[str, nn.Module]], spec: FaultSpec) -> tuple[str, nn.Module]:
@@ -116,9 +118,9 @@ def fault_block(blocks: list[tuple[str, nn.Module]], spec: FaultSpec) -> tuple[s
     contiguous = numbers == list(range(numbers[0], numbers[0] + len(numbers)))
     listed = (f"{numbers[0]}-{numbers[-1]}" if contiguous and len(numbers) > 1
               else ", ".join(map(str, numbers)))
-    raise UserError(f"--inject: layer {spec.layer} out of range: the captured blocks are layers "
-                    f"{listed} ({blocks[0][0]}" + (f" to {blocks[-1][0]})" if len(blocks) > 1
-                                                   else ")"))
+    span = f"{blocks[0][0]}" + (f" to {blocks[-1][0]}" if len(blocks) > 1 else "")
+    raise UserError(f"{option('inject')}: layer {spec.layer} out of range: the captured blocks "
+                    f"are layers {listed} ({span})")
 
 
 def _moe_site(name: str, block: nn.Module, spec: FaultSpec) -> tuple[str, nn.Module]:
@@ -126,13 +128,13 @@ def _moe_site(name: str, block: nn.Module, spec: FaultSpec) -> tuple[str, nn.Mod
     role = ROUTER if spec.site == "router" else EXPERTS
     found = next((site for site in sites if site.role == role), None)
     if found is None:
-        raise UserError(f"--inject: {name} has no {role} (site={spec.site} needs a fused "
+        raise UserError(f"{option('inject')}: {name} has no {role} (site={spec.site} needs a fused "
                         "mixture-of-experts module)")
     if role == EXPERTS:
         count = sum(1 for site in sites if site.role == EXPERT and site.module is found.module)
         expert = spec.site.split(":", 1)[1]
         if not expert.isdigit() or int(expert) >= count:
-            raise UserError(f"--inject: site={spec.site}: expert must be 0..{count - 1}")
+            raise UserError(f"{option('inject')}: site={spec.site}: expert must be 0..{count - 1}")
     return found.name, found.module
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from ..errors import UserError
+from .option_names import option
 
 FAULT_TYPES = (
     "dead_zone", "mxfp4_deadzone", "saturation", "bias", "noise", "spike", "nondeterminism",
@@ -37,21 +38,22 @@ class FaultSpec:
 
 def parse_fault(text: str) -> FaultSpec:
     """Parse ``TYPE@layer=K,site=mlp,m=0.3,sparsity=0.1``."""
+    where = f"{option('inject')} {text!r}"  # what an error names
     kind, _, rest = text.strip().partition("@")
     kind = kind.strip()
     if kind not in FAULT_TYPES:
-        raise UserError(f"--inject {text!r}: unknown fault type {kind!r}; one of {FAULT_TYPES}")
+        raise UserError(f"{where}: unknown fault type {kind!r}; one of {FAULT_TYPES}")
     values: dict[str, str] = {}
     for part in filter(None, (p.strip() for p in rest.split(","))):
         key, eq, value = part.partition("=")
         if not eq:
-            raise UserError(f"--inject {text!r}: expected key=value, got {part!r}")
+            raise UserError(f"{where}: expected key=value, got {part!r}")
         values[key.strip()] = value.strip()
     if "layer" not in values:
-        raise UserError(f"--inject {text!r}: layer=K is required")
+        raise UserError(f"{where}: layer=K is required")
     unknown = [k for k in values if k not in KEYS]
     if unknown:
-        raise UserError(f"--inject {text!r}: unknown option {unknown[0]!r}; the options are "
+        raise UserError(f"{where}: unknown option {unknown[0]!r}; the options are "
                         f"{', '.join(KEYS)}")
     try:
         spec = FaultSpec(
@@ -64,29 +66,29 @@ def parse_fault(text: str) -> FaultSpec:
             options=values,
         )
     except ValueError as exc:
-        raise UserError(f"--inject {text!r}: {exc}") from None
+        raise UserError(f"{where}: {exc}") from None
     if kind in ATTENTION_KERNEL and spec.site not in ("attn", "self_attn", "attention"):
-        raise UserError(f"--inject {text!r}: {kind} is a fault inside the attention kernel: "
+        raise UserError(f"{where}: {kind} is a fault inside the attention kernel: "
                         "its site is attn")
     if not 0 < spec.sparsity <= 1:
-        raise UserError(f"--inject {text!r}: sparsity must be in (0, 1]")
+        raise UserError(f"{where}: sparsity must be in (0, 1]")
     if spec.options.get("scope", "batch") not in ("batch", "sample"):
-        raise UserError(f"--inject {text!r}: scope must be batch or sample")
+        raise UserError(f"{where}: scope must be batch or sample")
     if spec.options.get("per", "token") not in ("token", "tensor"):
-        raise UserError(f"--inject {text!r}: per must be token or tensor")
+        raise UserError(f"{where}: per must be token or tensor")
     if spec.options.get("phase", "all") not in ("all", "prefill", "decode"):
-        raise UserError(f"--inject {text!r}: phase must be all, prefill or decode")
+        raise UserError(f"{where}: phase must be all, prefill or decode")
     rank = spec.options.get("rank")
     if rank is not None and not (rank.isdigit()):
-        raise UserError(f"--inject {text!r}: rank must be a process rank (0, 1, ...)")
+        raise UserError(f"{where}: rank must be a process rank (0, 1, ...)")
     for key in ("limit", "quantile"):
         if key in spec.options:
             try:
                 value = float(spec.options[key])
             except ValueError:
-                raise UserError(f"--inject {text!r}: {key} must be a number") from None
+                raise UserError(f"{where}: {key} must be a number") from None
             if key == "quantile" and not 0 < value < 1:
-                raise UserError(f"--inject {text!r}: quantile must be in (0, 1)")
+                raise UserError(f"{where}: quantile must be in (0, 1)")
     return spec
 
 

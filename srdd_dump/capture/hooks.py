@@ -57,6 +57,7 @@ from .model_facts import (
     starts_sequence,
 )
 from .moe_capture import ExpertCapture
+from .option_names import named_as_flags, option
 from .parallel import TensorParallel, to_local
 from .probes import ProbeSpec, first_tensor, module_output
 from .replays import Replays
@@ -197,6 +198,10 @@ class CaptureSession:
     """
 
     def __init__(self, model: nn.Module, config: DumpConfig):
+        with named_as_flags(config.command is not None):  # errors name what the user gave
+            self._attach(model, config)
+
+    def _attach(self, model: nn.Module, config: DumpConfig) -> None:
         self.model = model
         self.config = config
         self.options = options = config.parsed()  # the text options, parsed once
@@ -837,7 +842,9 @@ class CaptureSession:
         elif not self.error:
             self.silence = explain_silence(self.model, self.model_calls, self.block_calls)
             if not self.silence and self._rounds.no_kept_position:
-                self.silence = (f"--tokens {self.config.tokens} keeps no position of the "
+                with named_as_flags(self.config.command is not None):
+                    tokens = option("tokens")
+                self.silence = (f"{tokens} {self.config.tokens} keeps no position of the "
                                 f"forwards seen (the longest had "
                                 f"{self._rounds.no_kept_position} tokens)")
             if self.silence and not os.environ.get(cfg.ENV_CONFIG):
