@@ -140,7 +140,8 @@ class DumpConfig:
         for name, values in (("sigmas", self.sigmas), ("dc", self.dc)):
             twice = next((v for i, v in enumerate(values) if v in values[:i]), None)
             if twice is not None:  # a second probe of the same size would only cost its replays
-                raise UserError(f"{option(name)} {twice:g} is given twice; give each value once")
+                raise UserError(f"{option(name)} {twice + 0.0:g} is given twice; give each value "
+                                "once")  # + 0.0: -0 is said as 0
         self.faults()
 
     def _check_types(self) -> None:
