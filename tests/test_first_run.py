@@ -193,6 +193,20 @@ def test_healthy_first_screen_says_how_many_samples_were_probed(tmp_path, option
 
 
 @pytest.mark.integration
+@pytest.mark.parametrize("options, says", [
+    ({"repeats": 0}, "run-to-run repeats"), ({"draws": 0}, "noise gain"),
+    ({"dc": []}, "dc response"),
+    ({"probes": "gain,dc,repeat"}, "causality, float64 references")])
+def test_a_healthy_verdict_says_which_probes_the_capture_left_out(tmp_path, options, says):
+    """A capture that switched probe families off (--repeats 0, --probes gain,dc,repeat) did
+    not test the faults only they show: the healthy first line says so, the default none."""
+    _session(tmp_path, **options)
+    first = diagnosis_text(compare_path(str(tmp_path), progress=False)).splitlines()[0]
+    assert "no faulty layer found" in first
+    assert first.endswith(f"; not tested (left out at capture): {says}"), first
+
+
+@pytest.mark.integration
 def test_faulty_first_screen_quotes_the_strongest_evidence(tmp_path):
     _session(tmp_path, inject=["dead_zone@layer=2,m=0.3,sparsity=0.2,site=mlp"])
     result = compare_path(str(tmp_path), progress=False)

@@ -108,8 +108,10 @@ def _diagnose_file(f: DumpFile, signals: list[Signals]
              for g in signals if g.samples and id(g) not in shown and g.layer >= 0]
     if worst.verdict == NORMAL:
         n = max(g.samples for g in blocks.values())
+        probed = _probed(signals, n)
         line = (f"{f.source}: no faulty layer found in {len(rows)} layers x "
-                f"{n} sample{'s' if n != 1 else ''}{_probed(signals, n)}{phases_note(signals)}")
+                f"{n} sample{'s' if n != 1 else ''}{probed}{phases_note(signals)}"
+                + ("" if probed == NONE_PROBED else left_out_note(f.capture_options)))
     else:
         line = f"{f.source}: {headline(worst)}"
     return rows, sites, line, hunt
@@ -135,13 +137,40 @@ def phases_note(signals: list[Signals]) -> str:
     return " (prefill and decode steps)"
 
 
+# the probe families a capture may leave out, each as (what the healthy headline calls it, is
+# it left out of these capture options): a healthy verdict then says it did not test them
+LEFT_OUT = (
+    ("noise gain", lambda o, probes: "gain" not in probes or not o.get("draws", 1)
+     or not o.get("sigmas", [1])),
+    ("dc response", lambda o, probes: "dc" not in probes or not o.get("dc", [1])),
+    ("run-to-run repeats", lambda o, probes: "repeat" not in probes or not o.get("repeats", 1)),
+    ("causality", lambda o, probes: "causal" not in probes),
+    ("float64 references", lambda o, probes: not {"attention", "mlp", "norm"} & probes
+     and o.get("reference", "none") != "host"),
+)
+NONE_PROBED = ", none probed"
+
+
+def left_out_note(options: dict) -> str:
+    """"; not tested (left out at capture): run-to-run repeats" for a capture that switched
+    off probe families the diagnosis reads (``--repeats 0``, ``--probes gain``): a healthy
+    verdict then does not cover the faults only they show. Nothing for the default probes or
+    a dump without its options (msprobe's)."""
+    text = options.get("probes")
+    if not isinstance(text, str):
+        return ""
+    words = {w.strip() for w in text.lower().split(",")} - {"none", "off", ""}
+    left = [name for name, left_out in LEFT_OUT if left_out(options, words)]
+    return f"; not tested (left out at capture): {', '.join(left)}" if left else ""
+
+
 def _probed(signals: list[Signals], samples: int) -> str:
     """", 1 probed" when the probe responses come from fewer samples than were captured (the
     default probes the first sample only: docs/using.md)."""
     probed = max((g.probed_samples for g in signals), default=0)
     if probed >= samples:
         return ""
-    return ", none probed" if not probed else f", {probed} probed"
+    return NONE_PROBED if not probed else f", {probed} probed"
 
 
 # -- tables ------------------------------------------------------------------------------------
