@@ -218,7 +218,7 @@ def test_a_tokens_range_that_keeps_nothing_says_so(tmp_path):
     from srdd_dump.capture.config import parse_tokens
 
     for empty in (":0", "-1:0", "-2:-8"):
-        with pytest.raises(UserError, match=f"--tokens {empty} keeps no position"):
+        with pytest.raises(UserError, match=f"DumpConfig tokens {empty} keeps no position"):
             parse_tokens(empty)
     assert parse_tokens("-8:") and parse_tokens("2:-1") and parse_tokens("0:1")
     res = run_cli("srdd-dump", "--exec", f"{sys.executable} {script}", "-o", str(tmp_path / "d"),

@@ -163,6 +163,29 @@ def test_errors_name_the_option_as_the_user_gave_it():
         DumpConfig(samples=0)
 
 
+def test_options_that_would_measure_nothing_are_refused():
+    """A dc shift of 0 (its dc_dead would read 1 on every layer), sub-layers named at block
+    granularity (none captured) and host replays of no probed sample were taken silently."""
+    for kwargs, says in ((dict(dc=[0.0]), "dc must be a non-zero number"),
+                         (dict(dc=[1.0, -0.0]), "got 0$"),
+                         (dict(granularity="block", sublayers="mlp"),
+                          "sublayers names modules inside the blocks"),
+                         (dict(reference="host", probe_samples=0), "probes none: give 1")):
+        with pytest.raises(UserError, match=says):
+            DumpConfig(**kwargs)
+    DumpConfig(granularity="op", sublayers="mlp")
+    DumpConfig(reference="host", probes="none")
+
+
+def test_register_hook_refuses_a_config_that_is_not_a_dump_config(tmp_path):
+    model = build("llama", layers=2)
+    for config, says in (({"dump_path": "d"}, r"got dict\): register_hook\(model, "
+                          r"DumpConfig\(\*\*options\)\)"),
+                         (str(tmp_path), "got str"), (3, "got int")):
+        with pytest.raises(UserError, match=says):
+            register_hook(model, config)
+
+
 def test_dump_config_names_a_keyword_it_does_not_take_and_msits_counterpart():
     """msit users write DumpConfig(token_range=..., module_list=...): the error names the
     field that does the job here (a bare "unexpected keyword argument" did not)."""
@@ -170,6 +193,15 @@ def test_dump_config_names_a_keyword_it_does_not_take_and_msits_counterpart():
         DumpConfig(dump_path="d", token_range=[0, 1])
     with pytest.raises(TypeError, match="no field 'smaples' \\(its fields: .*samples"):
         DumpConfig(smaples=2)
+    for keyword, says in (("hook_type", "msit's hook_type is not needed"),
+                          ("task", 'task="statistics" is store="stats"'),
+                          ("level", "msit's level is granularity"),
+                          ("sigma", "use sigmas"), ("no_batch_probes", "use batch_probes=False"),
+                          ("eager", "srdd-dump's --eager only")):
+        with pytest.raises(TypeError, match=says):
+            DumpConfig(**{keyword: 1})
+    with pytest.raises(UserError, match="written as text here: '0,1,2'"):
+        DumpConfig(steps=[0, 1, 2])  # msit's list form
     assert dataclasses.replace(DumpConfig(samples=2), samples=3).samples == 3
 
 

@@ -133,10 +133,16 @@ class DumpConfig:
         if bad:
             raise UserError(f"{option('sigmas')} must be a positive number (a noise size in "
                             f"token stds), got {bad[0]}")
-        bad = [v for v in self.dc if not math.isfinite(v)]
-        if bad:
-            raise UserError(f"{option('dc')} must be a finite number (a shift in token stds), "
-                            f"got {bad[0]}")
+        bad = [v for v in self.dc if not (math.isfinite(v) and v != 0)]
+        if bad:  # a shift of 0 is no probe: its dc_dead and dc_low would read 1
+            raise UserError(f"{option('dc')} must be a non-zero number (a shift in token "
+                            f"stds), got {bad[0] + 0.0:g}")
+        if self.reference == "host" and self.probe_samples == 0:
+            raise UserError(f"{option('reference')} host replays the probed samples, and "
+                            f"{option('probe_samples')} 0 probes none: give 1 or more")
+        if self.granularity == "block" and self.sublayers is not None:
+            raise UserError(f"{option('sublayers')} names modules inside the blocks, which "
+                            f"{option('granularity')} block does not capture: use sublayer or op")
         for name, values in (("sigmas", self.sigmas), ("dc", self.dc)):
             twice = next((v for i, v in enumerate(values) if v in values[:i]), None)
             if twice is not None:  # a second probe of the same size would only cost its replays
@@ -175,8 +181,12 @@ class DumpConfig:
                 optional = f.type.endswith(" | None")
                 kind = f.type.removesuffix(" | None")
                 if not (isinstance(value, TYPES[kind][0]) or (optional and value is None)):
+                    hint = ""
+                    if kind == "str" and isinstance(value, (list, tuple)) and all(
+                            isinstance(v, (int, str)) for v in value):  # msit's list form
+                        hint = f" (a list is written as text here: {','.join(map(str, value))!r})"
                     raise UserError(f"{option(name)} must be {TYPES[kind][1]}"
-                                    f"{' or None' if optional else ''}, got {value!r}")
+                                    f"{' or None' if optional else ''}, got {value!r}{hint}")
             setattr(self, name, value)
 
     def parsed(self) -> ParsedOptions:
@@ -228,6 +238,19 @@ MSIT_KEYWORDS = {
     "api_list": 'granularity="op" (every operator)',
     "tensor_part": "not needed: each module's output is dumped",
     "device": "not needed: capture runs where the model runs",
+    "hook_type": "not needed: register_hook always dumps",
+    "task": 'store (task="statistics" is store="stats", "tensor" the default store)',
+    "level": 'granularity ("block", "sublayer" or "op")',
+    "mode": 'granularity ("block", "sublayer" or "op")',
+}
+# close misspellings and srdd-dump flags with no DumpConfig field of that name
+OTHER_KEYWORDS = {
+    "sigma": "sigmas (a list: sigmas=[0.1])",
+    "no_batch_probes": "batch_probes=False",
+    "output": "dump_path",
+    "min_free_gb": "srdd-dump's --min-free-gb only (in code no free-space check runs)",
+    "eager": "srdd-dump's --eager only (in code, call the model uncompiled)",
+    "quiet": "progress=False",
 }
 
 
@@ -239,8 +262,12 @@ def _refusing_unknown_keywords(init):
         unknown = next((k for k in kwargs if k not in names), None)
         if unknown is not None:
             hint = MSIT_KEYWORDS.get(unknown)
+            other = OTHER_KEYWORDS.get(unknown)
             raise TypeError(f"DumpConfig has no field {unknown!r}"
-                            + (f"; msit's {unknown} is {hint} here" if hint else "")
+                            + (f"; msit's {unknown} is {hint}"
+                               + ("" if hint.startswith("not needed") else " here") if hint
+                               else "")
+                            + (f"; use {other}" if other else "")
                             + f" (its fields: {', '.join(sorted(names))})")
         init(self, *args, **kwargs)
 

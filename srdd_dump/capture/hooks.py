@@ -882,7 +882,13 @@ def register_hook(model: nn.Module, config: DumpConfig | None = None
     captured twice: one warning, and an InertSession that records nothing. A Hugging Face
     pipeline is taken for its ``.model``; anything else that is not a torch module, and a
     ``dump_path`` naming a file, are refused (UserError)."""
-    config = config or DumpConfig()
+    config = DumpConfig() if config is None else config
+    if not isinstance(config, DumpConfig):
+        example = ("DumpConfig(**options)" if isinstance(config, dict) else
+                   f"DumpConfig(dump_path={config!r})" if isinstance(config, (str, os.PathLike))
+                   else "DumpConfig(dump_path=...)")
+        raise UserError(f"register_hook: the config must be a DumpConfig (got "
+                        f"{type(config).__name__}): register_hook(model, {example})")
     if not isinstance(model, nn.Module):
         inner = getattr(model, "model", None)
         if not isinstance(inner, nn.Module):
