@@ -65,6 +65,8 @@ def prepare(mine: list[DumpFile], golden: list[DumpFile]) -> tuple[list[Side], l
                 f.status, f.reason = SKIPPED, f"{f.path}: no captured layer data"
             elif f.status == INCOMPLETE:
                 f.reason = f"{f.path}: capture did not finish; rounds written used"
+            if f.usable and f.stats_index is not None and not f.summary_rows:
+                f.whole_rows = _whole_rows(f)
             rows.append(Side(f, role))
         sides.append(rows)
     return sides[0], sides[1]
@@ -88,6 +90,10 @@ def store_notes(sides: list[Side]) -> list[str]:
                        "relative and absolute errors, KL and the error ratios are N/A, and the "
                        "verdicts rest on red_lower_bound, the smallest relative error those "
                        "statistics prove (an error that keeps them is not seen)")
+        elif any(other.usable and other.summary_rows for other in sides):
+            out.append(f"{f.source}: a stats dump (--store stats) against statistics only: "
+                       "each block output is compared by its whole statistics (count, mean, "
+                       "norm), as the other side's")
         else:
             out.append(f"{f.source}: a stats dump (--store stats): the baseline compares the "
                        "seeded rows of each block output it kept, not every token (for every "
@@ -364,6 +370,14 @@ def _layer_spec(
     golden_rec = golden.clean_blocks.get((rp.golden_round, j)) if j is not None else None
     my_sum = _summary(mine, rp.round, i, s.BLOCK_SITE) if my_rec is None else None
     golden_sum = _summary(golden, rp.golden_round, j, s.BLOCK_SITE) if golden_rec is None else None
+    # a stats dump's few kept rows against a side of statistics only: its whole output's
+    # statistics instead
+    if golden_sum is not None and my_rec is not None and _sampled(mine, my_rec):
+        my_sum = mine.whole_rows.get((rp.round, i, s.BLOCK_SITE))
+        my_rec = None if my_sum is not None else my_rec
+    if my_sum is not None and golden_rec is not None and _sampled(golden, golden_rec):
+        golden_sum = golden.whole_rows.get((rp.golden_round, j, s.BLOCK_SITE))
+        golden_rec = None if golden_sum is not None else golden_rec
     if i is None and j == s.STACK_INPUT:
         reason = ("no counterpart: the golden stack input is the input of its first block, "
                   "which my dump starts after")
@@ -388,6 +402,22 @@ def _summary(f: Side, round_: int | None, layer: int | None, site: int) -> int |
     if round_ is None or layer is None or not f.summary_rows:
         return None
     return f.summary_rows.get((round_, layer, site))
+
+
+def _whole_rows(f: DumpFile) -> dict[tuple[int, int, int], int]:
+    """(round, layer, site) -> the first /stats row of it, in rounds the file wrote."""
+    index, written = f.stats_index, set(f.rounds["round"].tolist())
+    out: dict[tuple[int, int, int], int] = {}
+    for i, key in enumerate(zip(index["round"].tolist(), index["layer"].tolist(),
+                                index["site"].tolist())):
+        if key[0] in written:
+            out.setdefault(key, i)
+    return out
+
+
+def _sampled(f: Side, record: int) -> bool:
+    """The record holds a row sample of its output (a stats dump's seeded rows)."""
+    return bool(f.whole_rows) and bool(f.records["subset"][record])
 
 
 def _either(record: int | None, summary: int | None) -> int | None:

@@ -194,6 +194,11 @@ def _compare_row(
         sampled = _sampled_pair(mine, golden)
         if sampled is not None:
             reasons.append(f"rows: the {len(sampled[0])} sampled rows of the stats dump")
+        else:
+            sampled, side = _kept_pair(mine, golden)
+            if sampled is not None:
+                reasons.append(f"rows: the {len(sampled[0])} token positions {side} dump kept "
+                               "(--tokens)")
     if compare and sampled is None and mine.shape != golden.shape:
         reasons.append(
             f"shape mismatch: golden {row['golden_shape']} vs my {row['my_shape']}"
@@ -265,6 +270,37 @@ def _sampled_pair(mine: Group, golden: Group) -> tuple[np.ndarray, np.ndarray] |
     sample = s_reader.read(s_rec).reshape(-1, width)
     full = f_reader.read(f_rec).reshape(-1, width)[rows]
     return (sample, full) if my_rec["subset"] else (full, sample)
+
+
+def _kept_pair(mine: Group, golden: Group
+               ) -> tuple[tuple[np.ndarray, np.ndarray] | None, str]:
+    """((my rows, golden rows), "my" or "the golden") when one side kept fewer token positions
+    of the same round (``--tokens -8:`` against a whole dump) and the other holds them all:
+    the other side's rows at those positions. (None, "") when they cannot be paired."""
+    if len(mine.records) != 1 or len(golden.records) != 1:
+        return None, ""
+    recs = (mine.first, golden.first)
+    if any(bool(r["subset"]) for r in recs) or int(recs[0]["width"]) != int(recs[1]["width"]):
+        return None, ""
+    rounds = [_round_row(g.reader, r) for g, r in zip((mine, golden), recs)]
+    if any(r is None for r in rounds) or int(rounds[0]["batch"]) != int(rounds[1]["batch"]):
+        return None, ""
+    kept = [g.reader.positions(r) for g, r in zip((mine, golden), rounds)]
+    if any(int(r["nrows"]) != int(rd["batch"]) * len(k)
+           for r, rd, k in zip(recs, rounds, kept)) or len(kept[0]) == len(kept[1]):
+        return None, ""
+    few, many = (0, 1) if len(kept[0]) < len(kept[1]) else (1, 0)
+    at = np.searchsorted(kept[many], kept[few])
+    if (at >= len(kept[many])).any() or (kept[many][np.minimum(at, len(kept[many]) - 1)]
+                                         != kept[few]).any():
+        return None, ""
+    width = int(recs[0]["width"])
+    rows = (np.arange(int(rounds[0]["batch"]))[:, None] * len(kept[many]) + at).reshape(-1)
+    groups = (mine, golden)
+    pair = [groups[few].reader.read(recs[few]).reshape(-1, width), None]
+    pair[1] = groups[many].reader.read(recs[many]).reshape(-1, width)[rows]
+    ordered = (pair[0], pair[1]) if few == 0 else (pair[1], pair[0])
+    return ordered, "my" if few == 0 else "the golden"
 
 
 def _round_row(reader: DumpReader, record: np.void) -> np.void | None:

@@ -316,6 +316,8 @@ def summarize(table: pd.DataFrame, same_device: dict[tuple[str, str], bool] | No
         if sites is not None:
             _first_site(summary, at, sites)
     summary.pattern, summary.message = _explain(summary, compared, same_setup, reds, sources)
+    if summary.pattern == "clean":
+        summary.message += _uncompared(table)
     # a site's growth is judged against its own block input, compared on both sides: also
     # where the error is already at the first layer a subset dump holds
     if summary.pattern in ("gradual", "clean", "unlocated") and sites is not None:
@@ -558,6 +560,24 @@ def _unlocated(s: BaselineSummary, start: pd.Series, tol: str, held: bool) -> st
             + f": it was born there or before it{after}"
             + ("" if held else "; dump the layers before it on both sides (--layers) to name "
                "the layer"))
+
+
+# rows one side holds no module for (a --layers subset, a site the other did not dump): the
+# unmatched lines say so; any other row not compared is data both sides hold
+ABSENT = r"^no counterpart: (?:golden|my) (?:layer|site|stack input)"
+
+
+def _uncompared(table: pd.DataFrame) -> str:
+    """'; but N rows both dumps hold were not compared (shape mismatch: 14, ...)': a PASS
+    of the compared rows says nothing of rounds or shapes that could not be paired."""
+    reasons = table.loc[table["verdict"] == NOT_COMPARED, "cmp_fail_reason"].fillna("")
+    reasons = reasons[~reasons.str.contains(ABSENT, regex=True)]
+    if reasons.empty:
+        return ""
+    kinds = reasons.str.split(":").str[0].value_counts()
+    return (f"; but {len(reasons)} rows both dumps hold were not compared ("
+            + ", ".join(f"{kind}: {n}" for kind, n in kinds.items())
+            + "; see cmp_fail_reason): the PASS covers the compared rows only")
 
 
 def _first_difference(compared: pd.DataFrame, same_setup: np.ndarray, reds: np.ndarray

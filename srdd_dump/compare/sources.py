@@ -67,6 +67,10 @@ class DumpFile:
     # (round, layer, site) -> row of /stats, for the outputs a statistics-only file (converted
     # from msprobe's statistics mode) has no tensor of
     summary_rows: dict[tuple[int, int, int], int] = field(default_factory=dict)
+    # (round, layer, site) -> row of /stats of a stats dump (--store stats): the whole output's
+    # moments, compared with a statistics-only side instead of the few rows it keeps (set by
+    # the baseline mode)
+    whole_rows: dict[tuple[int, int, int], int] = field(default_factory=dict)
     origin: str = ""  # the msprobe dump a converted file was made of ("" for srdd's own)
     capture_options: dict = field(default_factory=dict)  # its options (meta.dump_config)
     hidden_dtype: str = "float32"  # logical dtype of the hidden states
