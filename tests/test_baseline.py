@@ -72,6 +72,39 @@ def block_rows(t: pd.DataFrame) -> pd.DataFrame:
     return t[t["layer"].notna()]
 
 
+def test_a_tokens_subset_is_compared_at_the_positions_it_kept(tmp_path):
+    """--tokens -3: against a dump of every position (either side): the rows at the kept
+    positions are compared, not called a shape mismatch; a fault there is still found."""
+    def run(folder, **options):
+        model = build("llama", layers=4)
+        with register_hook(model, DumpConfig(dump_path=str(folder), probes="none",
+                                             **options)) as session, torch.no_grad():
+            model.generate(PROMPTS[0], max_new_tokens=2, do_sample=False, pad_token_id=0)
+        return session.path
+
+    whole, kept = run(tmp_path / "whole"), run(tmp_path / "kept", tokens="-3:")
+    for mine, golden, side in ((kept, whole, "my"), (whole, kept, "the golden")):
+        t = block_rows(compare(mine, golden).table)
+        prefill = t[t["step"] == 0]
+        assert (prefill["verdict"] == "PASS").all(), prefill[["layer", "cmp_fail_reason"]]
+        assert prefill["cmp_fail_reason"].str.contains(
+            f"the 3 token positions {side} dump kept").all()
+        assert (t["verdict"] == "PASS").all()
+    faulty = run(tmp_path / "fault", tokens="-3:", inject=[FAULT])
+    result = compare(faulty, whole)
+    assert result.summary.first_layer == 2, result.summary.message
+
+
+def test_a_clean_finding_says_how_many_rows_were_not_compared(tmp_path, runs):
+    """Rounds one side lacks are not compared: a PASS finding says so, not only the count."""
+    two = capture(tmp_path / "two", prompts=PROMPTS[:2])
+    message = compare(two, runs["golden"]).summary.message
+    assert message.startswith("every compared layer PASSes"), message
+    assert "; but 1 row was not compared (no counterpart: 1; see cmp_fail_reason)" in message
+    assert "my sample 1 is not in the golden dump" in " ".join(
+        compare(two, runs["golden"]).table["cmp_fail_reason"].fillna(""))
+
+
 # -- (a) a small fault inside one layer's MLP --------------------------------------------------
 
 

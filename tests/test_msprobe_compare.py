@@ -159,6 +159,29 @@ def test_a_healthy_run_against_a_statistics_golden_passes_everywhere(tmp_path):
     assert "(2 compared rounds): 60 PASS, 0 WARN, 0 FAIL" in text, text
 
 
+def test_a_stats_dump_against_a_statistics_golden_compares_whole_outputs(tmp_path):
+    """srdd-dump --store stats keeps 2 rows of each block output and the whole output's
+    moments: against msprobe's statistics it is compared by those moments (its 2 rows were a
+    'shape mismatch' on every row, under a PASS finding)."""
+    text = _compare(tmp_path, _srdd_dump(tmp_path, "--store", "stats"), "--baseline",
+                    _fixture("smollm2_bf16_stats"))
+    assert "(2 compared rounds): 60 PASS, 0 WARN, 0 FAIL" in text, text
+    assert "shape mismatch" not in text and "by its whole statistics" in text
+    rows = _table(tmp_path)
+    blocks = rows[rows["layer"] >= 0]  # this msprobe dump holds no stack input
+    assert blocks["red_lower_bound"].notna().all() and blocks["my_norm"].notna().all()
+
+
+def test_statistics_against_statistics_keep_the_stack_input_row(tmp_path):
+    """Two statistics-only dumps pair their stack inputs as tensor dumps do (the row was
+    dropped without a line)."""
+    stats = _fixture("smollm2_bf16_all_stats")
+    _compare(tmp_path, stats, "--baseline", stats)
+    rows = _table(tmp_path)
+    stack = rows[rows["layer"] == -1]
+    assert len(stack) == 2 and (stack["verdict"] == "PASS").all()
+
+
 def test_a_statistics_dump_gets_a_reference_free_report_saying_what_it_lacks(tmp_path):
     text = _compare(tmp_path, _fixture("smollm2_bf16_stats"))
     assert "30 rows: 0 FAULT" in text

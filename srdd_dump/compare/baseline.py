@@ -327,7 +327,9 @@ def _completion_order(f: Side) -> dict:
 
 
 def _has_layer(f: Side, layer: int) -> bool:
-    return any(k[1] == layer for k in f.clean_blocks)
+    """The file holds that block's output: a tensor, or statistics only."""
+    return (any(k[1] == layer for k in f.clean_blocks)
+            or any(k[1] == layer and k[2] == s.BLOCK_SITE for k in f.summary_rows))
 
 
 def _with_stack_input(mine: Side, golden: Side, pairs: list[tuple[int | None, int | None]]

@@ -568,14 +568,15 @@ ABSENT = r"^no counterpart: (?:golden|my) (?:layer|site|stack input)"
 
 
 def _uncompared(table: pd.DataFrame) -> str:
-    """'; but N rows both dumps hold were not compared (shape mismatch: 14, ...)': a PASS
+    """'; but N rows were not compared (shape mismatch: 14, ...)': a PASS
     of the compared rows says nothing of rounds or shapes that could not be paired."""
     reasons = table.loc[table["verdict"] == NOT_COMPARED, "cmp_fail_reason"].fillna("")
     reasons = reasons[~reasons.str.contains(ABSENT, regex=True)]
     if reasons.empty:
         return ""
     kinds = reasons.str.split(":").str[0].value_counts()
-    return (f"; but {len(reasons)} rows both dumps hold were not compared ("
+    n = len(reasons)
+    return (f"; but {n} row{' was' if n == 1 else 's were'} not compared ("
             + ", ".join(f"{kind}: {n}" for kind, n in kinds.items())
             + "; see cmp_fail_reason): the PASS covers the compared rows only")
 
