@@ -320,6 +320,33 @@ def test_a_dump_stepped_at_every_forward_gives_the_same_rounds(tmp_path):
     assert rows[same].equals(whole_rows[same]), (text, whole)
 
 
+def test_two_prompts_in_one_msprobe_step_are_two_samples(tmp_path):
+    """start() once, generate() twice, stop(): the second prompt's prefill is call 2 of the
+    same step. It starts a sample of its own (it was read as decode step 2 of the first, and
+    a baseline then found half its rounds without a counterpart under a PASS)."""
+    import json
+    import shutil
+
+    src = os.path.join(_fixture("smollm2_bf16_all"), "step0", "proc4242")
+    folder = tmp_path / "twice" / "step0" / "proc4242"
+    shutil.copytree(src, folder)
+    doc = json.load(open(folder / "dump.json"))
+    again = {}
+    for name, entry in doc["data"].items():
+        head, _, call = name.rpartition(".")
+        again[f"{head}.{int(call) + 2}"] = entry  # the same prompt generated again
+    (folder / "dump.json").write_text(json.dumps(dict(doc, data={**doc["data"], **again})))
+    text = _compare(tmp_path, str(tmp_path / "twice"))
+    assert "x 2 samples" in text, text
+    text = _compare(tmp_path, str(tmp_path / "twice"), "--baseline", _fixture("smollm2_bf16_all"))
+    rows = _table(tmp_path)  # one golden prompt: it pairs with one of the two
+    assert sorted(set(zip(rows["sample"], rows["step"]))) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    unpaired = rows[rows["verdict"] != "PASS"]
+    assert len(unpaired) == 2 and unpaired["cmp_fail_reason"].str.contains(
+        "my sample 1 is not in the golden dump").all(), text
+    assert "; but 2 rows were not compared (no counterpart: 2" in text
+
+
 def test_two_msprobe_dumps_compare_to_an_xlsx_report(tmp_path):
     import openpyxl
 

@@ -562,9 +562,11 @@ def _unlocated(s: BaselineSummary, start: pd.Series, tol: str, held: bool) -> st
                "the layer"))
 
 
-# rows one side holds no module for (a --layers subset, a site the other did not dump): the
-# unmatched lines say so; any other row not compared is data both sides hold
-ABSENT = r"^no counterpart: (?:golden|my) (?:layer|site|stack input)"
+# rows one side holds no module or step for (a --layers subset, a site the other did not dump,
+# a decode step outside the other's --steps): the unmatched lines and the counts say so; a
+# sample one side lacks, a shape or a read that failed are data a PASS must not pass over
+ABSENT = (r"^no counterpart: (?:(?:golden|my) (?:layer|site|stack input)|step \d+ of "
+          r"(?:golden|my) sample)")
 
 
 def _uncompared(table: pd.DataFrame) -> str:

@@ -25,7 +25,7 @@ from .msprobe import LOGICAL, ModuleCall, MsprobeRun, dump_jsons, read_msprobe
 from .msprobe_rounds import STAT_COLUMNS, Layout, RoundMaker
 from .writer import DumpWriter
 
-CONVERTER = 7  # the cache of converted dumps is keyed by it: bump it when the output changes
+CONVERTER = 8  # the cache of converted dumps is keyed by it: bump it when the output changes
 ELEMENTS = "output elements"
 STATISTICS_ONLY = ("an msprobe statistics dump keeps Max, Min, Mean and Norm of each tensor: no "
                    "kurtosis, zero fraction, pile-up or other element-wise signal")
@@ -109,7 +109,8 @@ def _convert_group(path: str, key: tuple, runs: list[MsprobeRun], out_dir: str) 
                 maker = RoundMaker(run, layout, by_call[call], tensor_mode)
                 if maker.shape is None:
                     continue
-                if call > 0 or (len(by_call) == 1 and sample >= 0 and maker.is_decode_step()):
+                if sample >= 0 and ((call > 0 and not maker.is_prefill()) or (
+                        len(by_call) == 1 and maker.is_decode_step())):
                     step += 1  # a later call, or a step of its own continuing the last sample
                 else:
                     sample, step, prefill_len = sample + 1, 0, maker.shape[1]

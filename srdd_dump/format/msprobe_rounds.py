@@ -95,6 +95,15 @@ class RoundMaker:
         positions = self._positions(self._block0(), 1)
         return positions is None or int(positions[0]) > 0
 
+    def is_prefill(self) -> bool:
+        """More than one token per sequence from position 0 (or no position recorded): a new
+        prompt's prefill, even as a later call of the step (a dump not stepped between the
+        prompts of one start/stop)."""
+        if self.shape is None or self.shape[1] == 1:
+            return False
+        positions = self._positions(self._block0(), self.shape[1])
+        return positions is None or int(positions[0]) == 0
+
     def _block0(self) -> ModuleCall | None:
         return next((c for c in self.calls if c.module == f"{self.layout.stack}.0"), None)
 
