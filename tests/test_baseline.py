@@ -105,6 +105,46 @@ def test_a_clean_finding_says_how_many_rows_were_not_compared(tmp_path, runs):
         compare(two, runs["golden"]).table["cmp_fail_reason"].fillna(""))
 
 
+def test_a_golden_dump_of_one_layers_modules_names_the_first_sub_layer_beyond_tolerance(
+        tmp_path):
+    """A golden dump of one layer's outputs and its sub-layers' (msprobe's level mix with a
+    list of one layer, data_mode output: no block input): where the block output is beyond
+    tolerance, the first sub-layer beyond it after sub-layers that agree is named (was "born
+    there or before it; dump the layers before it")."""
+    from srdd_dump.format.writer import DumpWriter, Round, Tensor
+
+    rng = np.random.default_rng(0)
+    sites = ["model.layers.1.self_attn", "model.layers.1.mlp"]
+
+    def dump(path, layers, outputs):
+        writer = DumpWriter(str(path), {"rank": 0, "pid": 1}, layers, sites)
+        for sample, tensors in enumerate(outputs):
+            writer.submit(Round(sample=sample, step=0, batch=1, seq=6, positions=np.arange(6),
+                                token_ids=np.arange(6).reshape(1, 6) + sample,
+                                tensors=[Tensor(layer, x, "float32", site=site)
+                                         for (layer, site), x in tensors.items()]))
+        return writer.close()
+
+    golden_rounds, my_rounds = [], []
+    for _ in range(3):
+        attn, mlp, block = (rng.standard_normal((1, 6, 16)).astype(np.float32)
+                            for _ in range(3))
+        golden_rounds.append({(0, 0): attn, (0, 1): mlp, (0, s.BLOCK_SITE): block})
+        off = rng.standard_normal((1, 6, 16)).astype(np.float32) * 0.3  # a fault in the MLP
+        my_rounds.append({(0, s.BLOCK_SITE): rng.standard_normal((1, 6, 16)).astype(
+            np.float32), (1, 0): attn, (1, 1): mlp + off, (1, s.BLOCK_SITE): block + off})
+    golden = dump(tmp_path / "golden.h5", ["model.layers.1"], golden_rounds)
+    mine = dump(tmp_path / "mine.h5", ["model.layers.0", "model.layers.1"], my_rounds)
+    result = compare(mine, golden)
+    summary = result.summary
+    assert (summary.first_layer, summary.first_site) == (1, "model.layers.1.mlp"), \
+        summary.message
+    assert summary.message.startswith("error born inside layer 1 (model.layers.1): in 3 of 3 "
+                                      "compared rounds model.layers.1.self_attn agree")
+    assert result.sites.loc[result.sites["module"] == "model.layers.1.mlp",
+                            "first_divergence"].all()
+
+
 # -- (a) a small fault inside one layer's MLP --------------------------------------------------
 
 

@@ -322,6 +322,8 @@ def summarize(table: pd.DataFrame, same_device: dict[tuple[str, str], bool] | No
     # where the error is already at the first layer a subset dump holds
     if summary.pattern in ("gradual", "clean", "unlocated") and sites is not None:
         _site_origin(summary, table, sites)
+    if summary.pattern == "unlocated" and sites is not None:
+        _first_red_site(summary, table, sites)
     if compared.empty and sites is not None:
         summary.message = _sites_only(sites) or summary.message
     if summary.first_site:
@@ -374,6 +376,49 @@ def _site_origin(summary: BaselineSummary, table: pd.DataFrame, sites: pd.DataFr
            f"while the block's own output grows it x{growth:.3g} at most (the rounding "
            "difference of the two setups is of the same size there)")
         + ": look at this layer first")
+
+
+def _first_red_site(summary: BaselineSummary, table: pd.DataFrame, sites: pd.DataFrame
+                    ) -> None:
+    """The error is beyond tolerance at a layer whose input is not compared (msprobe's level
+    mix, a list of one layer's modules), but its sub-layers are: in each round, the first of
+    them beyond tolerance after one or more that agree (in the order they ran) is where the
+    error appears, as msprobe's first red node. Named (pattern "site") when the same one is
+    it in the rounds a birth must recur in (``_recurrence``)."""
+    bad = summary.per_layer[summary.per_layer["verdict"] != PASS]
+    if bad.empty:
+        return
+    layer = int(bad.iloc[0]["layer"])
+    at = sites[(sites["layer"] == layer).to_numpy(dtype=bool, na_value=False)
+               & (sites["verdict"] != NOT_COMPARED).to_numpy(dtype=bool)]
+    firsts, before = [], {}
+    for _, rows in at.groupby(GROUP, dropna=False, sort=False):
+        red = (rows["verdict"] != PASS).to_numpy()
+        if red.any() and red.argmax() > 0:  # sub-layers that agree, then one that does not
+            k = int(red.argmax())
+            firsts.append(rows.index[k])
+            before.setdefault(rows["module"].iloc[k], list(rows["module"].iloc[:k]))
+    if not firsts:
+        return
+    counts = sites.loc[firsts, "module"].value_counts()
+    site, rounds = str(counts.index[0]), int(counts.iloc[0])
+    if rounds < _recurrence(table):
+        return
+    named = sites.loc[[i for i in firsts if sites.at[i, "module"] == site]]
+    worst = _bounded(named).loc[lambda t: pd.to_numeric(
+        t[RED_COLUMN], errors="coerce").fillna(-1.0).idxmax()]
+    block = table[(table["layer"] == layer) & (table["verdict"] != NOT_COMPARED)]
+    tol = ", ".join(sorted(set(named["tolerance"].astype(str))))
+    summary.first_layer, summary.first_rounds = layer, rounds
+    summary.first_module = str(block["module"].iloc[0]) if len(block) else ""
+    summary.first_site, summary.first_site_rounds = site, rounds
+    summary.pattern = "site"
+    summary.message = (
+        f"error born inside layer {layer} ({summary.first_module}): in {rounds} of "
+        f"{summary.rounds} compared rounds {', '.join(before[site])} agree with the golden run "
+        f"and {site} is beyond {tol} tolerance ({worst['verdict']}, "
+        f"{error_words(worst, 'up to ')}); the block's input is not in both dumps, so its "
+        "sub-layers place it: look at this layer first")
 
 
 def mark_site_birth(summary: BaselineSummary, table: pd.DataFrame, sites: pd.DataFrame

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from ..analysis.verdicts import NORMAL, NOT_COMPARED, VERDICT_ORDER, VERDICTS
+from ..analysis.verdicts import FAIL, NORMAL, NOT_COMPARED, PASS, VERDICT_ORDER, VERDICTS, WARN
 from ..compare.results import (
     INCOMPLETE,
     OK,
@@ -135,7 +135,9 @@ def baseline_text(result: BaselineResult, written: list[str] | None = None) -> s
         compared = int((result.sites["verdict"] != NOT_COMPARED).sum())
         pairs = result.sites.loc[result.sites["verdict"] != NOT_COMPARED, "matched_by"]
         how = ", ".join(f"{n} by {k}" for k, n in pairs.value_counts().items())
-        lines.append(f"sub-layers and operators: {compared} rows compared ({how})" if compared
+        verdicts = result.sites["verdict"].value_counts()
+        how += "): " + ", ".join(f"{int(verdicts.get(v, 0))} {v}" for v in (PASS, WARN, FAIL))
+        lines.append(f"sub-layers and operators: {compared} rows compared ({how}" if compared
                      else f"sub-layers and operators: none compared ({len(result.sites)} rows "
                           "have no counterpart: see the unmatched lines)")
     for line in s.unmatched[:UNMATCHED_SHOWN]:
