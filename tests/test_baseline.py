@@ -145,6 +145,26 @@ def test_a_golden_dump_of_one_layers_modules_names_the_first_sub_layer_beyond_to
                             "first_divergence"].all()
 
 
+def test_a_birth_in_one_round_only_is_said_by_the_finding_that_does_not_name_it(tmp_path):
+    """A layer that grows the error past tolerance in one round of three is marked
+    first_divergence on that row, but too rare for the finding to name: the finding says both,
+    so the table's marks and the summary do not read as two answers."""
+    rng = np.random.default_rng(1)
+    golden, mine = [], []
+    for k in range(3):
+        xs = {layer: rng.standard_normal((1, 8, 32)) for layer in (-1, 0, 1, 2)}
+        golden.append(xs)
+        mine.append({layer: x * (1 + (1e-3 if (k, layer) in ((0, 1), (0, 2)) else 1e-7))
+                     for layer, x in xs.items()})
+    g = write_dump(str(tmp_path / "golden.h5"), golden)
+    m = write_dump(str(tmp_path / "mine.h5"), mine)
+    result = compare(m, g)
+    marked = result.table[result.table["first_divergence"]]
+    assert list(marked["layer"]) == [1] and result.summary.first_layer is None
+    assert "; first_divergence marks layer 1 (model.layers.1) in 1 of 3 rounds only" in \
+        result.summary.message, result.summary.message
+
+
 # -- (a) a small fault inside one layer's MLP --------------------------------------------------
 
 

@@ -300,6 +300,7 @@ def summarize(table: pd.DataFrame, same_device: dict[tuple[str, str], bool] | No
     same_setup = _same_setup(table, same_device)
     sources = input_rows(table)
     reds = input_reds(table, sources)
+    marked = firsts
     firsts = _recurring(table, firsts, same_setup, reds)
     summary.first_divergence = firsts
     if len(firsts):
@@ -326,6 +327,8 @@ def summarize(table: pd.DataFrame, same_device: dict[tuple[str, str], bool] | No
         _first_red_site(summary, table, sites)
     if compared.empty and sites is not None:
         summary.message = _sites_only(sites) or summary.message
+    if summary.first_layer is None and len(marked):
+        summary.message += _unnamed_births(marked, len(compared[GROUP].drop_duplicates()))
     if summary.first_site:
         summary.message += (f"; inside it, first at {summary.first_site} "
                             f"({summary.first_site_rounds} of {summary.first_rounds} rounds)")
@@ -376,6 +379,20 @@ def _site_origin(summary: BaselineSummary, table: pd.DataFrame, sites: pd.DataFr
            f"while the block's own output grows it x{growth:.3g} at most (the rounding "
            "difference of the two setups is of the same size there)")
         + ": look at this layer first")
+
+
+def _unnamed_births(marked: pd.DataFrame, rounds: int) -> str:
+    """'; first_divergence marks layer K in 1 round only ...': the rows marked as a birth when
+    too few rounds hold it for the finding to name it (``_recurring``), so the table's marks
+    and the finding do not read as two answers."""
+    layer = int(marked["layer"].min())
+    at = marked[marked["layer"] == layer]
+    row = at.loc[pd.to_numeric(at[RED_COLUMN], errors="coerce").fillna(-1.0).idxmax()]
+    n = len(at.drop_duplicates(GROUP))
+    return (f"; first_divergence marks layer {layer} ({row['module']}) in {n} of {rounds} "
+            f"rounds only ({row['verdict']}, x{row['error_amplification']:.3g} its input's "
+            "error): too few to name it, as one round can grow that much by chance; look at "
+            "those rows")
 
 
 def _first_red_site(summary: BaselineSummary, table: pd.DataFrame, sites: pd.DataFrame
