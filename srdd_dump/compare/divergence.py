@@ -296,6 +296,7 @@ def summarize(table: pd.DataFrame, same_device: dict[tuple[str, str], bool] | No
         verdicts=verdicts, rounds=rounds, first_divergence=firsts, first_layer=None,
         first_module="", first_rounds=0, per_layer=layers, worst=worst,
         not_compared=not_compared,
+        bounded=BOUND_COLUMN in table and bool(table[BOUND_COLUMN].notna().any()),
     )
     same_setup = _same_setup(table, same_device)
     sources = input_rows(table)
@@ -576,7 +577,8 @@ def _explain(s: BaselineSummary, compared: pd.DataFrame, same_setup: np.ndarray,
     if bad.empty:
         return "clean", (
             f"every compared layer PASSes at {tol} tolerance "
-            f"(largest relative error {s.per_layer['max_relative_euclidean_distance'].max():.3g})"
+            f"(largest relative error {_at_least(s)}"
+            f"{s.per_layer['max_relative_euclidean_distance'].max():.3g})"
             + _first_difference(compared, same_setup, reds)
         )
     start = bad.iloc[0]
@@ -593,7 +595,7 @@ def _explain(s: BaselineSummary, compared: pd.DataFrame, same_setup: np.ndarray,
     return "gradual", (
         f"no layer multiplies the error by {BIRTH_GROWTH:g}x or more{isolated}: "
         f"the first layer beyond {tol} tolerance is {int(start['layer'])} ({start['module']}, "
-        f"{start['verdict']}); the relative error grows to "
+        f"{start['verdict']}); the relative error grows to {_at_least(s)}"
         f"{s.per_layer['max_relative_euclidean_distance'].max():.3g}, at most x{growth:.3g} "
         f"across one layer{at}: an accumulation such as a precision difference, not one "
         f"layer this comparison can single out (a fault that grows the error less than "
@@ -643,6 +645,11 @@ def _uncompared(table: pd.DataFrame) -> str:
     return (f"; but {n} row{' was' if n == 1 else 's were'} not compared ("
             + ", ".join(f"{kind}: {n}" for kind, n in kinds.items())
             + "; see cmp_fail_reason): the PASS covers the compared rows only")
+
+
+def _at_least(s: BaselineSummary) -> str:
+    """'at least ' where a side had statistics only: the relative errors are their bounds."""
+    return "at least " if s.bounded else ""
 
 
 def _first_difference(compared: pd.DataFrame, same_setup: np.ndarray, reds: np.ndarray

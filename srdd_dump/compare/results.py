@@ -171,6 +171,7 @@ class BaselineSummary:
     first_site_rounds: int = 0  # of the first_rounds, those in which first_site was
     unmatched: list[str] = field(default_factory=list)  # sites paired with nothing, one line
     # per name (relative to its block) and side
+    bounded: bool = False  # a side had statistics only: per_layer's RED is the bound they prove
 
 
 @dataclass

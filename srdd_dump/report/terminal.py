@@ -158,6 +158,9 @@ def baseline_text(result: BaselineResult, written: list[str] | None = None) -> s
             "growth(max)": "{:.3g}".format,
         })
         lines.extend("  " + line for line in text.splitlines())
+        if s.bounded:
+            lines.append("  rel_dist(max): where a side has statistics only, the smallest "
+                         "relative error they prove (red_lower_bound), not the error itself")
     if written:
         lines.append("report: " + ", ".join(written))
     return "\n".join(lines)
