@@ -12,6 +12,7 @@ import sys
 import pandas as pd
 import pytest
 
+from srdd_dump import DumpConfig
 from srdd_dump.compare.hunt import hunt_command
 from srdd_dump.compare.sources import DumpFile
 
@@ -52,8 +53,16 @@ def test_the_hunt_is_one_layer_with_the_runs_options():
     assert hunt_command(f, 2, "model.layers.2.mlp.act_fn") is None  # an operator: named
     assert hunt_command(_file(granularity="op"), 2, "model.layers.2") is None
     assert words[words.index("--probe-steps") + 1] == "0,1,7"
-    # an in-code register_hook run records no command to re-run
-    assert hunt_command(_file(command=None), 2, "model.layers.2") is None
+    # an in-code register_hook run records no command to re-run: its hunt is the DumpConfig
+    # of that layer's operators, written to a folder of its own
+    in_code = hunt_command(_file(command=None, dump_path="runs/d", inject=["noise@layer=2"]),
+                           2, "model.layers.2")
+    assert in_code.startswith("register_hook(model, DumpConfig(") and in_code.endswith("))")
+    config = eval(in_code[len("register_hook(model, "):-1], {"DumpConfig": DumpConfig})
+    assert (config.dump_path, config.granularity, config.reference, config.layers,
+            config.samples, config.probe_steps, config.inject) == (
+        os.path.normpath("runs/d_hunt"), "op", "host", "model.layers.2", 2, "0,1,7",
+        ["noise@layer=2"])
     # a dump that says where its command ran: the hunt runs there too (any folder quoted)
     there = shlex.split(hunt_command(_file(command_dir="/home/u/my proj"), 2, "model.layers.2"))
     assert there[:4] == ["cd", "/home/u/my proj", "&&", "srdd-dump"]

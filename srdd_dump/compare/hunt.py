@@ -27,9 +27,10 @@ def hunt_command(f: DumpFile, layer: int, site: str) -> str | None:
     the module its evidence names), or None when the dump has them already, names an operator,
     or does not say how it was made."""
     options = f.capture_options
-    # the command srdd-dump --exec ran (an in-code register_hook run records no command)
+    # the command srdd-dump --exec ran (an in-code register_hook run records no command: its
+    # hunt is the DumpConfig to capture with)
     command = options.get("command") if options else None
-    if not command or options.get("granularity") in HUNTED:
+    if not options or options.get("granularity") in HUNTED:
         return None
     if not 0 <= layer < len(f.layers):
         return None
@@ -37,20 +38,37 @@ def hunt_command(f: DumpFile, layer: int, site: str) -> str | None:
         f.sites.index(site) < len(f.site_roles) else BLOCK
     if role not in (BLOCK, SUBLAYER):
         return None
+    numbers = layer_numbers(f.layers)
+    injected = [kept for spec in options.get("inject") or [] if (kept := _in_layer(
+        str(spec), numbers, layer, layer_numbers(f.layers[layer:layer + 1])[0])) is not None]
+    if not command:
+        return _in_code(options, injected, f.layers[layer])
     words = ["srdd-dump", "--exec", str(command), "-o", _root(options.get("dump_path"))]
     for key, flag in KEPT:
         value = options.get(key)
         if value is not None and value != "":
             words += [flag, str(value)]
-    numbers = layer_numbers(f.layers)
-    for spec in options.get("inject") or []:
-        kept = _in_layer(str(spec), numbers, layer, layer_numbers(f.layers[layer:layer + 1])[0])
-        if kept is not None:
-            words += ["--inject", kept]
+    for spec in injected:
+        words += ["--inject", spec]
     words += ["--granularity", "op", "--reference", "host", "--layers", f.layers[layer]]
     folder = options.get("command_dir")  # the command may name files relative to it
     return f"cd {shlex.quote(str(folder))} && {shlex.join(words)}" if folder else \
         shlex.join(words)
+
+
+def _in_code(options: dict, injected: list[str], block: str) -> str:
+    """The hunt of a dump made in code: the register_hook call whose DumpConfig captures that
+    block's operators, with the options of the run that decide what it sees."""
+    # a folder of its own: in code dump_path is the run's folder, which the hunt's file
+    # would join as another card of the same run
+    fields = {"dump_path": os.path.normpath(str(options.get("dump_path") or "dumps")) + "_hunt"}
+    fields.update((key, options[key]) for key, _ in KEPT
+                  if options.get(key) is not None and options.get(key) != "")
+    if injected:
+        fields["inject"] = injected
+    fields.update(granularity="op", reference="host", layers=block)
+    return ("register_hook(model, DumpConfig("
+            + ", ".join(f"{key}={value!r}" for key, value in fields.items()) + "))")
 
 
 def _in_layer(spec: str, numbers: list[int], layer: int, hunted: int) -> str | None:
