@@ -109,7 +109,8 @@ def _diagnose_file(f: DumpFile, signals: list[Signals]
     if worst.verdict == NORMAL:
         n = max(g.samples for g in blocks.values())
         probed = _probed(signals, n)
-        line = (f"{f.source}: no faulty layer found in {len(rows)} layers x "
+        line = (f"{f.source}: no faulty layer found in {len(rows)} "
+                f"layer{'s' if len(rows) != 1 else ''} x "
                 f"{n} sample{'s' if n != 1 else ''}{probed}{phases_note(signals)}"
                 + ("" if probed == NONE_PROBED else left_out_note(f.capture_options)))
     else:

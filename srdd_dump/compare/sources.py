@@ -412,6 +412,9 @@ def inspect(path: str, source: str) -> DumpFile:
         f.origin = str(reader.meta.get("source_dump") or "")
     f.capture_notes = capture_notes(source, reader.status)
     f.missing_evidence = missing_evidence(source, reader.status)
+    if f.origin:  # msprobe asked for no probe: what it lacks is a note, not evidence missing
+        f.capture_notes += f.missing_evidence
+        f.missing_evidence = []
     tp = reader.meta.get("tensor_parallel")
     sharded = tp.get("sharded_sites") if isinstance(tp, dict) else None
     if isinstance(sharded, dict) and sharded:
