@@ -342,8 +342,12 @@ class Replays:
             positions = row_positions(kwargs, x.shape[1], cache)
             table = kwargs.get("position_embeddings")
             if ctx.step == 0 and not rotary_agrees(layout, table, positions):
-                # the model's rotary convention is not the one recognised: no reference
-                self.attention[id(module)] = why = "a rotary table of another convention"
+                # the model's rotary convention is not the one recognised, or its rotary
+                # module is outside what was captured: no reference
+                self.attention[id(module)] = why = (
+                    "a rotary table of another convention" if layout.rotary is not None else
+                    "its rotary table is made outside what was captured (register_hook was "
+                    "given the layers, not the model?)")
         if why is not None:
             self.coverage.failed(name, f"{type(module).__name__}: {why}")
             return False
