@@ -595,6 +595,15 @@ def test_a_command_whose_python_has_no_torch_is_told_so(tmp_path):
                                                     "model_seen": False}))
     (problem,) = _collect(0, str(status_dir)).problems  # one process had torch
     assert "no model with a block stack ran a forward in any process" in problem
+    for pid, imported in ((11, False), (12, False)):  # `python -c pass`: torch never imported
+        (status_dir / f"{pid}.json").write_text(json.dumps(
+            {"pid": pid, "files": [], "model_seen": False, "torch_imported": imported}))
+    (problem,) = _collect(0, str(status_dir)).problems
+    assert problem.startswith("no model ran: no Python process of the command imported torch")
+    (status_dir / "12.json").write_text(json.dumps(
+        {"pid": 12, "files": [], "model_seen": False, "torch_imported": True}))
+    (problem,) = _collect(0, str(status_dir)).problems
+    assert "imported torch but ran no model srdd-dump recognises" in problem
 
 
 def test_forwards_srdd_dump_does_not_capture_keep_a_serving_file_open():

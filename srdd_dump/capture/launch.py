@@ -487,10 +487,17 @@ def _collect(returncode: int, status_dir: str, new_partials: set[str] | None = N
                 result.problems.append(f"nothing captured: the command {_ended(returncode)} "
                                        "before any model with a block stack ran a forward"
                                        + ("" if returncode < 0 else ": see its own error above"))
+            elif not any(st.get("torch_imported", True) for st in statuses):
+                result.problems.append(
+                    "no model ran: no Python process of the command imported torch (does it "
+                    "run the model? a Python it starts with an environment of its own, "
+                    f"env={{...}} without {ENV_CONFIG} and PYTHONPATH, runs uncaptured: hand "
+                    "it os.environ)")
             else:
                 result.problems.append(
-                    "no model with a block stack ran a forward in any process (a Python the "
-                    "program starts with an environment of its own, env={...} without "
+                    "no model with a block stack ran a forward in any process (the program "
+                    "imported torch but ran no model srdd-dump recognises, or a Python it "
+                    "starts with an environment of its own, env={...} without "
                     f"{ENV_CONFIG} and PYTHONPATH, runs uncaptured: hand it os.environ)")
         else:
             result.problems.append(

@@ -290,6 +290,7 @@ def _report_status() -> None:
         # torch was imported but the watcher never saw it (an import hook placed before it)
         "torch_unwatched": "torch" in sys.modules and not _state.get("watching"),
         "torch_missing": "torch" not in sys.modules and _torch_missing(),
+        "torch_imported": "torch" in sys.modules,
         "untested_versions": getattr(end, "version_notes", []),
     }
     try:
