@@ -410,6 +410,9 @@ def inspect(path: str, source: str) -> DumpFile:
     f.capture_options = options if isinstance(options, dict) else {}
     if reader.meta.get("tool") == "msprobe":
         f.origin = str(reader.meta.get("source_dump") or "")
+        # named by the user's msprobe folder, not the file converted from it in a cache
+        part = os.path.basename(path).removeprefix("msprobe_").removesuffix(s.FILE_SUFFIX)
+        f.source = source = f"{os.path.basename(f.origin) or 'msprobe'} ({part})"
     f.capture_notes = capture_notes(source, reader.status)
     f.missing_evidence = missing_evidence(source, reader.status)
     if f.origin:  # msprobe asked for no probe: what it lacks is a note, not evidence missing

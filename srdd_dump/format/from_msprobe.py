@@ -25,7 +25,7 @@ from .msprobe import LOGICAL, ModuleCall, MsprobeRun, dump_jsons, read_msprobe
 from .msprobe_rounds import STAT_COLUMNS, Layout, RoundMaker
 from .writer import DumpWriter
 
-CONVERTER = 8  # the cache of converted dumps is keyed by it: bump it when the output changes
+CONVERTER = 9  # the cache of converted dumps is keyed by it: bump it when the output changes
 ELEMENTS = "output elements"
 STATISTICS_ONLY = ("an msprobe statistics dump keeps Max, Min, Mean and Norm of each tensor: no "
                    "kurtosis, zero fraction, pile-up or other element-wise signal")
@@ -100,7 +100,7 @@ def _convert_group(path: str, key: tuple, runs: list[MsprobeRun], out_dir: str) 
                         stat_columns=None if tensor_mode else list(STAT_COLUMNS))
     unreadable: dict[str, None] = {}  # why each tensor file left out could not be read
     try:
-        sample, step, prefill_len = -1, 0, None
+        sample, step, prefill_len, rounds = -1, 0, None, 0
         for run in runs:
             by_call: dict[int, list[ModuleCall]] = collections.defaultdict(list)
             for c in run.calls:
@@ -120,11 +120,12 @@ def _convert_group(path: str, key: tuple, runs: list[MsprobeRun], out_dir: str) 
                 coverage.expect(family)
                 coverage.failed(family, NO_PROBES)
                 writer.submit(r)
+                rounds += 1
     except BaseException:
         writer.close({"error": "conversion stopped"})
         raise
     if not tensor_mode:
-        coverage.expect(ELEMENTS)
+        coverage.expect(ELEMENTS, rounds)  # every round's outputs, as statistics only
         coverage.failed(ELEMENTS, STATISTICS_ONLY)
     status = {"samples": sample + 1, "requests": 0, "coverage": coverage.as_dict(),
               "converted_from": "msprobe"}
