@@ -63,6 +63,11 @@ def test_the_hunt_is_one_layer_with_the_runs_options():
             config.samples, config.probe_steps, config.inject) == (
         os.path.normpath("runs/d_hunt"), "op", "host", "model.layers.2", 2, "0,1,7",
         ["noise@layer=2"])
+    # a run that probed no sample: its hunt's host replays need one (DumpConfig refuses 0)
+    words = shlex.split(hunt_command(_file(probe_samples=0), 2, "model.layers.2"))
+    assert words[words.index("--probe-samples") + 1] == "1"
+    assert "probe_samples=1" in hunt_command(_file(command=None, probe_samples=0), 2,
+                                             "model.layers.2")
     # a dump that says where its command ran: the hunt runs there too (any folder quoted)
     there = shlex.split(hunt_command(_file(command_dir="/home/u/my proj"), 2, "model.layers.2"))
     assert there[:4] == ["cd", "/home/u/my proj", "&&", "srdd-dump"]

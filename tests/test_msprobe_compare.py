@@ -166,7 +166,7 @@ def test_a_stats_dump_against_a_statistics_golden_compares_whole_outputs(tmp_pat
     text = _compare(tmp_path, _srdd_dump(tmp_path, "--store", "stats"), "--baseline",
                     _fixture("smollm2_bf16_stats"))
     assert "(2 compared rounds): 60 PASS, 0 WARN, 0 FAIL" in text, text
-    assert "shape mismatch" not in text and "by its whole statistics" in text
+    assert "shape mismatch" not in text and "by their whole statistics" in text
     rows = _table(tmp_path)
     blocks = rows[rows["layer"] >= 0]  # this msprobe dump holds no stack input
     assert blocks["red_lower_bound"].notna().all() and blocks["my_norm"].notna().all()

@@ -840,10 +840,10 @@ class CaptureSession:
                 for line in self.degraded:
                     sys.stderr.write(f"srdd-dump: warning: evidence missing: {line}\n")
         elif not self.error:
-            self.silence = explain_silence(self.model, self.model_calls, self.block_calls)
+            with named_as_flags(self.config.command is not None):
+                self.silence = explain_silence(self.model, self.model_calls, self.block_calls)
+                tokens = option("tokens")
             if not self.silence and self._rounds.no_kept_position:
-                with named_as_flags(self.config.command is not None):
-                    tokens = option("tokens")
                 self.silence = (f"{tokens} {self.config.tokens} keeps no position of the "
                                 f"forwards seen (the longest had "
                                 f"{self._rounds.no_kept_position} tokens)")

@@ -65,10 +65,14 @@ def prepare(mine: list[DumpFile], golden: list[DumpFile]) -> tuple[list[Side], l
                 f.status, f.reason = SKIPPED, f"{f.path}: no captured layer data"
             elif f.status == INCOMPLETE:
                 f.reason = f"{f.path}: capture did not finish; rounds written used"
-            if f.usable and f.stats_index is not None and not f.summary_rows:
-                f.whole_rows = _whole_rows(f)
             rows.append(Side(f, role))
         sides.append(rows)
+    # a stats dump opposite a statistics-only file: compared by its whole outputs' moments
+    for these, others in ((sides[0], sides[1]), (sides[1], sides[0])):
+        if any(f.usable and f.summary_rows for f in others):
+            for f in these:
+                if f.usable and f.stats_index is not None and not f.summary_rows:
+                    f.whole_rows = _whole_rows(f.file)
     return sides[0], sides[1]
 
 
@@ -92,8 +96,8 @@ def store_notes(sides: list[Side]) -> list[str]:
                        "statistics prove (an error that keeps them is not seen)")
         elif any(other.usable and other.summary_rows for other in sides):
             out.append(f"{f.source}: a stats dump (--store stats) against statistics only: "
-                       "each block output is compared by its whole statistics (count, mean, "
-                       "norm), as the other side's")
+                       "its block outputs are compared by their whole statistics (count, mean, "
+                       "norm) where both count the same elements (padding: not compared)")
         else:
             out.append(f"{f.source}: a stats dump (--store stats): the baseline compares the "
                        "seeded rows of each block output it kept, not every token (for every "

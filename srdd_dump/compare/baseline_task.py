@@ -115,9 +115,16 @@ class Summary:
         batch, ntok = ((int(reader.rounds["batch"][at[0]]), int(reader.rounds["ntok"][at[0]]))
                        if at.size else (0, 0))
         n = row.get("n", math.nan)
-        width = int(n) // (batch * ntok) if batch * ntok and math.isfinite(n) else -1
-        self.shape = (batch, ntok, width)
         nonfinite = int(row.get("nan", 0) or 0) + int(row.get("inf", 0) or 0)
+        # an srdd stats dump counts the finite values of the rows that are not padding
+        # (msprobe's n is every element, its nan and inf are flags)
+        own = not reader.meta.get("statistics_only")
+        elements = n + nonfinite if own else n
+        rows = row.get("rows", math.nan) if own else math.nan
+        self.padded = int(batch * ntok - rows) if math.isfinite(rows) else 0
+        width = (int(elements) // (batch * ntok) if batch * ntok and math.isfinite(elements)
+                 and not self.padded else -1)
+        self.shape = (batch, ntok, width)
         self.summary = from_stats(n, row.get("max", math.nan), row.get("min", math.nan),
                                   row.get("mean", math.nan), row.get("norm", math.nan),
                                   m2=row.get("m2", math.nan), nonfinite=nonfinite,
@@ -151,7 +158,13 @@ def _compare_summaries(spec: RowSpec, mine: Group | Summary | None,
         row[f"{prefix}_norm"] = summary.norm
         row[f"{prefix}_nan_inf"] = summary.nonfinite
     compare = spec.compare and len(sides) == 2
-    if compare and mine.shape != golden.shape:
+    padded = [p for p, side in (("my", mine), ("the golden", golden))
+              if isinstance(side, Summary) and side.padded > 0]
+    if compare and padded:
+        reasons.append(f"{padded[0]} statistics leave out the padded rows, which the other "
+                       "side's include")
+        compare = False
+    elif compare and mine.shape != golden.shape:
         reasons.append(f"shape mismatch: golden {row['golden_shape']} vs my {row['my_shape']}")
         compare = False
     if compare:
@@ -194,10 +207,10 @@ def _compare_row(
         sampled = _sampled_pair(mine, golden)
         if sampled is not None:
             reasons.append(f"rows: the {len(sampled[0])} sampled rows of the stats dump")
-        else:
-            sampled, side = _kept_pair(mine, golden)
+        elif spec.my_mask is None and spec.golden_mask is None:  # no padding to leave out
+            sampled, side, kept = _kept_pair(mine, golden)
             if sampled is not None:
-                reasons.append(f"rows: the {len(sampled[0])} token positions {side} dump kept "
+                reasons.append(f"rows: the {kept} token positions {side} dump kept "
                                "(--tokens)")
     if compare and sampled is None and mine.shape != golden.shape:
         reasons.append(
@@ -273,34 +286,38 @@ def _sampled_pair(mine: Group, golden: Group) -> tuple[np.ndarray, np.ndarray] |
 
 
 def _kept_pair(mine: Group, golden: Group
-               ) -> tuple[tuple[np.ndarray, np.ndarray] | None, str]:
-    """((my rows, golden rows), "my" or "the golden") when one side kept fewer token positions
-    of the same round (``--tokens -8:`` against a whole dump) and the other holds them all:
-    the other side's rows at those positions. (None, "") when they cannot be paired."""
+               ) -> tuple[tuple[np.ndarray, np.ndarray] | None, str, int]:
+    """((my rows, golden rows), "my" or "the golden", positions kept) when one side kept
+    fewer token positions of the same round (``--tokens -8:`` against a whole dump) and the
+    other holds them all, in order: the other side's rows at those positions. (None, "", 0)
+    when they cannot be paired."""
+    none = None, "", 0
     if len(mine.records) != 1 or len(golden.records) != 1:
-        return None, ""
+        return none
     recs = (mine.first, golden.first)
     if any(bool(r["subset"]) for r in recs) or int(recs[0]["width"]) != int(recs[1]["width"]):
-        return None, ""
+        return none
     rounds = [_round_row(g.reader, r) for g, r in zip((mine, golden), recs)]
     if any(r is None for r in rounds) or int(rounds[0]["batch"]) != int(rounds[1]["batch"]):
-        return None, ""
+        return none
     kept = [g.reader.positions(r) for g, r in zip((mine, golden), rounds)]
     if any(int(r["nrows"]) != int(rd["batch"]) * len(k)
            for r, rd, k in zip(recs, rounds, kept)) or len(kept[0]) == len(kept[1]):
-        return None, ""
+        return none
     few, many = (0, 1) if len(kept[0]) < len(kept[1]) else (1, 0)
+    if not (np.diff(kept[many]) > 0).all():  # the whole side's positions, in order
+        return none
     at = np.searchsorted(kept[many], kept[few])
     if (at >= len(kept[many])).any() or (kept[many][np.minimum(at, len(kept[many]) - 1)]
                                          != kept[few]).any():
-        return None, ""
+        return none
     width = int(recs[0]["width"])
     rows = (np.arange(int(rounds[0]["batch"]))[:, None] * len(kept[many]) + at).reshape(-1)
     groups = (mine, golden)
     pair = [groups[few].reader.read(recs[few]).reshape(-1, width), None]
     pair[1] = groups[many].reader.read(recs[many]).reshape(-1, width)[rows]
     ordered = (pair[0], pair[1]) if few == 0 else (pair[1], pair[0])
-    return ordered, "my" if few == 0 else "the golden"
+    return ordered, "my" if few == 0 else "the golden", len(kept[few])
 
 
 def _round_row(reader: DumpReader, record: np.void) -> np.void | None:

@@ -30,6 +30,7 @@ from ..analysis.matching import DIFFER
 from ..analysis.tolerance import UNIT_ROUNDOFF
 from ..analysis.verdicts import FAIL, NOT_COMPARED, PASS, VERDICT_RANK, VERDICTS, WARN
 from ..format.layer_numbers import site_pattern
+from ..format.schema import STACK_INPUT
 from .results import PER_LAYER_COLUMNS, BaselineSummary
 
 GROUP = ["source", "golden_source", "sample", "golden_sample", "step"]
@@ -390,10 +391,12 @@ def _unnamed_births(marked: pd.DataFrame, rounds: int) -> str:
     at = marked[marked["layer"] == layer]
     row = at.loc[pd.to_numeric(at[RED_COLUMN], errors="coerce").fillna(-1.0).idxmax()]
     n = len(at.drop_duplicates(GROUP))
-    return (f"; first_divergence marks layer {layer} ({row['module']}) in {n} of {rounds} "
-            f"rounds only ({row['verdict']}, x{row['error_amplification']:.3g} its input's "
-            "error): too few to name it, as one round can grow that much by chance; look at "
-            "those rows")
+    where = "the stack input" if layer < 0 else f"layer {layer} ({row['module']})"
+    growth = pd.to_numeric(pd.Series([row["error_amplification"]]), errors="coerce").iloc[0]
+    how = (f", x{growth:.3g} its input's error): too few to name it, as one round can grow "
+           "that much by chance" if np.isfinite(growth) else "): too few to name it")
+    return (f"; first_divergence marks {where} in {n} of {rounds} rounds only "
+            f"({row['verdict']}{how}; look at those rows")
 
 
 def _first_red_site(summary: BaselineSummary, table: pd.DataFrame, sites: pd.DataFrame
@@ -410,19 +413,22 @@ def _first_red_site(summary: BaselineSummary, table: pd.DataFrame, sites: pd.Dat
     at = sites[(sites["layer"] == layer).to_numpy(dtype=bool, na_value=False)
                & (sites["verdict"] != NOT_COMPARED).to_numpy(dtype=bool)]
     firsts, before = [], {}
-    for _, rows in at.groupby(GROUP, dropna=False, sort=False):
+    for _, rows in _bounded(at).groupby(GROUP, dropna=False, sort=False):
         red = (rows["verdict"] != PASS).to_numpy()
-        if red.any() and red.argmax() > 0:  # sub-layers that agree, then one that does not
-            k = int(red.argmax())
+        errors = pd.to_numeric(rows[RED_COLUMN], errors="coerce").fillna(0.0).to_numpy()
+        k = int(red.argmax())
+        # sub-layers that agree, then one beyond tolerance that grows their largest error
+        # BIRTH_GROWTH-fold at least, as a birth must
+        if red.any() and k > 0 and errors[k] >= BIRTH_GROWTH * errors[:k].max():
             firsts.append(rows.index[k])
             before.setdefault(rows["module"].iloc[k], list(rows["module"].iloc[:k]))
     if not firsts:
         return
     counts = sites.loc[firsts, "module"].value_counts()
     site, rounds = str(counts.index[0]), int(counts.iloc[0])
-    if rounds < _recurrence(table):
-        return
     named = sites.loc[[i for i in firsts if sites.at[i, "module"] == site]]
+    if rounds < _recurrence(table) or not (named["verdict"] == FAIL).any():
+        return  # a FAIL among them: the rows the table marks (mark_site_birth)
     worst = _bounded(named).loc[lambda t: pd.to_numeric(
         t[RED_COLUMN], errors="coerce").fillna(-1.0).idxmax()]
     block = table[(table["layer"] == layer) & (table["verdict"] != NOT_COMPARED)]
@@ -435,7 +441,7 @@ def _first_red_site(summary: BaselineSummary, table: pd.DataFrame, sites: pd.Dat
         f"error born inside layer {layer} ({summary.first_module}): in {rounds} of "
         f"{summary.rounds} compared rounds {', '.join(before[site])} agree with the golden run "
         f"and {site} is beyond {tol} tolerance ({worst['verdict']}, "
-        f"{error_words(worst, 'up to ')}); the block's input is not in both dumps, so its "
+        f"{error_words(worst, 'up to ')}); the block's input is not compared, so its "
         "sub-layers place it: look at this layer first")
 
 
@@ -569,7 +575,7 @@ def _explain(s: BaselineSummary, compared: pd.DataFrame, same_setup: np.ndarray,
                   else "from an input within tolerance")
         return "born", (
             f"error born at {where}: x{growth:.3g} {origin} (relative error "
-            f"{row[RED_COLUMN]:.3g}, {row['verdict']}); it reaches {worst} at layers "
+            f"{_at_least(s)}{row[RED_COLUMN]:.3g}, {row['verdict']}); it reaches {worst} at layers "
             f"{_ranges(layers)} ({s.first_rounds} of {s.rounds} compared rounds, {tol} "
             "tolerance): look at this layer first"
         )
@@ -617,7 +623,7 @@ def _unlocated(s: BaselineSummary, start: pd.Series, tol: str, held: bool) -> st
     what = (f"the stack input (the input of {fed}" if layer < 0
             else f"layer {layer} ({start['module']}")
     return (f"the error is already beyond {tol} tolerance at {what}, "
-            f"{start['verdict']}, relative error "
+            f"{start['verdict']}, relative error {_at_least(s)}"
             f"{start['max_relative_euclidean_distance']:.3g}), whose input "
             + ("was not compared (see the cmp_fail_reason of the layer before it)"
                if held else "is not in both dumps")
@@ -629,14 +635,17 @@ def _unlocated(s: BaselineSummary, start: pd.Series, tol: str, held: bool) -> st
 # rows one side holds no module or step for (a --layers subset, a site the other did not dump,
 # a decode step outside the other's --steps): the unmatched lines and the counts say so; a
 # sample one side lacks, a shape or a read that failed are data a PASS must not pass over
-ABSENT = (r"^no counterpart: (?:(?:golden|my) (?:layer|site|stack input)|step \d+ of "
-          r"(?:golden|my) sample)")
+ABSENT = (r"^no counterpart: (?:(?:the )?(?:golden|my) (?:layer|site|stack input)|step \d+ "
+          r"of (?:golden|my) sample)")
 
 
 def _uncompared(table: pd.DataFrame) -> str:
     """'; but N rows were not compared (shape mismatch: 14, ...)': a PASS
     of the compared rows says nothing of rounds or shapes that could not be paired."""
-    reasons = table.loc[table["verdict"] == NOT_COMPARED, "cmp_fail_reason"].fillna("")
+    missing = table["verdict"] == NOT_COMPARED
+    # a stack input one side did not record (msprobe's outputs-only dumps): said per row
+    stack = (table["layer"] == STACK_INPUT).to_numpy(dtype=bool, na_value=False)
+    reasons = table.loc[missing & ~stack, "cmp_fail_reason"].fillna("")
     reasons = reasons[~reasons.str.contains(ABSENT, regex=True)]
     if reasons.empty:
         return ""

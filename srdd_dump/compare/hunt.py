@@ -45,7 +45,7 @@ def hunt_command(f: DumpFile, layer: int, site: str) -> str | None:
         return _in_code(options, injected, f.layers[layer])
     words = ["srdd-dump", "--exec", str(command), "-o", _root(options.get("dump_path"))]
     for key, flag in KEPT:
-        value = options.get(key)
+        value = _kept(options, key)
         if value is not None and value != "":
             words += [flag, str(value)]
     for spec in injected:
@@ -56,13 +56,20 @@ def hunt_command(f: DumpFile, layer: int, site: str) -> str | None:
         shlex.join(words)
 
 
+def _kept(options: dict, key: str):
+    """The run's value of a kept option; --probe-samples 0 becomes 1: the hunt's host replays
+    run on the probed samples."""
+    value = options.get(key)
+    return 1 if key == "probe_samples" and value == 0 else value
+
+
 def _in_code(options: dict, injected: list[str], block: str) -> str:
     """The hunt of a dump made in code: the register_hook call whose DumpConfig captures that
     block's operators, with the options of the run that decide what it sees."""
     # a folder of its own: in code dump_path is the run's folder, which the hunt's file
     # would join as another card of the same run
     fields = {"dump_path": os.path.normpath(str(options.get("dump_path") or "dumps")) + "_hunt"}
-    fields.update((key, options[key]) for key, _ in KEPT
+    fields.update((key, _kept(options, key)) for key, _ in KEPT
                   if options.get(key) is not None and options.get(key) != "")
     if injected:
         fields["inject"] = injected

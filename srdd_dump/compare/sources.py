@@ -390,6 +390,15 @@ def missing_evidence(source: str, status: dict) -> list[str]:
     return []
 
 
+def _shown(path: str) -> str:
+    """A folder as a report names it: relative to the current folder when inside it (two
+    dumps of one name in two folders stay apart), else whole."""
+    if not path:
+        return ""
+    relative = os.path.relpath(path)
+    return path if relative.startswith("..") else relative
+
+
 def inspect(path: str, source: str) -> DumpFile:
     """What a dump file holds; a file that cannot be opened becomes SKIPPED with the reason."""
     f = DumpFile(path=path, source=source)
@@ -412,7 +421,7 @@ def inspect(path: str, source: str) -> DumpFile:
         f.origin = str(reader.meta.get("source_dump") or "")
         # named by the user's msprobe folder, not the file converted from it in a cache
         part = os.path.basename(path).removeprefix("msprobe_").removesuffix(s.FILE_SUFFIX)
-        f.source = source = f"{os.path.basename(f.origin) or 'msprobe'} ({part})"
+        f.source = source = f"{_shown(f.origin) or 'msprobe'} ({part})"
     f.capture_notes = capture_notes(source, reader.status)
     f.missing_evidence = missing_evidence(source, reader.status)
     if f.origin:  # msprobe asked for no probe: what it lacks is a note, not evidence missing

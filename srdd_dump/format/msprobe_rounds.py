@@ -96,13 +96,14 @@ class RoundMaker:
         return positions is None or int(positions[0]) > 0
 
     def is_prefill(self) -> bool:
-        """More than one token per sequence from position 0 (or no position recorded): a new
-        prompt's prefill, even as a later call of the step (a dump not stepped between the
-        prompts of one start/stop)."""
+        """More than one token per sequence from position 0, as recorded: a new prompt's
+        prefill, even as a later call of the step (a dump not stepped between the prompts of
+        one start/stop). Without recorded positions a later call stays a step of the sample
+        (an assisted generation's multi-token check looks the same)."""
         if self.shape is None or self.shape[1] == 1:
             return False
         positions = self._positions(self._block0(), self.shape[1])
-        return positions is None or int(positions[0]) == 0
+        return positions is not None and int(positions.min()) == 0
 
     def _block0(self) -> ModuleCall | None:
         return next((c for c in self.calls if c.module == f"{self.layout.stack}.0"), None)
