@@ -6,6 +6,7 @@ import json
 import math
 import numbers
 import os
+from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass, field, fields
 from typing import NamedTuple
 
@@ -107,8 +108,13 @@ class DumpConfig:
     command_dir: str | None = None
 
     def __post_init__(self) -> None:
-        with named_as_flags(self.command is not None):  # srdd-dump --exec's own config
+        with self.naming():
             self._check()
+
+    def naming(self) -> AbstractContextManager[None]:
+        """Within: errors name srdd-dump's flags when srdd-dump --exec made this config (the
+        command's processes), else the DumpConfig fields."""
+        return named_as_flags(self.command is not None)
 
     def _check(self) -> None:
         self._check_types()
@@ -191,7 +197,7 @@ class DumpConfig:
 
     def parsed(self) -> ParsedOptions:
         """The text options parsed (UserError names a bad one): what a session reads."""
-        with named_as_flags(self.command is not None):
+        with self.naming():
             return self._parsed()
 
     def _parsed(self) -> ParsedOptions:
@@ -215,7 +221,7 @@ class DumpConfig:
 
     def faults(self) -> list[FaultSpec]:
         """The ``inject`` specs parsed (the simulator's faults); UserError names a bad one."""
-        with named_as_flags(self.command is not None):
+        with self.naming():
             return [parse_fault(text) for text in self.inject]
 
     def to_json(self) -> str:

@@ -57,7 +57,7 @@ from .model_facts import (
     starts_sequence,
 )
 from .moe_capture import ExpertCapture
-from .option_names import named_as_flags, option
+from .option_names import option
 from .parallel import TensorParallel, to_local
 from .probes import ProbeSpec, first_tensor, module_output
 from .replays import Replays
@@ -198,7 +198,7 @@ class CaptureSession:
     """
 
     def __init__(self, model: nn.Module, config: DumpConfig):
-        with named_as_flags(config.command is not None):  # errors name what the user gave
+        with config.naming():  # errors name what the user gave: flags or fields
             self._attach(model, config)
 
     def _attach(self, model: nn.Module, config: DumpConfig) -> None:
@@ -840,7 +840,7 @@ class CaptureSession:
                 for line in self.degraded:
                     sys.stderr.write(f"srdd-dump: warning: evidence missing: {line}\n")
         elif not self.error:
-            with named_as_flags(self.config.command is not None):
+            with self.config.naming():
                 self.silence = explain_silence(self.model, self.model_calls, self.block_calls)
                 tokens = option("tokens")
             if not self.silence and self._rounds.no_kept_position:

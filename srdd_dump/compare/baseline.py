@@ -19,6 +19,7 @@ from ..analysis.metrics import METRIC_NAMES
 from ..analysis.site_names import SitePair, SitePairing, SiteRule, pair_sites
 from ..analysis.tolerance import Thresholds
 from ..format import schema as s
+from ..format.blocks import first_rows
 from ..format.layer_numbers import layer_numbers, number_of
 from ..vocabulary import EXPERT, EXPERT_SLOTS
 from .baseline_task import TASK_ROWS, RowSpec, RowTask
@@ -72,7 +73,9 @@ def prepare(mine: list[DumpFile], golden: list[DumpFile]) -> tuple[list[Side], l
         if any(f.usable and f.summary_rows for f in others):
             for f in these:
                 if f.usable and f.stats_index is not None and not f.summary_rows:
-                    f.whole_rows = _whole_rows(f.file)
+                    f.whole_rows = first_rows(f.rounds, f.stats_index,
+                                              np.ones(len(f.stats_index), dtype=bool),
+                                              ("round", "layer", "site"))
     return sides[0], sides[1]
 
 
@@ -376,14 +379,10 @@ def _layer_spec(
     golden_rec = golden.clean_blocks.get((rp.golden_round, j)) if j is not None else None
     my_sum = _summary(mine, rp.round, i, s.BLOCK_SITE) if my_rec is None else None
     golden_sum = _summary(golden, rp.golden_round, j, s.BLOCK_SITE) if golden_rec is None else None
-    # a stats dump's few kept rows against a side of statistics only: its whole output's
-    # statistics instead
-    if golden_sum is not None and my_rec is not None and _sampled(mine, my_rec):
-        my_sum = mine.whole_rows.get((rp.round, i, s.BLOCK_SITE))
-        my_rec = None if my_sum is not None else my_rec
-    if my_sum is not None and golden_rec is not None and _sampled(golden, golden_rec):
-        golden_sum = golden.whole_rows.get((rp.golden_round, j, s.BLOCK_SITE))
-        golden_rec = None if golden_sum is not None else golden_rec
+    if golden_sum is not None and my_rec is not None:  # statistics only opposite a record
+        my_rec, my_sum = _whole_instead(mine, my_rec, rp.round, i)
+    elif my_sum is not None and golden_rec is not None:
+        golden_rec, golden_sum = _whole_instead(golden, golden_rec, rp.golden_round, j)
     if i is None and j == s.STACK_INPUT:
         reason = ("no counterpart: the golden stack input is the input of its first block, "
                   "which my dump starts after")
@@ -410,20 +409,14 @@ def _summary(f: Side, round_: int | None, layer: int | None, site: int) -> int |
     return f.summary_rows.get((round_, layer, site))
 
 
-def _whole_rows(f: DumpFile) -> dict[tuple[int, int, int], int]:
-    """(round, layer, site) -> the first /stats row of it, in rounds the file wrote."""
-    index, written = f.stats_index, set(f.rounds["round"].tolist())
-    out: dict[tuple[int, int, int], int] = {}
-    for i, key in enumerate(zip(index["round"].tolist(), index["layer"].tolist(),
-                                index["site"].tolist())):
-        if key[0] in written:
-            out.setdefault(key, i)
-    return out
-
-
-def _sampled(f: Side, record: int) -> bool:
-    """The record holds a row sample of its output (a stats dump's seeded rows)."""
-    return bool(f.whole_rows) and bool(f.records["subset"][record])
+def _whole_instead(f: Side, record: int, round_: int | None, layer: int | None
+                   ) -> tuple[int | None, int | None]:
+    """(record, /stats row) of a block output opposite a statistics-only side: a stats dump's
+    seeded rows give way to its whole output's statistics row, where it has one."""
+    if not f.whole_rows or not f.records["subset"][record]:
+        return record, None
+    whole = f.whole_rows.get((round_, layer, s.BLOCK_SITE))
+    return (record, None) if whole is None else (None, whole)
 
 
 def _either(record: int | None, summary: int | None) -> int | None:

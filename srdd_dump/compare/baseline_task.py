@@ -313,11 +313,9 @@ def _kept_pair(mine: Group, golden: Group
         return none
     width = int(recs[0]["width"])
     rows = (np.arange(int(rounds[0]["batch"]))[:, None] * len(kept[many]) + at).reshape(-1)
-    groups = (mine, golden)
-    pair = [groups[few].reader.read(recs[few]).reshape(-1, width), None]
-    pair[1] = groups[many].reader.read(recs[many]).reshape(-1, width)[rows]
-    ordered = (pair[0], pair[1]) if few == 0 else (pair[1], pair[0])
-    return ordered, "my" if few == 0 else "the golden", len(kept[few])
+    sides = [g.reader.read(r).reshape(-1, width) for g, r in zip((mine, golden), recs)]
+    sides[many] = sides[many][rows]
+    return (sides[0], sides[1]), "my" if few == 0 else "the golden", len(kept[few])
 
 
 def _round_row(reader: DumpReader, record: np.void) -> np.void | None:

@@ -392,9 +392,10 @@ def _unnamed_births(marked: pd.DataFrame, rounds: int) -> str:
     row = at.loc[pd.to_numeric(at[RED_COLUMN], errors="coerce").fillna(-1.0).idxmax()]
     n = len(at.drop_duplicates(GROUP))
     where = "the stack input" if layer < 0 else f"layer {layer} ({row['module']})"
-    growth = pd.to_numeric(pd.Series([row["error_amplification"]]), errors="coerce").iloc[0]
+    growth = pd.to_numeric(row["error_amplification"], errors="coerce")
     how = (f", x{growth:.3g} its input's error): too few to name it, as one round can grow "
-           "that much by chance" if np.isfinite(growth) else "): too few to name it")
+           "that much by chance" if pd.notna(growth) and np.isfinite(growth)
+           else "): too few to name it")
     return (f"; first_divergence marks {where} in {n} of {rounds} rounds only "
             f"({row['verdict']}{how}; look at those rows")
 
@@ -649,10 +650,10 @@ def _uncompared(table: pd.DataFrame) -> str:
     reasons = reasons[~reasons.str.contains(ABSENT, regex=True)]
     if reasons.empty:
         return ""
-    kinds = reasons.str.split(":").str[0].value_counts()
+    kinds = _reason_kinds(reasons).value_counts()
     n = len(reasons)
     return (f"; but {n} row{' was' if n == 1 else 's were'} not compared ("
-            + ", ".join(f"{kind}: {n}" for kind, n in kinds.items())
+            + ", ".join(f"{kind}: {count}" for kind, count in kinds.items())
             + "; see cmp_fail_reason): the PASS covers the compared rows only")
 
 

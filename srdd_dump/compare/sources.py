@@ -443,7 +443,7 @@ def inspect(path: str, source: str) -> DumpFile:
         f.stats_index = reader.stats_index
         if reader.meta.get("statistics_only"):
             index = reader.stats_index
-            f.summary_rows = first_rows(reader, index, np.ones(len(index), dtype=bool),
+            f.summary_rows = first_rows(reader.rounds, index, np.ones(len(index), dtype=bool),
                                         ("round", "layer", "site"))
             f.site_layers = {**{site: layer for _, layer, site in f.summary_rows
                                 if site >= 0}, **f.site_layers}

@@ -44,12 +44,12 @@ def shape_of(record: np.void) -> tuple[int, int, int]:
     return int(record["batch"]), int(record["ntok"]), int(record["width"])
 
 
-def first_rows(reader: DumpReader, table: np.ndarray, mask: np.ndarray, fields: tuple[str, ...]
+def first_rows(rounds: np.ndarray, table: np.ndarray, mask: np.ndarray, fields: tuple[str, ...]
                ) -> dict[tuple[int, ...], int]:
     """(the row's ``fields``) -> index of the first row of ``table`` (the records, or a stats
-    index) under ``mask``. Rows of a round whose /rounds row was never written (a crash) are
-    left out, as in compare."""
-    known = set(reader.rounds["round"].tolist())
+    index) under ``mask``. Rows of a round whose row of ``rounds`` (the file's /rounds) was
+    never written (a crash) are left out, as in compare."""
+    known = set(rounds["round"].tolist())
     out: dict[tuple[int, ...], int] = {}
     columns = [table[f] for f in fields]
     for i in np.flatnonzero(mask):
@@ -62,7 +62,7 @@ def first_rows(reader: DumpReader, table: np.ndarray, mask: np.ndarray, fields: 
 def clean_block_records(reader: DumpReader) -> dict[tuple[int, int], int]:
     """(round, layer) -> index into ``reader.records`` of every clean block-output record."""
     r = reader.records
-    return first_rows(reader, r, (r["kind"] == s.KIND_CLEAN) & (r["site"] == s.BLOCK_SITE),
+    return first_rows(reader.rounds, r, (r["kind"] == s.KIND_CLEAN) & (r["site"] == s.BLOCK_SITE),
                       ("round", "layer"))
 
 
@@ -73,4 +73,4 @@ def clean_site_records(reader: DumpReader) -> tuple[dict[tuple[int, int], int], 
     mask = (r["kind"] == s.KIND_CLEAN) & (r["site"] >= 0)
     layers = {int(site): int(layer) for site, layer in zip(r["site"][mask][::-1],
                                                             r["layer"][mask][::-1])}
-    return first_rows(reader, r, mask, ("round", "site")), layers
+    return first_rows(reader.rounds, r, mask, ("round", "site")), layers
