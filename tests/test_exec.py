@@ -91,6 +91,22 @@ def test_a_program_that_fails_in_its_first_forward_is_pointed_at(tmp_path):
     assert "the command failed (exit code 1): see its own error above" in line, line
 
 
+def test_a_program_that_fails_before_its_first_block_is_pointed_at(tmp_path):
+    """The model is called but fails before any block runs (its embedding raises): the end of
+    the run points at the command's own error, not at --layers."""
+    script = _write(tmp_path / "breaks.py", (
+        TINY_LLAMA +
+        "def broken(*args, **kwargs):\n    raise RuntimeError('token id out of range')\n"
+        "m.model.embed_tokens.forward = broken\n"
+        "with torch.no_grad(): m(input_ids=torch.randint(0, 128, (1, 6)))\n"))
+    res = run_cli("srdd-dump", "--exec", f"{sys.executable} {script}", "-o", str(tmp_path / "d"))
+    assert res.returncode == 1, res.stderr[-2000:]
+    assert "token id out of range" in res.stderr
+    line = next(x for x in res.stderr.splitlines() if "nothing captured" in x)
+    assert "before any of its blocks ran: see the command's own error above" in line, line
+    assert "--layers" not in line
+
+
 def test_exception_in_script_propagates(tmp_path):
     script = _write(tmp_path / "raises.py", "raise ValueError('user bug')\n")
     res = run_cli("srdd-dump", "--exec", f"{sys.executable} {script}", "-o", str(tmp_path / "d"))

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import functools
 import sys
-from typing import Callable, TypeVar
+from typing import Callable, NamedTuple, TypeVar
 
 import torch
 from torch import nn
@@ -218,24 +218,34 @@ def eager_hint() -> str:
     return EAGER_HINT
 
 
-def explain_silence(model: nn.Module, model_calls: int, block_calls: int) -> str | None:
-    """Why a session captured nothing, in one line; None when its blocks ran (only calls of
-    one token were seen) or nothing says the model ran at all."""
+class Silence(NamedTuple):
+    """Why a session captured nothing."""
+
+    why: str  # in one line
+    # the model ran and none of its blocks did, with no compiled code to explain it: when the
+    # program then failed, its own error is the likelier cause
+    blocks_unseen: bool = False
+
+
+def explain_silence(model: nn.Module, model_calls: int, block_calls: int) -> Silence | None:
+    """Why a session captured nothing; None when its blocks ran (only calls of one token were
+    seen) or nothing says the model ran at all."""
     if block_calls:
         return None
     compiled = compiled_parts(model)
     if _state["compiled_out"]:
-        return ("no block hook ran: the model is compiled with fullgraph=True (as vLLM "
-                "compiles it), where a hook cannot break the graph, so the hooks were "
-                f"compiled out; {eager_hint()}")
+        return Silence("no block hook ran: the model is compiled with fullgraph=True (as "
+                       "vLLM compiles it), where a hook cannot break the graph, so the hooks "
+                       f"were compiled out; {eager_hint()}")
     if compiled or frames_compiled():
         where = f" ({', '.join(compiled[:2])})" if compiled else ""
-        return (f"no block hook ever fired: the blocks run as torch.compile'd code{where} "
-                f"compiled before the hooks were registered, where hooks cannot be seen; "
-                f"{LATE_HINT}")
+        return Silence(f"no block hook ever fired: the blocks run as torch.compile'd code"
+                       f"{where} compiled before the hooks were registered, where hooks cannot "
+                       f"be seen; {LATE_HINT}")
     if model_calls:
-        return (f"the model ran {model_calls} time{'s' if model_calls > 1 else ''} but none "
-                f"of its blocks did (name them with {option('layers')})")
+        return Silence(f"the model ran {model_calls} time{'s' if model_calls > 1 else ''} but "
+                       f"none of its blocks did (name them with {option('layers')})",
+                       blocks_unseen=True)
     return None
 
 

@@ -15,9 +15,6 @@ from .faultspec import FaultSpec, parse_fault
 from .option_names import named_as_flags, option
 
 ENV_CONFIG = "SRDD_DUMP_CONFIG"  # JSON DumpConfig handed to every child Python process
-# the end of the line a session gives when the model ran and none of its blocks did: under
-# --exec, a command that failed gets its own line instead (launch.py)
-LAYERS_HINT = "(name them with --layers)"
 # created in the status folder by srdd-dump when it is sent SIGINT or SIGTERM: every capturing
 # process then finishes its file (dump_file.FileWatch)
 FINISH_REQUEST = "finish"

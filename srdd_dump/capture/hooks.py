@@ -142,6 +142,7 @@ class SessionEnd:
     samples: int = 0
     error: str | None = None
     silence: str | None = None
+    blocks_unseen: bool = False  # compiled.Silence.blocks_unseen
     degraded: list[str] = field(default_factory=list)
     version_notes: list[str] = field(default_factory=list)
 
@@ -258,6 +259,7 @@ class CaptureSession:
         self._fault_handles, self.faults = install_faults(model, self.blocks, config.faults())
         self.error: str | None = None
         self.silence: str | None = None  # why nothing was captured (compiled.explain_silence)
+        self.blocks_unseen = False
         self.model_calls = 0  # forwards of the model and of its first block the hooks saw
         self.block_calls = 0
         self._fired: set[tuple[int, int]] = set()  # (layer, site) whose hook ran in a round
@@ -811,6 +813,7 @@ class CaptureSession:
             _unclosed.discard(self)
             self.end.samples, self.end.error = self.samples, self.error
             self.end.silence, self.end.degraded = self.silence, self.degraded
+            self.end.blocks_unseen = self.blocks_unseen
 
     def _finish(self) -> str | None:
         self._watch.stop()
@@ -841,8 +844,10 @@ class CaptureSession:
                     sys.stderr.write(f"srdd-dump: warning: evidence missing: {line}\n")
         elif not self.error:
             with self.config.naming():
-                self.silence = explain_silence(self.model, self.model_calls, self.block_calls)
+                silence = explain_silence(self.model, self.model_calls, self.block_calls)
                 tokens = option("tokens")
+            if silence:
+                self.silence, self.blocks_unseen = silence
             if not self.silence and self._rounds.no_kept_position:
                 self.silence = (f"{tokens} {self.config.tokens} keeps no position of the "
                                 f"forwards seen (the longest had "

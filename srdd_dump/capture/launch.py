@@ -23,7 +23,6 @@ from .config import (
     ENV_STATUS_DIR,
     EXIT_BAD_OPTIONS,
     FINISH_REQUEST,
-    LAYERS_HINT,
     DumpConfig,
 )
 from .diskspace import MIN_FREE_GB, check_free_space, refuse_a_file
@@ -452,7 +451,7 @@ def _collect(returncode: int, status_dir: str, new_partials: set[str] | None = N
     if not result.files and not result.problems and not result.refused:
         reasons = [st["no_blocks"] for st in statuses if st.get("no_blocks")]
         silent = [f"pid {st['pid']}: nothing captured: "
-                  + (st["silence"] if returncode == 0 or LAYERS_HINT not in st["silence"] else
+                  + (st["silence"] if returncode == 0 or not st.get("blocks_unseen") else
                      f"the command {_ended(returncode)} after the model was called "
                      "and before any of its blocks ran: see the command's own error above")
                   for st in statuses if st.get("silence")]

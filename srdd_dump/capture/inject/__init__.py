@@ -285,6 +285,7 @@ def _report_status() -> None:
         "no_blocks": _state.get("no_blocks"),
         "model_seen": end is not None,
         "silence": getattr(end, "silence", None),
+        "blocks_unseen": getattr(end, "blocks_unseen", False),
         "compiled_out": _compiled_out(),
         "degraded": getattr(end, "degraded", []),
         # torch was imported but the watcher never saw it (an import hook placed before it)
