@@ -449,61 +449,57 @@ def _collect(returncode: int, status_dir: str, new_partials: set[str] | None = N
             "rounds written before (marked incomplete)"
         )
     if not result.files and not result.problems and not result.refused:
-        reasons = [st["no_blocks"] for st in statuses if st.get("no_blocks")]
-        silent = [f"pid {st['pid']}: nothing captured: "
-                  + (st["silence"] if returncode == 0 or not st.get("blocks_unseen") else
-                     f"the command {_ended(returncode)} after the model was called "
-                     "and before any of its blocks ran: see the command's own error above")
-                  for st in statuses if st.get("silence")]
-        if silent:
-            result.problems.extend(silent)
-        elif reasons:
-            result.problems.append(reasons[0])
-        elif not statuses:
-            result.problems.append(
-                "capture never started: no Python process of the command imported torch with "
-                "srdd-dump loaded (is the command's python the one srdd-dump is installed in?)"
-            )
-        elif not any(st.get("model_seen") for st in statuses):
-            unwatched = [st["pid"] for st in statuses if st.get("torch_unwatched")]
-            if unwatched:
-                result.problems.append(
-                    f"pid {unwatched[0]}: torch was imported past srdd-dump's import hook (an "
-                    "import hook of the program found it first), so capture never attached; "
-                    "use srdd_dump.register_hook in the program")
-            elif any(st.get("compiled_out") for st in statuses):
-                result.problems.append(
-                    "no model forward was seen: the models run inside fullgraph=True "
-                    "torch.compile'd code, where srdd-dump's hooks cannot run; run eagerly: "
-                    "srdd-dump --eager")
-            elif all(st.get("torch_missing") for st in statuses):
-                result.problems.append(
-                    "no model ran: the command's Python has no torch (srdd-dump captures "
-                    "PyTorch programs: install the device's torch there, or srdd-dump with "
-                    "its [dump] extra, which pulls torch>=2.1)"
-                    + (f"; the command {_ended(returncode)}" if returncode else ""))
-            elif returncode != 0:
-                result.problems.append(f"nothing captured: the command {_ended(returncode)} "
-                                       "before any model with a block stack ran a forward"
-                                       + ("" if returncode < 0 else ": see its own error above"))
-            elif not any(st.get("torch_imported", True) for st in statuses):
-                result.problems.append(
-                    "no model ran: no Python process of the command imported torch (does it "
-                    "run the model? a Python it starts with an environment of its own, "
-                    f"env={{...}} without {ENV_CONFIG} and PYTHONPATH, runs uncaptured: hand "
-                    "it os.environ)")
-            else:
-                result.problems.append(
-                    "no model with a block stack ran a forward in any process (the program "
-                    "imported torch but ran no model srdd-dump recognises, or a Python it "
-                    "starts with an environment of its own, env={...} without "
-                    f"{ENV_CONFIG} and PYTHONPATH, runs uncaptured: hand it os.environ)")
-        else:
-            result.problems.append(
-                "no model forward with more than one token was captured (no prefill seen)"
-                + (f"; the command {_ended(returncode)}: see its own error above"
-                   if returncode != 0 else ""))
+        result.problems.extend(_why_nothing(statuses, returncode))
     return result
+
+
+def _why_nothing(statuses: list[dict], returncode: int) -> list[str]:
+    """Why a run wrote no file, from what its processes reported: the first reason that
+    holds, most specific first."""
+    silent = [f"pid {st['pid']}: nothing captured: "
+              + (st["silence"] if returncode == 0 or not st.get("blocks_unseen") else
+                 f"the command {_ended(returncode)} after the model was called "
+                 "and before any of its blocks ran: see the command's own error above")
+              for st in statuses if st.get("silence")]
+    if silent:
+        return silent
+    reasons = [st["no_blocks"] for st in statuses if st.get("no_blocks")]
+    if reasons:
+        return reasons[:1]
+    if not statuses:
+        return ["capture never started: no Python process of the command imported torch with "
+                "srdd-dump loaded (is the command's python the one srdd-dump is installed in?)"]
+    if any(st.get("model_seen") for st in statuses):
+        return ["no model forward with more than one token was captured (no prefill seen)"
+                + (f"; the command {_ended(returncode)}: see its own error above"
+                   if returncode != 0 else "")]
+    unwatched = [st["pid"] for st in statuses if st.get("torch_unwatched")]
+    if unwatched:
+        return [f"pid {unwatched[0]}: torch was imported past srdd-dump's import hook (an "
+                "import hook of the program found it first), so capture never attached; "
+                "use srdd_dump.register_hook in the program"]
+    if any(st.get("compiled_out") for st in statuses):
+        return ["no model forward was seen: the models run inside fullgraph=True "
+                "torch.compile'd code, where srdd-dump's hooks cannot run; run eagerly: "
+                "srdd-dump --eager"]
+    if all(st.get("torch_missing") for st in statuses):
+        return ["no model ran: the command's Python has no torch (srdd-dump captures "
+                "PyTorch programs: install the device's torch there, or srdd-dump with "
+                "its [dump] extra, which pulls torch>=2.1)"
+                + (f"; the command {_ended(returncode)}" if returncode else "")]
+    if returncode != 0:
+        return [f"nothing captured: the command {_ended(returncode)} before any model with a "
+                "block stack ran a forward"
+                + ("" if returncode < 0 else ": see its own error above")]
+    if not any(st.get("torch_imported", True) for st in statuses):
+        return ["no model ran: no Python process of the command imported torch (does it "
+                "run the model? a Python it starts with an environment of its own, "
+                f"env={{...}} without {ENV_CONFIG} and PYTHONPATH, runs uncaptured: hand "
+                "it os.environ)"]
+    return ["no model with a block stack ran a forward in any process (the program "
+            "imported torch but ran no model srdd-dump recognises, or a Python it "
+            "starts with an environment of its own, env={...} without "
+            f"{ENV_CONFIG} and PYTHONPATH, runs uncaptured: hand it os.environ)"]
 
 
 def _ended(returncode: int) -> str:
