@@ -229,6 +229,8 @@ def test_healthy_serving_model_has_no_fault(tmp_path, flat, cfg):
     assert FAULT not in set(result.layers["verdict"]), result.layers[["layer", "evidence"]]
     if cfg:  # the fused add + norms are probed on their inputs as they were before the call
         with DumpReader(session.path) as r:
+            # the engine's gated activation (vLLM's SiluAndMul) is an operator too
+            assert "model.layers.2.mlp.act_fn" in r.sites
             norm = r.sites.index("model.layers.2.post_attention_layernorm")
             recs = r.records[(r.records["site"] == norm) & (r.records["round"] == 0)]
             clean = r.read(recs[recs["kind"] == schema.KIND_CLEAN][0]).reshape(-1, 64)
@@ -245,6 +247,25 @@ def test_planted_fault_is_named(tmp_path, spec):
     top = result.layers.iloc[0]
     assert (top["layer"], top["verdict"]) == (layer, FAULT), result.layers.head()
     assert (result.layers["verdict"] == FAULT).sum() == 1
+
+
+def test_a_dead_zone_in_the_engines_gated_activation_is_named_by_the_operator_hunt(tmp_path):
+    """A fused SwiGLU kernel (vLLM's SiluAndMul) that flushes small products to zero in one
+    layer: the hunt's operators hold the activation, and its host replay names it."""
+    model = tiny(layers=LAYERS)
+    act = model.model.layers[2].mlp.act_fn
+    plain = act.forward
+
+    def flushed(x):
+        y = plain(x)
+        return torch.where(y.abs() < 0.02 * y.abs().amax(), torch.zeros_like(y), y)
+
+    act.forward = flushed
+    _capture(model, tmp_path, granularity="op", reference="host", layers="model.layers.2")
+    result = compare_path(str(tmp_path), progress=False)
+    top = result.layers.iloc[0]
+    assert (top["layer"], top["verdict"]) == (2, FAULT), result.layers.head()
+    assert "act_fn" in result.headlines[0], result.headlines
 
 
 def test_fault_on_a_serving_block_acts_on_the_stream():

@@ -105,7 +105,15 @@ def _nothing_found(model: nn.Module) -> str:
 SUBLAYER_NAMES = ("self_attn", "attn", "attention", "self_attention", "mlp", "feed_forward", "ffn")
 
 _CLIPPING_CLASSES = ("ReLU", "ReLU6", "Hardtanh", "Hardsigmoid", "Hardswish", "Threshold",
-                     "ReLUSquaredActivation", "ReLUActivation")
+                     "ReLUSquaredActivation", "ReLUActivation",
+                     # serving engines' gated activations that clamp or floor by design
+                     # (vLLM's gpt-oss / step SwiGLU, FATReLU)
+                     "SwigluOAIAndMul", "SiluAndMulWithClamp", "SwigluStepAndMul",
+                     "FatreluAndMul")
+# serving engines' own activation ops (vLLM's CustomOp classes, vLLM-Ascend's alike): the
+# gated ones take the gate and up projections side by side and return their product
+_ACTIVATION_CLASSES = ("GELUTanh", "QuickGELU", "SwiGLU", "FastGELU", "NewGELU", "XIELU")
+_GATED_ACTIVATION_SUFFIXES = ("AndMul", "AndMulSparse", "MulAndSilu")
 
 
 class Site(NamedTuple):
@@ -213,7 +221,8 @@ def operator_role(module: nn.Module) -> str | None:
     if cls in _CLIPPING_CLASSES:
         return CLIPPING
     if (type(module).__module__ == "torch.nn.modules.activation"
-            or cls.endswith("Activation") or cls in ("GELUTanh", "QuickGELU", "SwiGLU")):
+            or cls.endswith(("Activation", *_GATED_ACTIVATION_SUFFIXES))
+            or cls in _ACTIVATION_CLASSES):
         return ACTIVATION
     return None
 
