@@ -81,8 +81,10 @@ class DumpOutput:
 
 # A serving engine is stopped by killing its workers (vLLM: SIGKILL to the process tree), so a
 # file still open then would never be finished: after this long without a forward, the file is
-# finished, and a later request starts the next one.
-IDLE_FINISH_SECONDS = 2.0
+# finished, and a later request starts the next one. Long enough that a stall of a busy host
+# between two decode steps does not split the requests under way between two files (2 s did,
+# on a loaded 2-core machine, and their halves could not be compared).
+IDLE_FINISH_SECONDS = 10.0
 
 
 class FileWatch:
