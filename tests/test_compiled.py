@@ -258,3 +258,21 @@ def test_exec_when_every_forward_is_inside_a_fullgraph_function(tmp_path):
     assert lines == ["srdd-dump: error: no model forward was seen: the models run inside "
                      "fullgraph=True torch.compile'd code, where srdd-dump's hooks cannot run; "
                      "run eagerly: srdd-dump --eager"]
+
+
+def test_exec_when_a_fullgraph_process_is_killed_before_it_reports(tmp_path):
+    """A serving engine's worker compiles the model fullgraph and is killed at shutdown
+    (vLLM SIGKILLs it): the compiled-out hooks are said all the same, not 'no model ran'."""
+    _fullgraph_compiles()
+    script = tmp_path / "killed.py"
+    script.write_text(
+        f"import os, signal, sys; sys.path.insert(0, {FIXTURES!r})\n"
+        "import torch\nfrom tiny_models import build\nmodel = build('llama')\n"
+        "run = torch.compile(model, backend='eager', fullgraph=True)\n"
+        "with torch.no_grad():\n    run(torch.randint(0, 128, (1, 7)))\n"
+        "print('served', flush=True)\nos.kill(os.getpid(), signal.SIGKILL)\n")
+    res = run_cli("srdd-dump", "--exec", f"{sys.executable} {script}", "-o", str(tmp_path / "d"))
+    assert res.returncode != 0 and "served" in res.stdout
+    lines = [line for line in res.stderr.splitlines() if line.startswith("srdd-dump")]
+    assert any("fullgraph=True" in line and "--eager" in line for line in lines), lines
+    assert not any("no model" in line for line in lines), lines

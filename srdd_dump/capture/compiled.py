@@ -52,9 +52,25 @@ def _graph_breaks_allowed() -> bool:
         allowed = not (tx.one_graph or getattr(tx, "error_on_graph_break", False))
     except Exception:  # noqa: BLE001 (another torch: never break a graph then)
         allowed = False
-    if not allowed:
+    if not allowed and not _state["compiled_out"]:
         _state["compiled_out"] = True
+        _report_now()
     return allowed
+
+
+def _report_now() -> None:
+    """Under --exec: say at once that the hooks were compiled out (a serving engine's worker is
+    killed at shutdown, before it could say so at exit)."""
+    inject = sys.modules.get("srdd_dump.capture.inject")
+    if inject is not None:
+        inject.report_early({"model_seen": True, "compiled_out": True,
+                             "silence": _compiled_out_silence()})
+
+
+def _compiled_out_silence() -> str:
+    return ("no block hook ran: the model is compiled with fullgraph=True (as vLLM compiles "
+            "it), where a hook cannot break the graph, so the hooks were compiled out; "
+            f"{eager_hint()}")
 
 
 def _tracer():
@@ -234,9 +250,7 @@ def explain_silence(model: nn.Module, model_calls: int, block_calls: int) -> Sil
         return None
     compiled = compiled_parts(model)
     if _state["compiled_out"]:
-        return Silence("no block hook ran: the model is compiled with fullgraph=True (as "
-                       "vLLM compiles it), where a hook cannot break the graph, so the hooks "
-                       f"were compiled out; {eager_hint()}")
+        return Silence(_compiled_out_silence())
     if compiled or frames_compiled():
         where = f" ({', '.join(compiled[:2])})" if compiled else ""
         return Silence(f"no block hook ever fired: the blocks run as torch.compile'd code"

@@ -320,7 +320,8 @@ def _refused(status_dir: str, read: set[str]) -> list[int]:
                 status = json.load(fh)
         except (OSError, ValueError):  # being written: read again next time
             continue
-        read.add(name)
+        if not status.get("early"):  # an early one is replaced by the one at exit
+            read.add(name)
         if status.get("refused") and isinstance(status.get("pid"), int):
             pids.append(status["pid"])
     return pids
@@ -396,6 +397,8 @@ def _collect(returncode: int, status_dir: str, new_partials: set[str] | None = N
     result = ExecResult(returncode=returncode)
     statuses = []
     for name in sorted(os.listdir(status_dir)):
+        if not name.endswith(".json"):
+            continue
         try:
             with open(os.path.join(status_dir, name)) as fh:
                 statuses.append(json.load(fh))

@@ -260,6 +260,22 @@ def _torch_missing() -> bool:
         return True
 
 
+def report_early(fields: dict) -> None:
+    """What this process knows now, as its status, until it reports at exit (a process killed
+    first, as vLLM kills its workers at shutdown, leaves this one)."""
+    status_dir = os.environ.get(ENV_STATUS_DIR)
+    if _state.get("reported") or not status_dir or not os.path.isdir(status_dir):
+        return
+    path = os.path.join(status_dir, f"{os.getpid()}.json")
+    try:
+        with open(path + ".tmp", "w") as fh:
+            json.dump({"pid": os.getpid(), "argv": sys.argv, "files": [], "early": True,
+                       "torch_imported": "torch" in sys.modules, **fields}, fh)
+        os.replace(path + ".tmp", path)
+    except OSError:
+        pass
+
+
 def _report_status() -> None:
     if _state.get("reported"):
         return
