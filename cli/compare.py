@@ -182,7 +182,9 @@ def compare(
                 typer.echo(diagnosis_text(result, written, explain=explain))
         if baseline is not None and result.nothing_compared:
             hint = ("capture both runs with the same batching (a batch's sequences pair by "
-                    "their position in it)" if "batched differently" in result.nothing_compared
+                    "their position in it): run the batched one a prompt at a time (batch 1, "
+                    "as a serving engine's dump holds each request apart)"
+                    if "batched differently" in result.nothing_compared
                     else "are both dumps of the same model and prompts?")
             raise UserError(f"nothing was compared ({result.nothing_compared}): {hint} "
                             "(report written)")

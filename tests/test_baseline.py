@@ -1033,3 +1033,6 @@ def test_runs_batched_differently_say_so_not_other_prompts(runs, tmp_path):
     proc = run_cli("srdd-compare", batched, "--baseline", apart, "-o", str(tmp_path / "r.csv"))
     assert proc.returncode == 2
     assert "capture both runs with the same batching" in proc.stderr, proc.stderr
+    assert "batch 1, as a serving engine's dump" in proc.stderr
+    # the rows not compared are counted under the reason with its numbers, not "batch N"
+    assert "batched differently (batch 2 here, 1 in the golden run)" in proc.stdout, proc.stdout

@@ -291,7 +291,7 @@ def summarize(table: pd.DataFrame, same_device: dict[tuple[str, str], bool] | No
         "max_relative_euclidean_distance", ascending=False, kind="mergesort"
     ).head(WORST)
     reasons = table.loc[table["verdict"] == NOT_COMPARED, "cmp_fail_reason"]
-    not_compared = {str(k): int(v) for k, v in _reason_kinds(reasons).value_counts().items()}
+    not_compared = _reason_counts(reasons)
     firsts = table[table["first_divergence"]]
     summary = BaselineSummary(
         verdicts=verdicts, rounds=rounds, first_divergence=firsts, first_layer=None,
@@ -528,6 +528,18 @@ def _reason_kinds(reasons: pd.Series) -> pd.Series:
     return reasons.fillna("").str.split(":").str[0].str.replace(r"\d+", "N", regex=True)
 
 
+def _reason_counts(reasons: pd.Series) -> dict[str, int]:
+    """Rows per kind of reason, most first; a kind whose rows all say the same numbers is
+    named with them ('batch 1 here, 3 in the golden run', not 'batch N here, N ...')."""
+    heads = reasons.fillna("").str.split(":").str[0]
+    kinds = _reason_kinds(reasons)
+    counts = {}
+    for kind, n in kinds.value_counts().items():
+        said = heads[kinds == kind].unique()
+        counts[str(said[0] if len(said) == 1 else kind)] = int(n)
+    return counts
+
+
 def _sites_only(sites: pd.DataFrame) -> str:
     """The finding when no block output is in both dumps but sub-layers or operators are (a
     dump of some modules of one layer): their verdicts, and the first that breaks tolerance."""
@@ -650,10 +662,9 @@ def _uncompared(table: pd.DataFrame) -> str:
     reasons = reasons[~reasons.str.contains(ABSENT, regex=True)]
     if reasons.empty:
         return ""
-    kinds = _reason_kinds(reasons).value_counts()
     n = len(reasons)
     return (f"; but {n} row{' was' if n == 1 else 's were'} not compared ("
-            + ", ".join(f"{kind}: {count}" for kind, count in kinds.items())
+            + ", ".join(f"{kind}: {count}" for kind, count in _reason_counts(reasons).items())
             + "; see cmp_fail_reason): the PASS covers the compared rows only")
 
 
