@@ -674,6 +674,13 @@ def test_matching_rules():
     mine = _rounds([(0, 0, 7), (1, 0, 8), (2, 0, 0)])
     golden = _rounds([(0, 0, 8), (1, 0, 9), (2, 0, 7), (3, 0, 5)])
     assert pair_samples(mine, golden) == [(0, 2), (1, 0), (2, 1), (None, 3)]
+    # a prompt run twice here and once in the golden run pairs with it both times (the second
+    # copy was "not in the golden dump"); twice on both sides, one to one
+    mine = _rounds([(0, 0, 7), (1, 0, 8), (2, 0, 7)])
+    golden = _rounds([(0, 0, 8), (1, 0, 7)])
+    assert pair_samples(mine, golden) == [(0, 1), (1, 0), (2, 1)]
+    golden = _rounds([(0, 0, 7), (1, 0, 8), (2, 0, 7)])
+    assert pair_samples(mine, golden) == [(0, 0), (1, 1), (2, 2)]
 
 
 # -- (i) -j 2 gives the same table as -j 1 -----------------------------------------------------
@@ -1036,3 +1043,34 @@ def test_runs_batched_differently_say_so_not_other_prompts(runs, tmp_path):
     assert "batch 1, as a serving engine's dump" in proc.stderr
     # the rows not compared are counted under the reason with its numbers, not "batch N"
     assert "batched differently (batch 2 here, 1 in the golden run)" in proc.stdout, proc.stdout
+
+
+@pytest.mark.unit
+def test_the_sub_layer_marked_in_a_birth_layer_is_the_one_that_breaks_tolerance():
+    """vLLM against Hugging Face, a clamp in layer 3's MLP (a user's run): the input norm grows
+    the two engines' rounding 14x and PASSes, the MLP FAILs 1.8e6x its input's error. The
+    sub-layer marked is the MLP (the last candidate at or before the first site beyond
+    tolerance), not the norm; with no site beyond tolerance, the first candidate."""
+    from srdd_dump.compare.divergence import mark_divergence, mark_sites
+
+    table = mark_divergence(_rounds_table([[1e-7, 1e-7, 1e-7, 0.2, 0.2, 0.2]],
+                                          dtype_mine="float32"))
+    table["tolerance"] = "float32"
+    assert list(table.loc[table["first_divergence"], "layer"]) == [3]
+
+    def sites(verdicts_reds):
+        rows = [dict(source="a", golden_source="b", sample=0, golden_sample=0, step=0,
+                     layer=3, module=f"l.3.{name}", golden_module="", verdict=verdict,
+                     relative_euclidean_distance=red, cosine_similarity=1.0,
+                     tolerance="float32", golden_nan_inf=0, my_nan_inf=0,
+                     my_dtype="float32", golden_dtype="float32", cmp_fail_reason="")
+                for name, verdict, red in verdicts_reds]
+        return mark_sites(pd.DataFrame(rows), table)
+
+    broken = sites([("input_layernorm", "PASS", 1.4e-6), ("self_attn", "PASS", 2e-7),
+                    ("post_attention_layernorm", "PASS", 3e-7), ("mlp", "FAIL", 0.2)])
+    assert broken.loc[broken["first_divergence"], "module"].tolist() == ["l.3.mlp"]
+    within = sites([("input_layernorm", "PASS", 1.4e-6), ("self_attn", "PASS", 2e-7),
+                    ("post_attention_layernorm", "PASS", 3e-7), ("mlp", "PASS", 4e-6)])
+    assert within.loc[within["first_divergence"], "module"].tolist() == [
+        "l.3.input_layernorm"]

@@ -54,7 +54,9 @@ def _samples(rounds: np.ndarray) -> dict[int, list[np.void]]:
 def pair_samples(
     mine: np.ndarray, golden: np.ndarray
 ) -> list[tuple[int | None, int | None]]:
-    """(my sample, golden sample) pairs: by input hash first, then in order; None = unpaired."""
+    """(my sample, golden sample) pairs: by input hash first, then in order; None = unpaired.
+    A prompt my run repeated more often than the golden one pairs with its golden sample
+    again (the same inputs, the same expected outputs)."""
     my_s, golden_s = _samples(mine), _samples(golden)
     key_g = {s: int(rows[0]["tokens_hash"]) for s, rows in golden_s.items()}
     used: set[int] = set()
@@ -63,11 +65,11 @@ def pair_samples(
         h = int(rows[0]["tokens_hash"])
         if not h:
             continue
-        for g, hg in key_g.items():
-            if g not in used and hg == h:
-                partner[s] = g
-                used.add(g)
-                break
+        same = [g for g, hg in key_g.items() if hg == h]
+        fresh = [g for g in same if g not in used]
+        if fresh or same:
+            partner[s] = (fresh or same)[0]
+            used.add(partner[s])
     left_g = [g for g in golden_s if g not in used]
     for s in my_s:
         if s not in partner and left_g:

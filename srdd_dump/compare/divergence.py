@@ -200,7 +200,9 @@ def mark_sites(sites: pd.DataFrame, table: pd.DataFrame,
     amp = np.full(len(sites), math.nan)
     first = np.zeros(len(sites), dtype=bool)
     same_setup = _same_setup(sites, same_device)
-    done: set[tuple] = set()
+    # (group, layer) of a birth layer -> its candidate sites, and its first WARN/FAIL site
+    candidates: dict[tuple, list[int]] = {}
+    breaks: dict[tuple, int] = {}
     site_keys = sites[GROUP].astype(object).where(sites[GROUP].notna(), None)
     nonfinite = (sites["golden_nan_inf"].fillna(0) + sites["my_nan_inf"].fillna(0)).to_numpy()
     for pos, (key, layer, red, verdict, tol) in enumerate(zip(
@@ -210,12 +212,19 @@ def mark_sites(sites: pd.DataFrame, table: pd.DataFrame,
             continue
         input_red, birth_layer = inputs[(key, int(layer))]
         amp[pos] = _ratio(float(red), max(input_red, UNIT_ROUNDOFF.get(tol, 0.0)))
-        if not birth_layer or (key, int(layer)) in done:
+        at = (key, int(layer))
+        if not birth_layer or at in breaks:
             continue
         exact = input_red == 0.0 and same_setup[pos] and red > 0
         if amp[pos] >= BIRTH_GROWTH or exact or (verdict == FAIL and nonfinite[pos] > 0):
-            first[pos] = True
-            done.add((key, int(layer)))
+            candidates.setdefault(at, []).append(pos)
+        if verdict in (WARN, FAIL):
+            breaks[at] = pos
+    # as for blocks: the last candidate at or before the first site beyond tolerance (a
+    # norm that grew two devices' rounding tenfold comes before the MLP that broke it);
+    # where no site breaks tolerance, the first
+    for at, found in candidates.items():
+        first[found[-1] if at in breaks else found[0]] = True
     out = sites_in.copy()
     out["error_amplification"] = amp
     out["first_divergence"] = first
