@@ -676,7 +676,10 @@ def test_the_healthy_headline_names_the_phases_judged_and_unprobed_decode_steps(
     # a sliding-window cache longer than its window: some layers' decode blocks unprobed
     layers = [Signals(layer=k, site=-1, module=f"m{k}", phase=DECODE, probed_samples=int(k < 3))
               for k in range(18)]
-    assert phases_note(layers) == " (prefill and decode steps, decode probed at 3 of 18 layers)"
+    assert phases_note([prefill, *layers]) == (
+        " (prefill and decode steps, decode probed at 3 of 18 layers)")
+    # a serving engine's later file holding decode steps of requests under way only
+    assert phases_note([unprobed]) == " (decode steps only: no prefill is in this file)"
     # the stack input (layer -1) is never probed: not a layer left unprobed
     stack = Signals(layer=-1, site=-1, module="embed", phase=DECODE, probed_samples=0)
     assert phases_note([prefill, probed, stack]) == " (prefill and decode steps)"

@@ -30,7 +30,12 @@ def host_copy(module: nn.Module) -> nn.Module:
     """A float64 CPU copy of ``module`` without hooks; the original is not touched."""
     memo: dict[int, Any] = {}
     for m in module.modules():
-        for p in m._parameters.values():
+        for name, p in m._parameters.items():
+            if name == "weight" and p is not None and p.is_floating_point() and p.numel() == 0:
+                raise RuntimeError(
+                    f"{type(m).__name__} holds its weights in the engine's own kernel (an "
+                    "empty weight tensor, as vLLM's CPU build hands them to oneDNN): there "
+                    "are none to copy to the host")
             if p is not None and id(p) not in memo:
                 data = p.detach().to(HOST, torch.float64 if p.is_floating_point() else p.dtype,
                                      copy=True)
@@ -39,12 +44,12 @@ def host_copy(module: nn.Module) -> nn.Module:
             if b is not None and id(b) not in memo:
                 memo[id(b)] = b.detach().to(HOST, torch.float64 if b.is_floating_point()
                                             else b.dtype, copy=True)
-        for name in WRAPPERS:  # accelerate's device hooks would move the copy's inputs back
-            value = m.__dict__.get(name)
+        for attr in WRAPPERS:  # accelerate's device hooks would move the copy's inputs back
+            value = m.__dict__.get(attr)
             if value is not None:
                 memo[id(value)] = None
-        for name in HOOK_TABLES:  # hooks are not copied (they hold the capture session)
-            table = getattr(m, name, None)
+        for attr in HOOK_TABLES:  # hooks are not copied (they hold the capture session)
+            table = getattr(m, attr, None)
             if table is not None:
                 memo[id(table)] = type(table)()
     clone = copy.deepcopy(module, memo)

@@ -127,6 +127,8 @@ def phases_note(signals: list[Signals]) -> str:
     decode = [g for g in signals if g.phase == DECODE]
     if not decode:  # a program of forwards only (an evaluation harness, use_cache=False)
         return " (prefill only: no decode step was captured)"
+    if len(decode) == len(signals):  # a serving engine's later file: requests under way
+        return " (decode steps only: no prefill is in this file)"
     if not any(g.probed_samples for g in decode):
         if not any(g.probed_samples for g in signals):
             return " (prefill and decode steps)"
