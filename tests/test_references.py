@@ -184,6 +184,67 @@ def test_faults_inside_the_mlp_are_found_at_default_options(tmp_path, fault, lab
     assert top["diagnosis"].split(",")[0] == label, top["diagnosis"]
 
 
+class PortedSiLU(torch.nn.Module):
+    """A port's own activation kernel put in place of the model's act_fn (a class srdd-dump
+    has no formula for), clamping its output as a faulty fused kernel would (``limit``)."""
+
+    def __init__(self, limit: float | None = None):
+        super().__init__()
+        self.limit = limit
+
+    def forward(self, x):
+        y = torch.nn.functional.silu(x)
+        return y if self.limit is None else y.clamp(-self.limit, self.limit)
+
+
+def _ported(limit_at_2: float | None, layers: int = 4):
+    model = build("llama", layers=layers, dtype=torch.float32)
+    for i, layer in enumerate(model.model.layers):
+        layer.mlp.act_fn = PortedSiLU(limit_at_2 if i == 2 else None)
+    return model
+
+
+@pytest.mark.integration
+def test_a_ported_activation_module_is_checked_against_the_configured_activation(tmp_path):
+    """A clamp inside an activation module of the user's own class (a trial's ClampAct): the
+    reference MLP computes the activation the model's config names, so it is found at default
+    options; the healthy ported kernel passes."""
+    healthy, result = _dump(tmp_path / "ok", _ported(None))
+    assert FAULT not in set(result.layers["verdict"]), result.headlines
+    assert not any("MLP references" in line for line in healthy.coverage.shortfalls())
+    with torch.no_grad():  # a limit that bites on some elements, not all
+        probe = _ported(None)
+        acts = {}
+        probe.model.layers[2].mlp.act_fn.register_forward_hook(
+            lambda m, a, out: acts.setdefault("y", out))
+        probe(PROMPTS, attention_mask=MASK)
+    limit = float(acts["y"].abs().quantile(0.99))
+    _, result = _dump(tmp_path / "bad", _ported(limit))
+    top = result.layers.iloc[0]
+    assert (top["verdict"], int(top["layer"])) == (FAULT, 2), result.headlines
+    assert top["diagnosis"].split(",")[0] == "MLP_MISMATCH", top["diagnosis"]
+
+
+@pytest.mark.integration
+def test_an_mlp_reference_that_cannot_be_built_is_said(tmp_path):
+    """An activation of an unknown class in a model whose config names none srdd-dump has a
+    formula for: the reference MLP is missing evidence, not silently absent."""
+    model = _ported(None)
+    model.config.hidden_act = "some_new_act"
+    session, _ = _dump(tmp_path, model)
+    lines = [line for line in session.coverage.shortfalls() if "MLP references" in line]
+    assert lines and "PortedSiLU" in lines[0], session.coverage.shortfalls()
+
+
+@pytest.mark.integration
+def test_an_activation_module_of_an_unknown_class_is_an_operator(tmp_path):
+    session, _ = _dump(tmp_path, _ported(None), granularity="op", layers="model.layers.2")
+    from srdd_dump.format.reader import DumpReader
+
+    with DumpReader(session.path) as r:
+        assert "model.layers.2.mlp.act_fn" in r.sites
+
+
 @pytest.mark.integration
 def test_an_fp8_round_trip_is_precision_not_saturation(tmp_path):
     _, result = _dump(tmp_path, build("llama", layers=4, dtype=torch.float32),

@@ -227,6 +227,17 @@ def operator_role(module: nn.Module) -> str | None:
     return None
 
 
+# where a block keeps its activation (Hugging Face's MLPs): a module of a class srdd-dump
+# does not know held there (a port's own fused kernel) is an activation site all the same
+ACTIVATION_NAMES = ("act_fn", "act", "activation_fn", "activation")
+
+
+def _named_activation(name: str, module: nn.Module) -> bool:
+    """An activation by where it is held: a leaf module without weights named act_fn, ..."""
+    return (name.rsplit(".", 1)[-1] in ACTIVATION_NAMES and not list(module.children())
+            and not list(module.parameters(recurse=False)))
+
+
 def find_operators(model: nn.Module, blocks: list[tuple[str, nn.Module]]) -> list[Site]:
     """The operators inside every block, in registration order: every linear map,
     normalisation, activation and rotary embedding module, and the attention core (as the input
@@ -244,6 +255,8 @@ def find_operators(model: nn.Module, blocks: list[tuple[str, nn.Module]]) -> lis
                 continue
             inside.add(id(module))
             role = operator_role(module) if name else None
+            if role is None and name and _named_activation(name, module):
+                role = ACTIVATION
             if any(name == f or name.startswith(f + ".") for f in fused):
                 role = None  # a fused experts module's insides run on routed tokens only
             if role is not None:

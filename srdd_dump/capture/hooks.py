@@ -246,7 +246,8 @@ class CaptureSession:
             attention=attention_layouts(model, [
                 s.module for s in self.sites if sublayer_kind(s.role, s.name) == "attention"]),
             mlp=MlpReference([s.module for s in self.sites
-                              if sublayer_kind(s.role, s.name) == "mlp"], HostWeights()))
+                              if sublayer_kind(s.role, s.name) == "mlp"], HostWeights(),
+                             getattr(model, "config", None)))
         self.degraded: list[str] = []  # coverage.shortfalls() at close
         self.version_notes = untested_notes()  # libraries outside the tested range
         self.end = SessionEnd(version_notes=self.version_notes)  # filled when it closes

@@ -12,7 +12,7 @@ Each call converts the weights to float64 on the host (host_weights.py).
 from __future__ import annotations
 
 import math
-from typing import Callable, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import torch
 from torch import nn
@@ -42,6 +42,15 @@ class MlpLayout(NamedTuple):
     activation: Callable[[torch.Tensor], torch.Tensor]
 
 
+# the activations a model's config names (transformers' ACT2FN keys), by formula
+CONFIG_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": ACTIVATIONS["SiLU"], "swish": ACTIVATIONS["SiLU"], "gelu": _gelu,
+    "gelu_pytorch_tanh": _gelu_tanh, "gelu_new": _gelu_tanh, "gelu_tanh": _gelu_tanh,
+    "relu": torch.relu,
+}
+NOT_GATED = "no gate_proj / up_proj / down_proj floating-point torch Linear modules"
+
+
 def activation_of(module: nn.Module) -> Callable[[torch.Tensor], torch.Tensor] | None:
     """The activation's formula, by its module class (``nn.GELU`` by its ``approximate``)."""
     name = type(module).__name__
@@ -50,16 +59,33 @@ def activation_of(module: nn.Module) -> Callable[[torch.Tensor], torch.Tensor] |
     return ACTIVATIONS.get(name)
 
 
-def mlp_layout(module: nn.Module) -> MlpLayout | str:
-    """The layout of a gated MLP of the Hugging Face kind; a string says why not."""
+def configured_activation(config: Any) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """The formula of the activation a model's config names (``hidden_activation`` first, as
+    Gemma reads it, then ``hidden_act``; a multimodal model's text config too)."""
+    for c in (config, getattr(config, "text_config", None)):
+        for key in ("hidden_activation", "hidden_act"):
+            name = getattr(c, key, None)
+            if isinstance(name, str) and name in CONFIG_ACTIVATIONS:
+                return CONFIG_ACTIVATIONS[name]
+    return None
+
+
+def mlp_layout(module: nn.Module, config: Any = None) -> MlpLayout | str:
+    """The layout of a gated MLP of the Hugging Face kind; a string says why not. An
+    activation module of a class srdd-dump has no formula for (a port's own fused kernel put
+    in place of the model's) is taken to compute the activation the model's config names:
+    the reference is the model as configured, so a wrong kernel differs from it."""
     children = dict(module.named_children())
     linear = [children.get(n) for n in ("gate_proj", "up_proj", "down_proj")]
     if not all(isinstance(m, nn.Linear) and m.weight.is_floating_point() for m in linear):
-        return "no gate_proj / up_proj / down_proj floating-point torch Linear modules"
+        return NOT_GATED
     act = children.get("act_fn") or children.get("act")
     formula = activation_of(act) if act is not None else None
+    if formula is None and act is not None:
+        formula = configured_activation(config)
     if formula is None:
-        return f"an activation srdd-dump has no formula for ({type(act).__name__})"
+        return (f"an activation srdd-dump has no formula for ({type(act).__name__}) and the "
+                "model's config names none it has")
     gate, up, down = linear
     if gate.out_features != up.out_features or down.in_features != up.out_features:
         return "projections of mismatched widths (sharded?)"
@@ -69,8 +95,8 @@ def mlp_layout(module: nn.Module) -> MlpLayout | str:
 class MlpReference:
     """Float64 reference outputs of the probe rows of recognised MLPs."""
 
-    def __init__(self, modules: list[nn.Module], weights: HostWeights):
-        self.layouts = {id(m): mlp_layout(m) for m in modules}
+    def __init__(self, modules: list[nn.Module], weights: HostWeights, config: Any = None):
+        self.layouts = {id(m): mlp_layout(m, config) for m in modules}
         self.weights = weights
 
     def rows(self, module: nn.Module, x_rows: torch.Tensor) -> torch.Tensor:

@@ -35,7 +35,7 @@ from .evidence import family
 from .host import host_replay
 from .host_weights import HostWeights
 from .identities import causal_cut, is_causal, scale_replays
-from .mlp_reference import MlpReference
+from .mlp_reference import NOT_GATED, MlpReference
 from .model_facts import has_past
 from .moe_capture import ExpertCapture
 from .parallel import TensorParallel, to_local
@@ -243,9 +243,14 @@ class Replays:
         # the reference attention reads the cache as the call left it: it needs no snapshot
         referenced = (id(module) in self.attention and (spec.attention or host)
                       and self.attention_record(module, layer, site, args, kwargs, hidden, ctx))
-        if (not referenced and self.mlp is not None and spec.mlp
-                and not isinstance(self.mlp.layouts.get(id(module), ""), str)):
+        layout = self.mlp.layouts.get(id(module), NOT_GATED) if self.mlp is not None else None
+        if not referenced and spec.mlp and layout is not None and not isinstance(layout, str):
             referenced = self.mlp_record(module, layer, site, args, kwargs, hidden, ctx)
+        elif spec.mlp and isinstance(layout, str) and layout != NOT_GATED:
+            # a gated MLP whose reference cannot be built: said, never lost silently
+            name = self._family(ctx, site, "references")
+            self.coverage.expect(name)
+            self.coverage.failed(name, f"{type(module).__name__}: {layout}")
         host = host and not referenced
         if decode and cache is None and has_past(args, kwargs):
             # a decode step whose past cannot be reproduced: no replay, clean data only
