@@ -268,6 +268,22 @@ def test_a_dead_zone_in_the_engines_gated_activation_is_named_by_the_operator_hu
     assert "act_fn" in result.headlines[0], result.headlines
 
 
+def test_a_flush_in_the_engines_gated_activation_is_found_at_default_options(tmp_path):
+    """The same flushing SiluAndMul, default options: the reference MLP of a fused
+    gate_up_proj (vLLM's layout: the gate half first) finds it at the MLP; healthy MLPs of
+    that layout pass (test_healthy_serving_model_has_no_fault)."""
+    model = tiny(layers=LAYERS)
+    act = model.model.layers[2].mlp.act_fn
+    plain = act.forward
+    act.forward = lambda x: torch.where(plain(x).abs() < 0.02, torch.zeros(()), plain(x))
+    session, _ = _capture(model, tmp_path)
+    assert not any("MLP references" in line for line in session.coverage.shortfalls())
+    result = compare_path(str(tmp_path), progress=False)
+    top = result.layers.iloc[0]
+    assert (top["layer"], top["verdict"]) == (2, FAULT), result.layers.head()
+    assert top["diagnosis"].split(",")[0] == "MLP_MISMATCH", top["diagnosis"]
+
+
 def test_fault_on_a_serving_block_acts_on_the_stream():
     model = tiny(layers=3)
     ids, pos = torch.tensor(_prompts()[0]), torch.arange(24)

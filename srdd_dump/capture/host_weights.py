@@ -25,7 +25,8 @@ class HostWeights:
         """``module`` applied to float64 host rows ``x`` in float64."""
         weight = self._weight(module)
         y = x @ weight.T  # a new tensor: the scratch buffer is reused by the next call
-        return y if module.bias is None else y + module.bias.detach().to(HOST, F64)
+        bias = getattr(module, "bias", None)
+        return y if bias is None else y + bias.detach().to(HOST, F64)
 
     def release(self) -> None:
         """Drop the reused buffers (the session is closed)."""

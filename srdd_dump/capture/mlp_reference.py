@@ -36,10 +36,33 @@ ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 
 
 class MlpLayout(NamedTuple):
-    gate: nn.Linear
-    up: nn.Linear
-    down: nn.Linear
+    gate: nn.Module  # a serving engine's fused gate_up_proj: gate and up side by side
+    up: nn.Module | None  # None: fused into ``gate``
+    down: nn.Module
     activation: Callable[[torch.Tensor], torch.Tensor]
+    gate_first: bool = True  # fused: the gate is the first half of the columns
+
+
+# serving engines' gated activation ops (vLLM's CustomOp classes): the formula of the gate
+# half, and whether the gate is the first half of their input
+GATED: dict[str, tuple[Callable[[torch.Tensor], torch.Tensor], bool]] = {
+    "SiluAndMul": (ACTIVATIONS["SiLU"], True), "MulAndSilu": (ACTIVATIONS["SiLU"], False),
+    "GeluAndMul": (_gelu, True),
+}
+
+
+def _gated(act: nn.Module | None) -> tuple[Callable[[torch.Tensor], torch.Tensor], bool] | None:
+    name = type(act).__name__
+    if name == "GeluAndMul" and getattr(act, "approximate", "none") == "tanh":
+        return _gelu_tanh, True
+    return GATED.get(name)
+
+
+def _projection(m: Any) -> bool:
+    """A linear map whose float64 copy can be made: a 2-D floating weight held here."""
+    w = getattr(m, "weight", None)
+    return (isinstance(m, nn.Module) and isinstance(w, torch.Tensor) and w.dim() == 2
+            and w.is_floating_point())
 
 
 # the activations a model's config names (transformers' ACT2FN keys), by formula
@@ -76,10 +99,13 @@ def mlp_layout(module: nn.Module, config: Any = None) -> MlpLayout | str:
     in place of the model's) is taken to compute the activation the model's config names:
     the reference is the model as configured, so a wrong kernel differs from it."""
     children = dict(module.named_children())
+    act = children.get("act_fn") or children.get("act")
+    fused = children.get("gate_up_proj")
+    if fused is not None and _gated(act) is not None:
+        return _fused_layout(fused, children.get("down_proj"), act)
     linear = [children.get(n) for n in ("gate_proj", "up_proj", "down_proj")]
     if not all(isinstance(m, nn.Linear) and m.weight.is_floating_point() for m in linear):
         return NOT_GATED
-    act = children.get("act_fn") or children.get("act")
     formula = activation_of(act) if act is not None else None
     if formula is None and act is not None:
         formula = configured_activation(config)
@@ -90,6 +116,23 @@ def mlp_layout(module: nn.Module, config: Any = None) -> MlpLayout | str:
     if gate.out_features != up.out_features or down.in_features != up.out_features:
         return "projections of mismatched widths (sharded?)"
     return MlpLayout(gate, up, down, formula)
+
+
+def _fused_layout(gate_up: nn.Module, down: Any, act: nn.Module) -> MlpLayout | str:
+    """vLLM's MLP: ``down(act_and_mul(gate_up(x)))``, the gate and up projections' outputs side
+    by side in one linear map."""
+    if not (_projection(gate_up) and _projection(down)):
+        if any(getattr(m, "weight", None) is not None and m.weight.numel() == 0
+               for m in (gate_up, down) if m is not None):
+            return ("projections whose weights are kept elsewhere (an empty weight tensor: the "
+                    "engine's own packed form, e.g. vLLM's CPU backend)")
+        return NOT_GATED
+    if any(getattr(m, "tp_size", 1) != 1 for m in (gate_up, down)):
+        return "projections split over tensor-parallel ranks"
+    if gate_up.weight.shape[0] != 2 * down.weight.shape[1]:
+        return "projections of mismatched widths (sharded?)"
+    formula, gate_first = _gated(act)
+    return MlpLayout(gate_up, None, down, formula, gate_first)
 
 
 class MlpReference:
@@ -104,5 +147,9 @@ class MlpReference:
         layout = self.layouts[id(module)]
         x = x_rows.detach().to(HOST, F64)
         linear = self.weights.linear
-        return linear(layout.down, layout.activation(linear(layout.gate, x))
-                      * linear(layout.up, x))
+        if layout.up is not None:
+            return linear(layout.down, layout.activation(linear(layout.gate, x))
+                          * linear(layout.up, x))
+        first, second = linear(layout.gate, x).chunk(2, dim=-1)
+        gate, up = (first, second) if layout.gate_first else (second, first)
+        return linear(layout.down, layout.activation(gate) * up)
