@@ -1074,3 +1074,18 @@ def test_the_sub_layer_marked_in_a_birth_layer_is_the_one_that_breaks_tolerance(
                     ("post_attention_layernorm", "PASS", 3e-7), ("mlp", "PASS", 4e-6)])
     assert within.loc[within["first_divergence"], "module"].tolist() == [
         "l.3.input_layernorm"]
+
+
+@pytest.mark.unit
+def test_uncompared_rows_count_a_stack_input_both_sides_hold():
+    """The finding's 'but N rows were not compared' counts the stack input rows that both
+    sides hold (inputs differ), as the summary's count does (a user saw 93 there and 90 in
+    the finding); a stack input one side did not record stays said per row."""
+    from srdd_dump.compare.divergence import _uncompared
+
+    differ = "inputs differ: the input ids of this round are not those of the golden run"
+    table = pd.DataFrame({
+        "layer": [-1, 0, 1, -1], "verdict": ["N/A", "N/A", "PASS", "N/A"],
+        "cmp_fail_reason": [differ, differ, "", "missing record: no my data for this layer "
+                            "in this round"]})
+    assert _uncompared(table).startswith("; but 2 rows were not compared (inputs differ: 2")

@@ -664,10 +664,12 @@ ABSENT = (r"^no counterpart: (?:(?:the )?(?:golden|my) (?:layer|site|stack input
 def _uncompared(table: pd.DataFrame) -> str:
     """'; but N rows were not compared (shape mismatch: 14, ...)': a PASS
     of the compared rows says nothing of rounds or shapes that could not be paired."""
-    missing = table["verdict"] == NOT_COMPARED
-    # a stack input one side did not record (msprobe's outputs-only dumps): said per row
-    stack = (table["layer"] == STACK_INPUT).to_numpy(dtype=bool, na_value=False)
-    reasons = table.loc[missing & ~stack, "cmp_fail_reason"].fillna("")
+    missing = (table["verdict"] == NOT_COMPARED).to_numpy()
+    # a stack input one side did not record (msprobe's outputs-only dumps): said per row;
+    # one that both hold and could not compare (inputs differ) counts as any row
+    unrecorded = (table["layer"] == STACK_INPUT).to_numpy(dtype=bool, na_value=False) & (
+        table["cmp_fail_reason"].fillna("").str.startswith("missing record").to_numpy())
+    reasons = table.loc[missing & ~unrecorded, "cmp_fail_reason"].fillna("")
     reasons = reasons[~reasons.str.contains(ABSENT, regex=True)]
     if reasons.empty:
         return ""
