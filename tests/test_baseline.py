@@ -1074,6 +1074,10 @@ def test_the_sub_layer_marked_in_a_birth_layer_is_the_one_that_breaks_tolerance(
                     ("post_attention_layernorm", "PASS", 3e-7), ("mlp", "PASS", 4e-6)])
     assert within.loc[within["first_divergence"], "module"].tolist() == [
         "l.3.input_layernorm"]
+    # a site beyond tolerance that grew the error less than tenfold, before the one that
+    # did: the mark is not lost, it goes to the first candidate after it
+    late = sites([("input_layernorm", "WARN", 8e-7), ("mlp", "FAIL", 0.2)])
+    assert late.loc[late["first_divergence"], "module"].tolist() == ["l.3.mlp"]
 
 
 @pytest.mark.unit

@@ -680,6 +680,8 @@ def test_the_healthy_headline_names_the_phases_judged_and_unprobed_decode_steps(
         " (prefill and decode steps, decode probed at 3 of 18 layers)")
     # a serving engine's later file holding decode steps of requests under way only
     assert phases_note([unprobed]) == " (decode steps only: no prefill is in this file)"
+    assert phases_note(layers) == (
+        " (decode steps only: no prefill is in this file, decode probed at 3 of 18 layers)")
     # the stack input (layer -1) is never probed: not a layer left unprobed
     stack = Signals(layer=-1, site=-1, module="embed", phase=DECODE, probed_samples=0)
     assert phases_note([prefill, probed, stack]) == " (prefill and decode steps)"

@@ -704,3 +704,32 @@ def test_a_session_dropped_in_another_thread_is_finished_by_a_sigterm(tmp_path):
         print("survived")
     """))
     _ends_by_sigterm_with_one_finished_round(script, tmp_path / "d")
+
+
+def test_an_early_status_is_replaced_by_the_one_at_exit(tmp_path, monkeypatch):
+    """A process whose hooks were compiled out says so at once (inject.report_early): the
+    status at exit replaces it; the refusal watch reads that one too, not only the early one;
+    only the status files count, not one being written."""
+    import json
+
+    from srdd_dump.capture import inject
+    from srdd_dump.capture.config import ENV_STATUS_DIR
+    from srdd_dump.capture.launch import _collect, _refused
+
+    status_dir = tmp_path / "status"
+    status_dir.mkdir()
+    monkeypatch.setenv(ENV_STATUS_DIR, str(status_dir))
+    monkeypatch.setitem(inject._state, "reported", False)
+    inject.report_early({"model_seen": True, "compiled_out": True, "silence": "compiled out"})
+    me = status_dir / f"{os.getpid()}.json"
+    assert json.loads(me.read_text())["early"] is True
+    (status_dir / "99.json.tmp").write_text("{")  # another process's, half written
+    read: set[str] = set()
+    assert _refused(str(status_dir), read) == [] and not read
+    (problem,) = _collect(0, str(status_dir)).problems
+    assert problem == f"pid {os.getpid()}: nothing captured: compiled out"
+    me.write_text(json.dumps({"pid": os.getpid(), "files": [], "refused": "no blocks"}))
+    assert _refused(str(status_dir), read) == [os.getpid()]
+    monkeypatch.setitem(inject._state, "reported", True)  # once reported, never overwritten
+    inject.report_early({"compiled_out": True})
+    assert "refused" in json.loads(me.read_text())

@@ -25,6 +25,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
+from .host import HELD_ELSEWHERE, weight_held_elsewhere
 from .host_weights import F64, HOST, HostWeights
 from .probes import is_cache, layer_index
 
@@ -110,11 +111,8 @@ def attention_layout(module: nn.Module, model: nn.Module) -> AttentionLayout | s
         projections = (children["qkv_proj"], o)
     else:
         return "no q/k/v projections by name"
-    if any(isinstance(getattr(p, "weight", None), torch.Tensor) and p.weight.numel() == 0
-           for p in projections):
-        # vLLM's CPU backend packs its Linear weights for oneDNN and leaves an empty tensor
-        return ("projections whose weights are kept elsewhere (an empty weight tensor: the "
-                "engine's own packed form, e.g. vLLM's CPU backend, or a partitioned parameter)")
+    if any(p is not None and weight_held_elsewhere(p) for p in projections):
+        return HELD_ELSEWHERE
     if o is None or not all(isinstance(p, nn.Linear) and p.weight.is_floating_point()
                             for p in projections):
         return "projections that are not floating-point torch Linear modules"

@@ -63,8 +63,11 @@ def _report_now() -> None:
     killed at shutdown, before it could say so at exit)."""
     inject = sys.modules.get("srdd_dump.capture.inject")
     if inject is not None:
-        inject.report_early({"model_seen": True, "compiled_out": True,
-                             "silence": _compiled_out_silence()})
+        try:
+            inject.report_early({"model_seen": True, "compiled_out": True,
+                                 "silence": _compiled_out_silence()})
+        except Exception:  # noqa: BLE001 (inside the user's compile: never fail it)
+            pass
 
 
 def _compiled_out_silence() -> str:

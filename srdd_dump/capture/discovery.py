@@ -218,13 +218,21 @@ def operator_role(module: nn.Module) -> str | None:
         return None
     if isinstance(module, (nn.LayerNorm, nn.GroupNorm)) or cls.endswith(("Norm", "NormFp32")):
         return NORM
-    if cls in _CLIPPING_CLASSES:
+    # by the class or a base class: a plugin's subclass of a serving engine's op (vLLM-Ascend's
+    # AscendSiluAndMul)
+    names = class_names(module)
+    if any(n in _CLIPPING_CLASSES for n in names):
         return CLIPPING
     if (type(module).__module__ == "torch.nn.modules.activation"
-            or cls.endswith(("Activation", *_GATED_ACTIVATION_SUFFIXES))
-            or cls in _ACTIVATION_CLASSES):
+            or any(n.endswith(("Activation", *_GATED_ACTIVATION_SUFFIXES))
+                   or n in _ACTIVATION_CLASSES for n in names)):
         return ACTIVATION
     return None
+
+
+def class_names(module: object) -> list[str]:
+    """The names of a module's class and its bases."""
+    return [c.__name__ for c in type(module).__mro__]
 
 
 # where a block keeps its activation (Hugging Face's MLPs): a module of a class srdd-dump
@@ -233,9 +241,20 @@ ACTIVATION_NAMES = ("act_fn", "act", "activation_fn", "activation")
 
 
 def _named_activation(name: str, module: nn.Module) -> bool:
-    """An activation by where it is held: a leaf module without weights named act_fn, ..."""
-    return (name.rsplit(".", 1)[-1] in ACTIVATION_NAMES and not list(module.children())
-            and not list(module.parameters(recurse=False)))
+    """An activation by where it is held: a leaf module without weights named act_fn, ...,
+    called on one tensor (its replays pass the probe rows alone: a fused SwiGLU of
+    ``(gate, up)`` is not one)."""
+    if (name.rsplit(".", 1)[-1] not in ACTIVATION_NAMES or list(module.children())
+            or list(module.parameters(recurse=False))):
+        return False
+    try:
+        params = list(inspect.signature(module.forward).parameters.values())
+    except (TypeError, ValueError):
+        return False
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    required = [p for p in params if p.default is p.empty
+                and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    return len(positional) >= 1 and len(required) == 1
 
 
 def find_operators(model: nn.Module, blocks: list[tuple[str, nn.Module]]) -> list[Site]:

@@ -26,16 +26,26 @@ HOOK_TABLES = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks",
                "_load_state_dict_post_hooks")
 
 
+# why a module's weights cannot be copied: an empty weight tensor in the module
+HELD_ELSEWHERE = ("projections whose weights are kept elsewhere (an empty weight tensor: the "
+                  "engine's own packed form, e.g. vLLM's CPU backend, or a partitioned "
+                  "parameter)")
+
+
+def weight_held_elsewhere(module: nn.Module) -> bool:
+    """The module's floating weight is an empty tensor: vLLM's CPU backend hands its Linear
+    weights to oneDNN, ZeRO-3 / FSDP keep a parameter's shards on other ranks."""
+    w = getattr(module, "weight", None)
+    return isinstance(w, torch.Tensor) and w.is_floating_point() and w.numel() == 0
+
+
 def host_copy(module: nn.Module) -> nn.Module:
     """A float64 CPU copy of ``module`` without hooks; the original is not touched."""
     memo: dict[int, Any] = {}
     for m in module.modules():
-        for name, p in m._parameters.items():
-            if name == "weight" and p is not None and p.is_floating_point() and p.numel() == 0:
-                raise RuntimeError(
-                    f"{type(m).__name__} holds its weights in the engine's own kernel (an "
-                    "empty weight tensor, as vLLM's CPU build hands them to oneDNN): there "
-                    "are none to copy to the host")
+        if weight_held_elsewhere(m):
+            raise RuntimeError(f"{type(m).__name__}: {HELD_ELSEWHERE}: none to copy to the host")
+        for p in m._parameters.values():
             if p is not None and id(p) not in memo:
                 data = p.detach().to(HOST, torch.float64 if p.is_floating_point() else p.dtype,
                                      copy=True)

@@ -440,7 +440,8 @@ def _collect(returncode: int, status_dir: str, new_partials: set[str] | None = N
         if path in unreported and stored and n >= coverage.get(pid, (-1, {}))[0]:
             coverage[pid] = (n, stored)
     result.requests = sum(seen.values())
-    known = {st.get("pid") for st in statuses}
+    # a process that said only what it knew early (then killed): its file's coverage counts
+    known = {st.get("pid") for st in statuses if not st.get("early")}
     unheard = [{"pid": pid, "degraded": shortfall_lines(stored), "model_seen": True}
                for pid, (_, stored) in sorted(coverage.items()) if pid not in known]
     if unheard:

@@ -35,7 +35,7 @@ from .evidence import family
 from .host import host_replay
 from .host_weights import HostWeights
 from .identities import causal_cut, is_causal, scale_replays
-from .mlp_reference import NOT_GATED, MlpReference
+from .mlp_reference import NOT_GATED, SILENT, MlpReference
 from .model_facts import has_past
 from .moe_capture import ExpertCapture
 from .parallel import TensorParallel, to_local
@@ -109,7 +109,8 @@ class Replays:
                 "repeats_from_blocks": self.shared.taken,
                 "decode_replays_skipped": self.decode_skipped, "host_replays": self.host_done,
                 "host_replays_failed": self.host_failed,
-                "compiled_probes_dropped": self.compiled_dropped}
+                "compiled_probes_dropped": self.compiled_dropped,
+                "assumed_activations": self.mlp.assumed if self.mlp is not None else []}
 
     def open_round(self, compiled: bool) -> None:
         self.caches.clear()
@@ -246,7 +247,7 @@ class Replays:
         layout = self.mlp.layouts.get(id(module), NOT_GATED) if self.mlp is not None else None
         if not referenced and spec.mlp and layout is not None and not isinstance(layout, str):
             referenced = self.mlp_record(module, layer, site, args, kwargs, hidden, ctx)
-        elif spec.mlp and isinstance(layout, str) and layout != NOT_GATED:
+        elif spec.mlp and isinstance(layout, str) and layout not in SILENT:
             # a gated MLP whose reference cannot be built: said, never lost silently
             name = self._family(ctx, site, "references")
             self.coverage.expect(name)

@@ -185,9 +185,10 @@ def mark_sites(sites: pd.DataFrame, table: pd.DataFrame,
                same_device: dict[tuple[str, str], bool] | None = None) -> pd.DataFrame:
     """Add ``error_amplification`` (a site's relative error over its block's input's: the
     previous row of the block table) and ``first_divergence``: in each round and layer where the
-    block table marks the birth of the error, the first site in the order their outputs were
-    made whose error grew BIRTH_GROWTH-fold or more (or, with the same setup on both sides,
-    became non-zero from an exact input, or turned NaN/Inf)."""
+    block table marks the birth of the error, among the sites whose error grew BIRTH_GROWTH-fold
+    or more (or, with the same setup on both sides, became non-zero from an exact input, or
+    turned NaN/Inf), in the order their outputs were made, the last at or before the first
+    site beyond tolerance; where there is none, the first."""
     table, sites_in = _bounded(table), sites
     sites = _bounded(sites)
     inputs: dict[tuple, tuple[float, bool]] = {}  # (group, layer) -> (input RED, birth layer)
@@ -213,18 +214,19 @@ def mark_sites(sites: pd.DataFrame, table: pd.DataFrame,
         input_red, birth_layer = inputs[(key, int(layer))]
         amp[pos] = _ratio(float(red), max(input_red, UNIT_ROUNDOFF.get(tol, 0.0)))
         at = (key, int(layer))
-        if not birth_layer or at in breaks:
+        if not birth_layer:
             continue
         exact = input_red == 0.0 and same_setup[pos] and red > 0
         if amp[pos] >= BIRTH_GROWTH or exact or (verdict == FAIL and nonfinite[pos] > 0):
             candidates.setdefault(at, []).append(pos)
         if verdict in (WARN, FAIL):
-            breaks[at] = pos
+            breaks.setdefault(at, pos)
     # as for blocks: the last candidate at or before the first site beyond tolerance (a
     # norm that grew two devices' rounding tenfold comes before the MLP that broke it);
-    # where no site breaks tolerance, the first
+    # where no site breaks tolerance, or none before the first that does, the first
     for at, found in candidates.items():
-        first[found[-1] if at in breaks else found[0]] = True
+        before = [pos for pos in found if pos <= breaks.get(at, -1)]
+        first[before[-1] if before else found[0]] = True
     out = sites_in.copy()
     out["error_amplification"] = amp
     out["first_divergence"] = first

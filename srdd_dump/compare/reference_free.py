@@ -127,17 +127,18 @@ def phases_note(signals: list[Signals]) -> str:
     decode = [g for g in signals if g.phase == DECODE]
     if not decode:  # a program of forwards only (an evaluation harness, use_cache=False)
         return " (prefill only: no decode step was captured)"
-    if len(decode) == len(signals):  # a serving engine's later file: requests under way
-        return " (decode steps only: no prefill is in this file)"
+    # a serving engine's later file may hold steps of requests under way only
+    phases = ("decode steps only: no prefill is in this file" if len(decode) == len(signals)
+              else "prefill and decode steps")
     if not any(g.probed_samples for g in decode):
         if not any(g.probed_samples for g in signals):
-            return " (prefill and decode steps)"
-        return " (prefill and decode steps, decode unprobed)"
+            return f" ({phases})"
+        return f" ({phases}, decode unprobed)"
     blocks = [g for g in decode if g.site == s.BLOCK_SITE and g.layer >= 0]  # no stack input
     probed = sum(1 for g in blocks if g.probed_samples)
     if 0 < probed < len(blocks):
-        return f" (prefill and decode steps, decode probed at {probed} of {len(blocks)} layers)"
-    return " (prefill and decode steps)"
+        return f" ({phases}, decode probed at {probed} of {len(blocks)} layers)"
+    return f" ({phases})"
 
 
 # the probe families a capture may leave out, each as (what the healthy headline calls it, is

@@ -368,6 +368,11 @@ def capture_notes(source: str, status: dict) -> list[str]:
         notes += [f"{source}: {line}" for line in partial_lines(status.get("coverage"))]
         untested = status.get("untested_versions")
         notes += [f"{source}: {n}" for n in untested or [] if isinstance(n, str)]
+    assumed = status.get("assumed_activations") if isinstance(status, dict) else None
+    for what in assumed or []:
+        notes.append(f"{source}: the reference MLP took act_fn {what} (its class has no "
+                     "formula here): an activation kernel of another formula differs from it "
+                     "in every layer (a SYSTEMIC MLP_MISMATCH)")
     stopped = status.get("tp_lockstep_stopped") if isinstance(status, dict) else None
     if stopped:
         notes.append(f"{source}: lockstep replays stopped ({stopped}); the tensor-parallel "
