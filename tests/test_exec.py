@@ -75,35 +75,28 @@ def test_exit_code_propagates_and_dump_is_finalised(tmp_path):
         assert r.complete and len(r.rounds) == 1
 
 
-def test_a_program_that_fails_in_its_first_forward_is_pointed_at(tmp_path):
-    """The program's own prefill raises inside the model (a reshape that does not fit): the
-    end of the run says nothing was captured and that the command failed, pointing at its own
-    error rather than only at capture."""
+@pytest.mark.parametrize("broken, error, marker, said", [
+    # the program's own prefill raises inside a block (a reshape that does not fit)
+    ("m.model.layers[1].mlp", "shape is invalid", "no prefill seen",
+     "the command failed (exit code 1): see its own error above"),
+    # the model is called but fails before any block runs (its embedding raises): not --layers
+    ("m.model.embed_tokens", "token id out of range", "nothing captured",
+     "before any of its blocks ran: see the command's own error above"),
+], ids=["in-a-block", "before-the-blocks"])
+def test_a_program_that_fails_in_its_first_forward_is_pointed_at(broken, error, marker, said,
+                                                                   tmp_path):
+    """The end of the run says nothing was captured and that the command failed, pointing at
+    its own error rather than only at capture."""
     script = _write(tmp_path / "breaks.py", (
         TINY_LLAMA +
-        "def broken(*args, **kwargs):\n    raise RuntimeError('shape is invalid')\n"
-        "m.model.layers[1].mlp.forward = broken\n"
+        f"def broken(*args, **kwargs):\n    raise RuntimeError({error!r})\n"
+        f"{broken}.forward = broken\n"
         "with torch.no_grad(): m(input_ids=torch.randint(0, 128, (1, 6)))\n"))
     res = run_cli("srdd-dump", "--exec", f"{sys.executable} {script}", "-o", str(tmp_path / "d"))
     assert res.returncode == 1, res.stderr[-2000:]
-    assert "shape is invalid" in res.stderr  # the user's own error, theirs to see
-    line = next(x for x in res.stderr.splitlines() if "no prefill seen" in x)
-    assert "the command failed (exit code 1): see its own error above" in line, line
-
-
-def test_a_program_that_fails_before_its_first_block_is_pointed_at(tmp_path):
-    """The model is called but fails before any block runs (its embedding raises): the end of
-    the run points at the command's own error, not at --layers."""
-    script = _write(tmp_path / "breaks.py", (
-        TINY_LLAMA +
-        "def broken(*args, **kwargs):\n    raise RuntimeError('token id out of range')\n"
-        "m.model.embed_tokens.forward = broken\n"
-        "with torch.no_grad(): m(input_ids=torch.randint(0, 128, (1, 6)))\n"))
-    res = run_cli("srdd-dump", "--exec", f"{sys.executable} {script}", "-o", str(tmp_path / "d"))
-    assert res.returncode == 1, res.stderr[-2000:]
-    assert "token id out of range" in res.stderr
-    line = next(x for x in res.stderr.splitlines() if "nothing captured" in x)
-    assert "before any of its blocks ran: see the command's own error above" in line, line
+    assert error in res.stderr  # the user's own error, theirs to see
+    line = next(x for x in res.stderr.splitlines() if marker in x)
+    assert said in line, line
     assert "--layers" not in line
 
 

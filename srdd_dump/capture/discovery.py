@@ -26,6 +26,7 @@ from ..vocabulary import (  # noqa: F401 (the roles, read from here by the captu
     ROW_WISE,
     SUBLAYER,
 )
+from . import serving
 from .option_names import option
 
 
@@ -247,10 +248,10 @@ def _named_activation(name: str, module: nn.Module) -> bool:
     if (name.rsplit(".", 1)[-1] not in ACTIVATION_NAMES or list(module.children())
             or list(module.parameters(recurse=False))):
         return False
-    try:
-        params = list(inspect.signature(module.forward).parameters.values())
-    except (TypeError, ValueError):
+    sig = serving.signature(module)
+    if sig is None:
         return False
+    params = list(sig.parameters.values())
     positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     required = [p for p in params if p.default is p.empty
                 and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]

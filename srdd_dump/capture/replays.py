@@ -244,14 +244,9 @@ class Replays:
         # the reference attention reads the cache as the call left it: it needs no snapshot
         referenced = (id(module) in self.attention and (spec.attention or host)
                       and self.attention_record(module, layer, site, args, kwargs, hidden, ctx))
-        layout = self.mlp.layouts.get(id(module), NOT_GATED) if self.mlp is not None else None
-        if not referenced and spec.mlp and layout is not None and not isinstance(layout, str):
+        if (not referenced and self.mlp is not None and spec.mlp
+                and self.mlp.layouts.get(id(module), NOT_GATED) not in SILENT):
             referenced = self.mlp_record(module, layer, site, args, kwargs, hidden, ctx)
-        elif spec.mlp and isinstance(layout, str) and layout not in SILENT:
-            # a gated MLP whose reference cannot be built: said, never lost silently
-            name = self._family(ctx, site, "references")
-            self.coverage.expect(name)
-            self.coverage.failed(name, f"{type(module).__name__}: {layout}")
         host = host and not referenced
         if decode and cache is None and has_past(args, kwargs):
             # a decode step whose past cannot be reproduced: no replay, clean data only
@@ -367,14 +362,17 @@ class Replays:
 
     def mlp_record(self, module: nn.Module, layer: int, site: int, args: tuple,
                    kwargs: dict, hidden: torch.Tensor, ctx: RoundContext) -> bool:
-        """The reference MLP of the probe rows (mlp_reference.py) as a KIND_HOST record."""
+        """The reference MLP of the probe rows (mlp_reference.py) as a KIND_HOST record, or
+        why a gated MLP has none (its layout's reason)."""
         x = first_tensor(args) if args else kwargs.get("hidden_states")
-        if not isinstance(x, torch.Tensor) or x.shape[:-1] != hidden.shape[:-1]:
+        layout = self.mlp.layouts[id(module)]
+        if not isinstance(layout, str) and (not isinstance(x, torch.Tensor)
+                                            or x.shape[:-1] != hidden.shape[:-1]):
             return False
         name = self._family(ctx, site, "references")
         self.coverage.expect(name)
-        return self._reference(module, layer, site, ctx, name,
-                               lambda: self.mlp.rows(module, kept(x, ctx.positions, ctx.rows)[0]))
+        return self._reference(module, layer, site, ctx, name, lambda: layout if isinstance(
+            layout, str) else self.mlp.rows(module, kept(x, ctx.positions, ctx.rows)[0]))
 
     def _reference(self, module: nn.Module, layer: int, site: int, ctx: RoundContext,
                    name: str, compute: Callable[[], torch.Tensor | str]) -> bool:

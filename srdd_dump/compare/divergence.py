@@ -534,16 +534,12 @@ def error_words(row: pd.Series, up_to: str = "") -> str:
     return f"relative error {up_to}{red:.3g}, cosine {cos:.6f}"
 
 
-def _reason_kinds(reasons: pd.Series) -> pd.Series:
-    """Reasons without their numbers, so that rows of the same kind count together."""
-    return reasons.fillna("").str.split(":").str[0].str.replace(r"\d+", "N", regex=True)
-
-
 def _reason_counts(reasons: pd.Series) -> dict[str, int]:
-    """Rows per kind of reason, most first; a kind whose rows all say the same numbers is
-    named with them ('batch 1 here, 3 in the golden run', not 'batch N here, N ...')."""
+    """Rows per kind of reason (the reason before its colon, without its numbers), most
+    first; a kind whose rows all say the same numbers is named with them ('batch 1 here, 3 in
+    the golden run', not 'batch N here, N ...')."""
     heads = reasons.fillna("").str.split(":").str[0]
-    kinds = _reason_kinds(reasons)
+    kinds = heads.str.replace(r"\d+", "N", regex=True)
     counts = {}
     for kind, n in kinds.value_counts().items():
         said = heads[kinds == kind].unique()

@@ -264,13 +264,18 @@ def report_early(fields: dict) -> None:
     """What this process knows now, as its status, until it reports at exit (a process killed
     first, as vLLM kills its workers at shutdown, leaves this one)."""
     status_dir = os.environ.get(ENV_STATUS_DIR)
-    if _state.get("reported") or not status_dir or not os.path.isdir(status_dir):
-        return
+    if not _state.get("reported") and status_dir and os.path.isdir(status_dir):
+        _write_status(status_dir, {"pid": os.getpid(), "argv": sys.argv, "files": [],
+                                   "early": True, "torch_imported": "torch" in sys.modules,
+                                   **fields})
+
+
+def _write_status(status_dir: str, status: dict) -> None:
+    """This process's status file, replaced whole (srdd-dump never reads half of one)."""
     path = os.path.join(status_dir, f"{os.getpid()}.json")
     try:
         with open(path + ".tmp", "w") as fh:
-            json.dump({"pid": os.getpid(), "argv": sys.argv, "files": [], "early": True,
-                       "torch_imported": "torch" in sys.modules, **fields}, fh)
+            json.dump(status, fh)
         os.replace(path + ".tmp", path)
     except OSError:
         pass
@@ -310,9 +315,5 @@ def _report_status() -> None:
         "torch_imported": "torch" in sys.modules,
         "untested_versions": getattr(end, "version_notes", []),
     }
-    try:
-        with open(os.path.join(status_dir, f"{os.getpid()}.json"), "w") as fh:
-            json.dump(status, fh)
-    except OSError:
-        pass
+    _write_status(status_dir, status)
     _state["status_written"] = True
