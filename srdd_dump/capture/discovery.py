@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import inspect
 from fnmatch import fnmatchcase
 from typing import NamedTuple
 
@@ -153,10 +152,8 @@ def fused_experts(module: nn.Module) -> int:
     weights = [p for p in module.parameters(recurse=False) if p.dim() == 3]
     if not weights or not weights[0].is_floating_point():
         return 0
-    try:
-        params = list(inspect.signature(module.forward).parameters)
-    except (TypeError, ValueError):
-        return 0
+    sig = serving.signature(module)
+    params = list(sig.parameters) if sig is not None else []
     if len(params) < 3 or not any("index" in p or "indices" in p for p in params):
         return 0
     return int(getattr(module, "num_experts", weights[0].shape[0]))
