@@ -166,10 +166,13 @@ def compare(
             result = modes.compare_path(dumps, jobs=jobs, progress=progress, run=run)
         for note in result.notes:
             typer.echo(f"{PROG}: note: {note}", err=True)
-        written = write_report(result, output)
+        try:
+            written, unwritten = write_report(result, output), None
+        except UserError as exc:  # the finding is still shown, then this error
+            written, unwritten = [], exc
         for reason in result.skipped_reasons:
             typer.echo(f"{PROG}: warning: skipped {reason}", err=True)
-        if aqn_config:
+        if aqn_config and unwritten is None:
             from srdd_dump.report.aqn import write_aqn
 
             written.append(write_aqn(result.layers, aqn_config))
@@ -180,6 +183,8 @@ def compare(
                 typer.echo(baseline_text(result, written))
             else:
                 typer.echo(diagnosis_text(result, written, explain=explain))
+        if unwritten is not None:
+            raise UserError(f"{unwritten}; the reports already there were left as they were")
         if baseline is not None and result.nothing_compared:
             hint = ("capture both runs with the same batching (a batch's sequences pair by "
                     "their position in it): run the batched one a prompt at a time (batch 1, "

@@ -417,6 +417,10 @@ def test_nan_inf_on_one_side_is_flagged(tmp_path):
     assert list(t["my_nan_inf"]) == [0, 0, 1, 2] and list(t["golden_nan_inf"]) == [0] * 4
     assert t.iloc[2]["cmp_fail_reason"] == "NaN/Inf: golden 0, my 1, 1 positions differ"
     assert t.iloc[2]["cosine_similarity"] == pytest.approx(1.0)  # the finite rest agrees
+    summary = compare(mine, golden).summary  # the finding and the worst layers say the NaN
+    assert "(NaN/Inf: 1 in mine, 0 in the golden run)" in summary.message
+    assert "cosine" not in summary.message
+    assert list(summary.worst["layer"]) == [1, 2, -1, 0]  # the FAIL rows first
 
     same = compare(mine, mine).table  # NaN at the same places on both sides: a warning
     assert list(same["verdict"]) == ["PASS", "PASS", "WARN", "WARN"]

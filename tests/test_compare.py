@@ -640,6 +640,42 @@ def test_the_command_on_a_closed_pipe_and_beside_an_older_report(tmp_path):
         assert proc.returncode in (0, 1) and "error" not in proc.stderr, proc.stderr
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RLIMIT_FSIZE as a full disk")
+@pytest.mark.parametrize("name", ["r.csv", "r.xlsx"])
+def test_a_report_that_cannot_be_written_whole_leaves_the_older_one(tmp_path, name):
+    """A full disk while the report is written (a file-size limit): exit 2 with one line, the
+    finding still on the screen, the older report's files as they were, none truncated; a
+    companion table that cannot be replaced (a folder in its place) is the file named, and the
+    main report is not replaced either."""
+    import resource
+
+    folder = tmp_path / "dumps"
+    faulty_dump(str(folder))
+    out = tmp_path / name
+    older = {p: b"an older report\n" for p in (out, tmp_path / "r.files.csv")}
+    for path, data in older.items():
+        path.write_bytes(data)
+
+    def full_disk():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (400, 400))
+
+    proc = subprocess.run([sys.executable, "-m", "srdd_dump.cli.compare", str(folder), "-o",
+                           str(out), "-j", "1"], capture_output=True, text=True, timeout=120,
+                          preexec_fn=full_disk)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.count("\n") == 1 and f"{out}: cannot write the report" in proc.stderr
+    assert "FAULT" in proc.stdout and "report:" not in proc.stdout  # the finding is shown
+    assert all(path.read_bytes() == data for path, data in older.items())
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["dumps", *(p.name for p in older)])
+    if name.endswith(".csv"):
+        (tmp_path / "r.files.csv").unlink()
+        (tmp_path / "r.files.csv").mkdir()
+        proc = run_cli(str(folder), "-o", str(out), "-j", "1")
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr
+        assert f"{tmp_path / 'r.files.csv'}: cannot write the report" in proc.stderr
+        assert out.read_bytes() == older[out]
+
+
 def test_workers_are_forked_only_from_a_clean_process(monkeypatch):
     from srdd_dump.runtime.pool import can_fork
 

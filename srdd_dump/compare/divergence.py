@@ -290,6 +290,15 @@ def per_layer(table: pd.DataFrame) -> pd.DataFrame:
     return out[PER_LAYER_COLUMNS]
 
 
+def _worst_first(layers: pd.DataFrame) -> pd.Index:
+    """The per-layer rows worst first: by verdict, then by relative error, a layer whose
+    compared rows hold no finite value (NaN error) first among its verdict's."""
+    rank = layers["verdict"].map(VERDICT_RANK).fillna(-1)
+    red = pd.to_numeric(layers["max_relative_euclidean_distance"], errors="coerce")
+    order = pd.DataFrame({"rank": rank, "red": red.fillna(np.inf)}, index=layers.index)
+    return order.sort_values(["rank", "red"], ascending=False, kind="mergesort").index
+
+
 def summarize(table: pd.DataFrame, same_device: dict[tuple[str, str], bool] | None = None,
               sites: pd.DataFrame | None = None) -> BaselineSummary:
     table = _bounded(table)
@@ -298,9 +307,7 @@ def summarize(table: pd.DataFrame, same_device: dict[tuple[str, str], bool] | No
     compared = table[table["verdict"] != NOT_COMPARED]
     rounds = len(compared[GROUP].drop_duplicates()) if len(compared) else 0
     layers = per_layer(table)
-    worst = layers.sort_values(
-        "max_relative_euclidean_distance", ascending=False, kind="mergesort"
-    ).head(WORST)
+    worst = layers.loc[_worst_first(layers)].head(WORST)
     reasons = table.loc[table["verdict"] == NOT_COMPARED, "cmp_fail_reason"]
     not_compared = _reason_counts(reasons)
     firsts = table[table["first_divergence"]]
@@ -527,11 +534,23 @@ def error_words(row: pd.Series, up_to: str = "") -> str:
     """A row's relative error and cosine for a finding; where a side had statistics only,
     the relative error they prove and no cosine."""
     red, cos = row[RED_COLUMN], row["cosine_similarity"]
+    nonfinite = _nonfinite_words(row)
+    if nonfinite:
+        return nonfinite
     if pd.isna(red):
         return "relative error not measured"
     if pd.isna(cos):
         return f"relative error at least {red:.3g} (from the statistics)"
     return f"relative error {up_to}{red:.3g}, cosine {cos:.6f}"
+
+
+def _nonfinite_words(row: pd.Series) -> str:
+    """"NaN/Inf: 54 in mine, 0 in the golden run" where the sides' NaN/Inf counts differ (the
+    finite values' metrics say nothing of them), else ""."""
+    mine, golden = row.get("my_nan_inf"), row.get("golden_nan_inf")
+    mine = 0 if pd.isna(mine) else int(mine)
+    golden = 0 if pd.isna(golden) else int(golden)
+    return f"NaN/Inf: {mine} in mine, {golden} in the golden run" if mine != golden else ""
 
 
 def _reason_counts(reasons: pd.Series) -> dict[str, int]:
@@ -583,8 +602,9 @@ def _explain(s: BaselineSummary, compared: pd.DataFrame, same_setup: np.ndarray,
             return "introduced", (
                 f"{where} introduced the error: its input agrees with the golden run and its "
                 f"output does not, in {s.first_rounds} of {s.rounds} compared rounds "
-                f"({error_words(row)}, "
-                f"x{row['error_amplification']:.3g} its input's) at {tol} tolerance"
+                f"({error_words(row)}"
+                + ("" if _nonfinite_words(row) else f", x{row['error_amplification']:.3g} its "
+                   "input's") + f") at {tol} tolerance"
             )
         later = s.per_layer[(s.per_layer["layer"] > s.first_layer)
                             & s.per_layer["verdict"].isin([WARN, FAIL])]

@@ -26,27 +26,14 @@ CONSISTENCY_PARTS = ("consistency", "consistency_summary")
 
 
 def write_csv(result: CompareResult, path: str) -> list[str]:
-    """Write the tables of a CompareResult; returns the paths written (layers first). The
-    sub-layer and consistency files of an earlier report at ``path`` that this result has no
-    table for are removed: beside this report they would pass for this run's."""
+    """Write the tables of a CompareResult; returns the paths written (layers first)."""
     written = [path, files_csv_path(path)]
     write_table(result.layer_table, path)
     write_table(result.file_table, written[1])
-    sublayers = sibling_path(path, "sublayers")
     if len(result.site_table):
-        written.append(sublayers)
-        write_table(result.site_table, sublayers)
-    else:
-        _remove(sublayers)
-    if result.consistency is None:
-        for part in CONSISTENCY_PARTS:
-            _remove(sibling_path(path, part))
+        written.append(sibling_path(path, "sublayers"))
+        write_table(result.site_table, written[-1])
     return written
-
-
-def _remove(path: str) -> None:
-    if os.path.isfile(path):
-        os.remove(path)
 
 
 def write_table(table: Table, path: str) -> None:
