@@ -380,6 +380,11 @@ def test_a_changed_tensor_file_is_read_again_and_an_unreadable_one_left_out(tmp_
     assert "2 tensor files of the msprobe dump could not be read (a copy cut short?) and were " \
            f"left out: {emptied}: cannot read it as a saved tensor" in text, text
     assert deleted in text and " 0 FAULT" in text
+    from srdd_dump.compare import compare_baseline
+
+    golden = compare_baseline(MSPROBE, dump, progress=False)  # the baseline names them too
+    assert any("2 tensor files of the msprobe dump could not be read" in note and emptied in note
+               for note in golden.notes), golden.notes
 
 
 def test_folders_around_msprobe_dumps_are_said_not_skipped(tmp_path):

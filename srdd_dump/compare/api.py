@@ -138,6 +138,7 @@ def _compare_baseline(target_path, baseline_path, thresholds, jobs, progress, ru
     check_jobs(jobs)
     mine, golden = prepare(*sides)
     notes += store_notes(mine + golden)
+    notes += [note for f in mine + golden if f.usable for note in f.data_notes]
     for side, path, option in ((mine, target_path, ""), (golden, baseline_path, "--baseline ")):
         if not any(f.usable for f in side):
             raise no_usable_file([f.reason for f in side], path, option)

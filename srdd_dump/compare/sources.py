@@ -53,6 +53,7 @@ class DumpFile:
     device: str = ""  # the device type the model ran on (cpu, cuda, npu), "" when unknown
     model_class: str = ""  # the captured model's class (meta.model_class), "" when unknown
     capture_notes: list[str] = field(default_factory=list)  # what capture could not record
+    data_notes: list[str] = field(default_factory=list)  # those of them on recorded outputs
     # evidence families the capture options asked for and did not get (format/coverage.py)
     missing_evidence: list[str] = field(default_factory=list)
     rounds: np.ndarray = field(default_factory=lambda: np.zeros(0, s.ROUND_DTYPE))
@@ -339,8 +340,18 @@ def _mtime(path: str) -> float:
         return 0.0
 
 
-def capture_notes(source: str, status: dict) -> list[str]:
-    """One line per thing the capture of a file had to leave out (its ``status`` counters)."""
+# the capture notes that concern the recorded outputs, not the probes: a baseline says them too
+DATA_NOTES = ("records_dropped", "site_errors", "sites_never_run", "tensors_unreadable")
+
+
+def data_notes(source: str, status: dict) -> list[str]:
+    """The notes of ``capture_notes`` on outputs the file does not hold."""
+    return capture_notes(source, status, only=DATA_NOTES)
+
+
+def capture_notes(source: str, status: dict, only: tuple[str, ...] | None = None) -> list[str]:
+    """One line per thing the capture of a file had to leave out (its ``status`` counters);
+    ``only``: the counters named."""
     notes = []
     for key, what in (
         ("host_replays_failed", "module replays on the host failed (a device-only kernel or "
@@ -360,10 +371,14 @@ def capture_notes(source: str, status: dict) -> list[str]:
          "short?) and were left out"),
     ):
         n = status.get(key) if isinstance(status, dict) else None
+        if only is not None and key not in only:
+            continue
         if isinstance(n, int) and n > 0:
             names = status.get(f"{key}_sites")  # the sites left out, by name (since 2026-11-28)
             which = f": {', '.join(map(str, names))}" if isinstance(names, list) and names else ""
             notes.append(f"{source}: {n} {what}{which}")
+    if only is not None:
+        return notes
     if isinstance(status, dict):
         notes += [f"{source}: {line}" for line in partial_lines(status.get("coverage"))]
         untested = status.get("untested_versions")
@@ -428,6 +443,7 @@ def inspect(path: str, source: str) -> DumpFile:
         part = os.path.basename(path).removeprefix("msprobe_").removesuffix(s.FILE_SUFFIX)
         f.source = source = f"{_shown(f.origin) or 'msprobe'} ({part})"
     f.capture_notes = capture_notes(source, reader.status)
+    f.data_notes = data_notes(source, reader.status)
     f.missing_evidence = missing_evidence(source, reader.status)
     if f.origin:  # msprobe asked for no probe: what it lacks is a note, not evidence missing
         f.capture_notes += f.missing_evidence
