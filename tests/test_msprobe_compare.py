@@ -219,6 +219,13 @@ def test_a_ranked_msprobe_dump_gives_one_file_per_rank(tmp_path):
     assert "files: 2 found, 2 read" in text and "60 rows: 0 FAULT" in text
     files = _table(tmp_path, "report.files.csv")
     assert sorted(files["rank"]) == [0, 1]
+    from srdd_dump.compare import compare_baseline
+
+    ranks = _fixture("smollm2_bf16_ranks")  # one rank against both: the other named as a user's
+    result = compare_baseline(os.path.join(ranks, "step0", "rank0"), ranks, progress=False)
+    (reason,) = [r for r in result.files["reason"] if r]
+    assert reason.endswith("smollm2_bf16_ranks (rank1): no dump file of mine to pair with")
+    assert ".h5" not in reason, reason  # not the file converted in a cache
 
 
 def test_an_msprobe_dump_with_api_calls_only_is_refused_in_one_line(tmp_path):

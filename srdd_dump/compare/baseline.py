@@ -168,9 +168,9 @@ def pair_files(mine: list[Side], golden: list[Side]) -> list[tuple[Side, Side]]:
                 pairs.append((f, left.pop(0)))
             else:
                 f.file.status = SKIPPED
-                f.file.reason = f"{f.path}: no golden dump file left to pair with"
+                f.file.reason = f"{f.source}: no golden dump file left to pair with"
         for g in left:
-            g.file.reason = g.reason or f"{g.path}: no dump file of mine to pair with"
+            g.file.reason = g.reason or f"{g.source}: no dump file of mine to pair with"
     for f, g in pairs:
         f.paired_with = g.source
         g.paired_with = ", ".join(x for x in (g.paired_with, f.source) if x)
