@@ -388,7 +388,10 @@ print("ok")
 """
 
 
-@pytest.mark.parametrize("poison", ["sys.modules['torch'] = None", ""])
+@pytest.mark.parametrize("poison", [
+    "sys.modules['torch'] = None", "",
+    "sys.modules['threadpoolctl'] = None",  # installed without it (--no-deps): speed only
+])
 def test_compare_never_imports_torch(tmp_path, poison):
     faulty_dump(str(tmp_path))
     out = str(tmp_path / "r.xlsx")

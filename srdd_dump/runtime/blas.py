@@ -12,10 +12,9 @@ import contextlib
 import os
 import sys
 from collections.abc import Iterator
+from typing import Any
 
-from threadpoolctl import ThreadpoolController
-
-_controller: ThreadpoolController | None = None
+_controller: Any = None  # threadpoolctl's ThreadpoolController; False: threadpoolctl missing
 _loaded_at_one = False  # numpy's BLAS loaded at one thread (``one_blas_thread_from_load``)
 
 # what OpenBLAS, MKL, BLIS, OpenMP and Accelerate read when they load
@@ -61,13 +60,20 @@ def _openblas(numpy) -> bool:
 
 
 def _blas():
-    """The BLAS libraries loaded in this process (found once: numpy loads its BLAS at import)."""
+    """The BLAS libraries loaded in this process (found once: numpy loads its BLAS at import);
+    None without threadpoolctl (an install without its dependencies: each BLAS keeps its own
+    thread count, a matter of speed only)."""
     global _controller
     if _controller is None:
         import numpy  # noqa: F401 (numpy's own BLAS must be loaded to be found)
 
-        _controller = ThreadpoolController()
-    return _controller.select(user_api="blas")
+        try:
+            from threadpoolctl import ThreadpoolController
+        except ImportError:
+            _controller = False
+        else:
+            _controller = ThreadpoolController()
+    return _controller.select(user_api="blas") if _controller else None
 
 
 @contextlib.contextmanager
@@ -79,7 +85,7 @@ def one_blas_thread() -> Iterator[bool]:
         yield True
         return
     blas = _blas()
-    if not blas.lib_controllers:
+    if blas is None or not blas.lib_controllers:
         yield False
         return
     with blas.limit(limits=1):
@@ -91,5 +97,7 @@ def pin_blas_for_process() -> bool:
     if _loaded_at_one:
         return True
     blas = _blas()
+    if blas is None:
+        return False
     blas.limit(limits=1)
     return bool(blas.lib_controllers)
