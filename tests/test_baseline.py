@@ -368,7 +368,12 @@ def test_a_dump_of_some_layers_pairs_its_stack_input_with_the_block_before(runs,
 
 def test_mismatched_layer_counts_give_rows_not_a_crash(runs, tmp_path):
     short = capture(tmp_path / "short", layers=3)
-    t = compare(short, runs["golden"]).table
+    result = compare(short, runs["golden"])
+    t = result.table
+    (note,) = [n for n in result.notes if "two models" in n]  # said, as the rows cannot
+    assert "(LlamaForCausalLM of 3 layers here, LlamaForCausalLM of 4 layers in the golden " \
+           "run)" in note, note
+    assert not any("two models" in n for n in compare(runs["fault"], runs["golden"]).notes)
     assert len(t) == 5  # golden layer 3 kept, with the reason
     missing = t[t["layer"].isna()].iloc[0]
     assert missing["golden_layer"] == 3 and missing["verdict"] == "N/A"

@@ -59,13 +59,13 @@ def prepare(mine: list[DumpFile], golden: list[DumpFile]) -> tuple[list[Side], l
                 pass  # statistics only: compared by its statistics
             elif f.usable and not f.clean_blocks and f.stats_index is not None:
                 f.status, f.reason = SKIPPED, (
-                    f"{f.path}: a stats dump without rows (--store stats:0); the baseline mode "
+                    f"{f.source}: a stats dump without rows (--store stats:0); the baseline mode "
                     "compares tensors: dump with --store stats (2 rows of each block), "
                     "sample:N or full")
             elif f.usable and not f.clean_blocks and not f.clean_sites:
-                f.status, f.reason = SKIPPED, f"{f.path}: no captured layer data"
+                f.status, f.reason = SKIPPED, f"{f.source}: no captured layer data"
             elif f.status == INCOMPLETE:
-                f.reason = f"{f.path}: capture did not finish; rounds written used"
+                f.reason = f"{f.source}: capture did not finish; rounds written used"
             rows.append(Side(f, role))
         sides.append(rows)
     # a stats dump opposite a statistics-only file: compared by its whole outputs' moments
@@ -175,6 +175,30 @@ def pair_files(mine: list[Side], golden: list[Side]) -> list[tuple[Side, Side]]:
         f.paired_with = g.source
         g.paired_with = ", ".join(x for x in (g.paired_with, f.source) if x)
     return sorted(pairs, key=lambda p: mine.index(p[0]))
+
+
+def model_notes(pairs: list[tuple[Side, Side]]) -> list[str]:
+    """A line for each pair of files of two models (their classes, or their configs' layer
+    counts, differ where both files say them): the rows still pair by layer number."""
+    out = []
+    for m, g in pairs:
+        mine, golden = _model_words(m), _model_words(g)
+        classes = m.model_class and g.model_class and _class_name(m) != _class_name(g)
+        layers = m.model_layers and g.model_layers and m.model_layers != g.model_layers
+        if classes or layers:
+            out.append(f"{m.source} and {g.source} are dumps of two models ({mine} here, "
+                       f"{golden} in the golden run): their rows pair by layer number, and "
+                       "what differs is the models' before it is a device's")
+    return list(dict.fromkeys(out))
+
+
+def _class_name(f: Side) -> str:
+    return f.model_class.rsplit(".", 1)[-1]  # vLLM's LlamaForCausalLM is Hugging Face's
+
+
+def _model_words(f: Side) -> str:
+    layers = f" of {f.model_layers} layers" if f.model_layers else ""
+    return f"{_class_name(f) or 'a model'}{layers}"
 
 
 def _file_row(f: Side) -> dict:

@@ -52,6 +52,7 @@ class DumpFile:
     site_roles: list[str] = field(default_factory=list)  # linear, norm, ... (older dumps: none)
     device: str = ""  # the device type the model ran on (cpu, cuda, npu), "" when unknown
     model_class: str = ""  # the captured model's class (meta.model_class), "" when unknown
+    model_layers: int | None = None  # its config's layer count (meta.model_config), if said
     capture_notes: list[str] = field(default_factory=list)  # what capture could not record
     data_notes: list[str] = field(default_factory=list)  # those of them on recorded outputs
     # evidence families the capture options asked for and did not get (format/coverage.py)
@@ -340,6 +341,9 @@ def _mtime(path: str) -> float:
         return 0.0
 
 
+# a model config's layer count, by the names configs give it (Llama, GPT-2, Falcon...)
+LAYER_COUNT_KEYS = ("num_hidden_layers", "n_layer", "num_layers")
+
 # the capture notes that concern the recorded outputs, not the probes: a baseline says them too
 DATA_NOTES = ("records_dropped", "site_errors", "sites_never_run", "tensors_unreadable")
 
@@ -435,6 +439,10 @@ def inspect(path: str, source: str) -> DumpFile:
     # a class of the main script is __mp_main__'s in a spawned child: the same class
     f.model_class = str(reader.meta.get("model_class") or "").replace("__mp_main__.",
                                                                         "__main__.")
+    config = reader.meta.get("model_config")
+    layers = next((config[k] for k in LAYER_COUNT_KEYS if isinstance(config, dict)
+                   and isinstance(config.get(k), int)), None)
+    f.model_layers = layers
     options = reader.meta.get("dump_config")
     f.capture_options = options if isinstance(options, dict) else {}
     if reader.meta.get("tool") == "msprobe":
