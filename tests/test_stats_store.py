@@ -154,7 +154,7 @@ def test_device_reductions_equal_the_compares(case):
     got = _device_stats(x, dtype, before, rows, probes, valid, positions, sample=3)
     assert want is not None and got is not None
     _assert_same(want, got)
-    if case in ("tiny", "faulty"):  # rows under 64 non-zero values: not tested
+    if case in ("tiny", "faulty", "bf16"):  # rows under 64 non-zero values (bf16: 128): untested
         assert math.isnan(want.grid)
     else:
         assert want.grid == (1.0 if case == "int8" else 0.0)

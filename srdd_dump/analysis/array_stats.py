@@ -14,11 +14,11 @@ import numpy as np
 from ..vocabulary import (
     CLIP_MIN_ROWS,
     GRID_LEVELS,
-    GRID_MIN_VALUES,
     PILEUP_BINS,
     TIE_CANDIDATES,
     TIE_MIN_LEVELS,
     UNIT_ROUNDOFF,
+    grid_min_values,
     grid_row_picks,
     on_grid,
     span_levels,
@@ -436,8 +436,8 @@ GRID_HEAD = GRID_LEVELS + 2  # values of a row whose distinctness rules the grid
 def grid_rows(rows: np.ndarray, dtype: str) -> float:
     """The share of tested rows (vocabulary.grid_row_picks) whose distinct values lie on an
     8-bit grid (vocabulary.on_grid): the dequantised output of an 8-bit quantisation with a
-    scale (and zero point) per row or per tensor. A row needs GRID_MIN_VALUES non-zero values
-    to be tested; NaN when none has."""
+    scale (and zero point) per row or per tensor. A row needs grid_min_values(dtype) non-zero
+    values to be tested; NaN when none has."""
     if rows.ndim != 2 or not rows.shape[0]:
         return float("nan")
     eps = UNIT_ROUNDOFF.get(dtype, 2.0 ** -24)
@@ -445,11 +445,11 @@ def grid_rows(rows: np.ndarray, dtype: str) -> float:
     if np.isfinite(picked).all():  # the usual case: the rows sorted at once
         if picked.shape[1] > GRID_HEAD:
             # a float row holds more distinct values than a grid among its first ones: all
-            # rows so are tested (> GRID_MIN_VALUES non-zero values) and off the grid
+            # rows so are tested (more non-zero values than grid_min_values) and off the grid
             head = np.sort(picked[:, :GRID_HEAD], axis=1)
             if np.count_nonzero(head[:, 1:] != head[:, :-1]) == head.shape[0] * (GRID_HEAD - 1):
                 return 0.0
-        tested_rows = picked[np.count_nonzero(picked, axis=1) >= GRID_MIN_VALUES]
+        tested_rows = picked[np.count_nonzero(picked, axis=1) >= grid_min_values(dtype)]
         if not tested_rows.shape[0]:
             return float("nan")
         ordered = np.sort(tested_rows.astype(np.float64), axis=1)
@@ -465,7 +465,7 @@ def grid_rows(rows: np.ndarray, dtype: str) -> float:
     for r in grid_row_picks(rows.shape[0]):
         v = rows[r]
         v = v[np.isfinite(v)]
-        if np.count_nonzero(v) < GRID_MIN_VALUES:
+        if np.count_nonzero(v) < grid_min_values(dtype):
             continue
         tested += 1
         on += on_grid(np.unique(v.astype(np.float64)), eps)

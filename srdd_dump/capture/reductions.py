@@ -25,12 +25,12 @@ from ..vocabulary import (
     CLIP_MIN_ROWS,
     DC_LOW,
     GRID_LEVELS,
-    GRID_MIN_VALUES,
     LOW_BITS_MASK,
     PILEUP_BINS,
     TIE_CANDIDATES,
     TIE_MIN_LEVELS,
     UNIT_ROUNDOFF,
+    grid_min_values,
     grid_row_picks,
     on_grid,
     span_levels,
@@ -134,7 +134,7 @@ def grid_rows(rows: torch.Tensor, dtype: str) -> float:
     for r in grid_row_picks(rows.shape[0]):
         v = rows[int(r)]
         v = v[torch.isfinite(v)]
-        if int(torch.count_nonzero(v)) < GRID_MIN_VALUES:
+        if int(torch.count_nonzero(v)) < grid_min_values(dtype):
             continue
         tested += 1
         u = torch.unique(v.to(wide))
