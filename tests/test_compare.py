@@ -721,6 +721,10 @@ def test_the_healthy_headline_names_the_phases_judged_and_unprobed_decode_steps(
     assert phases_note([unprobed]) == " (decode steps only: no prefill is in this file)"
     assert phases_note(layers) == (
         " (decode steps only: no prefill is in this file, decode probed at 3 of 18 layers)")
+    # no block's decode step probed while a sub-layer's was (every layer a sliding window)
+    probed_site = Signals(layer=0, site=0, module="m.mlp", phase=DECODE, probed_samples=1)
+    assert phases_note([prefill, unprobed, probed_site]) == (
+        " (prefill and decode steps, decode probed at 0 of 1 layers)")
     # the stack input (layer -1) is never probed: not a layer left unprobed
     stack = Signals(layer=-1, site=-1, module="embed", phase=DECODE, probed_samples=0)
     assert phases_note([prefill, probed, stack]) == " (prefill and decode steps)"

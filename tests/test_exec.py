@@ -485,6 +485,35 @@ def test_a_second_model_built_after_capture_began_is_said_once(tmp_path):
         assert r.n_samples == 1  # the first model's prompt only
 
 
+def test_a_forked_child_that_builds_its_own_model_is_captured_without_a_note(tmp_path):
+    """A fork child building and running a model of its own: captured in its own file, so no
+    "another model was built" note (it was said for the child's model, which srdd-dump did
+    capture)."""
+    res = _exec_tiny(tmp_path, "fork_child.py", (
+        "import multiprocessing as mp\n"
+        "torch.set_num_threads(1)\n"
+        "def child():\n"
+        "    c = build('llama', seed=2)\n"
+        "    with torch.no_grad():\n"
+        "        c.generate(torch.randint(1, 100, (1, 5)), max_new_tokens=2, do_sample=False,\n"
+        "                   pad_token_id=0)\n"
+        "if __name__ == '__main__':\n"
+        "    with torch.no_grad():\n"
+        "        m.generate(torch.randint(1, 100, (1, 6)), max_new_tokens=2, do_sample=False,\n"
+        "                   pad_token_id=0)\n"
+        "    p = mp.get_context('fork').Process(target=child)\n"
+        "    p.start()\n"
+        "    p.join()\n"
+        "    print(p.exitcode)\n"))
+    assert res.returncode == 0 and res.stdout.strip() == "0", res.stderr
+    assert "another model was built" not in res.stderr, res.stderr
+    files = find_dump_files(str(tmp_path / "d"))
+    assert len(files) == 2
+    for path in files:
+        with DumpReader(path) as r:
+            assert r.complete and r.n_samples == 1
+
+
 def test_a_model_the_program_drops_is_freed_and_its_file_finished_then(tmp_path):
     """del model; gc.collect() frees the model under capture (a program loading one model
     after another would otherwise hold them all): its session goes with it and finishes the

@@ -136,7 +136,7 @@ def phases_note(signals: list[Signals]) -> str:
         return f" ({phases}, decode unprobed)"
     blocks = [g for g in decode if g.site == s.BLOCK_SITE and g.layer >= 0]  # no stack input
     probed = sum(1 for g in blocks if g.probed_samples)
-    if 0 < probed < len(blocks):
+    if probed < len(blocks):  # 0 too: the sub-layers of a step may be probed, no block
         return f" ({phases}, decode probed at {probed} of {len(blocks)} layers)"
     return f" ({phases})"
 

@@ -149,7 +149,9 @@ def _a_later_stack(value: nn.Module, state: dict) -> bool:
     if not any(True for m in value for _ in m.parameters()):
         return False
     ref = state.get("session")
-    captured = {id(b) for _, b in getattr(ref and ref(), "blocks", ())}
+    if ref is None:  # no session here yet (a forked child's own model): its first forward starts
+        return False
+    captured = {id(b) for _, b in getattr(ref(), "blocks", ())}
     return not any(id(m) in captured for m in value)
 
 
