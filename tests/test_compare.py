@@ -698,6 +698,27 @@ def test_workers_are_forked_only_from_a_clean_process(monkeypatch):
         other.join()
 
 
+def test_experts_the_probed_tokens_never_reached_are_named_in_a_note():
+    """An expert that got tokens, none of them in a probed sample (the router's choice), is
+    judged without probe responses: a note names it; none when no site was probed at all."""
+    from srdd_dump.analysis.signals import DECODE, PREFILL, Signals
+    from srdd_dump.compare.reference_free import unprobed_experts
+    from srdd_dump.vocabulary import EXPERT
+
+    def expert(k, phase, probed):
+        return Signals(layer=1, site=k, module=f"model.layers.1.mlp.experts.{k}", phase=phase,
+                       role=EXPERT, samples=2, probed_samples=probed)
+
+    block = Signals(layer=1, site=-1, module="model.layers.1", phase=PREFILL, samples=2,
+                    probed_samples=1)
+    signals = [block, expert(0, PREFILL, 1), expert(1, PREFILL, 0), expert(1, DECODE, 0),
+               expert(2, PREFILL, 0), expert(2, DECODE, 1)]
+    (note,) = unprobed_experts("f.h5", signals)
+    assert note.startswith("f.h5: 1 expert got none of the probed tokens "
+                           "(model.layers.1.mlp.experts.1): judged on their outputs alone"), note
+    assert unprobed_experts("f.h5", [expert(1, PREFILL, 0)]) == []  # nothing probed: no note
+
+
 def test_the_healthy_headline_names_the_phases_judged_and_unprobed_decode_steps():
     from srdd_dump.analysis.signals import DECODE, PREFILL, Signals
     from srdd_dump.compare.reference_free import phases_note

@@ -60,7 +60,7 @@ def compare_path(path: str, *, jobs: int | None = 1, progress: bool | None = Non
 
         result = finish_reference_free(path, files, tasks, results)
         result.notes = ([found.note] if found.note else []) + [
-            note for f in files if f.usable for note in f.capture_notes]
+            note for f in files if f.usable for note in f.capture_notes] + result.notes
         result.missing_evidence = [line for f in files if f.usable
                                    for line in f.missing_evidence]
         if result.layer_table.empty:

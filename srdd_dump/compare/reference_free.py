@@ -40,7 +40,7 @@ def finish(path: str, files: list[DumpFile], tasks: list[SignalTask],
             failed.setdefault(task.file, result)
         else:
             per_file.setdefault(task.file, []).extend(result)
-    layer_rows, site_rows, file_rows, headlines, hunts = [], [], [], [], []
+    layer_rows, site_rows, file_rows, headlines, hunts, notes = [], [], [], [], [], []
     for n, f in enumerate(files):
         counts = dict(rounds=len(f.rounds), samples=f.samples, rank=f.rank, pid=f.pid)
         if not f.usable:
@@ -52,6 +52,7 @@ def finish(path: str, files: list[DumpFile], tasks: list[SignalTask],
             continue
         signals = sorted(per_file.get(n, []), key=lambda g: (g.layer, g.site, g.phase))
         set_kurtosis_change(signals)
+        notes += unprobed_experts(f.source, signals)
         rows, sites, line, hunt = _diagnose_file(f, signals)
         layer_rows += rows
         site_rows += sites
@@ -72,8 +73,28 @@ def finish(path: str, files: list[DumpFile], tasks: list[SignalTask],
             file_rows.append(_file_row(f.source, f.status, f.reason, layers=len(rows), **counts))
     return CompareResult(
         path=path, layers=layers_table(layer_rows), files=files_table(file_rows),
-        sites=sites_table(site_rows), headlines=headlines, hunts=hunts,
+        sites=sites_table(site_rows), headlines=headlines, hunts=hunts, notes=notes,
     )
+
+
+def unprobed_experts(source: str, signals: list[Signals]) -> list[str]:
+    """A line naming the experts that got tokens but none of the probed samples' rows (their
+    gain, dc and repeats unmeasured: judged on their outputs alone), where other sites were
+    probed. The router picks an expert's tokens: probing more samples reaches more experts."""
+    if not any(g.probed_samples for g in signals):
+        return []
+    idle = sorted({g.module for g in signals if g.role == EXPERT and g.samples}
+                  - {g.module for g in signals if g.role == EXPERT and g.probed_samples})
+    if not idle:
+        return []
+    shown = ", ".join(idle[:UNPROBED_SHOWN]) + (f" and {len(idle) - UNPROBED_SHOWN} more"
+                                                if len(idle) > UNPROBED_SHOWN else "")
+    return [f"{source}: {len(idle)} expert{'s' if len(idle) != 1 else ''} got none of the "
+            f"probed tokens ({shown}): judged on their outputs alone, without probe "
+            "responses; --probe-samples N probes more samples, whose tokens reach more experts"]
+
+
+UNPROBED_SHOWN = 4  # experts named in the note, the rest counted
 
 
 def _diagnose_file(f: DumpFile, signals: list[Signals]
