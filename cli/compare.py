@@ -184,7 +184,7 @@ def compare(
             else:
                 typer.echo(diagnosis_text(result, written, explain=explain))
         if unwritten is not None:
-            raise UserError(f"{unwritten}; the reports already there were left as they were")
+            raise unwritten
         if baseline is not None and result.nothing_compared:
             hint = ("capture both runs with the same batching (a batch's sequences pair by "
                     "their position in it): run the batched one a prompt at a time (batch 1, "

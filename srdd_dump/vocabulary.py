@@ -53,8 +53,8 @@ GRID_ROWS = 8
 GRID_LEVELS = 256
 GRID_MIN_VALUES = 64
 # bfloat16 rounds a value by up to half a step of an 8-bit grid at its top: a row of 64
-# healthy bf16 values passes for a grid 1.4% of the time (widths of tiny models; 0 of 20,000 in
-# float16 and float32), a row of 96 or more about once in 20,000 (tests/test_diagnosis.py)
+# healthy bf16 values passes for a grid 1.4% of the time (widths of tiny models; none of 2,000
+# in float16), a row of 96 to 128 about once in 20,000 (measured 2026-11-29, Gaussian rows)
 GRID_MIN_VALUES_BF16 = 128
 GRID_TOL = 1e-3
 UNIT_ROUNDOFF = {"float32": 2.0 ** -24, "bfloat16": 2.0 ** -8, "float16": 2.0 ** -11,

@@ -371,8 +371,8 @@ def test_mismatched_layer_counts_give_rows_not_a_crash(runs, tmp_path):
     result = compare(short, runs["golden"])
     t = result.table
     (note,) = [n for n in result.notes if "two models" in n]  # said, as the rows cannot
-    assert "(LlamaForCausalLM of 3 layers here, LlamaForCausalLM of 4 layers in the golden " \
-           "run)" in note, note
+    assert "two models: LlamaForCausalLM (llama) of 3 layers here, LlamaForCausalLM (llama) " \
+           "of 4 layers in the golden run;" in note, note
     assert not any("two models" in n for n in compare(runs["fault"], runs["golden"]).notes)
     assert len(t) == 5  # golden layer 3 kept, with the reason
     missing = t[t["layer"].isna()].iloc[0]
@@ -423,7 +423,7 @@ def test_nan_inf_on_one_side_is_flagged(tmp_path):
     assert t.iloc[2]["cmp_fail_reason"] == "NaN/Inf: golden 0, my 1, 1 positions differ"
     assert t.iloc[2]["cosine_similarity"] == pytest.approx(1.0)  # the finite rest agrees
     summary = compare(mine, golden).summary  # the finding and the worst layers say the NaN
-    assert "(NaN/Inf: 1 in mine, 0 in the golden run)" in summary.message
+    assert "(NaN/Inf: golden 0, my 1, 1 positions differ)" in summary.message
     assert "cosine" not in summary.message
     assert list(summary.worst["layer"]) == [1, 2, -1, 0]  # the FAIL rows first
 

@@ -679,6 +679,32 @@ def test_a_report_that_cannot_be_written_whole_leaves_the_older_one(tmp_path, na
         assert out.read_bytes() == older[out]
 
 
+def test_report_files_placed_under_a_double_slash_or_through_a_link(tmp_path):
+    """`-o "$OUT/r.csv"` with OUT ending in a slash: the tables just written stay (the stale
+    check goes by name), an older report's table this one lacks goes; a link in the report's
+    place is written through, the link kept."""
+    from srdd_dump.report.placing import place
+
+    def write(path):
+        tables = [path, path[:-4] + ".sublayers.csv"]
+        for table in tables:
+            Path(table).write_text(os.path.basename(table))
+        return tables
+
+    (tmp_path / "r.consistency.csv").write_text("an older run's table")
+    written = place(f"{tmp_path}//r.csv", write,
+                    (f"{tmp_path}//r.sublayers.csv", f"{tmp_path}//r.consistency.csv"))
+    assert [os.path.basename(p) for p in written] == ["r.csv", "r.sublayers.csv"]
+    assert (tmp_path / "r.sublayers.csv").read_text() == "r.sublayers.csv"
+    assert not (tmp_path / "r.consistency.csv").exists()
+    target = tmp_path / "kept" / "elsewhere.csv"
+    target.parent.mkdir()
+    target.write_text("an older report")
+    (tmp_path / "link.csv").symlink_to(target)
+    place(str(tmp_path / "link.csv"), write)
+    assert (tmp_path / "link.csv").is_symlink() and target.read_text() == "link.csv"
+
+
 def test_workers_are_forked_only_from_a_clean_process(monkeypatch):
     from srdd_dump.runtime.pool import can_fork
 

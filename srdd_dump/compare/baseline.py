@@ -178,27 +178,35 @@ def pair_files(mine: list[Side], golden: list[Side]) -> list[tuple[Side, Side]]:
 
 
 def model_notes(pairs: list[tuple[Side, Side]]) -> list[str]:
-    """A line for each pair of files of two models (their classes, or their configs' layer
-    counts, differ where both files say them): the rows still pair by layer number."""
-    out = []
-    for m, g in pairs:
-        mine, golden = _model_words(m), _model_words(g)
-        classes = m.model_class and g.model_class and _class_name(m) != _class_name(g)
-        layers = m.model_layers and g.model_layers and m.model_layers != g.model_layers
-        if classes or layers:
-            out.append(f"{m.source} and {g.source} are dumps of two models ({mine} here, "
-                       f"{golden} in the golden run): their rows pair by layer number, and "
-                       "what differs is the models' before it is a device's")
-    return list(dict.fromkeys(out))
+    """One line when paired files are dumps of two models: their configs' model types (else
+    their classes' names) or layer counts differ, where both files say them. Their rows still
+    pair by layer number."""
+    differ = {(_model_words(m), _model_words(g)) for m, g in pairs if _two_models(m, g)}
+    if not differ:
+        return []
+    mine, golden = sorted(differ)[0]
+    more = f" (and {len(differ) - 1} other pairs)" if len(differ) > 1 else ""
+    return [f"the dumps are of two models: {mine} here, {golden} in the golden run{more}; "
+            "their rows pair by layer number, so their differences are the models' and not "
+            "only the device's"]
+
+
+def _two_models(m: Side, g: Side) -> bool:
+    if m.model_layers and g.model_layers and m.model_layers != g.model_layers:
+        return True
+    if m.model_type and g.model_type:  # a wrapper class (PEFT, vLLM's) keeps its config's
+        return m.model_type != g.model_type
+    return bool(m.model_class and g.model_class and _class_name(m) != _class_name(g))
 
 
 def _class_name(f: Side) -> str:
-    return f.model_class.rsplit(".", 1)[-1]  # vLLM's LlamaForCausalLM is Hugging Face's
+    return f.model_class.rsplit(".", 1)[-1]
 
 
 def _model_words(f: Side) -> str:
     layers = f" of {f.model_layers} layers" if f.model_layers else ""
-    return f"{_class_name(f) or 'a model'}{layers}"
+    kind = f" ({f.model_type})" if f.model_type else ""
+    return f"{_class_name(f) or 'a model'}{kind}{layers}"
 
 
 def _file_row(f: Side) -> dict:

@@ -545,12 +545,14 @@ def error_words(row: pd.Series, up_to: str = "") -> str:
 
 
 def _nonfinite_words(row: pd.Series) -> str:
-    """"NaN/Inf: 54 in mine, 0 in the golden run" where the sides' NaN/Inf counts differ (the
-    finite values' metrics say nothing of them), else ""."""
-    mine, golden = row.get("my_nan_inf"), row.get("golden_nan_inf")
-    mine = 0 if pd.isna(mine) else int(mine)
-    golden = 0 if pd.isna(golden) else int(golden)
-    return f"NaN/Inf: {mine} in mine, {golden} in the golden run" if mine != golden else ""
+    """The row's NaN/Inf reason ("NaN/Inf: golden 0, my 54, 54 positions differ") where the
+    sides hold NaN/Inf at different positions (the finite values' metrics say nothing of
+    them), else ""."""
+    reason = row.get("cmp_fail_reason")
+    if not isinstance(reason, str) or not reason.startswith("NaN/Inf:"):
+        return ""
+    said = reason.split(";")[0]
+    return said if "differ" in said else ""
 
 
 def _reason_counts(reasons: pd.Series) -> dict[str, int]:

@@ -77,6 +77,9 @@ def finish(path: str, files: list[DumpFile], tasks: list[SignalTask],
     )
 
 
+UNPROBED_SHOWN = 4  # experts named in the note, the rest counted
+
+
 def unprobed_experts(source: str, signals: list[Signals]) -> list[str]:
     """A line naming the experts that got tokens but none of the probed samples' rows (their
     gain, dc and repeats unmeasured: judged on their outputs alone), where other sites were
@@ -91,10 +94,9 @@ def unprobed_experts(source: str, signals: list[Signals]) -> list[str]:
                                                 if len(idle) > UNPROBED_SHOWN else "")
     return [f"{source}: {len(idle)} expert{'s' if len(idle) != 1 else ''} got none of the "
             f"probed tokens ({shown}): judged on their outputs alone, without probe "
-            "responses; --probe-samples N probes more samples, whose tokens reach more experts"]
+            "responses; a capture with srdd-dump --probe-samples N probes more samples, whose "
+            "tokens reach more experts"]
 
-
-UNPROBED_SHOWN = 4  # experts named in the note, the rest counted
 
 
 def _diagnose_file(f: DumpFile, signals: list[Signals]
@@ -142,9 +144,10 @@ def _diagnose_file(f: DumpFile, signals: list[Signals]
 def phases_note(signals: list[Signals]) -> str:
     """What a healthy headline says of the phases judged: the decode steps when any was
     captured (else that none was), and when none of them was probed while the prefill was
-    (``--probe-steps 0``, a static cache) or the blocks of only some layers were (a
-    sliding-window cache longer than its window). Nothing probed at all (an msprobe dump,
-    ``--probes none``) is said once, by the sample count ("none probed")."""
+    (``--probe-steps 0``, a static cache) or the blocks of only some layers were, or of none
+    while their sub-layers were (a sliding-window cache longer than its window). Nothing
+    probed at all (an msprobe dump, ``--probes none``) is said once, by the sample count
+    ("none probed")."""
     decode = [g for g in signals if g.phase == DECODE]
     if not decode:  # a program of forwards only (an evaluation harness, use_cache=False)
         return " (prefill only: no decode step was captured)"

@@ -53,6 +53,7 @@ class DumpFile:
     device: str = ""  # the device type the model ran on (cpu, cuda, npu), "" when unknown
     model_class: str = ""  # the captured model's class (meta.model_class), "" when unknown
     model_layers: int | None = None  # its config's layer count (meta.model_config), if said
+    model_type: str = ""  # its config's model_type (llama, gemma3_text...), "" when unknown
     capture_notes: list[str] = field(default_factory=list)  # what capture could not record
     data_notes: list[str] = field(default_factory=list)  # those of them on recorded outputs
     # evidence families the capture options asked for and did not get (format/coverage.py)
@@ -344,45 +345,48 @@ def _mtime(path: str) -> float:
 # a model config's layer count, by the names configs give it (Llama, GPT-2, Falcon...)
 LAYER_COUNT_KEYS = ("num_hidden_layers", "n_layer", "num_layers")
 
-# the capture notes that concern the recorded outputs, not the probes: a baseline says them too
-DATA_NOTES = ("records_dropped", "site_errors", "sites_never_run", "tensors_unreadable")
+# the status counters of what a capture left out, and what each means
+LEFT_OUT = {
+    "host_replays_failed": "module replays on the host failed (a device-only kernel or "
+    "offloaded weights): those modules have no float64 reference",
+    "records_dropped": "outputs were not shaped like the round's tokens (routed experts, "
+    "per-head tensors such as a q_norm / k_norm) and were left out",
+    "site_errors": "sub-layer or operator captures failed and were skipped",
+    "tp_replays_skipped": "replays of tensor-parallel modules were skipped (a replay would "
+    "communicate with the other ranks): those modules have clean data only",
+    "tp_host_replays_skipped": "host replays of tensor-parallel modules were skipped (a float64 "
+    "copy of one rank's shard is not the module): no float64 reference",
+    "compiled_probes_dropped": "module replays ran as torch.compile'd code that an eager replay "
+    "does not reproduce: those modules have no probe records there",
+    "sites_never_run": "blocks or sub-layers never ran their capture hooks (torch.compile'd code "
+    "compiled before the hooks were registered) and have no records",
+    "tensors_unreadable": "tensor files of the msprobe dump could not be read (a copy cut "
+    "short?) and were left out",
+}
+# those on recorded outputs, not on probes: a baseline says them too
+DATA_LEFT_OUT = ("records_dropped", "site_errors", "sites_never_run", "tensors_unreadable")
 
 
 def data_notes(source: str, status: dict) -> list[str]:
     """The notes of ``capture_notes`` on outputs the file does not hold."""
-    return capture_notes(source, status, only=DATA_NOTES)
+    return _left_out(source, status, DATA_LEFT_OUT)
 
 
-def capture_notes(source: str, status: dict, only: tuple[str, ...] | None = None) -> list[str]:
-    """One line per thing the capture of a file had to leave out (its ``status`` counters);
-    ``only``: the counters named."""
+def _left_out(source: str, status: dict, keys) -> list[str]:
+    """A line per counter of ``keys`` the file's ``status`` holds above 0, with the sites."""
     notes = []
-    for key, what in (
-        ("host_replays_failed", "module replays on the host failed (a device-only kernel or "
-         "offloaded weights): those modules have no float64 reference"),
-        ("records_dropped", "outputs were not shaped like the round's tokens (routed experts, "
-         "per-head tensors such as a q_norm / k_norm) and were left out"),
-        ("site_errors", "sub-layer or operator captures failed and were skipped"),
-        ("tp_replays_skipped", "replays of tensor-parallel modules were skipped (a replay "
-         "would communicate with the other ranks): those modules have clean data only"),
-        ("tp_host_replays_skipped", "host replays of tensor-parallel modules were skipped "
-         "(a float64 copy of one rank's shard is not the module): no float64 reference"),
-        ("compiled_probes_dropped", "module replays ran as torch.compile'd code that an eager "
-         "replay does not reproduce: those modules have no probe records there"),
-        ("sites_never_run", "blocks or sub-layers never ran their capture hooks (torch.compile'd "
-         "code compiled before the hooks were registered) and have no records"),
-        ("tensors_unreadable", "tensor files of the msprobe dump could not be read (a copy cut "
-         "short?) and were left out"),
-    ):
+    for key in keys:
         n = status.get(key) if isinstance(status, dict) else None
-        if only is not None and key not in only:
-            continue
         if isinstance(n, int) and n > 0:
             names = status.get(f"{key}_sites")  # the sites left out, by name (since 2026-11-28)
             which = f": {', '.join(map(str, names))}" if isinstance(names, list) and names else ""
-            notes.append(f"{source}: {n} {what}{which}")
-    if only is not None:
-        return notes
+            notes.append(f"{source}: {n} {LEFT_OUT[key]}{which}")
+    return notes
+
+
+def capture_notes(source: str, status: dict) -> list[str]:
+    """One line per thing the capture of a file had to leave out (its ``status`` counters)."""
+    notes = _left_out(source, status, LEFT_OUT)
     if isinstance(status, dict):
         notes += [f"{source}: {line}" for line in partial_lines(status.get("coverage"))]
         untested = status.get("untested_versions")
@@ -443,6 +447,8 @@ def inspect(path: str, source: str) -> DumpFile:
     layers = next((config[k] for k in LAYER_COUNT_KEYS if isinstance(config, dict)
                    and isinstance(config.get(k), int)), None)
     f.model_layers = layers
+    kind = config.get("model_type") if isinstance(config, dict) else None
+    f.model_type = kind if isinstance(kind, str) else ""
     options = reader.meta.get("dump_config")
     f.capture_options = options if isinstance(options, dict) else {}
     if reader.meta.get("tool") == "msprobe":

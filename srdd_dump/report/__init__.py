@@ -3,10 +3,7 @@
 
 from __future__ import annotations
 
-import errno
 import os
-import shutil
-import tempfile
 from typing import TYPE_CHECKING
 
 from ..errors import UserError
@@ -28,32 +25,15 @@ def report_format(output: str) -> str:
 
 
 def write_report(result: CompareResult | BaselineResult, output: str) -> list[str]:
-    """Write ``result`` in the format of ``output``'s extension; returns the files written
-    (the main report first). The files are written in a folder beside ``output`` first and
-    moved into place when all are whole: a write that fails (a full disk) leaves the reports
-    already there as they were, never a truncated one."""
+    """Write ``result`` in the format of ``output``'s extension, whole (report/placing.py);
+    returns the files written (the main report first)."""
+    from .diagnosis_csv import CONSISTENCY_PARTS, sibling_path
+    from .placing import place
+
     ext = report_format(output)
-    folder = os.path.dirname(os.path.abspath(output))
-    stage = None
-    try:
-        os.makedirs(folder, exist_ok=True)
-        stage = tempfile.mkdtemp(prefix=".srdd-report-", dir=folder)
-        staged = _write(result, os.path.join(stage, os.path.basename(output)), ext)
-        written = [os.path.join(os.path.dirname(output), os.path.basename(p)) for p in staged]
-        for target in written:  # before any is replaced: all or none
-            if os.path.isdir(target):
-                raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), target)
-        for source, target in zip(staged, written):
-            os.replace(source, target)
-    except OSError as exc:
-        raise UserError(f"{_failed_file(exc, stage, output)}: cannot write the report "
-                        f"({_why(exc, folder)})") from exc
-    finally:
-        if stage is not None:
-            shutil.rmtree(stage, ignore_errors=True)
-    if ext == ".csv":
-        _remove_stale(output, written)
-    return written
+    stale = (tuple(sibling_path(output, part) for part in ("sublayers", *CONSISTENCY_PARTS))
+             if ext == ".csv" else ())
+    return place(output, lambda path: _write(result, path, ext), stale)
 
 
 def _write(result: CompareResult | BaselineResult, path: str, ext: str) -> list[str]:
@@ -76,32 +56,3 @@ def _write(result: CompareResult | BaselineResult, path: str, ext: str) -> list[
         extra = write_consistency(result.consistency, path)
         written += [p for p in extra if p not in written]
     return written
-
-
-def _remove_stale(output: str, written: list[str]) -> None:
-    """The CSV tables of an earlier report at ``output`` that this one has none of: beside
-    this report they would pass for this run's."""
-    from .diagnosis_csv import CONSISTENCY_PARTS, sibling_path
-
-    for part in ("sublayers", *CONSISTENCY_PARTS):
-        path = sibling_path(output, part)
-        if path not in written and os.path.isfile(path):
-            os.remove(path)
-
-
-def _failed_file(exc: OSError, stage: str | None, output: str) -> str:
-    """The report file a write failed on, by the name the user gave (not the staged one)."""
-    name = exc.filename2 or exc.filename
-    if not isinstance(name, str) or stage is None:
-        return output
-    if os.path.dirname(os.path.abspath(name)) == stage:
-        return os.path.join(os.path.dirname(output), os.path.basename(name))
-    return name if os.path.basename(name) != os.path.basename(stage) else output
-
-
-def _why(exc: OSError, folder: str) -> str:
-    while folder and not os.path.exists(folder):
-        folder = os.path.dirname(folder)
-    if folder and not os.path.isdir(folder):
-        return f"{folder} is a file, not a folder"
-    return str(exc.strerror or exc)
