@@ -40,7 +40,7 @@ def sublayer_kind(role: str, name: str) -> str | None:
 # -- statistics constants ---------------------------------------------------------------------
 # Masks of the low mantissa bits that a value of each dtype rarely has all zero, on the float32
 # bits (analysis/signals.py explains the bit counts).
-LOW_BITS_MASK = {"float32": 0xFFFF, "bfloat16": 0xF << 16, "float16": 0x7 << 13}
+LOW_BITS_MASK = {"float32": 0x1FFF, "bfloat16": 0xF << 16, "float16": 0x7 << 13}
 TIE_CANDIDATES = 8  # channels looked at for ties at their extreme
 TIE_MIN_LEVELS = 16  # quantisation steps a channel must span before its extreme's ties count
 CLIP_MIN_ROWS = 4  # distinct token rows before a channel's extreme can show a clip limit

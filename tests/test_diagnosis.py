@@ -47,6 +47,8 @@ def test_healthy_models_get_no_fault(arch, dtype, tmp_path):
     ("spike@layer=5,m=0.3", "SPIKE"),
     ("stuck_at@layer=2,sparsity=0.1,value=0.5", "STUCK"),
     ("precision@layer=3,dtype=bfloat16,site=mlp", "PRECISION"),
+    ("precision@layer=2,dtype=float16,site=mlp", "PRECISION"),  # fp32 computed in fp16
+    ("precision@layer=4,dtype=float16", "PRECISION"),
     ("bitflip@layer=1,rate=0.01,bits=exponent", "SPIKE|OVERFLOW"),
 ])
 def test_planted_fault_is_named(spec, family, tmp_path):
@@ -127,6 +129,13 @@ def test_cli_writes_aqn_config(tmp_path):
     text = (tmp_path / "aqn.yaml").read_text()
     assert "layer_sigmas:" in text and "base_sigma: 0.05" in text
     assert text.count("    ") >= 4  # one line per layer under layer_sigmas
+    report = (tmp_path / "r.xlsx").read_bytes()
+    for clash, out in (("r.xlsx", "r.xlsx"), ("r.files.csv", "r.csv")):  # never a report file
+        res = run_cli("srdd-compare", str(tmp_path / "d"), "-o", str(tmp_path / out),
+                      "--aqn-config", str(tmp_path / clash))
+        assert res.returncode == 2 and "Traceback" not in res.stderr
+        assert f"--aqn-config {tmp_path / clash}: a file of the report" in res.stderr
+    assert (tmp_path / "r.xlsx").read_bytes() == report
 
 
 def test_compare_names_the_odd_card_out(tmp_path):

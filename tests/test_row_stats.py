@@ -19,7 +19,7 @@ def _rows(width: int) -> np.ndarray:
     x[3, ::3] = 0.0  # many exact zeros
     x[4, 5] = np.nan
     x[5, 7] = np.inf
-    # bf16 values (16 low bits zero): lowbits 1
+    # bf16 values (16 low bits zero, so the 13 of fp16 precision too): lowbits 1
     x[6] = (x[6].view(np.uint32) & np.uint32(0xFFFF0000)).view(np.float32)
     # a dequantised 8-bit row: codes times a scale (on the grid)
     x[7] = (rng.integers(-127, 128, width) * np.float32(0.037)).astype(np.float32)

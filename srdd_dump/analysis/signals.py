@@ -34,9 +34,10 @@ BLOCK_SITE = -1  # Signals.site of a block's own output (the dump schema's BLOCK
 PREFILL = "prefill"  # rounds of more than one token per sequence
 DECODE = "decode"  # one-token rounds after a prefill (other kernels on most devices)
 # Low mantissa bits that a value of each dtype rarely has all zero (healthy rate 2^-bits): fp32
-# 16 (bf16-precision values), bf16 4 (fp8 e4m3 precision: 3 mantissa bits of bf16's 7), fp16 3
-# (bf16 precision: 7 of fp16's 10). Masks on the float32 bits the reader gives back.
-LOW_BITS = {"float32": 16, "bfloat16": 4, "float16": 3}
+# 13 (fp16-precision values: 10 of fp32's 23 mantissa bits; bf16's 7 leave them 0 too), bf16
+# 4 (fp8 e4m3 precision: 3 mantissa bits of bf16's 7), fp16 3 (bf16 precision: 7 of fp16's
+# 10). Masks on the float32 bits the reader gives back.
+LOW_BITS = {"float32": 13, "bfloat16": 4, "float16": 3}
 
 
 class Probe(NamedTuple):

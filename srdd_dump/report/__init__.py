@@ -24,15 +24,23 @@ def report_format(output: str) -> str:
     return ext
 
 
+def report_files(output: str) -> list[str]:
+    """Every file a report at ``output`` may write (the main report first)."""
+    from .diagnosis_csv import CONSISTENCY_PARTS, sibling_path
+
+    if report_format(output) != ".csv":
+        return [output]
+    return [output] + [sibling_path(output, part)
+                       for part in ("files", "sublayers", *CONSISTENCY_PARTS)]
+
+
 def write_report(result: CompareResult | BaselineResult, output: str) -> list[str]:
     """Write ``result`` in the format of ``output``'s extension, whole (report/placing.py);
     returns the files written (the main report first)."""
-    from .diagnosis_csv import CONSISTENCY_PARTS, sibling_path
     from .placing import place
 
     ext = report_format(output)
-    stale = (tuple(sibling_path(output, part) for part in ("sublayers", *CONSISTENCY_PARTS))
-             if ext == ".csv" else ())
+    stale = tuple(p for p in report_files(output)[1:] if not p.endswith(".files.csv"))
     return place(output, lambda path: _write(result, path, ext), stale)
 
 
