@@ -152,3 +152,6 @@ def test_the_flagged_layers_are_an_aligned_table():
     assert lines == ["verdict score         module gain",  # not measured: "-", not NaN
                      "  FAULT 12.35 model.layers.1    -",
                      "SUSPECT     3              m    -"]
+    labels = "SAT_SOURCE,STUCK,PILEUP_SAT,BATCH_DEP,MLP_MISMATCH"  # the first label is kept
+    (_, line) = aligned([{"diagnosis": labels}], ["diagnosis"])
+    assert line.strip().startswith("SAT_SOURCE,") and line.strip().endswith("...")

@@ -67,20 +67,24 @@ def hunt_line(hunt: str) -> str:
 def aligned(rows: list[dict], columns: list[str]) -> list[str]:
     """``columns`` of ``rows`` as a text table: a header line, then one line per row, each
     column right-aligned to its widest cell; numbers to 4 significant digits, long texts
-    shortened from the left (a path's end says most); "-" where the report's cell is empty
-    (not measured: "NaN" would read as an overflow)."""
-    cells = [[_cell(r.get(c)) for c in columns] for r in rows]
+    shortened from the left (a path's end says most), the labels from the right (the first
+    is the main one); "-" where the report's cell is empty (not measured: "NaN" would read as
+    an overflow)."""
+    cells = [[_cell(r.get(c), keep_start=c == "diagnosis") for c in columns] for r in rows]
     widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
     return [" ".join(text.rjust(w) for text, w in zip(line, widths))
             for line in [columns, *cells]]
 
 
-def _cell(value) -> str:
+def _cell(value, keep_start: bool = False) -> str:
     if missing(value):
         return "-"
     if isinstance(value, float):
         return f"{value:.4g}"
-    return _shorten(value)
+    text = str(value)
+    if keep_start and len(text) > MAX_TEXT:
+        return text[:MAX_TEXT - 3] + "..."
+    return _shorten(text)
 
 
 def _shorten(text) -> str:
