@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import sys
 import traceback
 from typing import Optional
@@ -147,7 +146,9 @@ def compare(
         gate = _fail_levels(fail_on, FAIL_ON)
         report_format(output)
         if aqn_config:
-            _aqn_apart(aqn_config, output)
+            from srdd_dump.report.aqn import check_apart
+
+            check_apart(aqn_config, output)
         if jobs is not None and jobs < 1:
             raise UserError(f"--jobs {jobs}: must be at least 1")
         thresholds = Thresholds(
@@ -221,17 +222,6 @@ def compare(
         from srdd_dump.compare.pipeline import discard_started
 
         discard_started()  # workers started early that no scan took (a user error)
-
-
-def _aqn_apart(aqn_config: str, output: str) -> None:
-    """--aqn-config may not name a file of the report (it would replace it)."""
-    from srdd_dump.report import report_files
-
-    same = [p for p in report_files(output)
-            if os.path.realpath(p) == os.path.realpath(aqn_config)]
-    if same:
-        raise UserError(f"--aqn-config {aqn_config}: a file of the report ({same[0]}); give "
-                        "the AQN config a name of its own")
 
 
 def _fail_levels(option: str | None, levels: dict) -> tuple[str, ...]:

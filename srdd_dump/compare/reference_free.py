@@ -98,7 +98,6 @@ def unprobed_experts(source: str, signals: list[Signals]) -> list[str]:
             "tokens reach more experts"]
 
 
-
 def _diagnose_file(f: DumpFile, signals: list[Signals]
                    ) -> tuple[list[dict], list[dict], str, str | None]:
     """Layer rows, sub-layer rows, the headline of one file and the command that hunts the

@@ -26,12 +26,19 @@ def report_format(output: str) -> str:
 
 def report_files(output: str) -> list[str]:
     """Every file a report at ``output`` may write (the main report first)."""
-    from .diagnosis_csv import CONSISTENCY_PARTS, sibling_path
+    from .diagnosis_csv import files_csv_path
 
     if report_format(output) != ".csv":
         return [output]
-    return [output] + [sibling_path(output, part)
-                       for part in ("files", "sublayers", *CONSISTENCY_PARTS)]
+    return [output, files_csv_path(output), *_optional_tables(output)]
+
+
+def _optional_tables(output: str) -> tuple[str, ...]:
+    """The CSV tables a report has only when its result holds them (an earlier report's are
+    removed when this one has none)."""
+    from .diagnosis_csv import CONSISTENCY_PARTS, sibling_path
+
+    return tuple(sibling_path(output, part) for part in ("sublayers", *CONSISTENCY_PARTS))
 
 
 def write_report(result: CompareResult | BaselineResult, output: str) -> list[str]:
@@ -40,7 +47,7 @@ def write_report(result: CompareResult | BaselineResult, output: str) -> list[st
     from .placing import place
 
     ext = report_format(output)
-    stale = tuple(p for p in report_files(output)[1:] if not p.endswith(".files.csv"))
+    stale = _optional_tables(output) if ext == ".csv" else ()
     return place(output, lambda path: _write(result, path, ext), stale)
 
 

@@ -61,6 +61,17 @@ def _scalar(v) -> str:
     return f'"{text}"'
 
 
+def check_apart(path: str, report: str) -> None:
+    """UserError when the AQN config ``path`` is a file of the report at ``report`` (writing
+    it would replace that file)."""
+    from . import report_files
+
+    same = [p for p in report_files(report) if os.path.realpath(p) == os.path.realpath(path)]
+    if same:
+        raise UserError(f"--aqn-config {path}: a file of the report ({same[0]}); give the AQN "
+                        "config a name of its own")
+
+
 def write_aqn(layers: pd.DataFrame, path: str) -> str:
     """Write the AQN config of ``layers`` to ``path`` (YAML); returns the path."""
     config = aqn_config(layers)
