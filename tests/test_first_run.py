@@ -196,7 +196,7 @@ def test_healthy_first_screen_says_how_many_samples_were_probed(tmp_path, option
 @pytest.mark.parametrize("options, says", [
     ({"repeats": 0}, "run-to-run repeats"), ({"draws": 0}, "noise gain"),
     ({"dc": []}, "dc response"),
-    ({"probes": "gain,dc,repeat"}, "causality, float64 references")])
+    ({"probes": "gain,dc,repeat"}, "causality, host references")])
 def test_a_healthy_verdict_says_which_probes_the_capture_left_out(tmp_path, options, says):
     """A capture that switched probe families off (--repeats 0, --probes gain,dc,repeat) did
     not test the faults only they show: the healthy first line says so, the default none."""

@@ -1,5 +1,6 @@
-"""The references' float64 weights: converted into one reused buffer at each call, each
-result its own tensor, exact, and always the weights as they are now."""
+"""The references' host weights: converted into one reused buffer at each call (float64 for a
+float64 model's rows, float32 for any other), each result its own tensor, exact, and always the
+weights as they are now."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import torch
 from torch import nn
 
 from srdd_dump import DumpConfig, register_hook
-from srdd_dump.capture.host_weights import HostWeights
+from srdd_dump.capture.host_weights import HostWeights, reference_dtype
 
 from tiny_models import build
 
@@ -42,6 +43,33 @@ def test_the_reused_buffer_gives_exact_results_each_its_own(dtype):
     # a result is its own tensor: later conversions into the buffer leave it as it was
     for m, y in held:
         assert torch.equal(y, _exact(m, x[m.in_features]))
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_float32_rows_get_float32_products_of_the_exact_weights(dtype):
+    """A float32 reference (any model but a float64 one): the weights converted exactly (or, in
+    float32 on the host, read as they are: nothing is copied), the product a float32 one,
+    within float32's rounding of the float64 product."""
+    modules = _linears(dtype)
+    weights = HostWeights()
+    for m in modules:
+        x = torch.randn(5, m.in_features, dtype=torch.float64)
+        y = weights.linear(m, x.float())
+        assert y.dtype == torch.float32
+        w = m.weight.detach().float()
+        expect = x.float() @ w.T + (0 if m.bias is None else m.bias.detach().float())
+        assert torch.equal(y, expect)
+        torch.testing.assert_close(y.double(), _exact(m, x), rtol=1e-5, atol=1e-5)
+    # an fp32 host weight is read in place: no float32 scratch buffer was made for it
+    assert (torch.float32 in weights._scratch) == (dtype != torch.float32)
+
+
+@pytest.mark.unit
+def test_the_reference_dtype_is_float32_but_for_a_float64_model():
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        assert reference_dtype(torch.zeros(2, dtype=dtype)) == torch.float32
+    assert reference_dtype(torch.zeros(2, dtype=torch.float64)) == torch.float64
 
 
 @pytest.mark.unit

@@ -1,4 +1,4 @@
-"""Which MLPs get a float64 reference (capture/mlp_reference.py) and which activation modules
+"""Which MLPs get a reference (capture/mlp_reference.py) and which activation modules
 are operator sites (capture/discovery.py): layouts built from small modules named as Hugging
 Face, vLLM and ports name them."""
 

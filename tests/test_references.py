@@ -1,6 +1,6 @@
 """The sub-layer references (issue 28): each attention and MLP sub-layer's probe rows recomputed
-from the module's input in float64 by srdd-dump's own attention and MLP
-(capture/attention_reference.py, capture/mlp_reference.py), at default options.
+from the module's input by srdd-dump's own attention and MLP (capture/attention_reference.py,
+capture/mlp_reference.py), at default options: in float32, in float64 for a float64 model.
 
 * exact: on a float64 model the reference equals the model's own attention to the rounding
   of its float32 parts (left padding, decode steps reading the KV cache, GQA, Qwen2's biases,
@@ -110,6 +110,27 @@ def test_healthy_attention_stays_far_under_the_limit(tmp_path, arch, dtype):
     assert FAULT not in set(result.layers["verdict"])
     limit = 1e-3 if dtype == torch.float32 else 1.5e-1  # the baseline FAIL limits
     assert _attention_rows(result)["host_red"].max() < limit / 10
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_the_references_compute_in_float32_but_for_a_float64_model(tmp_path, dtype):
+    """The attention and MLP references are float32 records (a quarter of float64's host cost;
+    their rounding a thousandth of fp32's FAIL limit), float64 ones for a float64 model; the
+    norms' host replays stay float64."""
+    from srdd_dump.format import schema
+    from srdd_dump.format.reader import DumpReader
+
+    _dump(tmp_path, _model("llama", dtype))
+    (path,) = tmp_path.glob("*.h5")
+    want = "float64" if dtype == torch.float64 else "float32"
+    with DumpReader(str(path)) as rd:
+        seen = {}
+        for r in rd.records[rd.records["kind"] == schema.KIND_HOST]:
+            name = rd.sites[int(r["site"])].rsplit(".", 1)[-1]
+            seen.setdefault(name, set()).add(rd.dtype_of(r))
+    assert seen["self_attn"] == {want} and seen["mlp"] == {want}, seen
+    assert seen["input_layernorm"] == {"float64"}, seen
 
 
 KERNEL_FAULTS = ["softmax_precision", "double_scale", "rotary_offset,phase=decode",

@@ -365,9 +365,9 @@ def _identity_evidence(sig: Signals, where: str, dtype: str) -> list[Evidence]:
                     f" in its worst channel ({sig.host_red:.3g} over the whole output)")
             kind = reference_kind(sig)
             reference = {
-                "ATTENTION_MISMATCH": "srdd-dump's float64 reference attention (its own "
+                "ATTENTION_MISMATCH": "srdd-dump's reference attention (its own "
                                       "scale, softmax, rotary, causal mask and head mapping)",
-                "MLP_MISMATCH": "srdd-dump's float64 reference MLP (its own activation)",
+                "MLP_MISMATCH": "srdd-dump's reference MLP (its own activation)",
             }.get(kind, "its float64 host replay")
             ev.append(Evidence(
                 kind, min(strength, 1e3),
@@ -683,9 +683,9 @@ FAMILY_WORDS = {
                   "fixed scale)",
     "CAUSALITY": "later tokens change earlier rows (an attention mask bug)",
     "HOST_MISMATCH": "output differs from a float64 replay of the same input",
-    "ATTENTION_MISMATCH": "attention output differs from a float64 reference attention of the "
+    "ATTENTION_MISMATCH": "attention output differs from srdd-dump's reference attention of the "
                           "same input (its scale, softmax, rotary, mask or head mapping)",
-    "MLP_MISMATCH": "MLP output differs from a float64 reference MLP of the same input (a "
+    "MLP_MISMATCH": "MLP output differs from srdd-dump's reference MLP of the same input (a "
                     "fault inside one of its operators)",
 }
 

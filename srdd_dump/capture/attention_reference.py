@@ -1,15 +1,16 @@
-"""The attention sub-layer recomputed from its own input in float64 on the host, for the probe
-rows only (docs/method.md, "Attention reference").
+"""The attention sub-layer recomputed from its own input on the host, for the probe rows only
+(docs/method.md, "Reference attention"), in float32 (float64 for a float64 model:
+host_weights.reference_dtype; the rotary angles always in float64).
 
 The reference is srdd-dump's own attention, not the model's code: the projections' weights
 (q, k, v, o; q/k norms where the model has them), the rotary table rebuilt from the rotary
 module's inverse frequencies and the positions the layer was given, the scale from the model
 config (1/sqrt(head_dim), or the config's own query scalar), the causal and padding mask from
 the model call's 2-D attention mask, each query head reading KV head ``h // (heads /
-kv_heads)``, softmax in float64. A kernel bug in any of those (softmax precision, a scale
-applied twice, a rotary offset or a mask off by one at decode, a wrong GQA head mapping, a
-clamp inside a projection) moves the device's output away from it; the keys and values of
-earlier steps are read from the KV cache as the device stored them.
+kv_heads)``, softmax in the reference's dtype. A kernel bug in any of those (softmax
+precision, a scale applied twice, a rotary offset or a mask off by one at decode, a wrong GQA
+head mapping, a clamp inside a projection) moves the device's output away from it; the keys
+and values of earlier steps are read from the KV cache as the device stored them.
 
 Only the Hugging Face layout is recognised (``q_proj``/``k_proj``/``v_proj`` or a fused
 ``qkv_proj``, and ``o_proj``; rotary ``inv_freq`` tables in the rotate-half convention);
@@ -26,10 +27,10 @@ import torch
 from torch import nn
 
 from .host import HELD_ELSEWHERE, weight_held_elsewhere
-from .host_weights import F64, HOST, HostWeights
+from .host_weights import F64, HOST, HostWeights, reference_dtype
 from .probes import is_cache, layer_index
 
-# host float64 multiply-adds one reference may take (the keys and values of the rows before
+# host multiply-adds one reference may take (the keys and values of the rows before
 # the last probe row dominate); a longer call is not checked, and the coverage says so
 BUDGET = 4e9
 CACHE_KEYS = ("past_key_values", "past_key_value", "cache", "layer_past")
@@ -65,26 +66,41 @@ def _config_value(config: Any, *names: str) -> Any:
     return None
 
 
-def rotary_of(module: nn.Module, model: nn.Module, layer_type: str | None
-              ) -> tuple[tuple[nn.Module, str], float] | None:
+def rotary_of(module: nn.Module, model: nn.Module, layer_type: str | None,
+              found: dict | None = None) -> tuple[tuple[nn.Module, str], float] | None:
     """((rotary module, attribute of its inverse frequencies), attention scaling) of the
     attention's rotary table: its own rotary module's or the model's; a model with one table
     per layer type (Gemma 3: sliding and full attention) holds them as
-    ``{layer_type}_inv_freq`` (transformers 5) or in a ``*_local`` module (4.5x)."""
+    ``{layer_type}_inv_freq`` (transformers 5) or in a ``*_local`` module (4.5x). ``found``
+    keeps the model's answers between the calls of one model's attentions (its walk over
+    every module of the model, for each of 30 layers, was a tenth of a plain generation)."""
     prefixes = ((f"{layer_type}_",) if layer_type else ()) + ("",)
     # transformers 4.5x's Gemma 3 keeps the sliding layers' table in a second module
     # (``rotary_emb_local``): a sliding attention looks there first
     sliding = layer_type == "sliding_attention" or getattr(module, "is_sliding", False) is True
-    for owner in (module, model):
-        named = list(owner.named_modules())
-        if sliding:
-            named.sort(key=lambda item: "local" not in item[0].rsplit(".", 1)[-1])
-        for _, m in named:
-            for prefix in prefixes:
-                table = getattr(m, f"{prefix}inv_freq", None)
-                if isinstance(table, torch.Tensor):
-                    scaling = getattr(m, f"{prefix}attention_scaling", 1.0)
-                    return (m, f"{prefix}inv_freq"), float(scaling or 1.0)
+    table = _rotary_in(module, prefixes, sliding)
+    if table is not None:
+        return table
+    key = (id(model), prefixes, sliding)
+    if found is None or key not in found:
+        table = _rotary_in(model, prefixes, sliding)
+        if found is None:
+            return table
+        found[key] = table
+    return found[key]
+
+
+def _rotary_in(owner: nn.Module, prefixes: tuple[str, ...], sliding: bool
+               ) -> tuple[tuple[nn.Module, str], float] | None:
+    named = list(owner.named_modules())
+    if sliding:
+        named.sort(key=lambda item: "local" not in item[0].rsplit(".", 1)[-1])
+    for _, m in named:
+        for prefix in prefixes:
+            table = getattr(m, f"{prefix}inv_freq", None)
+            if isinstance(table, torch.Tensor):
+                scaling = getattr(m, f"{prefix}attention_scaling", 1.0)
+                return (m, f"{prefix}inv_freq"), float(scaling or 1.0)
     return None
 
 
@@ -101,8 +117,10 @@ def inv_freq(layout: AttentionLayout) -> torch.Tensor | None:
 UNMODELLED = ("qk_norm", "attn_temperature_tuning", "attention_chunk_size", "sinks")
 
 
-def attention_layout(module: nn.Module, model: nn.Module) -> AttentionLayout | str:
-    """The layout of an attention module of the Hugging Face kind; a string says why not."""
+def attention_layout(module: nn.Module, model: nn.Module, found: dict | None = None
+                     ) -> AttentionLayout | str:
+    """The layout of an attention module of the Hugging Face kind; a string says why not
+    (``found``: rotary_of's answers for the model, kept between its attentions)."""
     children = dict(module.named_children())
     o = children.get("o_proj")
     if all(n in children for n in ("q_proj", "k_proj", "v_proj")):
@@ -149,7 +167,7 @@ def attention_layout(module: nn.Module, model: nn.Module) -> AttentionLayout | s
     if width != (heads + (2 * kv_heads if len(projections) == 2 else 0)) * head_dim or (
             len(projections) == 4 and projections[1].out_features != kv_heads * head_dim):
         return "projections of another width than the config's heads (sharded?)"
-    rotary, scaling = rotary_of(module, model, layer_type) or (None, 1.0)
+    rotary, scaling = rotary_of(module, model, layer_type, found) or (None, 1.0)
     rope_off = getattr(module, "use_rope", True) in (False, 0)  # SmolLM3's no-rope layers
     if rope_off:
         rotary = None
@@ -165,7 +183,7 @@ def attention_layout(module: nn.Module, model: nn.Module) -> AttentionLayout | s
 
 
 def _norm(module: nn.Module | None, x: torch.Tensor) -> torch.Tensor:
-    """A per-head norm (Qwen3's q_norm / k_norm): RMS norm with its weight, in float64."""
+    """A per-head norm (Qwen3's q_norm / k_norm): RMS norm with its weight, in x's dtype."""
     if module is None:
         return x
     eps = float(getattr(module, "variance_epsilon", getattr(module, "eps", 1e-6)))
@@ -173,20 +191,22 @@ def _norm(module: nn.Module | None, x: torch.Tensor) -> torch.Tensor:
     weight = getattr(module, "weight", None)
     if not isinstance(weight, torch.Tensor):
         return y
-    weight = weight.detach().to(HOST, F64)
+    weight = weight.detach().to(HOST, x.dtype)
     # Gemma's norms scale by (1 + weight)
     return y * (1.0 + weight) if type(module).__name__.startswith("Gemma") else y * weight
 
 
-def rotary_table(layout: AttentionLayout, positions: torch.Tensor
-                 ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(cos, sin) of the positions, (..., rotary width), rotate-half layout."""
+def rotary_table(layout: AttentionLayout, positions: torch.Tensor,
+                 dtype: torch.dtype = F64) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(cos, sin) of the positions, (..., rotary width), rotate-half layout, in ``dtype``
+    (the angles in float64: in float32 they would be off by ~1e-4 at position 4,000)."""
     table = inv_freq(layout)
     if table is None:
         return None
     freqs = positions.to(F64)[..., None] * table
     emb = torch.cat([freqs, freqs], dim=-1)
-    return emb.cos() * layout.rotary_scaling, emb.sin() * layout.rotary_scaling
+    return ((emb.cos() * layout.rotary_scaling).to(dtype),
+            (emb.sin() * layout.rotary_scaling).to(dtype))
 
 
 def _rotate(x: torch.Tensor, table) -> torch.Tensor:
@@ -270,7 +290,7 @@ def past_kv(cache: Any, layer: int | None, seq: int = 0, copy: bool = False
 def reference_rows(layout: AttentionLayout, x: torch.Tensor, rows: list[tuple[int, int]],
                    positions: torch.Tensor, past: PastKV | None, key_mask: torch.Tensor | None,
                    device_out: torch.Tensor, weights: HostWeights) -> torch.Tensor | str:
-    """The float64 attention output of ``rows`` ((batch index, row) pairs of ``x``, the
+    """The reference attention output of ``rows`` ((batch index, row) pairs of ``x``, the
     module's hidden-state input (batch, seq, hidden)): (len(rows), hidden). ``positions``:
     the rotary position of every row (batch or 1, seq); ``past``: the keys and values of the
     tokens before the call (``past_kv``); ``key_mask``: the
@@ -289,20 +309,21 @@ def reference_rows(layout: AttentionLayout, x: torch.Tensor, rows: list[tuple[in
     if cost > BUDGET:
         return "a call too long for the host budget"
     group = layout.heads // max(1, layout.kv_heads)
-    out = device_out.detach().to(HOST, F64).clone()
+    dtype = reference_dtype(x)
+    out = device_out.detach().to(HOST, dtype).clone()
     o_proj = layout.projections[-1]
     for b in sorted({b for b, _ in rows}):
         mine = [(n, i) for n, (bb, i) in enumerate(rows) if bb == b]
         upto = max(i for _, i in mine) + 1
         pos = positions[min(b, positions.shape[0] - 1)].to(HOST)
-        q, k, v = _qkv(layout, x[b, :upto].detach().to(HOST, F64), weights)
-        k = _rotate(k, rotary_table(layout, pos[:upto]))
+        q, k, v = _qkv(layout, x[b, :upto].detach().to(HOST, dtype), weights)
+        k = _rotate(k, rotary_table(layout, pos[:upto], dtype))
         if past:  # the held past (positions start .. past - 1)
-            keys = past_keys[b].detach().to(HOST, F64).transpose(0, 1)
-            values = past_values[b].detach().to(HOST, F64).transpose(0, 1)
+            keys = past_keys[b].detach().to(HOST, dtype).transpose(0, 1)
+            values = past_values[b].detach().to(HOST, dtype).transpose(0, 1)
             k, v = torch.cat([keys, k]), torch.cat([values, v])
         index = torch.tensor([i for _, i in mine])
-        qr = _rotate(q[index], rotary_table(layout, pos[index]))  # (m, heads, d)
+        qr = _rotate(q[index], rotary_table(layout, pos[index], dtype))  # (m, heads, d)
         kh = k.repeat_interleave(group, dim=1)  # (keys, heads, d)
         vh = v.repeat_interleave(group, dim=1)
         scores = torch.einsum("mhd,khd->hmk", qr, kh) * layout.scale
@@ -367,9 +388,10 @@ def attention_layouts(model: nn.Module, modules: list[nn.Module]
     """id(module) -> its layout (or why none) for each attention module of ``modules``; a
     module whose config cannot be read gets the error as its reason."""
     out: dict[int, AttentionLayout | str] = {}
+    found: dict = {}
     for m in modules:
         try:
-            out[id(m)] = attention_layout(m, model)
+            out[id(m)] = attention_layout(m, model, found)
         except Exception as exc:  # noqa: BLE001 (a config of another shape: never fatal)
             out[id(m)] = f"{type(exc).__name__}: {exc}"
     return out

@@ -115,7 +115,9 @@ def opaque(fn: F) -> F:
             if not allowed():
                 return None
         else:  # running (after a graph break, this frame is never traced)
-            _state["from_compiled"] = _dynamo_active()
+            active = _state["from_compiled"] = _dynamo_active()
+            if active is False:  # plain eager code: no frame callback to keep out of ``fn``
+                return fn(*args, **kwargs)
         return eager(*args, **kwargs)
 
     _HOOK_CODES.add(hook.__code__)
@@ -163,20 +165,20 @@ class opaque_method:  # noqa: N801 (used as a decorator, like a function)
                     obj.__dict__.pop(name, None)
 
 
-def _dynamo_active() -> bool:
-    """Dynamo's frame callback is set: the hook runs at a graph break of compiled code. (No
-    name of torch in here: dynamo then never compiles this frame, as it runs among the frames
-    of a compiled call on torch 2.1.)"""
+def _dynamo_active() -> bool | None:
+    """Dynamo's frame callback is set: the hook runs at a graph break of compiled code (None:
+    this torch does not tell). (No name of torch in here: dynamo then never compiles this
+    frame, as it runs among the frames of a compiled call on torch 2.1.)"""
     try:
         if get_eval_frame_callback is not None:
             return get_eval_frame_callback() not in (None, False)
         if _set_eval_frame is None:
-            return False
+            return None
         callback = _set_eval_frame(None)
         _set_eval_frame(callback)
         return callback not in (None, False)
     except Exception:  # noqa: BLE001 (another torch)
-        return False
+        return None
 
 
 def called_from_compiled() -> bool:

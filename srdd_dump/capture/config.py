@@ -58,8 +58,9 @@ class DumpConfig:
         sample costs several plain ones: docs/benchmarks.md, "How many samples are probed").
     probes: gain, dc, repeat (replays of perturbed inputs), scale (the linear-map identity,
         at operator granularity), causal (the causality identity of attention and blocks),
-        attention, mlp, norm (the float64 references of the attention and MLP sub-layers and
-        of the block's norms).
+        attention, mlp, norm (the host references of the attention and MLP sub-layers, in
+        float32 (float64 for a float64 model), and the float64 host replay of the block's
+        norms).
     sigmas, draws, dc, repeats: the gain noise sizes (relative to each token's std), noise
         draws per size, dc shifts (in token stds) and unperturbed re-runs; a second, smaller
         sigma adds the reported (not judged) ``linearity``.

@@ -821,7 +821,7 @@ class CaptureSession:
         self.remove()
         self._pending = []  # device tensors of a model-level operator
         self._frozen.clear()  # and copies kept for the replays of an unfinished round
-        self.replays.close()  # kept KV caches, the references' reused float64 buffers
+        self.replays.close()  # kept KV caches, the references' reused weight buffers
         self._bar.close()
         if self.output.writer is not None:
             silent = never_run(self.layer_names, self.sites, self._fired)

@@ -1,12 +1,13 @@
-"""The MLP sub-layer recomputed from its own input in float64 on the host, for the probe rows
-only (docs/method.md, "Reference MLP"): a gated MLP ``down(act(gate(x)) * up(x))`` from its
-weights and srdd-dump's own activation (chosen by the activation module's class, computed by
-formula), so a fault inside an operator of the MLP (a flush-to-zero in a projection, a clamp in
-the activation, a lower precision) shows at default options, where the sub-layer output is the
+"""The MLP sub-layer recomputed from its own input on the host, for the probe rows only
+(docs/method.md, "Reference MLP"), in float32 (float64 for a float64 model:
+host_weights.reference_dtype): a gated MLP ``down(act(gate(x)) * up(x))`` from its weights and
+srdd-dump's own activation (chosen by the activation module's class, computed by formula), so a
+fault inside an operator of the MLP (a flush-to-zero in a projection, a clamp in the
+activation, a lower precision) shows at default options, where the sub-layer output is the
 finest site. Each output row depends on its input row alone, so the probe rows are all it
 computes.
 
-Each call converts the weights to float64 on the host (host_weights.py).
+Each call converts the weights to that dtype on the host (host_weights.py).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from torch import nn
 
 from .discovery import ACTIVATION_NAMES, class_names
 from .host import HELD_ELSEWHERE, weight_held_elsewhere
-from .host_weights import F64, HOST, HostWeights
+from .host_weights import HOST, HostWeights, reference_dtype
 
 
 def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
@@ -99,7 +100,7 @@ def configured_activation(config: Any) -> str | None:
 
 
 def _unusable(m: Any) -> str | None:
-    """Why a projection's float64 copy is not the map it computes (None: it is)."""
+    """Why a projection's host copy is not the map it computes (None: it is)."""
     w = getattr(m, "weight", None)
     if isinstance(m, nn.Module) and weight_held_elsewhere(m):
         return HELD_ELSEWHERE
@@ -162,7 +163,7 @@ def _fused_layout(gate_up: nn.Module, down: Any, act: nn.Module) -> MlpLayout | 
 
 
 class MlpReference:
-    """Float64 reference outputs of the probe rows of recognised MLPs."""
+    """Reference outputs of the probe rows of recognised MLPs."""
 
     def __init__(self, modules: list[nn.Module], weights: HostWeights, config: Any = None):
         self.layouts = {id(m): mlp_layout(m, config) for m in modules}
@@ -172,9 +173,10 @@ class MlpReference:
                                if isinstance(layout, MlpLayout) and layout.assumed})
 
     def rows(self, module: nn.Module, x_rows: torch.Tensor) -> torch.Tensor:
-        """The reference output of input rows (n, hidden): (n, hidden) float64."""
+        """The reference output of input rows (n, hidden): (n, hidden), float32 (float64 for
+        float64 rows)."""
         layout = self.layouts[id(module)]
-        x = x_rows.detach().to(HOST, F64)
+        x = x_rows.detach().to(HOST, reference_dtype(x_rows))
         linear = self.weights.linear
         if layout.up is not None:
             return linear(layout.down, layout.activation(linear(layout.gate, x))

@@ -41,8 +41,8 @@ class ProbeSpec:
     batched: bool  # perturbed copies replayed in one batched call
     scale: bool = False  # the scale identity of linear operators (identities.scale_replays)
     causal: bool = False  # the causality copy of causal attentions and blocks
-    attention: bool = False  # the float64 reference attention (attention_reference.py)
-    mlp: bool = False  # the float64 reference MLP (mlp_reference.py)
+    attention: bool = False  # the reference attention (attention_reference.py)
+    mlp: bool = False  # the reference MLP (mlp_reference.py)
     norm: bool = False  # the float64 host replay of a norm's probe rows (replays._rows)
 
     @classmethod

@@ -78,7 +78,7 @@ class Replays:
         # the cache layers a reference reads (their past is kept when the replays' is not)
         self._referenced = {v.layer for v in self.attention.values() if not isinstance(v, str)}
         self.mlp = mlp  # the reference MLPs (mlp_reference.py)
-        # float64 host weights shared by both references
+        # the host weights shared by both references
         self.weights = mlp.weights if mlp is not None else HostWeights()
         self.host, self.serving, self.moe, self.levels = host, serving_blocks, moe, levels
         self.causal = causal_modules(blocks, sites)
@@ -321,7 +321,7 @@ class Replays:
     def attention_record(self, module: nn.Module, layer: int, site: int, args: tuple,
                          kwargs: dict, hidden: torch.Tensor, ctx: RoundContext) -> bool:
         """The reference attention of the probe rows (attention_reference.py) as a KIND_HOST
-        record: the module's float64 host replay, by srdd-dump's own attention. False when
+        record: the module's host reference, by srdd-dump's own attention. False when
         there is none (the coverage says why)."""
         name = self._family(ctx, site, "references")
         self.coverage.expect(name)
@@ -382,7 +382,7 @@ class Replays:
         ranks (replayed with ``--tp-replays lockstep``) has none: it needs the whole weights."""
         if self.tp.sharded(module):
             self.coverage.failed(name, f"{type(module).__name__}: its weights are split over "
-                                 "the tensor-parallel ranks (a float64 reference needs them "
+                                 "the tensor-parallel ranks (a reference needs them "
                                  "whole)")
             return False
         try:

@@ -172,7 +172,7 @@ LEFT_OUT = (
     ("dc response", lambda o, probes: "dc" not in probes or not o.get("dc", [1])),
     ("run-to-run repeats", lambda o, probes: "repeat" not in probes or not o.get("repeats", 1)),
     ("causality", lambda o, probes: "causal" not in probes),
-    ("float64 references", lambda o, probes: not {"attention", "mlp", "norm"} & probes
+    ("host references", lambda o, probes: not {"attention", "mlp", "norm"} & probes
      and o.get("reference", "none") != "host"),
 )
 NONE_PROBED = ", none probed"

@@ -348,14 +348,14 @@ LAYER_COUNT_KEYS = ("num_hidden_layers", "n_layer", "num_layers")
 # the status counters of what a capture left out, and what each means
 LEFT_OUT = {
     "host_replays_failed": "module replays on the host failed (a device-only kernel or "
-    "offloaded weights): those modules have no float64 reference",
+    "offloaded weights): those modules have no host reference",
     "records_dropped": "outputs were not shaped like the round's tokens (routed experts, "
     "per-head tensors such as a q_norm / k_norm) and were left out",
     "site_errors": "sub-layer or operator captures failed and were skipped",
     "tp_replays_skipped": "replays of tensor-parallel modules were skipped (a replay would "
     "communicate with the other ranks): those modules have clean data only",
-    "tp_host_replays_skipped": "host replays of tensor-parallel modules were skipped (a float64 "
-    "copy of one rank's shard is not the module): no float64 reference",
+    "tp_host_replays_skipped": "host replays of tensor-parallel modules were skipped (a host "
+    "copy of one rank's shard is not the module): no host reference",
     "compiled_probes_dropped": "module replays ran as torch.compile'd code that an eager replay "
     "does not reproduce: those modules have no probe records there",
     "sites_never_run": "blocks or sub-layers never ran their capture hooks (torch.compile'd code "
