@@ -282,8 +282,9 @@ def test_one_source_with_inherited_zeros_is_not_systemic():
 
 
 def test_a_static_kv_cache_keeps_capture_on(tmp_path):
-    """A static cache holds a buffer longer than the past: its decode steps are captured, the
-    replays that would need the cache skipped, and capture never turns off."""
+    """A static cache holds a buffer longer than the past: its decode steps are captured (and
+    probed: test_a_static_cache_with_padding_is_probed_at_decode), capture never turns
+    off."""
     model = build("llama", layers=4)
     config = DumpConfig(dump_path=str(tmp_path), progress=False)
     with register_hook(model, config) as session, torch.no_grad():
@@ -292,6 +293,46 @@ def test_a_static_kv_cache_keeps_capture_on(tmp_path):
     assert session.error is None
     with DumpReader(session.path) as r:
         assert [int(x["step"]) for x in r.rounds] == [0, 1, 2, 7]
+
+
+def _static_run(tmp_path, inject=()):
+    from srdd_dump.compare import compare_path
+
+    model = build("llama", layers=3)
+    ids = torch.randint(1, 100, (2, 6), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0  # left padding: the static cache's masks are 4-D
+    options = {"attention_mask": mask, "max_new_tokens": 4, "do_sample": False,
+               "pad_token_id": 0, "cache_implementation": "static"}
+    with torch.no_grad():
+        plain = model.generate(ids, **options)
+    config = DumpConfig(dump_path=str(tmp_path), progress=False, inject=list(inject))
+    with register_hook(model, config) as session, torch.no_grad():
+        captured = model.generate(ids, **options)
+    assert torch.equal(plain, captured) and session.error is None
+    return session, compare_path(str(tmp_path))
+
+
+def test_a_static_cache_with_padding_is_probed_at_decode(tmp_path):
+    """generate(cache_implementation="static") on a left-padded batch (torch.compile's and
+    graph-mode NPU serving's cache): the decode replays attend a copy of the static buffer with
+    their own entries written after the past, the prefill's the buffer its 4-D mask spans; the
+    references read the padding from those 4-D masks. Before: the prefill replay failed on the
+    mask's length (capture turned off), then decode probes and references were 0 of N, and
+    the padded rows' zeros were a DEAD_ZONE FAULT in every attention."""
+    session, result = _static_run(tmp_path)
+    coverage = session.coverage.as_dict()
+    for name in ("decode block probes", "decode attention probes", "decode attention "
+                 "references", "prefill attention references", "decode MLP references"):
+        assert coverage[name]["done"] == coverage[name]["expected"] == 3, (name, coverage)
+    assert set(result.layers["verdict"]) == {"NORMAL"}, result.layers
+
+
+def test_a_decode_only_fault_is_found_with_a_static_cache(tmp_path):
+    _, result = _static_run(tmp_path / "f", ["rotary_offset@layer=1,phase=decode"])
+    top = result.layers.iloc[0]
+    assert (top["layer"], top["verdict"]) == (1, "FAULT"), result.layers
+    assert top["diagnosis"].startswith("ATTENTION_MISMATCH")
 
 
 def test_probe_rows_skip_padding(tmp_path):

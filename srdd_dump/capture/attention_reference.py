@@ -345,6 +345,39 @@ def reference_rows(layout: AttentionLayout, x: torch.Tensor, rows: list[tuple[in
     return out
 
 
+def one_query_keys(mask: Any) -> torch.Tensor | None:
+    """The keys a one-token call attends, (batch, keys), read from its 4-D mask (batch, 1 or
+    heads, 1, keys; what generate passes a model with a static cache at a decode step): a
+    boolean mask as it is, an additive float one where it is 0. None for any other mask."""
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 4 or mask.shape[-2] != 1:
+        return None
+    row = mask[:, 0, 0, :].detach()
+    if row.dtype == torch.bool:
+        return row
+    return row == 0 if row.is_floating_point() else None
+
+
+def first_call_padding(mask: Any) -> torch.Tensor | None:
+    """The 2-D padding mask (batch, queries) of a first call (no cached tokens) given a 4-D mask
+    (batch, 1 or heads, queries, keys; a static cache's prefill: keys the whole buffer): each
+    row attends itself unless it is padding. None unless the mask shows no earlier tokens (its
+    last row attends itself and no key after it) or is of another form."""
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 4 or mask.shape[-2] < 2:
+        return None
+    q, k = mask.shape[-2], mask.shape[-1]
+    if k < q:
+        return None
+    allowed = mask[:, 0].detach()
+    if allowed.dtype != torch.bool:
+        if not allowed.is_floating_point():
+            return None
+        allowed = allowed == 0
+    last = allowed[:, -1]
+    if not bool(last[:, q - 1].all()) or (k > q and bool(last[:, q:].any())):
+        return None
+    return torch.diagonal(allowed[:, :, :q], dim1=-2, dim2=-1)
+
+
 def row_positions(kwargs: dict, seq: int, cache: PastKV | None) -> torch.Tensor:
     """The rotary position of every row of the call (batch or 1, seq): the ``position_ids``
     the layer was given, else its ``cache_position``, else the rows after the cached past."""

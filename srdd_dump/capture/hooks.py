@@ -30,7 +30,7 @@ from ..runtime.terminal import LazyBar
 from ..vocabulary import BLOCK, EXPERTS, ROUTER, sublayer_kind
 from . import config as cfg
 from . import requests, serving
-from .attention_reference import attention_layouts
+from .attention_reference import attention_layouts, first_call_padding, one_query_keys
 from .compiled import (
     called_from_compiled,
     explain_partial,
@@ -277,6 +277,8 @@ class CaptureSession:
         self._continued_waiting = 0  # prefills after a cached past whose probes wait
         self._attention_mask: torch.Tensor | None = None  # (batch, past + seq) of the model call
         self._mask_unread = False  # the model call's mask was of another form
+        # the keys a one-token call's 4-D mask attends (a static cache's decode step), 2-D
+        self._one_query_keys: torch.Tensor | None = None
         self._autocast: str | None = None  # "" when the first model call ran without autocast
         self._handles: list[Any] = []
         self._copy_said = False
@@ -429,10 +431,13 @@ class CaptureSession:
             if mask is None and len(args) > 1 and isinstance(args[1], torch.Tensor):
                 mask = args[1]  # model(input_ids, attention_mask): a CausalLM's order
             self._attention_mask = (
-                mask if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None)
-            # a mask srdd-dump cannot read the padding of (4-D, a dict of masks, a block
-            # mask): the reference attention of the round stays off
-            self._mask_unread = mask is not None and self._attention_mask is None
+                mask if isinstance(mask, torch.Tensor) and mask.dim() == 2
+                else first_call_padding(mask))
+            self._one_query_keys = one_query_keys(mask)
+            # a mask srdd-dump cannot read the padding of (4-D over several query rows, a dict
+            # of masks, a block mask): the reference attention of the round stays off
+            self._mask_unread = (mask is not None and self._attention_mask is None
+                                 and self._one_query_keys is None)
             if self._autocast is None:
                 self._autocast = autocast_dtype(self.model)
 
@@ -548,6 +553,9 @@ class CaptureSession:
         if self._ctx is None:
             return
         self._ctx.mask_unread = unread
+        keys, self._one_query_keys = self._one_query_keys, None
+        if keys is not None and self._ctx.key_mask is None:
+            self._ctx.key_mask = keys.expand(batch, -1) if keys.shape[0] == 1 else keys
         self._sink.open_round(self._ctx)
         self._add(schema.STACK_INPUT, schema.BLOCK_SITE, hidden)
         self._finish_site(schema.STACK_INPUT, schema.BLOCK_SITE)

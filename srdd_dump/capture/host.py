@@ -80,7 +80,8 @@ def to_host64(value: Any) -> Any:
         value = value.detach()
         return value.to(HOST, torch.float64) if value.is_floating_point() else value.to(HOST)
     if isinstance(value, FrozenCache):
-        return FrozenCache(value.layer_idx, to_host64(value.keys), to_host64(value.values))
+        return FrozenCache(value.layer_idx, to_host64(value.keys), to_host64(value.values),
+                           value.written)
     if isinstance(value, tuple) and hasattr(value, "_fields"):
         return type(value)(*(to_host64(v) for v in value))
     if isinstance(value, (tuple, list)):

@@ -92,18 +92,35 @@ def is_cache(value: Any) -> bool:
 class FrozenCache:
     """One layer's KV cache as it was before the recorded call. A decode step's replay attends
     to the same past keys and values as the device did (plus its own new token), and the real
-    cache is left alone: ``update`` returns the concatenation without storing it."""
+    cache is left alone: ``update`` returns the concatenation without storing it. A static
+    cache's buffer (``written``: the tokens in it, the rest of its fixed length unused and
+    masked by the call's mask) is returned whole with the new entries written at ``written``
+    into a copy, as the static cache returns it."""
 
-    def __init__(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor):
+    def __init__(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor,
+                 written: int | None = None):
         self.layer_idx, self.keys, self.values = layer_idx, keys, values
+        self.written = written
 
     def update(self, key_states, value_states, *args, **kwargs):
         # whatever else the library passes (layer index, cache_kwargs=, kwargs=...) is about
         # where to store the new entries, which a frozen cache never does
+        if self.written is not None:
+            return (_into_static(self.keys, key_states, self.written),
+                    _into_static(self.values, value_states, self.written))
         return _after(self.keys, key_states), _after(self.values, value_states)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        return int(self.keys.shape[-2])
+        return int(self.keys.shape[-2]) if self.written is None else self.written
+
+
+def _into_static(buffer: torch.Tensor, new: torch.Tensor, at: int) -> torch.Tensor:
+    """A copy of a static cache's ``buffer`` (once per stacked copy of a batched replay) with
+    ``new`` written from position ``at``."""
+    reps = new.shape[0] // max(1, buffer.shape[0])
+    out = buffer.repeat(reps, *([1] * (buffer.dim() - 1)))
+    out[..., at:at + new.shape[-2], :] = new
+    return out
 
 
 def _after(past: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
@@ -133,18 +150,9 @@ def snapshot_cache(idx: int, args: tuple, kwargs: dict) -> FrozenCache | str:
     if cache is None:
         return "the call's cache is not a Cache object (a legacy tuple cache)"
     kind = type(cache).__name__
-    try:
-        if hasattr(cache, "layers"):  # transformers >= 4.56
-            layers = cache.layers
-            keys = values = None
-            if idx < len(layers):
-                keys, values = layers[idx].keys, layers[idx].values
-        else:
-            layers = cache.key_cache
-            keys, values = ((cache.key_cache[idx], cache.value_cache[idx]) if idx < len(layers)
-                            else (None, None))
-    except (TypeError, AttributeError, KeyError):
-        return f"a cache layout srdd-dump does not know ({kind})"
+    keys, values = _layer_tensors(cache, idx)
+    if isinstance(keys, str):
+        return keys
     if keys is None or (isinstance(keys, torch.Tensor) and keys.dim() == 4
                         and keys.shape[-2] == 0):
         # a one-token call whose cache holds nothing yet: the program called the model
@@ -152,13 +160,64 @@ def snapshot_cache(idx: int, args: tuple, kwargs: dict) -> FrozenCache | str:
         return f"its {kind} holds no earlier keys and values for layer {idx}"
     if not isinstance(keys, torch.Tensor) or keys.dim() != 4:
         return f"a cache layout srdd-dump does not know ({kind})"
-    try:  # a static or sliding cache holds a buffer longer than the past: not reproduced
-        if keys.shape[-2] != int(cache.get_seq_length(idx)):
-            return (f"its {kind} holds a buffer of another length than the past (a static or "
-                    "sliding-window cache)")
+    try:  # a static or sliding cache holds a buffer longer than the past
+        length = int(cache.get_seq_length(idx))
     except Exception:  # noqa: BLE001 (a cache class of another layout)
         return f"a cache layout srdd-dump does not know ({kind})"
-    return FrozenCache(idx, keys.detach().clone(), values.detach().clone())
+    written = None
+    if keys.shape[-2] != length:
+        if not _static(cache, idx, keys, length):  # a sliding window's rolling buffer
+            return (f"its {kind} holds a buffer of another length than the past (a "
+                    "sliding-window cache)")
+        written = length
+    return FrozenCache(idx, keys.detach().clone(), values.detach().clone(), written)
+
+
+def static_after_prefill(idx: int | None, args: tuple, kwargs: dict, seq: int
+                         ) -> FrozenCache | None:
+    """A prefill's static cache as its replays need it, read after the call wrote its ``seq``
+    tokens: the attention's mask spans the buffer's whole length, so a replay without a cache
+    would attend fewer keys than its mask covers. The buffer as it is (the call's own entries
+    are written over by each replay's); None for any other cache or none."""
+    cache = next((v for v in (*args, *kwargs.values()) if is_cache(v)), None)
+    if cache is None or idx is None:
+        return None
+    keys, values = _layer_tensors(cache, idx)
+    if not isinstance(keys, torch.Tensor) or keys.dim() != 4:
+        return None
+    try:
+        past = int(cache.get_seq_length(idx)) - seq
+    except Exception:  # noqa: BLE001 (a cache class of another layout)
+        return None
+    if past < 0 or not _static(cache, idx, keys, past):
+        return None
+    return FrozenCache(idx, keys.detach().clone(), values.detach().clone(), past)
+
+
+def _layer_tensors(cache: Any, idx: int) -> tuple[Any, Any]:
+    """(keys, values) of cache layer ``idx`` (None, None: not filled yet), or (why, None)."""
+    try:
+        if hasattr(cache, "layers"):  # transformers >= 4.56
+            layers = cache.layers
+            return (layers[idx].keys, layers[idx].values) if idx < len(layers) else (None, None)
+        layers = cache.key_cache
+        return ((cache.key_cache[idx], cache.value_cache[idx]) if idx < len(layers)
+                else (None, None))
+    except (TypeError, AttributeError, KeyError):
+        return f"a cache layout srdd-dump does not know ({type(cache).__name__})", None
+
+
+def _static(cache: Any, idx: int, keys: torch.Tensor, length: int) -> bool:
+    """Cache layer ``idx`` is a static one: a fixed-length buffer holding the past in its
+    first ``length`` positions and writing the next tokens after them (transformers' static
+    layers; 4.x's StaticCache), not a sliding window's rolling one."""
+    if not 0 <= length < keys.shape[-2]:
+        return False
+    if hasattr(cache, "layers"):  # transformers >= 4.56: a cache of layers, each its kind
+        layer = cache.layers[idx]
+        return (getattr(layer, "is_sliding", True) is False
+                and getattr(layer, "max_cache_len", None) == keys.shape[-2])
+    return type(cache).__name__ == "StaticCache"
 
 
 def replay_arguments(args: tuple, kwargs: dict, cache: FrozenCache | None = None

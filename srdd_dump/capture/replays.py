@@ -51,6 +51,7 @@ from .probes import (
     repeat_call,
     run_probes,
     snapshot_cache,
+    static_after_prefill,
 )
 from .roles import EXPERT_CALLS, NO_REPLAY, ROLE_CAPTURE, ROWS, WHOLE
 from .rounds import RoundContext
@@ -139,7 +140,9 @@ class Replays:
         if idx is not None and idx not in self.caches:
             self.caches[idx] = frozen = snapshot_cache(idx, args, kwargs)
             if isinstance(frozen, FrozenCache):
-                self.pasts[idx] = PastKV(frozen.keys, frozen.values, 0, frozen.keys.shape[-2])
+                n = frozen.get_seq_length()  # a static cache's buffer: its first n written
+                self.pasts[idx] = PastKV(frozen.keys[..., :n, :], frozen.values[..., :n, :],
+                                         0, n)
             elif idx in self._referenced:
                 # a cache the replays cannot take (a sliding window), for the reference
                 self.pasts[idx] = past_kv(find_cache(args, kwargs), idx, copy=True)
@@ -235,6 +238,9 @@ class Replays:
         idx = self._layer_of(module) if decode else None
         kept_cache = self.caches.get(idx) if idx is not None else None
         cache = kept_cache if isinstance(kept_cache, FrozenCache) else None
+        if not decode:  # a static cache's prefill: the replays attend its whole buffer
+            cache = static_after_prefill(self._layer_of(module), args, kwargs,
+                                         int(hidden.shape[-2]) if hidden.dim() >= 2 else 1)
         cut = stop = None
         if spec.causal and not decode and self.causal.get(id(module)):
             cut, stop = self._cut(hidden, ctx)
