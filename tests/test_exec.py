@@ -451,6 +451,41 @@ def _exec_tiny(tmp_path, name: str, body: str):
     return run_cli("srdd-dump", "--exec", f"{sys.executable} {script}", "-o", str(tmp_path / "d"))
 
 
+def test_a_program_with_stderr_closed_runs_and_is_captured(tmp_path):
+    """A program without stderr (started with ``2>&-``, a daemon: ``sys.stderr`` is None)
+    printed nothing and exited 1 under capture (the progress bar asked None isatty): it runs
+    as without capture, and its dump is written."""
+    script = _write(tmp_path / "closed.py", (
+        "import sys; sys.stderr = None\n"
+        "import torch\nfrom torch import nn\n"
+        "class Block(nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.lin = nn.Linear(16, 16)\n"
+        "    def forward(self, x):\n"
+        "        return x + self.lin(x)\n"
+        "class Toy(nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.layers = nn.ModuleList([Block() for _ in range(3)])\n"
+        "    def forward(self, x):\n"
+        "        for b in self.layers:\n"
+        "            x = b(x)\n"
+        "        return x\n"
+        "torch.manual_seed(0)\n"
+        "m = Toy().eval()\n"
+        "with torch.no_grad():\n"
+        "    y = m(torch.randn(1, 5, 16, generator=torch.Generator().manual_seed(0)))\n"
+        "print('DONE', round(float(y.sum()), 4), flush=True)\n"))
+    plain = run_plain([sys.executable, script])
+    res = run_cli("srdd-dump", "--exec", f"{sys.executable} {script}", "-o", str(tmp_path / "d"),
+                  "--granularity", "block")
+    assert res.returncode == 0 and res.stdout == plain.stdout, res.stdout + res.stderr
+    (path,) = find_dump_files(str(tmp_path / "d"))
+    with DumpReader(path) as r:
+        assert r.complete and r.n_samples == 1
+
+
 def test_assisted_generation_captures_the_model_generating_not_its_assistant(tmp_path):
     res = _exec_tiny(tmp_path, "assisted.py", (
         "draft = build('llama', seed=1, layers=2)\n"

@@ -15,6 +15,7 @@ from torch import nn
 
 from ..format import schema
 from ..format.writer import DumpWriter, Round, describe_error
+from ..runtime.terminal import say
 from ..version import __version__
 from .config import DumpConfig
 from .model_facts import float32_matmul
@@ -130,7 +131,7 @@ class FileWatch:
                     self.idle()
         except Exception as exc:  # noqa: BLE001 (a thread in the user's program: never a
             # traceback; the file stays .partial, which srdd-dump and srdd-compare report)
-            sys.stderr.write(f"srdd-dump: warning: cannot finish the dump file: "
+            say(f"srdd-dump: warning: cannot finish the dump file: "
                              f"{describe_error(exc)}\n")
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import atexit
 import os
-import sys
 import threading
 import traceback
 import weakref
@@ -26,7 +25,7 @@ from ..format import schema
 from ..format.coverage import Coverage
 from ..format.layer_numbers import site_pattern
 from ..format.writer import Round, describe_error
-from ..runtime.terminal import LazyBar
+from ..runtime.terminal import LazyBar, say
 from ..vocabulary import BLOCK, EXPERTS, ROUTER, sublayer_kind
 from . import config as cfg
 from . import requests, serving
@@ -253,7 +252,7 @@ class CaptureSession:
         self.end = SessionEnd(version_notes=self.version_notes)  # filled when it closes
         if self.version_notes and not os.environ.get(cfg.ENV_CONFIG):
             for note in self.version_notes:  # under --exec the command says it once
-                sys.stderr.write(f"srdd-dump: note: {note}\n")
+                say(f"srdd-dump: note: {note}\n")
         self._width = 0
         self._bar = LazyBar(config.samples * len(self.blocks), "srdd-dump", "layer",
                             config.progress)
@@ -460,7 +459,7 @@ class CaptureSession:
                     del table[key]
         if not self._copy_said:
             self._copy_said = True
-            sys.stderr.write(
+            say(
                 f"srdd-dump: note: a copy of the captured model ran ({type(copy).__name__}, "
                 f"copy.deepcopy, pid {os.getpid()}): it runs uncaptured; the dump holds the "
                 "model capture attached to\n")
@@ -769,7 +768,7 @@ class CaptureSession:
     # -- lifecycle ------------------------------------------------------------------------
     def _fail(self, reason: str) -> None:
         self.error = reason
-        sys.stderr.write(f"srdd-dump: warning: capture turned off: {reason}\n")
+        say(f"srdd-dump: warning: capture turned off: {reason}\n")
         self.close()
 
     def remove(self) -> None:
@@ -841,16 +840,16 @@ class CaptureSession:
             error = self.output.close(status)
             if error and not self.error:
                 self.error = error
-                sys.stderr.write(f"srdd-dump: warning: capture stopped: {self.error}\n")
+                say(f"srdd-dump: warning: capture stopped: {self.error}\n")
             elif self.path and not os.environ.get(cfg.ENV_CONFIG):
                 # under `srdd-dump --exec` the command itself lists every process's file
-                sys.stderr.write(f"srdd-dump: wrote {self.path}\n")
+                say(f"srdd-dump: wrote {self.path}\n")
             if partial:
-                sys.stderr.write(f"srdd-dump: warning: {partial}\n")
+                say(f"srdd-dump: warning: {partial}\n")
             self.degraded = self.coverage.shortfalls()
             if not os.environ.get(cfg.ENV_CONFIG):  # under --exec the command says it once
                 for line in self.degraded:
-                    sys.stderr.write(f"srdd-dump: warning: evidence missing: {line}\n")
+                    say(f"srdd-dump: warning: evidence missing: {line}\n")
         elif not self.error:
             with self.config.naming():
                 silence = explain_silence(self.model, self.model_calls, self.block_calls)
@@ -862,7 +861,7 @@ class CaptureSession:
                                 f"forwards seen (the longest had "
                                 f"{self._rounds.no_kept_position} tokens)")
             if self.silence and not os.environ.get(cfg.ENV_CONFIG):
-                sys.stderr.write(f"srdd-dump: warning: nothing captured: {self.silence}\n")
+                say(f"srdd-dump: warning: nothing captured: {self.silence}\n")
         return self.path
 
     def __del__(self) -> None:
@@ -914,7 +913,7 @@ def register_hook(model: nn.Module, config: DumpConfig | None = None
         return CaptureSession(model, config)
     except AlreadyCaptured as exc:
         where = exc.session.config.dump_path
-        sys.stderr.write("srdd-dump: warning: register_hook: the model is already captured by "
+        say("srdd-dump: warning: register_hook: the model is already captured by "
                          f"another open session (dump folder {where}); this one records "
                          "nothing\n")
         return InertSession(exc.session)

@@ -7,7 +7,6 @@ bit (``PendingSlots``, shared_repeats.py); the slots call is re-run alone otherw
 
 from __future__ import annotations
 
-import sys
 from dataclasses import replace
 from typing import Callable, NamedTuple
 
@@ -15,6 +14,7 @@ import torch
 from torch import nn
 
 from ..format import schema
+from ..runtime.terminal import say
 from .discovery import EXPERT, EXPERT_SLOTS, EXPERTS, ROUTER, Site
 from .experts import (
     Routing,
@@ -66,7 +66,7 @@ class ExpertCapture:
             return None
         capture = cls(sites, sink, spec)
         if len(capture.sites) < len(capture.modules):
-            sys.stderr.write("srdd-dump: note: experts split over ranks (expert parallelism): "
+            say("srdd-dump: note: experts split over ranks (expert parallelism): "
                              "each MoE layer's experts are captured as their sum only\n")
         return capture
 

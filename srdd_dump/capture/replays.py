@@ -8,7 +8,6 @@ what was asked for and what ran goes to the coverage (format/coverage.py).
 from __future__ import annotations
 
 import dataclasses
-import sys
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from typing import Any, Callable
@@ -18,6 +17,7 @@ from torch import nn
 
 from ..format import schema
 from ..format.coverage import Coverage
+from ..runtime.terminal import say
 from ..vocabulary import BLOCK, EXPERTS, LINEAR, NORM, ROTARY, ROUTER, SUBLAYER
 from . import serving
 from .attention_reference import (
@@ -498,7 +498,7 @@ class Replays:
         if not self.compiled_round or not other_kernels(outputs, recorded):
             return True
         if not self.compiled_dropped:
-            sys.stderr.write(
+            say(
                 f"srdd-dump: note: {type(module).__name__} runs as torch.compile'd code that an "
                 "eager replay does not reproduce bit for bit: such modules are captured without "
                 f"probes; for the probes {EAGER_HINT}\n")

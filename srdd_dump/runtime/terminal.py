@@ -15,6 +15,26 @@ def terminal_delivers_to_child() -> bool:
         return False
 
 
+def say(text: str) -> None:
+    """Write ``text`` to stderr when the program has one: a program may run with it closed
+    (``sys.stderr`` None under ``2>&-``, or a closed file), and capture never raises into
+    it."""
+    stream = sys.stderr
+    if stream is None:
+        return
+    try:
+        stream.write(text)
+    except (OSError, ValueError, AttributeError):
+        pass
+
+
+def stderr_is_terminal() -> bool:
+    try:
+        return sys.stderr is not None and sys.stderr.isatty()
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
 class LazyBar:
     """A tqdm progress bar on stderr, made at its first update, only when stderr is a
     terminal (and ``enabled``)."""
@@ -25,7 +45,7 @@ class LazyBar:
 
     def update(self, n: int = 1) -> None:
         if self._bar is None:
-            if not (self.enabled and sys.stderr.isatty()):
+            if not (self.enabled and stderr_is_terminal()):
                 return
             from tqdm import tqdm
 

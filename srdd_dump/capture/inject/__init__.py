@@ -21,6 +21,7 @@ import threading
 import time
 from typing import Callable
 
+from ...runtime.terminal import say
 from ..config import ENV_STATUS_DIR, DumpConfig
 
 SITE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "site")
@@ -126,7 +127,7 @@ def _on_torch_imported() -> None:
         watch_forwards(_state, on_attach=finish_on_sigterm, on_refused=stop_refused)
     except Exception as exc:  # never break the user's import of torch
         _state["error"] = f"{type(exc).__name__}: {exc}"
-        sys.stderr.write(f"srdd-dump: warning: capture not installed: {_state['error']}\n")
+        say(f"srdd-dump: warning: capture not installed: {_state['error']}\n")
 
 
 def stop_refused() -> None:
@@ -135,7 +136,7 @@ def stop_refused() -> None:
     (every process of it: a Pool worker or an engine's worker process that exited on its own
     would leave the program waiting for it) and exits 2. The program runs on until then."""
     if not os.environ.get(ENV_STATUS_DIR):  # else srdd-dump says it, once for every process
-        sys.stderr.write(f"srdd-dump: error: {_state['refused']}\n")
+        say(f"srdd-dump: error: {_state['refused']}\n")
     _report_status()
 
 

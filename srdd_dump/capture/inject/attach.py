@@ -13,6 +13,7 @@ from torch import nn
 from torch.nn.modules.module import register_module_forward_pre_hook
 
 from ...errors import UserError
+from ...runtime.terminal import say
 from ..compiled import opaque
 from ..discovery import NoBlocksFound, find_blocks
 
@@ -54,7 +55,7 @@ def watch_forwards(state: dict, on_attach: Callable[[], None] = lambda: None,
             # an assistant (draft) model run inside another model's generate: the model the
             # program generates with is the one to capture
             seen.update(id(m) for m in module.modules())
-            sys.stderr.write(f"srdd-dump: note: {type(module).__name__} runs inside "
+            say(f"srdd-dump: note: {type(module).__name__} runs inside "
                              f"{type(generating).__name__}.generate (an assistant model): "
                              "not captured\n")
             return
@@ -73,7 +74,7 @@ def watch_forwards(state: dict, on_attach: Callable[[], None] = lambda: None,
             # the program's own register_hook came first: its session is this process's
             # capture (its file, in its own folder, is what srdd-dump lists)
             state["session"], state["end"] = weakref.ref(exc.session), exc.session.end
-            sys.stderr.write(
+            say(
                 "srdd-dump: note: the program captures its model itself (register_hook): its "
                 f"own options apply in pid {os.getpid()}, not srdd-dump's\n")
             on_attach()
@@ -93,7 +94,7 @@ def watch_forwards(state: dict, on_attach: Callable[[], None] = lambda: None,
             if state["config"].debug:
                 traceback.print_exc()
             state["error"] = f"{type(exc).__name__}: {exc}"
-            sys.stderr.write(f"srdd-dump: warning: capture not started: {state['error']}\n")
+            say(f"srdd-dump: warning: capture not started: {state['error']}\n")
         else:
             on_attach()
             watch_later_models(state)
@@ -128,7 +129,7 @@ def watch_later_models(state: dict) -> None:
             return
         state["later_model"] = (f"{type(parent).__name__}.{name}: {len(value)} x "
                                 f"{type(value[0]).__name__}")
-        sys.stderr.write(
+        say(
             f"srdd-dump: note: another model was built after capture began ({state['later_model']}"
             f", pid {os.getpid()}): srdd-dump captures the first model that runs in a process; "
             "capture another one with register_hook in the script\n")

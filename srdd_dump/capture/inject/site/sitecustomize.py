@@ -10,7 +10,7 @@ try:
 
     install()
 except Exception as _exc:  # never stop the user's interpreter from starting
-    sys.stderr.write(
+    sys.stderr is None or sys.stderr.write(
         f"srdd-dump: warning: capture unavailable in {sys.executable}: "
         f"{type(_exc).__name__}: {_exc}\n"
     )
