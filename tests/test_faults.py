@@ -108,6 +108,13 @@ def test_noise_is_fresh_on_every_call_so_repeats_see_it(tmp_path):
     ("double_scale@layer=1,site=mlp", "inside the attention kernel"),
     ("dead_zone@layer=5,mm=0.3", "unknown option 'mm'"),  # a typo is not silently dropped
     ("bias@layer=5,sparsty=0.1", "unknown option 'sparsty'"),
+    # a word or number a fault reads only in the program's first forward: checked before it
+    # runs (a bad mode stopped the program there with a traceback)
+    ("nondeterminism@layer=1,mode=foo", "mode must be one of amplified"),
+    ("precision@layer=1,dtype=int8", "dtype must be one of bfloat16, float16"),
+    ("bitflip@layer=1,bits=sign", "bits must be one of mantissa, exponent"),
+    ("bitflip@layer=1,rate=often", "rate must be a number"),
+    ("noise@layer=1,mode=biased", "noise takes no mode"),
 ])
 def test_bad_fault_specs(text, message):
     with pytest.raises(UserError, match=message):

@@ -20,6 +20,15 @@ ATTENTION_KERNEL = FAULT_TYPES[-5:]
 OPTION_KEYS = ("scope", "per", "phase", "rank", "limit", "quantile", "mode", "value", "rate",
                "bits", "dtype", "shift")
 KEYS = ("layer", "site", "m", "sparsity", "seed", *OPTION_KEYS)
+# the word-valued options, by fault type ("": any type that reads it): checked before the
+# program runs (a bad word failed inside its first forward)
+CHOICES = {
+    "mode": {"nondeterminism": ("amplified", "inconsistent", "biased", "correlated"),
+             "saturation": ("absolute", "relative"), "dead_zone": ("absolute", "relative"),
+             "bias": ("absolute", "relative")},
+    "bits": {"": ("mantissa", "exponent")},
+    "dtype": {"": ("bfloat16", "float16")},
+}
 
 
 @dataclass
@@ -81,7 +90,13 @@ def parse_fault(text: str) -> FaultSpec:
     rank = spec.options.get("rank")
     if rank is not None and not (rank.isdigit()):
         raise UserError(f"{where}: rank must be a process rank (0, 1, ...)")
-    for key in ("limit", "quantile"):
+    for key, words in CHOICES.items():
+        value = spec.options.get(key)
+        if value is not None and value not in words.get(kind, words.get("", ())):
+            allowed = words.get(kind, words.get(""))
+            raise UserError(f"{where}: {key} must be one of {', '.join(allowed)}"
+                            if allowed else f"{where}: {kind} takes no {key}")
+    for key in ("limit", "quantile", "rate", "value", "shift"):
         if key in spec.options:
             try:
                 value = float(spec.options[key])
