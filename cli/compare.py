@@ -148,7 +148,7 @@ def compare(
         if aqn_config:
             from srdd_dump.report.aqn import check_apart
 
-            check_apart(aqn_config, output)
+            check_apart(aqn_config, output, (dumps, baseline))
         if jobs is not None and jobs < 1:
             raise UserError(f"--jobs {jobs}: must be at least 1")
         thresholds = Thresholds(

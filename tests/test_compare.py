@@ -775,3 +775,44 @@ def test_the_healthy_headline_names_the_phases_judged_and_unprobed_decode_steps(
     # the stack input (layer -1) is never probed: not a layer left unprobed
     stack = Signals(layer=-1, site=-1, module="embed", phase=DECODE, probed_samples=0)
     assert phases_note([prefill, probed, stack]) == " (prefill and decode steps)"
+
+
+def test_a_huge_jobs_count_is_capped_at_the_cores(tmp_path):
+    """-j 100000 forked thousands of workers for a 4-layer dump and never ended: more processes
+    than cores only wait for one, so -j is capped at the usable cores (at least 2)."""
+    faulty_dump(str(tmp_path / "d"))
+    done = run_cli(str(tmp_path / "d"), "-o", str(tmp_path / "r.csv"), "-q", "-j", "100000")
+    assert done.returncode == 0, done.stderr
+    from srdd_dump.compare.pipeline import check_jobs, job_cap
+
+    assert check_jobs(100000) == job_cap() == max(2, len(os.sched_getaffinity(0)))
+    assert check_jobs(1) == 1
+
+
+def test_an_aqn_config_named_like_an_input_is_refused(tmp_path):
+    """--aqn-config naming the dump compared replaced it with YAML at exit 0 (and one named
+    like a dump inside the dump folder would be read as one next time)."""
+    faulty_dump(str(tmp_path / "d"))
+    dump = str(tmp_path / "d" / "run_rank0.h5")
+    before = Path(dump).read_bytes()
+    done = run_cli(dump, "-o", str(tmp_path / "r.csv"), "--aqn-config", dump)
+    assert done.returncode == 2 and "an input" in done.stderr, done.stderr
+    done = run_cli(str(tmp_path / "d"), "-o", str(tmp_path / "r.csv"), "--aqn-config",
+                   str(tmp_path / "d" / "aqn.h5"))
+    assert done.returncode == 2 and "are read from" in done.stderr, done.stderr
+    assert Path(dump).read_bytes() == before and not (tmp_path / "d" / "aqn.h5").exists()
+
+
+def test_module_names_with_control_characters_make_an_xlsx_report(tmp_path):
+    """A crafted dump whose module names hold control characters (an escape sequence): the
+    XLSX report was refused by openpyxl (exit 2, 'IllegalCharacterError'); each such character
+    is written as U+FFFD."""
+    names = ["layers.0", "layers.1\x01\x02", "layers.2\x1b]0;TITLE\x07", "layers.3\x0b"]
+    faulty_dump(str(tmp_path / "d"), names=names)
+    out = tmp_path / "r.xlsx"
+    done = run_cli(str(tmp_path / "d"), "-o", str(out), "-q")
+    assert done.returncode == 0, done.stderr
+    cells = [c.value for ws in openpyxl.load_workbook(out) for row in ws.iter_rows()
+             for c in row if isinstance(c.value, str)]
+    assert any("layers.2\ufffd]0;TITLE\ufffd" in c for c in cells)
+    assert not any("\x1b" in c or "\x01" in c for c in cells)

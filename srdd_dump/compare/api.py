@@ -50,7 +50,7 @@ def compare_path(path: str, *, jobs: int | None = 1, progress: bool | None = Non
     try:
         paths, root, note = locate(path, run=run)
         jobs = default_jobs(paths) if jobs is None else jobs
-        check_jobs(jobs)
+        jobs = check_jobs(jobs)
         prestart(jobs, SIGNAL_TASKS)  # the workers start while the files are inspected
         found = inspect_all(paths, root, note)
         files = found.files
@@ -81,7 +81,7 @@ def file_signals(path: str, *, jobs: int = 1) -> list[Signals]:
     site) order, as the diagnosis sees them. ``Signals.layer`` is the block's position in the
     file, as the diagnosis takes it; ``format.layer_numbers`` gives the model's numbers the
     reports show (a dump of some blocks: position 0 may be layer 10)."""
-    check_jobs(jobs)
+    jobs = check_jobs(jobs)
     try:
         f = inspect(path, path)
         if not f.usable:
@@ -135,7 +135,7 @@ def _compare_baseline(target_path, baseline_path, thresholds, jobs, progress, ru
         sides.append(found.files)
         notes += [found.note] if found.note else []
     jobs = default_jobs(sides[0] + sides[1]) if jobs is None else jobs
-    check_jobs(jobs)
+    jobs = check_jobs(jobs)
     mine, golden = prepare(*sides)
     notes += store_notes(mine + golden)
     notes += [note for f in mine + golden if f.usable for note in f.data_notes]
@@ -174,7 +174,7 @@ def check_consistency(
     of at least three sources shares a model and inputs."""
     import os
 
-    check_jobs(jobs)
+    jobs = check_jobs(jobs)
     try:
         found = [inspect(f, os.path.relpath(f, root) if root else f) for f in files]
         from .consistency import group_sources

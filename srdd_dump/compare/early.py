@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 
 from ..vocabulary import NORM
-from .pipeline import default_jobs, prestart, workers_started
+from .pipeline import check_jobs, default_jobs, prestart, workers_started
 from .signal_reader import (
     SignalTask,
     chunks,
@@ -36,7 +36,7 @@ def start_workers(path: str, jobs: int | None = None, run: str | None = None,
     try:
         paths, _, _ = locate(path, run=run, convert=False)
         if paths:
-            jobs = default_jobs(paths) if jobs is None else jobs
+            jobs = default_jobs(paths) if jobs is None else check_jobs(jobs)
             prestart(jobs, SIGNAL_TASKS, fork=fork,
                      head=functools.partial(head_start, path=path, jobs=jobs, run=run))
     except Exception:  # noqa: BLE001 (the compare reports it)

@@ -35,9 +35,16 @@ R = TypeVar("R")
 BYTES_PER_JOB = 256 << 20
 
 
-def check_jobs(jobs: int) -> None:
+def check_jobs(jobs: int) -> int:
+    """``jobs`` as used: at least 1, at most ``job_cap()`` (a process per core at most: more
+    only wait for a core, and -j 100000 forked thousands)."""
     if jobs < 1:
         raise UserError(f"jobs {jobs}: must be at least 1")
+    return min(jobs, job_cap())
+
+
+def job_cap() -> int:
+    return max(2, usable_cores())
 
 
 def usable_cores() -> int:

@@ -61,15 +61,29 @@ def _scalar(v) -> str:
     return f'"{text}"'
 
 
-def check_apart(path: str, report: str) -> None:
-    """UserError when the AQN config ``path`` is a file of the report at ``report`` (writing
-    it would replace that file)."""
+def check_apart(path: str, report: str, inputs: tuple[str | None, ...] = ()) -> None:
+    """UserError when the AQN config ``path`` is a file of the report at ``report``, one of the
+    ``inputs`` (a dump file, or a file a dump folder's readers take: writing it would replace
+    that file, or add one the next compare reads)."""
     from . import report_files
 
     same = [p for p in report_files(report) if os.path.realpath(p) == os.path.realpath(path)]
     if same:
         raise UserError(f"--aqn-config {path}: a file of the report ({same[0]}); give the AQN "
                         "config a name of its own")
+    where = os.path.realpath(path)
+    for given in filter(None, inputs):
+        root = os.path.realpath(given)
+        inside = os.path.isdir(root) and where.startswith(root.rstrip(os.sep) + os.sep)
+        if where == root or (inside and where.endswith(DUMP_NAMES)):
+            what = ("an input" if where == root
+                    else f"a file name the dumps in {given} are read from")
+            raise UserError(f"--aqn-config {path}: {what}; give the AQN config a name of its "
+                            "own")
+
+
+# names srdd-compare reads in a dump folder (its own dumps, msprobe's)
+DUMP_NAMES = (".h5", ".h5.partial", ".pt", ".npy", "dump.json")
 
 
 def write_aqn(layers: pd.DataFrame, path: str) -> str:

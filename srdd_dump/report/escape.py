@@ -4,6 +4,7 @@ only for a DataFrame's escaping."""
 
 from __future__ import annotations
 
+import re
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -11,12 +12,19 @@ if TYPE_CHECKING:
 
 # Spreadsheet programs run a cell that starts with one of these as a formula.
 _FORMULA_START = ("=", "+", "-", "@", "\t", "\r")
+# control characters an XLSX cell cannot hold (openpyxl refuses the whole report) and a
+# terminal would act on (a module name of a crafted dump): each becomes U+FFFD
+_CONTROL = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
 
 
 def escape_formula(value):
-    """Prefix a quote to a text that a spreadsheet would run as a formula; others unchanged."""
-    if isinstance(value, str) and value.startswith(_FORMULA_START):
-        return "'" + value
+    """Prefix a quote to a text that a spreadsheet would run as a formula, and replace the
+    control characters it cannot hold; others unchanged."""
+    if isinstance(value, str):
+        if _CONTROL.search(value):
+            value = _CONTROL.sub("\ufffd", value)
+        if value.startswith(_FORMULA_START):
+            return "'" + value
     return value
 
 
