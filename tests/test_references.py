@@ -191,6 +191,22 @@ def test_an_unknown_attention_layout_is_reported_not_judged(tmp_path):
     assert FAULT not in set(result.layers["verdict"])
 
 
+@pytest.mark.unit
+def test_an_out_proj_attention_is_named_for_what_it_is():
+    """OPT's attention has float q/k/v Linear projections and an ``out_proj``: the reason said
+    was "projections that are not floating-point torch Linear modules" (false)."""
+    import transformers as tf
+
+    from srdd_dump.capture.attention_reference import attention_layout
+
+    config = tf.OPTConfig(vocab_size=100, hidden_size=32, num_hidden_layers=1, ffn_dim=64,
+                          num_attention_heads=4, max_position_embeddings=64,
+                          word_embed_proj_dim=32)
+    model = tf.OPTForCausalLM(config)
+    why = attention_layout(model.model.decoder.layers[0].self_attn, model)
+    assert why == "no o_proj output projection (an out_proj layout is not modelled)"
+
+
 MLP_FAULTS = [("dead_zone@layer=2,site=mlp.up_proj,quantile=0.1", "MLP_MISMATCH"),
               ("saturation@layer=2,site=mlp.act_fn,quantile=0.99", "MLP_MISMATCH")]
 

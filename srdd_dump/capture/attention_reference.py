@@ -129,10 +129,13 @@ def attention_layout(module: nn.Module, model: nn.Module, found: dict | None = N
         projections = (children["qkv_proj"], o)
     else:
         return "no q/k/v projections by name"
+    if o is None:  # OPT's and BART's out_proj: their attention scales q itself, BART's may
+        # attend another sequence (cross-attention): not modelled
+        return "no o_proj output projection (an out_proj layout is not modelled)"
     if any(p is not None and weight_held_elsewhere(p) for p in projections):
         return HELD_ELSEWHERE
-    if o is None or not all(isinstance(p, nn.Linear) and p.weight.is_floating_point()
-                            for p in projections):
+    if not all(isinstance(p, nn.Linear) and p.weight.is_floating_point()
+               for p in projections):
         return "projections that are not floating-point torch Linear modules"
     config = getattr(module, "config", None) or getattr(model, "config", None)
     if config is None:
