@@ -1102,3 +1102,35 @@ def test_uncompared_rows_count_a_stack_input_both_sides_hold():
         "cmp_fail_reason": [differ, differ, "", "missing record: no my data for this layer "
                             "in this round"]})
     assert _uncompared(table).startswith("; but 2 rows were not compared (inputs differ: 2")
+
+
+def test_unknown_input_ids_are_no_agreement_at_the_first_layer(tmp_path):
+    """Dumps of block outputs only, without input ids (msprobe's data_mode output): a round
+    where layer 0 already differs (the tokens changed, a step the golden run skipped) was
+    'layer 0 introduced the error: its input agrees with the golden run', and outvoted the
+    layer that did introduce it in the other rounds. Unknown ids agree with nothing."""
+    from srdd_dump.format.writer import DumpWriter, Round, Tensor
+
+    rng = np.random.default_rng(3)
+    golden = [{k: rng.standard_normal((1, 8, 16)).astype(np.float32) for k in range(4)}
+              for _ in range(3)]
+    mine = [{k: v.copy() for k, v in r.items()} for r in golden]
+    for k in (2, 3):  # layer 2 introduces the error in the first round ...
+        mine[0][k] = mine[0][k] * 1.5
+    for j in (1, 2):  # ... and the later rounds' tokens differ: layer 0 on already
+        for k in range(4):
+            mine[j][k] = rng.standard_normal((1, 8, 16)).astype(np.float32)
+
+    def write(path, rounds):
+        writer = DumpWriter(str(path), {"rank": 0, "pid": 1},
+                            [f"model.layers.{i}" for i in range(4)])
+        for i, tensors in enumerate(rounds):
+            writer.submit(Round(sample=i, step=0, batch=1, seq=8, positions=np.arange(8),
+                                token_ids=None,
+                                tensors=[Tensor(k, v, "float32") for k, v in tensors.items()]))
+        return writer.close(None)
+
+    result = compare(write(tmp_path / "mine.h5", mine), write(tmp_path / "golden.h5", golden))
+    message = result.summary.message
+    assert result.summary.first_layer == 2, message
+    assert message.startswith("layer 2 (model.layers.2) introduced the error"), message

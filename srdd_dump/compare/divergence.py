@@ -2,7 +2,7 @@
 
 Within one compared round (source, sample, step), rows are in layer order and the input of a
 layer is the row before it: the previous layer's output, or for the stack input (layer -1,
-the embedding output) the input ids, which agree unless ``input_match`` says they differ.
+the embedding output) the input ids, which agree where ``input_match`` says they are the same.
 
 * ``error_amplification`` = RED(output) / max(RED(input), u), u = unit roundoff of the
   tolerance dtype (RED = relative_euclidean_distance; the input ids have RED 0).
@@ -26,7 +26,7 @@ import math
 import numpy as np
 import pandas as pd
 
-from ..analysis.matching import DIFFER
+from ..analysis.matching import SAME
 from ..analysis.tolerance import UNIT_ROUNDOFF
 from ..analysis.verdicts import FAIL, NOT_COMPARED, PASS, VERDICT_RANK, VERDICTS, WARN
 from ..format.layer_numbers import site_pattern
@@ -112,7 +112,7 @@ def input_reds(table: pd.DataFrame, rows: np.ndarray | None = None) -> np.ndarra
     out = np.full(len(table), math.nan)
     for pos, src in enumerate(rows):
         if src == TOKENS:
-            out[pos] = 0.0 if match[pos] != DIFFER else math.nan
+            out[pos] = 0.0 if match[pos] == SAME else math.nan
         elif src >= 0 and verdict[src] != NOT_COMPARED:
             out[pos] = red[src]
     return out
@@ -150,7 +150,9 @@ def mark_divergence(table: pd.DataFrame, same_device: dict[tuple[str, str], bool
         breaks = None  # the round's first WARN/FAIL row
         for pos in rows:
             src = sources[pos]
-            input_ok = (match[pos] != DIFFER if src == TOKENS
+            # input ids known to agree: not unknown ids (an msprobe dump of block outputs
+            # only, a step the golden run skipped: a later token that differs is no birth)
+            input_ok = (match[pos] == SAME if src == TOKENS
                         else src >= 0 and verdict[src] == PASS)
             input_red = reds[pos]
             if verdict[pos] == NOT_COMPARED:
