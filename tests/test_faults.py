@@ -111,7 +111,7 @@ def test_noise_is_fresh_on_every_call_so_repeats_see_it(tmp_path):
     # a word or number a fault reads only in the program's first forward: checked before it
     # runs (a bad mode stopped the program there with a traceback)
     ("nondeterminism@layer=1,mode=foo", "mode must be one of amplified"),
-    ("precision@layer=1,dtype=int8", "dtype must be one of bfloat16, float16"),
+    ("precision@layer=1,dtype=int8", "dtype must be one of bfloat16, float16, float8_e4m3fn"),
     ("bitflip@layer=1,bits=sign", "bits must be one of mantissa, exponent"),
     ("bitflip@layer=1,rate=often", "rate must be a number"),
     ("noise@layer=1,mode=biased", "noise takes no mode"),

@@ -339,7 +339,7 @@ def test_healthy_norm_sites_are_default_sites_and_pass(tmp_path):
 
 
 @pytest.mark.integration
-def test_a_mask_passed_by_position_is_read_and_a_4d_mask_turns_the_reference_off(tmp_path):
+def test_a_mask_passed_by_position_is_read_and_a_4d_mask_only_when_causal(tmp_path):
     model = build("llama", layers=2, dtype=torch.float32)
     session = register_hook(model, DumpConfig(dump_path=str(tmp_path / "a"), samples=1))
     with torch.no_grad():
@@ -348,10 +348,21 @@ def test_a_mask_passed_by_position_is_read_and_a_4d_mask_turns_the_reference_off
     result = compare_path(str(tmp_path / "a"))
     assert FAULT not in set(result.layers["verdict"])
     assert _attention_rows(result)["host_red"].max() < 1e-4
+    # a causal 4-D mask with key padding (a static cache's prefill passes one) is read ...
     session = register_hook(model, DumpConfig(dump_path=str(tmp_path / "b"), samples=1))
-    mask4 = torch.ones(2, 1, 12, 12, dtype=torch.bool).tril()
+    mask4 = torch.ones(2, 1, 12, 12, dtype=torch.bool).tril() & MASK.bool()[:, None, None, :]
     with torch.no_grad():
         model(PROMPTS, attention_mask=mask4)
+    session.close()
+    (family,) = [v for k, v in session.coverage.as_dict().items() if "attention references" in k]
+    assert family["done"] == family["expected"] == 2, family
+    assert FAULT not in set(compare_path(str(tmp_path / "b")).layers["verdict"])
+    # ... one of another form (packed sequences: two causal blocks) turns the reference off
+    session = register_hook(model, DumpConfig(dump_path=str(tmp_path / "c"), samples=1))
+    packed = torch.ones(2, 1, 12, 12, dtype=torch.bool).tril()
+    packed[:, :, 6:, :6] = False
+    with torch.no_grad():
+        model(PROMPTS, attention_mask=packed)
     session.close()
     (family,) = [v for k, v in session.coverage.as_dict().items() if "attention references" in k]
     assert family["done"] == 0 and "not a 2-D tensor" in family["first_error"]

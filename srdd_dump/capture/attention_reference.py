@@ -362,9 +362,11 @@ def one_query_keys(mask: Any) -> torch.Tensor | None:
 
 def first_call_padding(mask: Any) -> torch.Tensor | None:
     """The 2-D padding mask (batch, queries) of a first call (no cached tokens) given a 4-D mask
-    (batch, 1 or heads, queries, keys; a static cache's prefill: keys the whole buffer): each
-    row attends itself unless it is padding. None unless the mask shows no earlier tokens (its
-    last row attends itself and no key after it) or is of another form."""
+    (batch, 1 or heads, queries, keys; a static cache's prefill: keys the whole buffer) that is
+    causal with key padding and nothing else: each row attends itself unless it is padding,
+    and every row that does attends exactly the unpadded keys at or before it. None for any
+    other mask (a past in it, a sliding window, packed sequences' block-diagonal masks: the
+    reference would attend keys the model does not)."""
     if not isinstance(mask, torch.Tensor) or mask.dim() != 4 or mask.shape[-2] < 2:
         return None
     q, k = mask.shape[-2], mask.shape[-1]
@@ -375,10 +377,15 @@ def first_call_padding(mask: Any) -> torch.Tensor | None:
         if not allowed.is_floating_point():
             return None
         allowed = allowed == 0
-    last = allowed[:, -1]
-    if not bool(last[:, q - 1].all()) or (k > q and bool(last[:, q:].any())):
+    if k > q and bool(allowed[:, :, q:].any()):
         return None
-    return torch.diagonal(allowed[:, :, :q], dim1=-2, dim2=-1)
+    keys = torch.diagonal(allowed[:, :, :q], dim1=-2, dim2=-1)  # (batch, q)
+    causal = torch.ones(q, q, dtype=torch.bool, device=allowed.device).tril()
+    expected = causal[None] & keys[:, None, :]
+    rows = keys[:, :, None].expand_as(expected)  # the padded query rows are not checked
+    if not torch.equal(allowed[:, :, :q][rows], expected[rows]):
+        return None
+    return keys
 
 
 def row_positions(kwargs: dict, seq: int, cache: PastKV | None) -> torch.Tensor:

@@ -27,7 +27,8 @@ CHOICES = {
              "saturation": ("absolute", "relative"), "dead_zone": ("absolute", "relative"),
              "bias": ("absolute", "relative")},
     "bits": {"": ("mantissa", "exponent")},
-    "dtype": {"": ("bfloat16", "float16")},
+    "dtype": {"": ("bfloat16", "float16", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz",
+                   "float8_e5m2fnuz")},
 }
 
 
