@@ -350,7 +350,9 @@ def test_a_mask_passed_by_position_is_read_and_a_4d_mask_only_when_causal(tmp_pa
     assert _attention_rows(result)["host_red"].max() < 1e-4
     # a causal 4-D mask with key padding (a static cache's prefill passes one) is read ...
     session = register_hook(model, DumpConfig(dump_path=str(tmp_path / "b"), samples=1))
-    mask4 = torch.ones(2, 1, 12, 12, dtype=torch.bool).tril() & MASK.bool()[:, None, None, :]
+    # (additive: transformers 4.x adds a 4-D mask to the scores, a boolean one as 0 and 1)
+    allowed = torch.ones(2, 1, 12, 12, dtype=torch.bool).tril() & MASK.bool()[:, None, None, :]
+    mask4 = torch.zeros(allowed.shape).masked_fill(~allowed, torch.finfo(torch.float32).min)
     with torch.no_grad():
         model(PROMPTS, attention_mask=mask4)
     session.close()
@@ -361,6 +363,7 @@ def test_a_mask_passed_by_position_is_read_and_a_4d_mask_only_when_causal(tmp_pa
     session = register_hook(model, DumpConfig(dump_path=str(tmp_path / "c"), samples=1))
     packed = torch.ones(2, 1, 12, 12, dtype=torch.bool).tril()
     packed[:, :, 6:, :6] = False
+    packed = torch.zeros(packed.shape).masked_fill(~packed, torch.finfo(torch.float32).min)
     with torch.no_grad():
         model(PROMPTS, attention_mask=packed)
     session.close()
