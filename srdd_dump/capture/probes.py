@@ -166,11 +166,22 @@ def snapshot_cache(idx: int, args: tuple, kwargs: dict) -> FrozenCache | str:
         return f"a cache layout srdd-dump does not know ({kind})"
     written = None
     if keys.shape[-2] != length:
+        length = _first_position(kwargs, length)
         if not _static(cache, idx, keys, length):  # a sliding window's rolling buffer
             return (f"its {kind} holds a buffer of another length than the past (a "
                     "sliding-window cache)")
         written = length
     return FrozenCache(idx, keys.detach().clone(), values.detach().clone(), written)
+
+
+def _first_position(kwargs: dict, length: int) -> int:
+    """Where a call's first new token goes in a static buffer: its ``cache_position`` where
+    the library passes one (transformers 4.x counts a static cache's length as its non-zero
+    keys of row 0: short by the pad tokens an embedding maps to zeros), else ``length``."""
+    where = kwargs.get("cache_position")
+    if isinstance(where, torch.Tensor) and where.numel():
+        return int(where.reshape(-1)[0])
+    return length
 
 
 def static_after_prefill(idx: int | None, args: tuple, kwargs: dict, seq: int
@@ -186,7 +197,7 @@ def static_after_prefill(idx: int | None, args: tuple, kwargs: dict, seq: int
     if not isinstance(keys, torch.Tensor) or keys.dim() != 4:
         return None
     try:
-        past = int(cache.get_seq_length(idx)) - seq
+        past = _first_position(kwargs, int(cache.get_seq_length(idx)) - seq)
     except Exception:  # noqa: BLE001 (a cache class of another layout)
         return None
     if past < 0 or not _static(cache, idx, keys, past):
