@@ -28,7 +28,7 @@ from torch import nn
 
 from .host import HELD_ELSEWHERE, weight_held_elsewhere
 from .host_weights import F64, HOST, HostWeights, reference_dtype
-from .probes import is_cache, layer_index
+from .probes import cache_in, cache_layer, layer_index
 
 # host multiply-adds one reference may take (the keys and values of the rows before
 # the last probe row dominate); a longer call is not checked, and the coverage says so
@@ -249,7 +249,7 @@ class PastKV(NamedTuple):
 
 def find_cache(args: tuple, kwargs: dict) -> Any:
     """The KV cache object of a call, or None."""
-    cache = next((v for v in (*args, *kwargs.values()) if is_cache(v)), None)
+    cache = cache_in(args, kwargs)
     if cache is None:
         cache = next((kwargs[k] for k in CACHE_KEYS if kwargs.get(k) is not None), None)
     return cache
@@ -264,12 +264,10 @@ def past_kv(cache: Any, layer: int | None, seq: int = 0, copy: bool = False
         return None
     if layer is None:
         return "a KV cache without a layer index"
+    keys, values = cache_layer(cache, layer)
+    if isinstance(keys, str):
+        return "a KV cache layout srdd-dump does not know"
     try:
-        if hasattr(cache, "layers"):
-            entry = cache.layers[layer]
-            keys, values = entry.keys, entry.values
-        else:
-            keys, values = cache.key_cache[layer], cache.value_cache[layer]
         length = int(cache.get_seq_length(layer)) - seq
     except Exception:  # noqa: BLE001 (a cache class of another layout)
         return "a KV cache layout srdd-dump does not know"

@@ -143,14 +143,19 @@ def layer_index(module: nn.Module) -> int | None:
     return None
 
 
+def cache_in(args: tuple, kwargs: dict) -> Any:
+    """The Cache object a call was given, or None."""
+    return next((v for v in (*args, *kwargs.values()) if is_cache(v)), None)
+
+
 def snapshot_cache(idx: int, args: tuple, kwargs: dict) -> FrozenCache | str:
     """A FrozenCache of cache layer ``idx`` from the cache in a call, before the call updates
     it; else why not, in words (no cache object, no past in it, a layout this does not know)."""
-    cache = next((v for v in (*args, *kwargs.values()) if is_cache(v)), None)
+    cache = cache_in(args, kwargs)
     if cache is None:
         return "the call's cache is not a Cache object (a legacy tuple cache)"
     kind = type(cache).__name__
-    keys, values = _layer_tensors(cache, idx)
+    keys, values = cache_layer(cache, idx)
     if isinstance(keys, str):
         return keys
     if keys is None or (isinstance(keys, torch.Tensor) and keys.dim() == 4
@@ -190,10 +195,10 @@ def static_after_prefill(idx: int | None, args: tuple, kwargs: dict, seq: int
     tokens: the attention's mask spans the buffer's whole length, so a replay without a cache
     would attend fewer keys than its mask covers. The buffer as it is (the call's own entries
     are written over by each replay's); None for any other cache or none."""
-    cache = next((v for v in (*args, *kwargs.values()) if is_cache(v)), None)
+    cache = cache_in(args, kwargs)
     if cache is None or idx is None:
         return None
-    keys, values = _layer_tensors(cache, idx)
+    keys, values = cache_layer(cache, idx)
     if not isinstance(keys, torch.Tensor) or keys.dim() != 4:
         return None
     try:
@@ -205,8 +210,9 @@ def static_after_prefill(idx: int | None, args: tuple, kwargs: dict, seq: int
     return FrozenCache(idx, keys.detach().clone(), values.detach().clone(), past)
 
 
-def _layer_tensors(cache: Any, idx: int) -> tuple[Any, Any]:
-    """(keys, values) of cache layer ``idx`` (None, None: not filled yet), or (why, None)."""
+def cache_layer(cache: Any, idx: int) -> tuple[Any, Any]:
+    """(keys, values) of cache layer ``idx`` of a Cache object, as it holds them now (None,
+    None: not filled yet), or (why, None)."""
     try:
         if hasattr(cache, "layers"):  # transformers >= 4.56
             layers = cache.layers
