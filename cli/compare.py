@@ -32,8 +32,14 @@ def _version(value: bool) -> None:
         raise typer.Exit()
 
 
+def _say(text: str, err: bool = False) -> None:
+    from srdd_dump.report.escape import for_terminal
+
+    typer.echo(for_terminal(text), err=err)
+
+
 def _fail(message: str) -> None:
-    typer.echo(f"{PROG}: error: {message}", err=True)
+    _say(f"{PROG}: error: {message}", err=True)
     raise typer.Exit(code=2)
 
 
@@ -169,13 +175,13 @@ def compare(
                                 "--baseline-run and --mapping apply with --baseline only")
             result = modes.compare_path(dumps, jobs=jobs, progress=progress, run=run)
         for note in result.notes:
-            typer.echo(f"{PROG}: note: {note}", err=True)
+            _say(f"{PROG}: note: {note}", err=True)
         try:
             written, unwritten = write_report(result, output), None
         except UserError as exc:  # the finding is still shown, then this error
             written, unwritten = [], exc
         for reason in result.skipped_reasons:
-            typer.echo(f"{PROG}: warning: skipped {reason}", err=True)
+            _say(f"{PROG}: warning: skipped {reason}", err=True)
         if aqn_config and unwritten is None:
             from srdd_dump.report.aqn import write_aqn
 
@@ -184,9 +190,9 @@ def compare(
             from srdd_dump.report.terminal import baseline_text, diagnosis_text
 
             if baseline is not None:
-                typer.echo(baseline_text(result, written))
+                _say(baseline_text(result, written))
             else:
-                typer.echo(diagnosis_text(result, written, explain=explain))
+                _say(diagnosis_text(result, written, explain=explain))
         if unwritten is not None:
             raise unwritten
         if baseline is not None and result.nothing_compared:

@@ -816,3 +816,20 @@ def test_module_names_with_control_characters_make_an_xlsx_report(tmp_path):
              for c in row if isinstance(c.value, str)]
     assert any("layers.2\ufffd]0;TITLE\ufffd" in c for c in cells)
     assert not any("\x1b" in c or "\x01" in c for c in cells)
+
+
+def test_module_names_with_control_characters_reach_the_terminal_as_text(tmp_path):
+    """The same crafted names printed raw: an escape sequence in a module name acted on the
+    user's terminal (here, set its title). Every control character but tab and newline is
+    printed as U+FFFD, in both modes."""
+    names = ["layers.0", "layers.1\x9b2J", "layers.2\x1b]0;TITLE\x07", "layers.3\r"]
+    faulty_dump(str(tmp_path / "d"), names=names)
+    shown = []
+    for extra in ((), ("--baseline", str(tmp_path / "d"))):
+        done = run_cli(str(tmp_path / "d"), "-o", str(tmp_path / "r.csv"), *extra,
+                       *(() if extra else ("--explain",)))
+        assert done.returncode == 0, done.stderr
+        shown.append(done.stdout + done.stderr)
+    for text in shown:
+        assert not any(c in text for c in "\x1b\x07\x9b\r"), text
+    assert "layers.2\ufffd]0;TITLE\ufffd" in shown[0], shown[0]

@@ -115,6 +115,11 @@ def test_noise_is_fresh_on_every_call_so_repeats_see_it(tmp_path):
     ("bitflip@layer=1,bits=sign", "bits must be one of mantissa, exponent"),
     ("bitflip@layer=1,rate=often", "rate must be a number"),
     ("noise@layer=1,mode=biased", "noise takes no mode"),
+    # accepted before, planting another fault than the one written
+    ("bias@layer=1,m=0.2,m=0.3", "m is given twice"),
+    ("noise@layer=1,m=nan", "m must be a finite number"),
+    ("bitflip@layer=1,rate=5", "rate is a probability"),
+    ("saturation@layer=1,mode=absolute,limit=inf", "limit must be a finite number"),
 ])
 def test_bad_fault_specs(text, message):
     with pytest.raises(UserError, match=message):

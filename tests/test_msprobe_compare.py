@@ -157,6 +157,10 @@ def test_a_healthy_run_against_a_statistics_golden_passes_everywhere(tmp_path):
     text = _compare(tmp_path, _srdd_dump(tmp_path), "--baseline",
                     _fixture("smollm2_bf16_stats"))
     assert "(2 compared rounds): 60 PASS, 0 WARN, 0 FAIL" in text, text
+    # a statistics row has no cosine: N/A on the terminal as in the CSV ("NaN" reads as an
+    # overflow)
+    worst = text[text.index("worst layers:"):].splitlines()[2]
+    assert "NaN" not in text and worst.split()[3] == "N/A", text
 
 
 def test_a_stats_dump_against_a_statistics_golden_compares_whole_outputs(tmp_path):

@@ -163,7 +163,8 @@ def _all_records_readable(path: str) -> int:
 # -- killed mid-dump -------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("how", ["SIGKILL to the program", "SIGTERM to srdd-dump"])
+@pytest.mark.parametrize("how", ["SIGKILL to the program", "SIGTERM to srdd-dump",
+                                 "SIGHUP to srdd-dump"])
 def test_killed_mid_dump_keeps_every_finished_sample(how, tmp_path):
     arch = "llama" if how.startswith("SIGKILL") else "toy"
     proc = _start("--exec", _command(_script(tmp_path), "100000", "0.3", "12", arch),
@@ -175,9 +176,10 @@ def test_killed_mid_dump_keeps_every_finished_sample(how, tmp_path):
         want = 128 + signal.SIGKILL
     else:
         # srdd-dump first asks the program's capture to finish its file, then forwards the
-        # signal; Python dies of SIGTERM without exit handlers
-        os.kill(proc.pid, signal.SIGTERM)
-        want = 128 + signal.SIGTERM
+        # signal; Python dies of SIGTERM (SIGHUP: a closed ssh session) without exit handlers
+        sent = signal.SIGHUP if how.startswith("SIGHUP") else signal.SIGTERM
+        os.kill(proc.pid, sent)
+        want = 128 + sent
     code, _, err = _finish(proc)
     assert code == want, err
     name = signal.Signals(want - 128).name

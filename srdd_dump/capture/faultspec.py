@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 
 from ..errors import UserError
@@ -58,6 +59,8 @@ def parse_fault(text: str) -> FaultSpec:
         key, eq, value = part.partition("=")
         if not eq:
             raise UserError(f"{where}: expected key=value, got {part!r}")
+        if key.strip() in values:  # the last would win: another fault than the one read
+            raise UserError(f"{where}: {key.strip()} is given twice")
         values[key.strip()] = value.strip()
     if "layer" not in values:
         raise UserError(f"{where}: layer=K is required")
@@ -80,6 +83,8 @@ def parse_fault(text: str) -> FaultSpec:
     if kind in ATTENTION_KERNEL and spec.site not in ("attn", "self_attn", "attention"):
         raise UserError(f"{where}: {kind} is a fault inside the attention kernel: "
                         "its site is attn")
+    if not math.isfinite(spec.m):
+        raise UserError(f"{where}: m must be a finite number")
     if not 0 < spec.sparsity <= 1:
         raise UserError(f"{where}: sparsity must be in (0, 1]")
     if spec.options.get("scope", "batch") not in ("batch", "sample"):
@@ -105,6 +110,10 @@ def parse_fault(text: str) -> FaultSpec:
                 raise UserError(f"{where}: {key} must be a number") from None
             if key == "quantile" and not 0 < value < 1:
                 raise UserError(f"{where}: quantile must be in (0, 1)")
+            if key == "rate" and not 0 < value <= 1:
+                raise UserError(f"{where}: rate is a probability: in (0, 1]")
+            if key in ("limit", "shift") and not math.isfinite(value):
+                raise UserError(f"{where}: {key} must be a finite number")
     return spec
 
 

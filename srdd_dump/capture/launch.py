@@ -226,7 +226,7 @@ def new_run_folder(output: str) -> str:
 
 def _run_forwarding_signals(argv: list[str], env: dict[str, str], status_dir: str = "",
                             run_dir: str = "") -> int:
-    """Run and wait for the child; pass SIGINT/SIGTERM on so it can finish its dump file. The
+    """Run and wait for the child; pass SIGINT/SIGTERM/SIGHUP on so it can finish its dump file. The
     handlers are in place before the child starts, so no signal is lost in between. Before a
     signal is passed on, the capturing processes are asked to finish their files
     (dump_file.FileWatch) and given up to FINISH_WAIT_SECONDS: a serving engine kills its
@@ -250,7 +250,7 @@ def _run_forwarding_signals(argv: list[str], env: dict[str, str], status_dir: st
         except ProcessLookupError:
             pass
 
-    previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    previous = {s: signal.signal(s, forward) for s in _forwarded_signals()}
     try:
         procs.append(subprocess.Popen(argv, env=env, shell=False))
         for signum in pending:
@@ -259,6 +259,17 @@ def _run_forwarding_signals(argv: list[str], env: dict[str, str], status_dir: st
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
+
+
+def _forwarded_signals() -> list[int]:
+    """SIGINT, SIGTERM and SIGHUP (a closed terminal or ssh session, ``kill -HUP``): each ends
+    the program, so each first lets it finish its dump file. SIGHUP stays ignored where the
+    user ignored it (``nohup srdd-dump ...``)."""
+    signals = [signal.SIGINT, signal.SIGTERM]
+    hangup = getattr(signal, "SIGHUP", None)
+    if hangup is not None and signal.getsignal(hangup) is not signal.SIG_IGN:
+        signals.append(hangup)
+    return signals
 
 
 FINISH_WAIT_SECONDS = 5.0

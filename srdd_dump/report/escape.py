@@ -15,6 +15,9 @@ _FORMULA_START = ("=", "+", "-", "@", "\t", "\r")
 # control characters an XLSX cell cannot hold (openpyxl refuses the whole report) and a
 # terminal would act on (a module name of a crafted dump): each becomes U+FFFD
 _CONTROL = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
+# what a terminal acts on besides: carriage return (overwrites a line) and the C1 controls
+# (U+009B opens an escape sequence as ESC [ does)
+_TERMINAL_CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f]")
 
 
 def escape_formula(value):
@@ -26,6 +29,12 @@ def escape_formula(value):
         if value.startswith(_FORMULA_START):
             return "'" + value
     return value
+
+
+def for_terminal(text: str) -> str:
+    """``text`` with every control character but tab and newline replaced by U+FFFD: a module
+    or file name of a crafted dump reaches the terminal as text, never as an escape sequence."""
+    return _TERMINAL_CONTROL.sub("\ufffd", text)
 
 
 def escape_formulas(df: pd.DataFrame) -> pd.DataFrame:

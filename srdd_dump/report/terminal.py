@@ -157,7 +157,9 @@ def baseline_text(result: BaselineResult, written: list[str] | None = None) -> s
             "max_error_amplification": "growth(max)",
         })
         top["module"] = top["module"].map(_shorten)
-        text = top.to_string(index=False, formatters={
+        # an empty cell (a statistics row has no cosine) reads N/A, as in the CSV: "NaN"
+        # would read as an overflow
+        text = top.to_string(index=False, na_rep="N/A", formatters={
             "cosine(min)": "{:.6f}".format, "rel_dist(max)": "{:.3g}".format,
             "growth(max)": "{:.3g}".format,
         })
