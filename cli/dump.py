@@ -30,8 +30,9 @@ def _version(value: bool) -> None:
 
 @app.command()
 def dump(
-    exec_: str = typer.Option(..., "--exec", help='Command to run, e.g. "python infer.py". '
-                              "Split like a shell would, but never run through a shell."),
+    exec_: list[str] = typer.Option(..., "--exec", metavar="<str>",
+                                    help='Command to run, e.g. "python infer.py". Split like '
+                                    "a shell would, but never run through a shell."),
     output: str = typer.Option(D.dump_path, "-o", "--output",
                                help="Folder for the dumps: each run writes into its own new "
                                "folder srdd_dump_<UTC time> in it."),
@@ -100,6 +101,9 @@ def dump(
     Exit code: the command's own if non-zero; 3 if capture failed; 2 for bad options.
     """
     try:
+        if len(exec_) > 1:  # the last would run, the others silently not
+            raise UserError(f"--exec is given {len(exec_)} times: one command per run (a "
+                            "shell script or `sh -c '...'` runs several)")
         with named_as_flags():  # an error names the flag, not the DumpConfig field
             config = DumpConfig(
                 dump_path=output, samples=samples, steps=steps, tokens=tokens, layers=layers,
@@ -110,7 +114,7 @@ def dump(
                 inject=list(inject), batch_probes=batch_probes, tp_replays=tp_replays,
                 progress=not quiet, debug=debug,
             )
-        result = run_exec(exec_, config, min_free_gb=min_free_gb, eager=eager)
+        result = run_exec(exec_[0], config, min_free_gb=min_free_gb, eager=eager)
     except UserError as exc:
         typer.echo(f"srdd-dump: error: {exc}", err=True)
         raise typer.Exit(2) from None

@@ -833,3 +833,14 @@ def test_module_names_with_control_characters_reach_the_terminal_as_text(tmp_pat
     for text in shown:
         assert not any(c in text for c in "\x1b\x07\x9b\r"), text
     assert "layers.2\ufffd]0;TITLE\ufffd" in shown[0], shown[0]
+
+
+def test_a_named_pipe_named_like_a_dump_is_skipped_not_waited_on(tmp_path):
+    """A FIFO named *.h5 in the dump folder: opening it waited for a writer until
+    --read-timeout (300 s). It is skipped in one line; the real dump is compared."""
+    faulty_dump(str(tmp_path / "d"))
+    os.mkfifo(tmp_path / "d" / "pipe.h5")
+    done = run_cli(str(tmp_path / "d"), "-o", str(tmp_path / "r.csv"), "-q",
+                   "--read-timeout", "60")
+    assert done.returncode == 0, done.stderr
+    assert "pipe.h5: not a regular file" in done.stderr, done.stderr

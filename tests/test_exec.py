@@ -194,6 +194,15 @@ def test_bad_exec_commands(command, message, tmp_path):
     assert "Traceback" not in res.stderr and len(res.stderr.strip().splitlines()) == 1
 
 
+def test_two_exec_commands_are_refused_before_either_runs(tmp_path):
+    """`--exec A --exec B` ran B alone, without a word."""
+    res = run_cli("srdd-dump", "--exec", f"{sys.executable} -c print(1)", "--exec",
+                  f"{sys.executable} -c print(2)", "-o", str(tmp_path / "d"))
+    assert res.returncode == 2 and "--exec is given 2 times" in res.stderr
+    assert res.stdout == "" and len(res.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "d").exists()
+
+
 @pytest.mark.parametrize("code", [0, 4])
 def test_a_program_ending_with_os_exit_leaves_a_finished_file(code, tmp_path):
     """os._exit skips atexit: the file was left .partial and a successful program's run ended
@@ -255,6 +264,18 @@ def test_an_output_folder_on_a_file_system_of_no_size_says_it_cannot_be_created(
     assert res.returncode == 2
     assert res.stderr.strip().splitlines() == [
         "srdd-dump: error: -o /proc/nope: cannot create the folder (No such file or directory)"]
+
+
+def test_a_read_only_file_system_is_named_as_such(tmp_path, monkeypatch):
+    """A read-only mount reports no free space: it said "only 0.00 GB free ... free some
+    space", which no deleting mends."""
+    from srdd_dump.capture import diskspace
+
+    real = os.statvfs
+    monkeypatch.setattr(diskspace.os, "statvfs", lambda p: os.statvfs_result(
+        (*real(p)[:8], os.ST_RDONLY, real(p).f_namemax)))
+    with pytest.raises(UserError, match=r"^-o .*/d: its file system is read-only; choose"):
+        diskspace.check_free_space(str(tmp_path / "d"), 2.0)
 
 
 def test_exec_never_uses_a_shell(tmp_path):

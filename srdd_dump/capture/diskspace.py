@@ -20,18 +20,30 @@ def refuse_a_file(path: str, named: str) -> None:
         raise UserError(f"{named}: a file of that name exists; name a folder")
 
 
-def free_bytes(path: str) -> int | None:
-    """Free space for an unprivileged user on the file system that holds (or will hold) path;
-    None for a file system of no size (/proc, /sys: it holds no files, and creating the folder
-    says why)."""
+def _existing(path: str) -> str:
+    """``path``, or its nearest folder that exists."""
     probe = os.path.abspath(path)
     while not os.path.exists(probe):
         parent = os.path.dirname(probe)
         if parent == probe:
             break
         probe = parent
-    usage = shutil.disk_usage(probe)
+    return probe
+
+
+def free_bytes(path: str) -> int | None:
+    """Free space for an unprivileged user on the file system that holds (or will hold) path;
+    None for a file system of no size (/proc, /sys: it holds no files, and creating the folder
+    says why)."""
+    usage = shutil.disk_usage(_existing(path))
     return usage.free if usage.total else None
+
+
+def read_only(path: str) -> bool:
+    """The file system that holds (or will hold) path is mounted read-only (it reports no free
+    space: "only 0.00 GB free" would send the user to delete files)."""
+    flags = getattr(os, "statvfs", None) and os.statvfs(_existing(path)).f_flag
+    return bool(flags and flags & getattr(os, "ST_RDONLY", 1))
 
 
 def check_free_space(path: str, min_free_gb: float) -> None:
@@ -41,6 +53,8 @@ def check_free_space(path: str, min_free_gb: float) -> None:
         return
     try:
         free = free_bytes(path)
+        if read_only(path):
+            raise UserError(f"-o {path}: its file system is read-only; choose another -o")
     except OSError as exc:
         raise UserError(f"-o {path}: cannot check the free space ({exc.strerror})") from None
     if free is not None and free < min_free_gb * GB:

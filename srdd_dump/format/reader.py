@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Callable
@@ -90,6 +91,13 @@ class DumpReader:
                 f"{path}: set aside by srdd-dump after a write failed half-way (disk full?); "
                 "its content is not trusted"
             )
+        try:
+            mode = os.stat(path).st_mode
+        except OSError:
+            mode = None  # h5py says why it cannot open it
+        if mode is not None and not stat.S_ISREG(mode):  # a FIFO would wait for a writer
+            raise DumpError(f"{path}: not a regular file (a named pipe, socket or device "
+                            "named like a dump file)")
         with _reading(path):
             try:
                 self.f = h5py.File(path, "r")
