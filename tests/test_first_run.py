@@ -53,6 +53,21 @@ def test_a_folder_of_runs_compares_the_newest_and_says_so(tmp_path):
         compare_path(str(tmp_path), progress=False, run="nope")
 
 
+def test_a_run_written_inside_another_runs_folder_is_another_run(tmp_path):
+    """`srdd-dump -o dumps/srdd_dump_A` nests the new run in A: both were read as cards of
+    one run. They compete as runs of the folder: the newest is compared, the note names
+    the other."""
+    outer = "srdd_dump_20261101_000000"
+    _run(tmp_path, outer, 1_000_000, layers=(-1, 0, 1, 2))
+    _run(tmp_path / outer, "srdd_dump_20261101_000500", 1_000_300)
+    result = compare_path(str(tmp_path), progress=False)
+    assert set(result.layers["source"]) == {
+        f"{outer}/srdd_dump_20261101_000500/srdd_rank0_pid1.h5"}
+    (note,) = result.notes
+    assert "holds 2 runs; comparing the newest" in note and outer in note
+    assert len(compare_path(str(tmp_path), progress=False, run=outer).layers) == 3
+
+
 def test_the_newest_run_is_the_one_its_name_says_even_after_a_copy(tmp_path):
     """Copies without -p (scp, cp) give every file a new time: the run folder's name keeps the
     run's own UTC time."""

@@ -247,13 +247,14 @@ def cache_root() -> str:
 
 
 def _run_of(root: str, file: str) -> tuple[str, str]:
-    """(the run folder of a dump file, the folder in which it competes with other runs)."""
+    """(the run folder of a dump file, the folder in which it competes with other runs). A run
+    written inside another run's folder (``srdd-dump -o <run folder>``) competes with that
+    run: they are two runs, not two cards of one."""
     folder = os.path.relpath(os.path.dirname(file) or ".", root or ".")
     parts = [] if folder == "." else folder.split(os.sep)
-    for i in range(len(parts) - 1, -1, -1):
-        if parts[i].startswith(s.RUN_PREFIX):
-            run = os.path.join(*parts[: i + 1])
-            return run, os.path.dirname(run) or "."
+    runs = [i for i, part in enumerate(parts) if part.startswith(s.RUN_PREFIX)]
+    if runs:
+        return os.path.join(*parts[: runs[-1] + 1]), os.path.join(*parts[: runs[0]] or ".")
     return folder, folder  # not in a run folder: the files of its own folder are one run
 
 
