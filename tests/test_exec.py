@@ -239,6 +239,13 @@ def test_a_tokens_range_that_keeps_nothing_says_so(tmp_path):
         with pytest.raises(UserError, match=f"DumpConfig tokens {empty} keeps no position"):
             parse_tokens(empty)
     assert parse_tokens("-8:") and parse_tokens("2:-1") and parse_tokens("0:1")
+    # an empty value (an unset shell variable) meant every position for --tokens, no probe
+    # for --probes and was refused for --steps: refused alike, before the command runs
+    for flag in ("--tokens", "--probes", "--steps", "--probe-steps"):
+        res = run_cli("srdd-dump", "--exec", f"{sys.executable} {script}", "-o",
+                      str(tmp_path / "e"), flag, " ")
+        assert res.returncode == 2 and f"{flag} is empty: use " in res.stderr, res.stderr
+        assert "finished" not in res.stdout and not (tmp_path / "e").exists()
     res = run_cli("srdd-dump", "--exec", f"{sys.executable} {script}", "-o", str(tmp_path / "d"),
                   "--tokens", "20:")
     assert res.returncode == 3 and "finished" in res.stdout

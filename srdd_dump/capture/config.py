@@ -286,6 +286,8 @@ def parse_steps(spec: str, field: str = "steps") -> list[tuple[int, int]] | None
     """"0,2-5" -> [(0, 0), (2, 5)] (inclusive); "all" -> None (every step). ``field``: the
     DumpConfig field named in an error."""
     spec = str(spec).strip().lower()
+    if not spec:
+        raise UserError(f"{option(field)} is empty: use all, or e.g. 0 or 0,1-4")
     if spec in ("all", "*"):
         return None
     ranges = []
@@ -315,7 +317,9 @@ def last_step(ranges: list[tuple[int, int]] | None) -> float:
 def parse_tokens(spec: str) -> list[slice | int] | None:
     """"all" -> None; "0:16" / "-8:" -> slices; "0,5,-1" -> single positions."""
     spec = str(spec).strip().lower()
-    if spec in ("all", "*", ""):
+    if not spec:  # an unset shell variable (--tokens "$T"): not silently every position
+        raise UserError(f"{option('tokens')} is empty: use all, or e.g. 0:16, -8: or 0,5,-1")
+    if spec in ("all", "*"):
         return None
     parts: list[slice | int] = []
     for part in spec.split(","):
@@ -361,7 +365,9 @@ TP_REPLAYS = ("skip", "lockstep")
 def parse_probes(spec: str) -> set[str]:
     """"gain,dc,repeat" -> {"gain", "dc", "repeat"}; "none" -> set()."""
     spec = str(spec).strip().lower()
-    if spec in ("none", "off", ""):
+    if not spec:  # an unset shell variable: not silently no probe at all
+        raise UserError(f"{option('probes')} is empty: use none, or e.g. gain,dc,repeat")
+    if spec in ("none", "off"):
         return set()
     names = {p.strip() for p in spec.split(",") if p.strip()}
     unknown = names - set(PROBE_NAMES)
