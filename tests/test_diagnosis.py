@@ -3,6 +3,8 @@ healthy models (no FAULT)."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -129,6 +131,12 @@ def test_cli_writes_aqn_config(tmp_path):
     text = (tmp_path / "aqn.yaml").read_text()
     assert "layer_sigmas:" in text and "base_sigma: 0.05" in text
     assert text.count("    ") >= 4  # one line per layer under layer_sigmas
+    # named .json: JSON (YAML's comment line made it unreadable as JSON)
+    res = run_cli("srdd-compare", str(tmp_path / "d"), "-o", str(tmp_path / "r.csv"), "-q",
+                  "--aqn-config", str(tmp_path / "aqn.json"))
+    assert res.returncode == 0, res.stderr
+    loaded = json.loads((tmp_path / "aqn.json").read_text())
+    assert loaded["aqn"]["base_sigma"] == 0.05 and len(loaded["aqn"]["layer_sigmas"]) == 4
     report = (tmp_path / "r.xlsx").read_bytes()
     for clash, out in (("r.xlsx", "r.xlsx"), ("r.files.csv", "r.csv")):  # never a report file
         res = run_cli("srdd-compare", str(tmp_path / "d"), "-o", str(tmp_path / out),

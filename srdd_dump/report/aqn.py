@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 
 import pandas as pd
@@ -87,13 +88,18 @@ DUMP_NAMES = (".h5", ".h5.partial", ".pt", ".npy", "dump.json")
 
 
 def write_aqn(layers: pd.DataFrame, path: str) -> str:
-    """Write the AQN config of ``layers`` to ``path`` (YAML); returns the path."""
+    """Write the AQN config of ``layers`` to ``path`` (YAML; JSON for a ``.json`` name, which
+    YAML's comment line would make unreadable); returns the path."""
     config = aqn_config(layers)
-    head = "# SRDD-guided AQN config written by srdd-compare (rules: docs/method.md)\n"
+    if path.lower().endswith(".json"):
+        text = json.dumps(config, indent=2)
+    else:
+        head = "# SRDD-guided AQN config written by srdd-compare (rules: docs/method.md)\n"
+        text = head + to_yaml(config)
     try:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         with open(path, "w") as fh:
-            fh.write(head + to_yaml(config) + "\n")
+            fh.write(text + "\n")
     except OSError as exc:
         raise UserError(f"{path}: cannot write the AQN config ({exc.strerror or exc})") from exc
     return path
