@@ -162,6 +162,10 @@ class _H5File:
         self.version = version
         self.grouped = version >= 5
         self._rows = np.empty(0, np.uint8)  # a round's rows of one data set, reused (below)
+        # data sets by path, opened once: h5py's lookup and dtype cost ~0.1 ms each, 40 per
+        # round (a third of the writer's time on a decode step's small round)
+        self._open: dict[str, h5py.Dataset | None] = {}
+        self._sizes: dict[str, int] = {}  # bytes per row of the top-level data sets
         self._check_room(ROOM_RESERVE, 0)
         self.f = h5py.File(partial_path, "w")
         try:
@@ -204,9 +208,15 @@ class _H5File:
         values.attrs[s.ATTR_COLUMNS] = json.dumps(columns)
         self.f.flush()
 
+    def _get(self, path: str) -> h5py.Dataset | None:
+        """The data set at ``path`` (None: the file has none there), opened once."""
+        if path not in self._open:
+            self._open[path] = self.f.get(path)
+        return self._open[path]
+
     def _dataset(self, name: str, dtype: str, width: int) -> h5py.Dataset:
-        group = self.f[s.DATA]
-        if name not in group:
+        if name not in self.data_index:
+            group = self.f[s.DATA]
             storage = s.STORAGE_DTYPES[dtype]
             ds = group.create_dataset(
                 name,
@@ -221,12 +231,12 @@ class _H5File:
             old, self.data_index = self.data_index, {n: i for i, n in enumerate(names)}
             if any(self.data_index[n] != i for n, i in old.items()):
                 self._renumber_records(old)
-        return group[name]
+        return self._get(f"{s.DATA}/{name}")
 
     def _renumber_records(self, old: dict[str, int]) -> None:
         """A data set whose name sorts before existing ones appeared after the first round
         (a probe kind first seen later): the records written so far get the new ids."""
-        records = self.f[s.RECORDS]
+        records = self._get(s.RECORDS)
         if not records.shape[0]:
             return
         new_id = np.zeros(max(old.values()) + 1, dtype=np.int64)
@@ -260,8 +270,7 @@ class _H5File:
 
     def room_needed(self, r: Round) -> int:
         """Upper bound of the bytes writing ``r`` adds to the file, with ROOM_RESERVE."""
-        f, need = self.f, ROOM_RESERVE
-        group = f[s.DATA]
+        need = ROOM_RESERVE
         by_name: dict[str, list[int]] = {}
         units = self._units(r.tensors)
         for unit in units:
@@ -270,7 +279,8 @@ class _H5File:
             entry = by_name.setdefault(name, [0, width * itemsize, s.chunk_rows(width, itemsize)])
             entry[0] += unit.rows
         for name, (rows, row_bytes, chunk) in by_name.items():
-            need += _growth(group.get(name), rows, chunk, row_bytes)
+            ds = self._get(f"{s.DATA}/{name}") if name in self.data_index else None
+            need += _growth(ds, rows, chunk, row_bytes)
         tok = 0 if r.token_ids is None else int(np.size(r.token_ids))
         prows = 0 if r.probe_rows is None else len(r.probe_rows)
         for name, rows in (
@@ -279,11 +289,16 @@ class _H5File:
             (s.ROUNDS, 1),
             (s.STATS_INDEX, len(r.stats)), (s.STATS_VALUES, len(r.stats)),
         ):
-            ds = f.get(name)
+            ds = self._get(name)
             if ds is not None and rows:
-                row_bytes = ds.dtype.itemsize * (ds.shape[1] if ds.ndim == 2 else 1)
-                need += _growth(ds, rows, ds.chunks[0], row_bytes)
+                need += _growth(ds, rows, ds.chunks[0], self._row_bytes(name, ds))
         return need
+
+    def _row_bytes(self, name: str, ds: h5py.Dataset) -> int:
+        size = self._sizes.get(name)
+        if size is None:
+            size = self._sizes[name] = ds.dtype.itemsize * (ds.shape[1] if ds.ndim == 2 else 1)
+        return size
 
     def _check_room(self, need: int, size: int, what: str = "the next round") -> None:
         """Raise NoRoom when ``need`` more bytes would pass the file-size limit or fill the
@@ -306,15 +321,16 @@ class _H5File:
     def write_round(self, r: Round) -> None:
         f = self.f
         self._check_room(self.room_needed(r), f.id.get_filesize())
-        pos_off = _append(f[s.POSITIONS], np.asarray(r.positions, dtype="<i4"))
+        pos_off = _append(self._get(s.POSITIONS), np.asarray(r.positions, dtype="<i4"))
         tok = (
             np.asarray(r.token_ids, dtype="<i8").reshape(-1)
             if r.token_ids is not None
             else np.zeros(0, "<i8")
         )
-        tok_off = _append(f[s.TOKEN_IDS], tok) if tok.size else f[s.TOKEN_IDS].shape[0]
+        tok_ds, prow_ds = self._get(s.TOKEN_IDS), self._get(s.PROBE_ROWS)
+        tok_off = _append(tok_ds, tok) if tok.size else tok_ds.shape[0]
         prows = np.zeros(0, "<i4") if r.probe_rows is None else np.asarray(r.probe_rows, "<i4")
-        prow_off = _append(f[s.PROBE_ROWS], prows) if prows.size else f[s.PROBE_ROWS].shape[0]
+        prow_off = _append(prow_ds, prows) if prows.size else prow_ds.shape[0]
 
         units = self._units(r.tensors)
         by_name: dict[str, list[_Unit]] = {}
@@ -331,7 +347,7 @@ class _H5File:
         units = [u for group in by_name.values() for u in group]  # records in data order
 
         records = np.zeros(len(units), dtype=s.RECORD_DTYPE)
-        first = f[s.RECORDS].shape[0]
+        first = self._get(s.RECORDS).shape[0]
         probes = []
         for i, unit in enumerate(units):
             t = unit.record
@@ -351,17 +367,17 @@ class _H5File:
                 self.n_rounds, t.layer, t.site, t.kind, t.probe, t.param, t.seed, t.pert_rms,
                 int(t.subset), self.data_index[unit.name], unit.row0, b * n, b, n, w,
             )
-        _append(f[s.RECORDS], records)
+        _append(self._get(s.RECORDS), records)
         if probes:  # after the records they point to
-            _append(f[s.PROBES], np.array(probes, dtype=s.PROBE_DTYPE))
+            _append(self._get(s.PROBES), np.array(probes, dtype=s.PROBE_DTYPE))
         if r.stats:
             index = np.zeros(len(r.stats), dtype=s.STATS_INDEX_DTYPE)
             index["round"] = self.n_rounds
             index["layer"] = [st.layer for st in r.stats]
             index["site"] = [st.site for st in r.stats]
             index["dtype"] = [st.dtype for st in r.stats]
-            _append(f[s.STATS_VALUES], np.stack([st.values for st in r.stats]))
-            _append(f[s.STATS_INDEX], index)
+            _append(self._get(s.STATS_VALUES), np.stack([st.values for st in r.stats]))
+            _append(self._get(s.STATS_INDEX), index)
         # the round's data, records and index rows reach the file before its /rounds row: a
         # crash leaves a round whole or without that row (format/reader.py drops it then)
         f.flush()
@@ -372,7 +388,7 @@ class _H5File:
             )],
             dtype=s.ROUND_DTYPE,
         )
-        _append(f[s.ROUNDS], row)
+        _append(self._get(s.ROUNDS), row)
         self.n_rounds += 1
         f.flush()
 
