@@ -1006,6 +1006,16 @@ def test_samples_of_other_prompt_lengths_are_not_compared_when_ids_are_unknown()
     states = {(p.sample, p.step): p.input_match for p in pairs}
     assert states == {(0, 0): UNKNOWN, (0, 1): UNKNOWN, (1, 0): DIFFER, (1, 1): DIFFER}
     assert SAME not in states.values()
+    assert {p.reason for p in pairs if p.input_match == DIFFER} == {
+        "prompts of other lengths (52 tokens here, 61 in the golden run; no input ids "
+        "recorded)"}
+    # a golden run dumped for its second prompt only (msprobe's "step": [1]): my second
+    # sample pairs with it by its prefill's length (my first paired with it, and nothing was
+    # compared); my first has no counterpart
+    pairs = pair_rounds(rounds([40, 52]), rounds([52]))
+    states = {(p.sample, p.golden_sample, p.step): p.input_match for p in pairs}
+    assert states == {(0, None, 0): "", (0, None, 1): "", (1, 0, 0): UNKNOWN,
+                      (1, 0, 1): UNKNOWN}
 
 
 def test_one_compared_forward_names_the_layer_its_own_growth_points_to(runs, tmp_path):

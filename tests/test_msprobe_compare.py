@@ -186,6 +186,66 @@ def test_statistics_against_statistics_keep_the_stack_input_row(tmp_path):
     assert len(stack) == 2 and (stack["verdict"] == "PASS").all()
 
 
+def test_equal_statistics_prove_no_exact_input(tmp_path):
+    """Layer 8's Max changed in one round, its input's statistics equal: it said "the
+    outputs first differ at layer 9 (... from an exact input)" of a later layer. Equal
+    statistics prove no equal tensors: the finding says where the statistics first differ."""
+    import json
+    import shutil
+
+    copy = tmp_path / "edited"
+    shutil.copytree(_fixture("smollm2_bf16_stats"), copy)
+    (path,) = glob.glob(str(copy / "step0" / "*" / "dump.json"))
+    with open(path) as f:
+        doc = json.load(f)
+    out = doc["data"]["Module.model.layers.8.LlamaDecoderLayer.forward.0"]["output"][0]
+    out["Max"] += 8.0
+    with open(path, "w") as f:
+        json.dump(doc, f)
+    text = _compare(tmp_path, str(copy), "--baseline", _fixture("smollm2_bf16_stats"))
+    finding = next(line for line in text.splitlines() if line.startswith("finding: "))
+    assert "exact input" not in finding, finding
+    assert "the statistics first differ at layer 8 (model.layers.8, in 1 of 2 compared " \
+        "rounds)" in finding, finding
+
+
+def test_md5_values_prove_equal_tensors_and_name_where_they_first_differ(tmp_path):
+    """summary_mode md5: msprobe's md5 of each tensor was dropped without a word. Equal md5
+    values are equal tensors (an error of 0, measured), so a layer whose md5 differs after an
+    equal one is where the outputs first differ, from an exact input."""
+    import json
+    import shutil
+
+    def with_md5(name, changed=False):
+        copy = tmp_path / name
+        shutil.copytree(_fixture("smollm2_bf16_stats"), copy)
+        (path,) = glob.glob(str(copy / "step0" / "*" / "dump.json"))
+        with open(path) as f:
+            doc = json.load(f)
+        for key, entry in doc["data"].items():
+            for t in entry.get("output") or []:
+                if isinstance(t, dict):
+                    t["md5"] = f"{abs(hash(key)) % 16**8:08x}"
+        if changed:
+            out = doc["data"]["Module.model.layers.8.LlamaDecoderLayer.forward.0"]["output"][0]
+            out["Max"] += 8.0
+            out["md5"] = "0badf00d"
+        with open(path, "w") as f:
+            json.dump(doc, f)
+        return str(copy)
+
+    golden, mine = with_md5("golden"), with_md5("mine", changed=True)
+    text = _compare(tmp_path, mine, "--baseline", golden)
+    finding = next(line for line in text.splitlines() if line.startswith("finding: "))
+    assert "the outputs first differ at layer 8 (model.layers.8, " in finding, finding
+    assert "from an exact input" in finding
+    rows = _table(tmp_path)
+    equal = rows[(rows["layer"] >= 0) & (rows["layer"] < 8)]
+    assert (equal["relative_euclidean_distance"] == 0).all()
+    assert equal["cmp_fail_reason"].str.contains("md5 of both sides agree").all()
+    assert rows["cmp_fail_reason"].str.contains("md5 of the two sides differ").any()
+
+
 def test_a_statistics_dump_gets_a_reference_free_report_saying_what_it_lacks(tmp_path):
     text = _compare(tmp_path, _fixture("smollm2_bf16_stats"))
     assert "30 rows: 0 FAULT" in text
@@ -197,6 +257,15 @@ def test_a_statistics_dump_gets_a_reference_free_report_saying_what_it_lacks(tmp
             rows = list(csv.DictReader(f))
         assert rows and all(r["zero_frac"] == "" and r["kurtosis"] == "" for r in rows)
         assert all(float(r["std"]) > 0 and float(r["absmax"]) > 0 for r in rows)
+    # the XLSX summary keeps the notes the terminal printed (stderr only before)
+    import openpyxl
+
+    proc = run_cli("srdd-compare", _fixture("smollm2_bf16_stats"), "-o",
+                   str(tmp_path / "r.xlsx"), "-q")
+    assert proc.returncode == 0, proc.stderr
+    cells = [c.value for row in openpyxl.load_workbook(tmp_path / "r.xlsx")["summary"].iter_rows()
+             for c in row if isinstance(c.value, str)]
+    assert "notes" in cells and any("Max, Min, Mean and Norm of each tensor" in c for c in cells)
 
 
 def test_a_mix_dump_of_one_layers_modules_is_compared_where_both_have_them(tmp_path,
@@ -212,10 +281,26 @@ def test_a_mix_dump_of_one_layers_modules_is_compared_where_both_have_them(tmp_p
                                          "self_attn.o_proj")}
     if same_kernels:
         assert "compared: 6 PASS" in text and (compared["relative_euclidean_distance"] == 0).all()
+    # the API calls of the mix dump are not compared: said (they were dropped without a word)
+    assert "31 records of the msprobe dump are not compared" in text, text
+    assert "Functional.linear (4)" in text
     # without block outputs the reference-free diagnosis has nothing to judge: one line
     alone = run_cli("srdd-compare", _fixture("smollm2_bf16_mix"), "-o", str(tmp_path / "r.csv"))
     assert alone.returncode == 2 and len(alone.stderr.strip().splitlines()) == 1
     assert "holds no block output" in alone.stderr and "smollm2_bf16_mix" in alone.stderr
+
+
+def test_cards_without_input_ids_are_left_out_of_the_multi_card_check_saying_so(tmp_path):
+    """Three ranks dumped by msprobe with outputs only: the multi-card check skipped them
+    without a word."""
+    import shutil
+
+    copy = tmp_path / "ranks"
+    shutil.copytree(_fixture("smollm2_bf16_ranks"), copy)
+    shutil.copytree(copy / "step0" / "rank1", copy / "step0" / "rank2")
+    text = _compare(tmp_path, str(copy))
+    assert "3 of 3 files recorded no input ids: the multi-card check" in text, text
+    assert "(msprobe: data_mode all, with the model's class in the list, records them)" in text
 
 
 def test_a_ranked_msprobe_dump_gives_one_file_per_rank(tmp_path):

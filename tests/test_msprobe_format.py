@@ -77,7 +77,8 @@ def _edited(tmp_path, edit) -> str:
     folder = copy / "step0" / "proc4242"
     doc = json.loads((folder / "dump.json").read_text())
     edit(doc["data"], folder)
-    (folder / "dump.json").write_text(json.dumps(doc))
+    if doc["data"]:
+        (folder / "dump.json").write_text(json.dumps(doc))
     return str(copy)
 
 
@@ -107,8 +108,29 @@ ODD = {
     "a data_name that is not text": lambda d, f: d[BLOCK0]["output"][0].update(data_name=3),
     "null statistics": lambda d, f: d[BLOCK0]["output"][0].update(Max=None, Norm=None),
 }
+def _inputs_only(data, folder):
+    for entry in data.values():
+        entry["input_args"] = entry.pop("output")
+
+
+def _no_tensor_folder(data, folder):
+    shutil.rmtree(folder / "dump_tensor_data")
+
+
+def _no_dump_json(data, folder):
+    os.remove(folder / "dump.json")
+    data.clear()
+
+
 BROKEN = {
     "children that are no site": (_only_children, "holds no output of a block"),
+    # a half-copied dump and one of inputs only: said as such (the advice was to add the
+    # decoder layer class to msprobe's list, which it was)
+    "inputs only": (_inputs_only, "records module inputs only (data_mode input); "
+                    "srdd-compare reads outputs: dump with data_mode output or all"),
+    "no dump_tensor_data": (_no_tensor_folder, "has no dump_tensor_data folder (a dump "
+                            "copied without it?)"),
+    "no dump.json": (_no_dump_json, "msprobe run folders without their dump.json"),
 }
 # tensor files that cannot be read: left out and named, the rest compared (a copy cut short)
 UNREADABLE = {
@@ -179,3 +201,25 @@ def test_the_conversion_cache_drops_earlier_versions_and_unused_entries(tmp_path
     os.makedirs(now)
     _prune_cache(now)
     assert sorted(os.listdir(root)) == sorted([os.path.basename(now), recent.name])
+
+
+@pytest.mark.parametrize("recorded", ["outputs (a child first)", "starts (inputs recorded)"])
+def test_the_sites_of_a_block_are_in_the_order_their_outputs_were_made(recorded):
+    """The sites were sorted by name (mlp before self_attn): the first divergence inside a
+    block, read in that order, named the MLP where the attention had already diverged."""
+    from srdd_dump.format.msprobe import ModuleCall
+    from srdd_dump.format.msprobe_rounds import Layout
+
+    made = ["input_layernorm", "self_attn.q_proj", "self_attn.o_proj", "self_attn",
+            "post_attention_layernorm", "mlp.down_proj", "mlp"]
+    started = ["input_layernorm", "self_attn", "self_attn.q_proj", "self_attn.o_proj",
+               "post_attention_layernorm", "mlp", "mlp.down_proj"]
+    order = made if recorded.startswith("outputs") else started
+    cls = {"input_layernorm": "LlamaRMSNorm", "post_attention_layernorm": "LlamaRMSNorm",
+           "self_attn": "LlamaAttention", "mlp": "LlamaMLP"}
+    calls = [ModuleCall(f"model.layers.{i}.{name}", cls.get(name, "Linear"), 0)
+             for i in range(2) for name in order]
+    calls += [ModuleCall(f"model.layers.{i}", "LlamaDecoderLayer", 0) for i in range(2)]
+    layout = Layout(calls)
+    assert [name for name, layer, _ in layout.sites if layer == 1] == [
+        f"model.layers.1.{name}" for name in made]

@@ -2,8 +2,8 @@
 
 Pure functions over the reader's ``rounds`` array and layer names; nothing is read here.
 
-* Samples pair by the token-ids hash of their first captured round (the prefill), then the
-  ones left over pair in order.
+* Samples pair by the token-ids hash of their first captured round (the prefill); where a side
+  recorded no ids, by the prefill's length; then the ones left over pair in order.
 * Rounds of a sample pair by step. A round's inputs are ``same`` when its hash and the hash of
   every earlier captured round of the sample agree (the KV cache holds them all), ``differ``
   when one of them differs and ``unknown`` when one side did not record its input ids.
@@ -71,6 +71,17 @@ def pair_samples(
             partner[s] = (fresh or same)[0]
             used.add(partner[s])
     left_g = [g for g in golden_s if g not in used]
+    # without input ids on a side, a prefill's length tells prompts apart: a golden run
+    # dumped for some steps only (msprobe's "step" filter) holds the later prompts alone
+    for s, rows in my_s.items():
+        if s in partner or rows[0]["step"] != 0:
+            continue
+        same_length = [g for g in left_g if golden_s[g][0]["step"] == 0
+                       and not (int(rows[0]["tokens_hash"]) and key_g[g])
+                       and golden_s[g][0]["seq"] == rows[0]["seq"]]
+        if same_length:
+            partner[s] = same_length[0]
+            left_g.remove(same_length[0])
     for s in my_s:
         if s not in partner and left_g:
             partner[s] = left_g.pop(0)
@@ -96,7 +107,7 @@ def pair_rounds(mine: np.ndarray, golden: np.ndarray) -> list[RoundPair]:
             continue
         mine_by_step = {int(r["step"]): r for r in my_s[s]}
         golden_by_step = {int(r["step"]): r for r in golden_s[g]}
-        state = SAME
+        state, reason = SAME, ""
         for step in sorted(set(mine_by_step) | set(golden_by_step)):
             a, b = mine_by_step.get(step), golden_by_step.get(step)
             if a is None or b is None:
@@ -109,12 +120,17 @@ def pair_rounds(mine: np.ndarray, golden: np.ndarray) -> list[RoundPair]:
                 ))
                 continue
             here = input_match(int(a["tokens_hash"]), int(b["tokens_hash"]))
+            why = ""
             if here == UNKNOWN and step == 0 and int(a["seq"]) != int(b["seq"]):
                 here = DIFFER  # ids not recorded, but prompts of other lengths: other prompts
+                why = (f"prompts of other lengths ({int(a['seq'])} tokens here, "
+                       f"{int(b['seq'])} in the golden run; no input ids recorded)")
             state = max(state, here, key=_WORSE.__getitem__)
             batches = (int(a["batch"]), int(b["batch"]))
+            why = _batched(*batches) if batches[0] != batches[1] else why
             out.append(RoundPair(s, g, step, int(a["round"]), int(b["round"]), state,
-                                 _batched(*batches) if batches[0] != batches[1] else ""))
+                                 why or reason))
+            reason = why or reason  # a sample's later rounds differ for the same reason
     return out
 
 

@@ -65,11 +65,11 @@ def compare_path(path: str, *, jobs: int | None = 1, progress: bool | None = Non
                                    for line in f.missing_evidence]
         if result.layer_table.empty:
             raise no_usable_file(result.file_table.column("reason"), path, under=True)
-        from .consistency import group_sources, too_few
+        from .consistency import group_sources, too_few, without_ids
 
         groups = group_sources(files)
         result.consistency = _consistency(groups, None, jobs, show)
-        result.notes += too_few(groups)
+        result.notes += too_few(groups) + without_ids(files)
         return result
     finally:
         discard_started()

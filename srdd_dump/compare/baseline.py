@@ -461,6 +461,8 @@ def _why_not(rp: RoundPair, my_rec, golden_rec, what: str = "layer") -> str:
         side = "my" if my_rec is None else "golden"
         return f"missing record: no {side} data for this {what} in this round"
     if rp.input_match == DIFFER:
+        if rp.reason.startswith("prompts of other lengths"):
+            return f"inputs differ: {rp.reason}, so the tensors are not compared"
         how = f", {rp.reason}" if rp.reason else ""
         return (f"inputs differ{how}: the input ids of this round (or an earlier one of the "
                 "sample) are not those of the golden run, so the tensors are not compared")

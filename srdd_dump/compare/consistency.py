@@ -75,6 +75,20 @@ def plan(groups: list[list[_Source]], thresholds: Thresholds | None = None
     return tasks, kept, tolerance
 
 
+def without_ids(files: list[DumpFile]) -> list[str]:
+    """A note when MIN_SOURCES or more files hold block outputs but some recorded no input ids
+    (msprobe dumps of outputs only): the multi-card check cannot tell that they ran the same
+    inputs, so it leaves them out."""
+    usable = [f for f in files if f.usable and f.clean_blocks]
+    blind = [f for f in usable if _source(f) is None]
+    if len(usable) < MIN_SOURCES or not blind:
+        return []
+    fix = (" (msprobe: data_mode all, with the model's class in the list, records them)"
+           if any(f.origin for f in blind) else "")
+    return [f"{len(blind)} of {len(usable)} files recorded no input ids: the multi-card check "
+            f"(the odd card out among cards that ran the same inputs) left them out{fix}"]
+
+
 def too_few(groups: list[list[_Source]]) -> list[str]:
     """A note for each group of two sources: the check needs three (the median of the others
     is then one card, and a difference names neither)."""

@@ -118,6 +118,18 @@ def input_reds(table: pd.DataFrame, rows: np.ndarray | None = None) -> np.ndarra
     return out
 
 
+def exact_inputs(table: pd.DataFrame, rows: np.ndarray | None = None) -> np.ndarray:
+    """Per row, whether its input is proven equal on both sides: agreeing input ids, or an
+    input row of relative error 0 measured on tensors. A statistics-only row's bound of 0
+    proves no equality (an error that keeps Max, Min, Mean and Norm is not seen)."""
+    rows = input_rows(table) if rows is None else rows
+    reds = input_reds(table, rows)
+    measured = (table[BOUND_COLUMN].isna().to_numpy() if BOUND_COLUMN in table
+                else np.ones(len(table), dtype=bool))  # a bound: a statistics-only row
+    return np.array([red == 0 and (src == TOKENS or (src >= 0 and measured[src]))
+                     for red, src in zip(reds, rows)], dtype=bool)
+
+
 def mark_divergence(table: pd.DataFrame, same_device: dict[tuple[str, str], bool] | None = None
                     ) -> pd.DataFrame:
     """Add ``error_amplification``, ``highlight``, ``first_divergence`` (the birth of the error)
@@ -144,6 +156,7 @@ def mark_divergence(table: pd.DataFrame, same_device: dict[tuple[str, str], bool
     nonfinite = (table["golden_nan_inf"].fillna(0) + table["my_nan_inf"].fillna(0)).to_numpy()
     sources = input_rows(table)
     reds = input_reds(table, sources)
+    exact = exact_inputs(table, sources)
     for rows in groups.values():
         found = False
         candidates: list[int] = []
@@ -165,7 +178,7 @@ def mark_divergence(table: pd.DataFrame, same_device: dict[tuple[str, str], bool
                 highlight[pos] = YELLOW
             if verdict[pos] == FAIL and input_ok and not found:
                 fail[pos] = found = True
-            exact_input = input_red == 0.0 and same_setup[pos]
+            exact_input = exact[pos] and same_setup[pos]
             proven = not bounded[pos] or verdict[pos] in (WARN, FAIL)
             if input_ok and breaks is None and proven and (
                     amp[pos] >= BIRTH_GROWTH or (exact_input and red[pos] > 0)
@@ -193,13 +206,14 @@ def mark_sites(sites: pd.DataFrame, table: pd.DataFrame,
     site beyond tolerance; where there is none, the first."""
     table, sites_in = _bounded(table), sites
     sites = _bounded(sites)
-    inputs: dict[tuple, tuple[float, bool]] = {}  # (group, layer) -> (input RED, birth layer)
+    # (group, layer) -> (input RED, birth layer, input proven equal)
+    inputs: dict[tuple, tuple[float, bool, bool]] = {}
     keys = table[GROUP].astype(object).where(table[GROUP].notna(), None)
-    for key, layer, input_red, first in zip(
+    for key, layer, input_red, first, equal in zip(
             map(tuple, keys.to_numpy()), table["layer"], input_reds(table),
-            table["first_divergence"]):
+            table["first_divergence"], exact_inputs(table)):
         if not pd.isna(layer):
-            inputs[(key, int(layer))] = (float(input_red), bool(first))
+            inputs[(key, int(layer))] = (float(input_red), bool(first), bool(equal))
     amp = np.full(len(sites), math.nan)
     first = np.zeros(len(sites), dtype=bool)
     same_setup = _same_setup(sites, same_device)
@@ -213,12 +227,12 @@ def mark_sites(sites: pd.DataFrame, table: pd.DataFrame,
             sites["verdict"], sites["tolerance"])):
         if pd.isna(layer) or verdict == NOT_COMPARED or (key, int(layer)) not in inputs:
             continue
-        input_red, birth_layer = inputs[(key, int(layer))]
+        input_red, birth_layer, equal = inputs[(key, int(layer))]
         amp[pos] = _ratio(float(red), max(input_red, UNIT_ROUNDOFF.get(tol, 0.0)))
         at = (key, int(layer))
         if not birth_layer:
             continue
-        exact = input_red == 0.0 and same_setup[pos] and red > 0
+        exact = equal and same_setup[pos] and red > 0
         if amp[pos] >= BIRTH_GROWTH or exact or (verdict == FAIL and nonfinite[pos] > 0):
             candidates.setdefault(at, []).append(pos)
         if verdict in (WARN, FAIL):
@@ -322,8 +336,9 @@ def summarize(table: pd.DataFrame, same_device: dict[tuple[str, str], bool] | No
     same_setup = _same_setup(table, same_device)
     sources = input_rows(table)
     reds = input_reds(table, sources)
+    exact = exact_inputs(table, sources)
     marked = firsts
-    firsts = _recurring(table, firsts, same_setup, reds)
+    firsts = _recurring(table, firsts, same_setup, exact)
     summary.first_divergence = firsts
     if len(firsts):
         layer = int(firsts["layer"].min())
@@ -335,10 +350,11 @@ def summarize(table: pd.DataFrame, same_device: dict[tuple[str, str], bool] | No
             summary.first_module = str(blocks.iloc[0]) if len(blocks) else ""
         summary.first_rounds = len(at)
         birth = int(at[RED_COLUMN].fillna(-1.0).idxmax())
-        summary.first_exact_input = reds[birth] == 0
+        summary.first_exact_input = bool(exact[birth])
         if sites is not None:
             _first_site(summary, at, sites)
-    summary.pattern, summary.message = _explain(summary, compared, same_setup, reds, sources)
+    summary.pattern, summary.message = _explain(summary, compared, same_setup, reds, sources,
+                                                exact)
     if summary.pattern == "clean":
         summary.message += _uncompared(table)
     # a site's growth is judged against its own block input, compared on both sides: also
@@ -508,7 +524,7 @@ def unmatched_lines(sites: pd.DataFrame) -> list[str]:
 
 
 def _recurring(table: pd.DataFrame, births: pd.DataFrame, same_setup: np.ndarray,
-               reds: np.ndarray) -> pd.DataFrame:
+               exact_input: np.ndarray) -> pd.DataFrame:
     """The births the summary names. One from an exactly equal input with the same dtype on
     both sides is conclusive on its own; one found by growth alone must recur at its layer, in
     at least 2 rounds and BIRTH_SHARE of the rounds that break tolerance (``_recurrence``): one
@@ -517,7 +533,7 @@ def _recurring(table: pd.DataFrame, births: pd.DataFrame, same_setup: np.ndarray
     if births.empty:
         return births
     need = _recurrence(table)
-    exact = np.array([reds[int(pos)] == 0 and bool(same_setup[int(pos)])
+    exact = np.array([bool(exact_input[int(pos)] and same_setup[int(pos)])
                       for pos in births.index], dtype=bool)
     counts = births["layer"].map(births["layer"].value_counts())
     return births[exact | (counts.to_numpy() >= need)]
@@ -587,10 +603,10 @@ def _sites_only(sites: pd.DataFrame) -> str:
 
 
 def _explain(s: BaselineSummary, compared: pd.DataFrame, same_setup: np.ndarray,
-             reds: np.ndarray, sources: np.ndarray) -> tuple[str, str]:
-    """The summary's pattern and finding. ``same_setup``, ``reds`` (``input_reds``) and
-    ``sources`` (``input_rows``) are indexed like the whole table, whose index labels
-    ``compared`` keeps."""
+             reds: np.ndarray, sources: np.ndarray, exact: np.ndarray) -> tuple[str, str]:
+    """The summary's pattern and finding. ``same_setup``, ``reds`` (``input_reds``),
+    ``sources`` (``input_rows``) and ``exact`` (``exact_inputs``) are indexed like the whole
+    table, whose index labels ``compared`` keeps."""
     if compared.empty:
         return "nothing", "nothing was compared (see cmp_fail_reason)"
     tol = ", ".join(sorted(set(compared["tolerance"])))
@@ -629,7 +645,7 @@ def _explain(s: BaselineSummary, compared: pd.DataFrame, same_setup: np.ndarray,
             f"every compared layer PASSes at {tol} tolerance "
             f"(largest relative error {_at_least(s)}"
             f"{s.per_layer['max_relative_euclidean_distance'].max():.3g})"
-            + _first_difference(compared, same_setup, reds)
+            + (_first_difference(compared, same_setup, exact) or _first_proven(compared))
         )
     start = bad.iloc[0]
     broken = compared[(compared["layer"] == start["layer"])
@@ -651,6 +667,7 @@ def _explain(s: BaselineSummary, compared: pd.DataFrame, same_setup: np.ndarray,
         f"layer this comparison can single out (a fault that grows the error less than "
         f"{BIRTH_GROWTH:g}x looks the same here; the reference-free report judges each "
         f"layer on its own, by its replays where the dumps hold them)"
+        + _first_difference(compared, same_setup, exact)
     )
 
 
@@ -706,7 +723,7 @@ def _at_least(s: BaselineSummary) -> str:
     return "at least " if s.bounded else ""
 
 
-def _first_difference(compared: pd.DataFrame, same_setup: np.ndarray, reds: np.ndarray
+def _first_difference(compared: pd.DataFrame, same_setup: np.ndarray, exact: np.ndarray
                       ) -> str:
     """'; the outputs first differ at layer K (xN from an exact input)' when both sides have
     the same dtype and device type and some layer turns an exactly equal input into a
@@ -714,10 +731,27 @@ def _first_difference(compared: pd.DataFrame, same_setup: np.ndarray, reds: np.n
     for pos in range(len(compared)):
         row = compared.iloc[pos]
         if (row[RED_COLUMN] > 0 and same_setup[compared.index[pos]]
-                and pd.notna(row["layer"]) and reds[compared.index[pos]] == 0):
+                and pd.notna(row["layer"]) and exact[compared.index[pos]]):
             return (f"; the outputs first differ at layer {int(row['layer'])} "
                     f"({row['module']}, x{row['error_amplification']:.3g} from an exact input)")
     return ""
+
+
+def _first_proven(compared: pd.DataFrame) -> str:
+    """'; the statistics first differ at layer K (...)' where rows had statistics only: the
+    first layer whose Max, Min, Mean or Norm differ (its bound above 0) in some round. Equal
+    statistics prove no equal tensors, so no input is called exact."""
+    if BOUND_COLUMN not in compared:
+        return ""
+    proven = compared[compared[BOUND_COLUMN].notna() & (compared[BOUND_COLUMN] > 0)
+                      & compared["layer"].notna()]
+    if proven.empty:
+        return ""
+    layer = proven["layer"].min()
+    at = proven[proven["layer"] == layer]
+    rounds = len(compared.loc[compared["layer"] == layer, GROUP].drop_duplicates())
+    return (f"; the statistics first differ at layer {int(layer)} "
+            f"({at['module'].iloc[0]}, in {len(at)} of {rounds} compared rounds)")
 
 
 def _ranges(layers: list[int]) -> str:

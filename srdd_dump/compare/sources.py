@@ -164,6 +164,12 @@ def locate(path: str, option: str = "", run: str | None = None, convert: bool = 
                 is_msprobe_dump(parent):
             raise UserError(f"{option}{path}: the tensor files of an msprobe dump: give its "
                             f"folder, {parent}")
+        cut = runs_without_dump_json(path) if os.path.isdir(path) else []
+        if cut:
+            raise UserError(f"{option}{path}: msprobe run folders without their dump.json (a "
+                            f"run cut short, or a copy without it): {', '.join(cut[:3])}"
+                            f"{' ...' if len(cut) > 3 else ''}; srdd-compare reads a tensor "
+                            "file by its dump.json entry")
         raise UserError(f"{option}{path}: no dump files (*.h5 or *.h5.partial) found")
     if below:
         notes.append(f"msprobe dump(s) in {', '.join(below[:4])} not read with the srdd dumps "
@@ -363,9 +369,13 @@ LEFT_OUT = {
     "compiled before the hooks were registered) and have no records",
     "tensors_unreadable": "tensor files of the msprobe dump could not be read (a copy cut "
     "short?) and were left out",
+    "msprobe_not_read": "records of the msprobe dump are not compared (srdd-compare reads the "
+    "blocks, their attention and MLP, Linear and *Norm modules; not API calls or other "
+    "modules)",
 }
 # those on recorded outputs, not on probes: a baseline says them too
-DATA_LEFT_OUT = ("records_dropped", "site_errors", "sites_never_run", "tensors_unreadable")
+DATA_LEFT_OUT = ("records_dropped", "site_errors", "sites_never_run", "tensors_unreadable",
+                 "msprobe_not_read")
 
 
 def data_notes(source: str, status: dict) -> list[str]:

@@ -25,7 +25,7 @@ from .msprobe import LOGICAL, ModuleCall, MsprobeRun, dump_jsons, read_msprobe
 from .msprobe_rounds import STAT_COLUMNS, Layout, RoundMaker
 from .writer import DumpWriter
 
-CONVERTER = 9  # the cache of converted dumps is keyed by it: bump it when the output changes
+CONVERTER = 12  # the cache of converted dumps is keyed by it: bump it when the output changes
 ELEMENTS = "output elements"
 STATISTICS_ONLY = ("an msprobe statistics dump keeps Max, Min, Mean and Norm of each tensor: no "
                    "kurtosis, zero fraction, pile-up or other element-wise signal")
@@ -56,6 +56,39 @@ def cache_folder(path: str, root: str) -> str:
     return os.path.join(root, f"msprobe-{place}-{h.hexdigest()}")
 
 
+def _nothing_to_read(runs: list[MsprobeRun], layout: Layout, tensor_mode: bool
+                     ) -> str:
+    """Why a dump whose blocks were recorded has no output srdd can read, in words that say
+    what to do ("" when it has some): inputs recorded only, a structure dump, or tensor files
+    that were not copied with their dump.json."""
+    ours = [c for run in runs for c in run.calls if layout.layer_and_site(c.module)]
+    if not any(c.outputs for c in ours):
+        if any(c.args or c.kwargs for c in ours):
+            return ("the msprobe dump records module inputs only (data_mode input); "
+                    "srdd-compare reads outputs: dump with data_mode output or all")
+        task = runs[0].task or "?"
+        return (f"the msprobe dump (task {task}) records no output of the modules it "
+                "lists: dump with task tensor or statistics and data_mode output or all")
+    missing = [run.path for run in runs
+               if not os.path.isdir(os.path.join(run.path, "dump_tensor_data"))]
+    if tensor_mode and len(missing) == len(runs):
+        return (f"dump.json names tensor files but {missing[0]} has no "
+                "dump_tensor_data folder (a dump copied without it?): copy the whole rank "
+                "folder")
+    return ""
+
+
+def _not_read(runs: list[MsprobeRun], layout: Layout) -> collections.Counter:
+    """The records srdd-compare leaves out, by kind: API calls (level L1 or mix) and calls of
+    modules inside the blocks that are no site (an activation, a rotary embedding)."""
+    out: collections.Counter = collections.Counter()
+    for run in runs:
+        out.update(run.api_calls)
+        out.update(c.cls for c in run.calls if layout.block_of(c.module)
+                   and layout.layer_and_site(c.module) is None)
+    return out
+
+
 def _msprobe_files(folder: str) -> list[tuple[str, os.stat_result]]:
     """(path, stat) of the files msprobe wrote in a rank folder (its .json files and its
     tensor files; not a report a user wrote beside them), sorted by path."""
@@ -77,6 +110,9 @@ def _convert_group(path: str, key: tuple, runs: list[MsprobeRun], out_dir: str) 
     calls = [c for run in runs for c in run.calls]
     layout = Layout(calls)
     tensor_mode = any(c.has_tensor for c in calls)
+    unusable = _nothing_to_read(runs, layout, tensor_mode)
+    if unusable:
+        raise UserError(unusable)
     rank, folder = key
     name = f"msprobe_{'rank' + str(rank) if rank is not None else folder}{schema.FILE_SUFFIX}"
     target = os.path.join(out_dir, name)
@@ -132,6 +168,10 @@ def _convert_group(path: str, key: tuple, runs: list[MsprobeRun], out_dir: str) 
     if unreadable:  # the report names them (compare/sources.capture_notes)
         status["tensors_unreadable"] = len(unreadable)
         status["tensors_unreadable_sites"] = list(unreadable)[:3]
+    unread = _not_read(runs, layout)
+    if unread:
+        status["msprobe_not_read"] = sum(unread.values())
+        status["msprobe_not_read_sites"] = [f"{kind} ({n})" for kind, n in unread.most_common(5)]
     final = writer.close(status)
     if writer.error:
         raise UserError(f"{target}: cannot write it ({writer.error})")

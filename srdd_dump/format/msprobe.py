@@ -12,6 +12,7 @@ Torch-free; nothing in a dump is executed.
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import re
@@ -67,6 +68,9 @@ class MsprobeRun:
     task: str
     level: str
     calls: list[ModuleCall] = field(default_factory=list)
+    # records that are no module call (API calls of level L1 or mix: "Functional.linear"),
+    # counted by kind
+    api_calls: collections.Counter = field(default_factory=collections.Counter)
 
     def tensor(self, call: ModuleCall, entry: dict | None = None,
                bfloat16_bits: bool = False) -> np.ndarray:
@@ -136,6 +140,8 @@ def read_msprobe(path: str) -> list[MsprobeRun]:
                          task=str(doc.get("task", "")), level=str(doc.get("level", "")))
         for name, entry in doc["data"].items():
             found = MODULE_NAME.match(name)
+            if not found and isinstance(entry, dict):
+                run.api_calls[".".join(name.split(".")[:2])] += 1
             if found and isinstance(entry, dict):
                 args = entry.get("input_args")
                 kwargs = entry.get("input_kwargs")

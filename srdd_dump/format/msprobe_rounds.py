@@ -18,7 +18,9 @@ from .msprobe import FLOATING, INTEGER, LOGICAL, ModuleCall, MsprobeRun, dims, s
 from .writer import Round, StatRow, Tensor
 
 # a statistics-mode dump's columns: Max, Min, Mean, Norm as moments where they are some
-STAT_COLUMNS = ("n", "mean", "m2", "absmax", "nan", "inf", *schema.SUMMARY_COLUMNS)
+# and "checksum": the md5 msprobe records with summary_mode md5 (a CRC-32 in 8 hex digits), as a
+# number: equal on both sides, the tensors are equal bit for bit
+STAT_COLUMNS = ("n", "mean", "m2", "absmax", "nan", "inf", *schema.SUMMARY_COLUMNS, "checksum")
 POSITION_NAMES = ("position_ids", "positions")
 
 
@@ -41,7 +43,7 @@ class Layout:
                           if m and m["stack"] == self.stack})
         self.blocks = [f"{self.stack}.{i}" for i in indices]
         self.block_index = {name: i for i, name in enumerate(self.blocks)}
-        sites: dict[str, tuple[str, int, str]] = {}
+        sites: dict[str, tuple[str, int, str]] = {}  # in the order dump.json holds them
         for c in calls:
             block = self.block_of(c.module)
             if block is None or c.module == block:
@@ -52,7 +54,7 @@ class Layout:
                     else NORM if c.cls.endswith("Norm") else None)
             if role is not None:
                 sites.setdefault(c.module, (c.module, self.block_index[block], role))
-        self.sites = sorted(sites.values(), key=lambda s: (s[1], s[0]))
+        self.sites = sorted(sites.values(), key=_made_order(list(sites)))
         self.site_index = {name: i for i, (name, _, _) in enumerate(self.sites)}
         recorded = [c for c in calls if c.module in self.block_index or
                     c.module in self.site_index]
@@ -72,6 +74,19 @@ class Layout:
         if module in self.site_index:
             return self.sites[self.site_index[module]][1], self.site_index[module]
         return None
+
+
+def _made_order(names: list[str]):
+    """Sort key of sites (name, layer, role): by layer, then in the order their outputs were
+    made, which the first divergence inside a block reads (the attention before the MLP).
+    dump.json holds a module where msprobe first recorded it: its output (a child before its
+    parent) or, with inputs recorded, its call's start (a parent before its children); either
+    way a module's output comes after those of the modules inside it."""
+    seen = {name: i for i, name in enumerate(names)}
+    last = {name: max(j for other, j in seen.items()
+                      if other == name or other.startswith(name + "."))
+            for name in names}
+    return lambda site: (site[1], last[site[0]], -site[0].count("."))
 
 
 class RoundMaker:
@@ -240,13 +255,25 @@ def stat_values(entries: list[dict]) -> np.ndarray:
         means = [row[2] for row in recorded]
         mean = sum(means) if None not in means and not (nan or inf) else unknown
         return np.array([n, mean, unknown, unknown, int(nan), int(inf), unknown, unknown,
-                         unknown], dtype=np.float64)
+                         unknown, unknown], dtype=np.float64)
     max_, min_, mean, norm = (unknown if v is None else v for v in recorded[0])
     finite = not nan and not inf
     m2 = max(norm * norm - n * mean * mean, 0.0) if finite else unknown
     absmax = max(abs(max_), abs(min_)) if finite else unknown
     return np.array([n, mean if finite else unknown, m2, absmax, int(nan), int(inf),
-                     max_, min_, norm], dtype=np.float64)
+                     max_, min_, norm, _checksum(entries[0])], dtype=np.float64)
+
+
+def _checksum(entry: dict) -> float:
+    """msprobe's md5 of a tensor (summary_mode md5: a CRC-32, 8 hex digits) as an exact
+    float; NaN when it recorded none."""
+    text = entry.get("md5")
+    if isinstance(text, str) and 0 < len(text) <= 13:
+        try:
+            return float(int(text, 16))
+        except ValueError:
+            pass
+    return math.nan
 
 
 def _storage(x: np.ndarray, logical: str) -> np.ndarray:

@@ -82,6 +82,13 @@ def _summary(xw: pd.ExcelWriter, result: CompareResult) -> None:
         for line in result.missing_evidence:
             ws.cell(row=row, column=1, value=escape_formula(line))
             row += 1
+    if result.notes:  # what the terminal said on stderr: what the dumps lack, runs chosen...
+        row += 1
+        ws.cell(row=row, column=1, value="notes").font = Font(bold=True)
+        row += 1
+        for note in result.notes:
+            ws.cell(row=row, column=1, value=escape_formula(note))
+            row += 1
     row += 1
     layers = result.layers
     verdicts = layers["verdict"] if "verdict" in layers else pd.Series([], dtype=object)
