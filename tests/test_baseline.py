@@ -1144,3 +1144,31 @@ def test_unknown_input_ids_are_no_agreement_at_the_first_layer(tmp_path):
     message = result.summary.message
     assert result.summary.first_layer == 2, message
     assert message.startswith("layer 2 (model.layers.2) introduced the error"), message
+
+
+@pytest.mark.unit
+def test_a_site_beyond_tolerance_right_after_one_that_agrees_exactly_is_said():
+    """msprobe's level mix: every block passes, but the MLP is WARN right after its norm and
+    projections agree exactly. The finding was 'every compared layer PASSes' alone."""
+    import pandas as pd
+
+    from srdd_dump.compare.divergence import _site_after_exact
+
+    names = ["post_attention_layernorm", "mlp.down_proj", "mlp", "next"]
+    reds = [0.0, 0.0, 0.03, 0.04]
+    verdicts = ["PASS", "PASS", "WARN", "WARN"]
+    sites = pd.DataFrame({
+        "source": "a", "golden_source": "b", "sample": 0, "golden_sample": 0, "step": 0,
+        "layer": 7, "module": [f"model.layers.7.{n}" for n in names],
+        "relative_euclidean_distance": reds, "cosine_similarity": 0.9995,
+        "verdict": verdicts, "tolerance": "bfloat16", "golden_nan_inf": 0, "my_nan_inf": 0,
+        "red_lower_bound": float("nan")})
+    text = _site_after_exact(sites)
+    assert text.startswith("; but inside layer 7, model.layers.7.mlp is beyond bfloat16 "
+                           "tolerance (WARN, relative error 0.03"), text
+    assert "(1 of 1 compared rounds)" in text
+    # a site before it that does not agree exactly (two devices' rounding), or statistics
+    # that prove no equality: nothing said
+    assert _site_after_exact(sites.assign(relative_euclidean_distance=[1e-3, 1e-3, .03, .04])
+                             ) == ""
+    assert _site_after_exact(sites.assign(red_lower_bound=0.0)) == ""

@@ -357,6 +357,8 @@ def summarize(table: pd.DataFrame, same_device: dict[tuple[str, str], bool] | No
                                                 exact)
     if summary.pattern == "clean":
         summary.message += _uncompared(table)
+        if sites is not None:
+            summary.message += _site_after_exact(sites)
     # a site's growth is judged against its own block input, compared on both sides: also
     # where the error is already at the first layer a subset dump holds
     if summary.pattern in ("gradual", "clean", "unlocated") and sites is not None:
@@ -417,6 +419,40 @@ def _site_origin(summary: BaselineSummary, table: pd.DataFrame, sites: pd.DataFr
            f"while the block's own output grows it x{growth:.3g} at most (the rounding "
            "difference of the two setups is of the same size there)")
         + ": look at this layer first")
+
+
+def _site_after_exact(sites: pd.DataFrame) -> str:
+    """'; but inside layer K, SITE is beyond tolerance ...' when every block passes yet, in
+    some round, a sub-layer or operator is beyond tolerance right after one that agrees
+    exactly (a relative error of 0 measured; in the order their outputs were made): with
+    that input equal, the error appears in it, as msprobe's first red node (a mix dump)."""
+    measured = (sites[BOUND_COLUMN].isna() if BOUND_COLUMN in sites
+                else pd.Series(True, index=sites.index))
+    found: dict[tuple[int, str], int] = {}
+    worst: dict[tuple[int, str], pd.Series] = {}
+    for _, rows in sites[sites["layer"].notna()].groupby(GROUP + ["layer"], dropna=False,
+                                                           sort=False):
+        rows = rows[rows["verdict"] != NOT_COMPARED]
+        verdicts = rows["verdict"].tolist()
+        for k in range(1, len(rows)):
+            before = rows.iloc[k - 1]
+            if verdicts[k] in (WARN, FAIL) and before[RED_COLUMN] == 0 \
+                    and measured[rows.index[k - 1]]:
+                key = (int(rows.iloc[k]["layer"]), str(rows.iloc[k]["module"]))
+                found[key] = found.get(key, 0) + 1
+                worst.setdefault(key, rows.iloc[k])
+                break
+            if verdicts[k] in (WARN, FAIL):
+                break
+    if not found:
+        return ""
+    layer, site = min(found)
+    row = worst[(layer, site)]
+    rounds = len(sites.loc[sites["layer"] == layer, GROUP].drop_duplicates())
+    return (f"; but inside layer {layer}, {site} is beyond {row['tolerance']} tolerance "
+            f"({row['verdict']}, {error_words(row)}) right after a site that agrees "
+            f"exactly ({found[(layer, site)]} of "
+            f"{rounds} compared rounds): look there")
 
 
 def _unnamed_births(marked: pd.DataFrame, rounds: int) -> str:
