@@ -238,3 +238,27 @@ def test_fault_statistics_scope():
     assert y[0].max() == pytest.approx(1.0) and y[1].max() == pytest.approx(5.0)
     with pytest.raises(UserError, match="scope"):
         _Fault(parse_fault("bias@layer=0,scope=rank")).corrupt(x)
+
+
+@pytest.mark.parametrize("phase, hit", [("decode", [5, 6]), ("prefill", [0, 1, 2, 3, 4])])
+def test_a_phase_fault_in_a_serving_engines_flat_batch_acts_per_request(phase, hit,
+                                                                        monkeypatch):
+    """vLLM runs every scheduled request's new tokens as one flat batch: a prefill of 5 tokens
+    and two requests' decode steps were one 7-row call, a "prefill" call, so phase=decode
+    never acted (found nothing, said nothing) and phase=prefill hit the decode tokens too."""
+    import numpy as np
+
+    from srdd_dump.capture import faults
+    from srdd_dump.capture.requests import BatchLayout
+
+    monkeypatch.setattr(faults, "engine_batch", lambda: BatchLayout(
+        starts=np.array([0, 5, 6, 7]), slots=None, block_table=None))
+    fault = faults._Fault(parse_fault(f"bias@layer=0,m=1,phase={phase}"))
+    h = torch.randn(8, 16)  # 7 tokens and one row of padding
+    out = fault.hook(torch.nn.Identity(), (h,), h)
+    changed = (out != h).any(dim=1).nonzero().flatten().tolist()
+    assert changed == hit
+    # outside a serving engine, the call decides: a 2-D output of 7 rows is a prefill
+    monkeypatch.setattr(faults, "engine_batch", lambda: None)
+    out = fault.hook(torch.nn.Identity(), (h,), h)
+    assert bool((out != h).any()) == (phase == "prefill")

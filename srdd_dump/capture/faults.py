@@ -46,8 +46,10 @@ Element-wise absolute limits, as a device's number format makes them: ``limit=L`
 ``quantile=Q`` (L = the Q-quantile of |h| on the fault's first call, then fixed) turns
 dead_zone into a flush-to-zero (h = 0 where |h| < L), saturation into a clamp at +-L and bias
 into a fixed offset h + L. ``phase=decode`` (or ``prefill``) restricts any fault to one-token
-calls (or to the others): a bug in the decode kernel only. ``rank=R`` installs the fault only in
-the process whose RANK (else LOCAL_RANK) is R: one faulty card of a multi-process run. Under
+calls (or to the others): a bug in the decode kernel only; in a serving engine's flat batch, to
+the requests running a decode step (a single row) or the others. ``rank=R`` installs the
+fault only in the process whose RANK (else LOCAL_RANK) is R: one faulty card of a
+multi-process run. Under
 tensor parallelism a fault acts on what the module returns on its rank (a DTensor: its local
 tensor, statistics included), so no fault ever communicates.
 
@@ -67,6 +69,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -82,6 +85,7 @@ from .experts import call_experts, routing_of
 from .faultspec import ATTENTION_KERNEL, FaultSpec
 from .option_names import option
 from .parallel import env_rank, map_local
+from .requests import BatchLayout, engine_batch
 
 SITE_NAMES = {
     "attn": ("self_attn", "attn", "attention", "self_attention"),
@@ -231,12 +235,37 @@ class _Fault:
         return self.limit
 
     def applies(self, h: torch.Tensor) -> bool:
-        """The fault's phase: every call, or only one-token (decode) or multi-token calls."""
+        """The fault's phase acts on some row of this call (``phase_rows``)."""
+        return self.phase_rows(h) is not False
+
+    def phase_rows(self, h: torch.Tensor) -> bool | torch.Tensor:
+        """The rows of ``h`` the fault's phase covers: True every row (phase all, or a call of
+        that phase), False none, or a row mask. A call's phase is decode when it runs one token
+        per sequence; a serving engine runs the new tokens of every request scheduled as one
+        flat batch (tokens, hidden), where a request's single row is its decode step and its
+        several rows a prefill (or a chunk of one): the phase is then decided per request."""
         phase = self.spec.options.get("phase", "all")
         if phase == "all":
             return True
-        one_token = h.dim() >= 2 and h.shape[-2] == 1
-        return one_token if phase == "decode" else not one_token
+        found = engine_rows(h) if h.dim() == 2 else None
+        if found is None:
+            one_token = h.dim() >= 2 and h.shape[-2] == 1
+            return one_token if phase == "decode" else not one_token
+        one_row, real = found
+        rows = one_row if phase == "decode" else real & ~one_row
+        if bool(rows.all()):
+            return True
+        return torch.from_numpy(rows).to(h.device) if rows.any() else False
+
+    def corrupt_rows(self, h: torch.Tensor, rows: bool | torch.Tensor) -> torch.Tensor:
+        """``h`` with the fault on ``rows`` (``phase_rows``), the others as they were."""
+        if rows is True:
+            return self.corrupt(h)
+        if rows is False:
+            return h
+        out = h.clone()
+        out[rows] = self.corrupt(h[rows])
+        return out
 
     @staticmethod
     def _statistics(ref: torch.Tensor, scope: str):
@@ -271,16 +300,21 @@ class _Fault:
 
     def _corrupt_output(self, module: nn.Module, args: tuple, output: Any) -> Any:
         if isinstance(output, torch.Tensor):
-            return map_local(output, self.corrupt) if self.applies(output) else output
+            rows = self.phase_rows(output)
+            if rows is True:
+                return map_local(output, self.corrupt)
+            return self.corrupt_rows(output, rows)
         stream = serving.stream_output(module, output)
         if stream is not None:  # a serving block: the fault is on the stream the pair carries
-            if not self.applies(stream):
+            rows = self.phase_rows(stream)
+            if rows is False:
                 return output
-            return self.corrupt(stream), torch.zeros_like(output[1])
+            return self.corrupt_rows(stream, rows), torch.zeros_like(output[1])
         if isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor):
-            if not self.applies(output[0]):
-                return output
-            return (map_local(output[0], self.corrupt), *output[1:])
+            rows = self.phase_rows(output[0])
+            if rows is True:
+                return (map_local(output[0], self.corrupt), *output[1:])
+            return (self.corrupt_rows(output[0], rows), *output[1:])
         return output
 
     # in a compiled model too: run eagerly, with fresh noise on every call. ``hook`` is what
@@ -288,6 +322,21 @@ class _Fault:
     # of ours in a fullgraph compile); ``__call__`` stays a method for the subclasses' super()
     __call__ = opaque(_corrupt_output)
     hook = opaque_method(_corrupt_output)
+
+
+def engine_rows(h: torch.Tensor) -> tuple[np.ndarray, np.ndarray] | None:
+    """Per row of a serving engine's flat batch ``h`` (tokens, hidden): whether it is the
+    only row of its request in this forward (a decode step), and whether it is a request's
+    token at all (not padding). None outside such an engine's forward."""
+    layout = engine_batch()
+    if not isinstance(layout, BatchLayout) or layout.n_requests < 1:
+        return None
+    sizes = np.diff(layout.starts)
+    one = np.zeros(h.shape[0], dtype=bool)
+    single = layout.starts[:-1][sizes == 1]
+    one[single[single < h.shape[0]]] = True
+    real = np.arange(h.shape[0]) < layout.starts[-1]
+    return one, real
 
 
 def _mean_of_later(x: torch.Tensor) -> torch.Tensor:
