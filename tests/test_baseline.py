@@ -1172,3 +1172,6 @@ def test_a_site_beyond_tolerance_right_after_one_that_agrees_exactly_is_said():
     assert _site_after_exact(sites.assign(relative_euclidean_distance=[1e-3, 1e-3, .03, .04])
                              ) == ""
     assert _site_after_exact(sites.assign(red_lower_bound=0.0)) == ""
+    # the first site already beyond tolerance: the later one is not where the error appears
+    assert _site_after_exact(sites.assign(verdict=["FAIL", "PASS", "WARN", "WARN"],
+                                          relative_euclidean_distance=[.5, 0, .03, .04])) == ""

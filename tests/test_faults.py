@@ -262,3 +262,16 @@ def test_a_phase_fault_in_a_serving_engines_flat_batch_acts_per_request(phase, h
     monkeypatch.setattr(faults, "engine_batch", lambda: None)
     out = fault.hook(torch.nn.Identity(), (h,), h)
     assert bool((out != h).any()) == (phase == "prefill")
+
+
+def test_a_phase_fault_that_does_not_act_returns_the_output_as_it_came():
+    """A module returning a NamedTuple, a decode-only fault on a prefill call: the output was
+    rebuilt as a plain tuple (attribute access downstream broke)."""
+    import collections
+
+    from srdd_dump.capture import faults
+
+    Out = collections.namedtuple("Out", "hidden extra")
+    fault = faults._Fault(parse_fault("bias@layer=0,m=1,phase=decode"))
+    out = Out(torch.randn(1, 5, 8), 3)
+    assert fault.hook(torch.nn.Identity(), (), out) is out

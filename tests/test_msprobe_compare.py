@@ -244,6 +244,20 @@ def test_md5_values_prove_equal_tensors_and_name_where_they_first_differ(tmp_pat
     assert (equal["relative_euclidean_distance"] == 0).all()
     assert equal["cmp_fail_reason"].str.contains("md5 of both sides agree").all()
     assert rows["cmp_fail_reason"].str.contains("md5 of the two sides differ").any()
+    # statistics equal, md5 different (a permutation, a last-bit change): the md5 alone
+    # proves the difference
+    quiet = with_md5("quiet")
+    (path,) = glob.glob(str(tmp_path / "quiet" / "step0" / "*" / "dump.json"))
+    with open(path) as f:
+        doc = json.load(f)
+    doc["data"]["Module.model.layers.8.LlamaDecoderLayer.forward.0"]["output"][0]["md5"] = \
+        "0badf00d"
+    with open(path, "w") as f:
+        json.dump(doc, f)
+    text = _compare(tmp_path, quiet, "--baseline", golden)
+    finding = next(line for line in text.splitlines() if line.startswith("finding: "))
+    assert "first differ at layer 8 (model.layers.8, its md5 differs from an exact input)" \
+        in finding, finding
 
 
 def test_a_statistics_dump_gets_a_reference_free_report_saying_what_it_lacks(tmp_path):

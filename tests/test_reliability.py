@@ -164,7 +164,7 @@ def _all_records_readable(path: str) -> int:
 
 
 @pytest.mark.parametrize("how", ["SIGKILL to the program", "SIGTERM to srdd-dump",
-                                 "SIGHUP to srdd-dump"])
+                                 "SIGHUP to srdd-dump", "SIGHUP to the process group"])
 def test_killed_mid_dump_keeps_every_finished_sample(how, tmp_path):
     arch = "llama" if how.startswith("SIGKILL") else "toy"
     proc = _start("--exec", _command(_script(tmp_path), "100000", "0.3", "12", arch),
@@ -178,7 +178,10 @@ def test_killed_mid_dump_keeps_every_finished_sample(how, tmp_path):
         # srdd-dump first asks the program's capture to finish its file, then forwards the
         # signal; Python dies of SIGTERM (SIGHUP: a closed ssh session) without exit handlers
         sent = signal.SIGHUP if how.startswith("SIGHUP") else signal.SIGTERM
-        os.kill(proc.pid, sent)
+        if how.endswith("process group"):  # a closed ssh session: the program gets it too
+            os.killpg(proc.pid, sent)
+        else:
+            os.kill(proc.pid, sent)
         want = 128 + sent
     code, _, err = _finish(proc)
     assert code == want, err

@@ -312,6 +312,8 @@ class _Fault:
             return self.corrupt_rows(stream, rows), torch.zeros_like(output[1])
         if isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor):
             rows = self.phase_rows(output[0])
+            if rows is False:
+                return output  # as it came (a NamedTuple stays one)
             if rows is True:
                 return (map_local(output[0], self.corrupt), *output[1:])
             return (self.corrupt_rows(output[0], rows), *output[1:])
@@ -399,9 +401,10 @@ class _RouterFault(_Fault):
                 and all(isinstance(t, torch.Tensor) for t in output)):
             return super().__call__(module, args, output)
         logits, weights, index = output
-        if not self.applies(logits):
+        rows = self.phase_rows(logits)
+        if rows is False:
             return output
-        bad = self.corrupt(logits)
+        bad = self.corrupt_rows(logits, rows)
         k = index.shape[-1]
         probs = torch.softmax(bad.float(), dim=-1)
         top, chosen = torch.topk(probs, k, dim=-1)

@@ -19,6 +19,7 @@ from ..format import schema as s
 from ..format.blocks import block_rows, record_blocks, shape_of
 from ..format.reader import DumpReader
 from .readers import READ_ERRORS, open_reader
+from .results import MD5_DIFFER
 
 STATISTICS_ONLY = ("statistics only: element-wise metrics N/A; red_lower_bound is the "
                    "smallest relative error Max/Min/Mean/Norm prove")
@@ -194,7 +195,7 @@ def _compare_summaries(spec: RowSpec, mine: Group | Summary | None,
                 row.update(relative_euclidean_distance=0.0, red_lower_bound=math.nan)
                 reasons[-1] = "statistics only: the md5 of both sides agree (equal tensors)"
             else:
-                reasons.append("the md5 of the two sides differ (the tensors differ)")
+                reasons.append(MD5_DIFFER)
     row["cmp_fail_reason"] = "; ".join(r for r in reasons if r)
     return row
 

@@ -31,7 +31,7 @@ from ..analysis.tolerance import UNIT_ROUNDOFF
 from ..analysis.verdicts import FAIL, NOT_COMPARED, PASS, VERDICT_RANK, VERDICTS, WARN
 from ..format.layer_numbers import site_pattern
 from ..format.schema import STACK_INPUT
-from .results import PER_LAYER_COLUMNS, BaselineSummary
+from .results import MD5_DIFFER, PER_LAYER_COLUMNS, BaselineSummary
 
 GROUP = ["source", "golden_source", "sample", "golden_sample", "step"]
 RED_COLUMN = "relative_euclidean_distance"
@@ -428,27 +428,28 @@ def _site_after_exact(sites: pd.DataFrame) -> str:
     that input equal, the error appears in it, as msprobe's first red node (a mix dump)."""
     measured = (sites[BOUND_COLUMN].isna() if BOUND_COLUMN in sites
                 else pd.Series(True, index=sites.index))
-    found: dict[tuple[int, str], int] = {}
+    found: dict[tuple[int, str], int] = {}  # (layer, site) -> rounds
+    place: dict[tuple[int, str], int] = {}  # its earliest place in the order outputs were made
     worst: dict[tuple[int, str], pd.Series] = {}
-    for _, rows in sites[sites["layer"].notna()].groupby(GROUP + ["layer"], dropna=False,
-                                                           sort=False):
-        rows = rows[rows["verdict"] != NOT_COMPARED]
-        verdicts = rows["verdict"].tolist()
-        for k in range(1, len(rows)):
-            before = rows.iloc[k - 1]
-            if verdicts[k] in (WARN, FAIL) and before[RED_COLUMN] == 0 \
-                    and measured[rows.index[k - 1]]:
-                key = (int(rows.iloc[k]["layer"]), str(rows.iloc[k]["module"]))
-                found[key] = found.get(key, 0) + 1
-                worst.setdefault(key, rows.iloc[k])
-                break
-            if verdicts[k] in (WARN, FAIL):
-                break
+    compared = sites[sites["layer"].notna() & (sites["verdict"] != NOT_COMPARED)]
+    for _, rows in compared.groupby(GROUP + ["layer"], dropna=False, sort=False):
+        k = next((i for i, v in enumerate(rows["verdict"]) if v in (WARN, FAIL)), 0)
+        before = rows.index[k - 1] if k > 0 else None
+        if before is None or rows.at[before, RED_COLUMN] != 0 or not measured[before]:
+            continue  # the first beyond tolerance is not right after an exact site
+        row = rows.iloc[k]
+        key = (int(row["layer"]), str(row["module"]))
+        found[key] = found.get(key, 0) + 1
+        place[key] = min(place.get(key, k), k)
+        if key not in worst or row[RED_COLUMN] > worst[key][RED_COLUMN]:
+            worst[key] = row
     if not found:
         return ""
-    layer, site = min(found)
+    layer = min(key[0] for key in found)
+    layer, site = min((key for key in found if key[0] == layer),
+                      key=lambda key: (-found[key], place[key]))
     row = worst[(layer, site)]
-    rounds = len(sites.loc[sites["layer"] == layer, GROUP].drop_duplicates())
+    rounds = len(compared.loc[compared["layer"] == layer, GROUP].drop_duplicates())
     return (f"; but inside layer {layer}, {site} is beyond {row['tolerance']} tolerance "
             f"({row['verdict']}, {error_words(row)}) right after a site that agrees "
             f"exactly ({found[(layer, site)]} of "
@@ -764,13 +765,23 @@ def _first_difference(compared: pd.DataFrame, same_setup: np.ndarray, exact: np.
     """'; the outputs first differ at layer K (xN from an exact input)' when both sides have
     the same dtype and device type and some layer turns an exactly equal input into a
     different output. ``same_setup`` is indexed like the whole table."""
+    differ = _proven_different(compared)
     for pos in range(len(compared)):
         row = compared.iloc[pos]
-        if (row[RED_COLUMN] > 0 and same_setup[compared.index[pos]]
+        if (differ[pos] and same_setup[compared.index[pos]]
                 and pd.notna(row["layer"]) and exact[compared.index[pos]]):
+            how = (f"x{row['error_amplification']:.3g}" if row[RED_COLUMN] > 0
+                   else "its md5 differs")
             return (f"; the outputs first differ at layer {int(row['layer'])} "
-                    f"({row['module']}, x{row['error_amplification']:.3g} from an exact input)")
+                    f"({row['module']}, {how} from an exact input)")
     return ""
+
+
+def _proven_different(rows: pd.DataFrame) -> np.ndarray:
+    """Per row: the two outputs are known to differ (a relative error, or the bound its
+    statistics prove, above 0; or their md5 values differ)."""
+    md5 = rows["cmp_fail_reason"].astype(str).str.contains(MD5_DIFFER, regex=False)
+    return ((rows[RED_COLUMN] > 0) | md5).to_numpy(dtype=bool, na_value=False)
 
 
 def _first_proven(compared: pd.DataFrame) -> str:
@@ -779,7 +790,7 @@ def _first_proven(compared: pd.DataFrame) -> str:
     statistics prove no equal tensors, so no input is called exact."""
     if BOUND_COLUMN not in compared:
         return ""
-    proven = compared[compared[BOUND_COLUMN].notna() & (compared[BOUND_COLUMN] > 0)
+    proven = compared[compared[BOUND_COLUMN].notna() & _proven_different(compared)
                       & compared["layer"].notna()]
     if proven.empty:
         return ""

@@ -26,6 +26,10 @@ from .table import Table
 if TYPE_CHECKING:
     import pandas as pd
 
+# a baseline row's reason when msprobe's md5 values (summary_mode md5) of the two sides differ:
+# the tensors differ, whatever their statistics prove (divergence.py reads it)
+MD5_DIFFER = "the md5 of the two sides differ (the tensors differ)"
+
 # file statuses, defined with the files; --fail-on's levels, with the verdicts
 __all__ = ["FAIL_ON", "INCOMPLETE", "OK", "SKIPPED"]
 

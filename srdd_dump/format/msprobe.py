@@ -92,6 +92,14 @@ class MsprobeRun:
         return x
 
 
+def _record_kind(name: str) -> str:
+    """The kind of a record that is no module's forward call, for a note: an API call by its
+    first two parts ("Functional.linear"), a module's backward or gradients by that word."""
+    if name.startswith("Module."):
+        return "Module backward" if ".backward." in name else f"Module {name.rsplit('.', 1)[-1]}"
+    return ".".join(name.split(".")[:2])
+
+
 def dims(entry: dict | None) -> tuple[int, int, int] | None:
     """(batch, tokens, width) of a tensor entry's recorded shape, a 2-D one as batch 1; None
     for any other shape."""
@@ -141,7 +149,7 @@ def read_msprobe(path: str) -> list[MsprobeRun]:
         for name, entry in doc["data"].items():
             found = MODULE_NAME.match(name)
             if not found and isinstance(entry, dict):
-                run.api_calls[".".join(name.split(".")[:2])] += 1
+                run.api_calls[_record_kind(name)] += 1
             if found and isinstance(entry, dict):
                 args = entry.get("input_args")
                 kwargs = entry.get("input_kwargs")

@@ -82,10 +82,13 @@ def _made_order(names: list[str]):
     dump.json holds a module where msprobe first recorded it: its output (a child before its
     parent) or, with inputs recorded, its call's start (a parent before its children); either
     way a module's output comes after those of the modules inside it."""
-    seen = {name: i for i, name in enumerate(names)}
-    last = {name: max(j for other, j in seen.items()
-                      if other == name or other.startswith(name + "."))
-            for name in names}
+    last = {name: i for i, name in enumerate(names)}
+    for i, name in enumerate(names):  # each name raises the entry of every site it is inside
+        parts = name.split(".")
+        for k in range(1, len(parts)):
+            outer = ".".join(parts[:k])
+            if outer in last:
+                last[outer] = max(last[outer], i)
     return lambda site: (site[1], last[site[0]], -site[0].count("."))
 
 

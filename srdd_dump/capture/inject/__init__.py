@@ -152,26 +152,32 @@ def finish_on_sigterm() -> None:
     if threading.current_thread() is not threading.main_thread():
         return
     try:
-        if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        # SIGHUP too: a closed terminal or ssh session sends it to the whole process group
+        ending = [sig for sig in (getattr(signal, name, None) for name in ("SIGTERM", "SIGHUP"))
+                  if sig is not None and signal.getsignal(sig) is signal.SIG_DFL]
+        if not ending:
             return
-        wake = threading.Event()
-        threading.Thread(target=_end_on, args=(wake,), daemon=True,
+        wake, received = threading.Event(), []
+        threading.Thread(target=_end_on, args=(wake, received), daemon=True,
                          name="srdd-sigterm").start()
 
         def on_sigterm(signum, frame) -> None:
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            for sig in ending:
+                signal.signal(sig, signal.SIG_DFL)
+            received.append(signum)
             wake.set()
 
-        signal.signal(signal.SIGTERM, on_sigterm)
+        for sig in ending:
+            signal.signal(sig, on_sigterm)
         _state["sigterm_handler"] = on_sigterm
     except (ValueError, OSError, RuntimeError):  # not settable: the file stays .partial
         pass
 
 
-def _end_on(wake: threading.Event, timeout: float = 10.0) -> None:
-    """Once woken by SIGTERM: the file finished and the report written (by this thread, or by
-    the process's own exit already under way), then the end SIGTERM asks for (the process may
-    well exit on its own first)."""
+def _end_on(wake: threading.Event, received: list[int], timeout: float = 10.0) -> None:
+    """Once woken by SIGTERM (or SIGHUP): the file finished and the report written (by this
+    thread, or by the process's own exit already under way), then the end the signal asks
+    for (the process may well exit on its own first)."""
     wake.wait()
     try:
         session = _session()
@@ -182,7 +188,7 @@ def _end_on(wake: threading.Event, timeout: float = 10.0) -> None:
         while not _state.get("status_written") and time.monotonic() < deadline:
             time.sleep(0.05)  # another thread's report under way
     finally:
-        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), received[0] if received else signal.SIGTERM)
 
 
 def _finishing_first(real_exit: Callable[[int], None], timeout: float = 30.0):
@@ -217,9 +223,10 @@ def _after_fork_in_child() -> None:
     own."""
     _state["reported"] = _state["status_written"] = False
     handler = _state.pop("sigterm_handler", None)
-    if handler is not None and signal.getsignal(signal.SIGTERM) is handler:
-        # its waiting thread stayed in the parent: the child's own session sets its own
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    for sig in (getattr(signal, name, None) for name in ("SIGTERM", "SIGHUP")):
+        if sig is not None and handler is not None and signal.getsignal(sig) is handler:
+            # its waiting thread stayed in the parent: the child's own session sets its own
+            signal.signal(sig, signal.SIG_DFL)
     inherited = _session()
     _state["end"] = None
     if _state.get("session") is not None:
