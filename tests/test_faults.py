@@ -251,7 +251,7 @@ def test_a_phase_fault_in_a_serving_engines_flat_batch_acts_per_request(phase, h
     from srdd_dump.capture import faults
     from srdd_dump.capture.requests import BatchLayout
 
-    monkeypatch.setattr(faults, "engine_batch", lambda: BatchLayout(
+    monkeypatch.setattr(faults, "engine_batch", lambda tables=True: BatchLayout(
         starts=np.array([0, 5, 6, 7]), slots=None, block_table=None))
     fault = faults._Fault(parse_fault(f"bias@layer=0,m=1,phase={phase}"))
     h = torch.randn(8, 16)  # 7 tokens and one row of padding
@@ -259,7 +259,7 @@ def test_a_phase_fault_in_a_serving_engines_flat_batch_acts_per_request(phase, h
     changed = (out != h).any(dim=1).nonzero().flatten().tolist()
     assert changed == hit
     # outside a serving engine, the call decides: a 2-D output of 7 rows is a prefill
-    monkeypatch.setattr(faults, "engine_batch", lambda: None)
+    monkeypatch.setattr(faults, "engine_batch", lambda tables=True: None)
     out = fault.hook(torch.nn.Identity(), (h,), h)
     assert bool((out != h).any()) == (phase == "prefill")
 

@@ -330,7 +330,7 @@ def engine_rows(h: torch.Tensor) -> tuple[np.ndarray, np.ndarray] | None:
     """Per row of a serving engine's flat batch ``h`` (tokens, hidden): whether it is the
     only row of its request in this forward (a decode step), and whether it is a request's
     token at all (not padding). None outside such an engine's forward."""
-    layout = engine_batch()
+    layout = engine_batch(tables=False)  # on every call of the fault: the starts alone
     if not isinstance(layout, BatchLayout) or layout.n_requests < 1:
         return None
     sizes = np.diff(layout.starts)

@@ -35,10 +35,11 @@ class BatchLayout:
         return len(self.starts) - 1
 
 
-def engine_batch() -> BatchLayout | str | None:
+def engine_batch(tables: bool = True) -> BatchLayout | str | None:
     """The layout of the forward running now, read from vLLM's forward context: None outside
     such an engine, DUMMY for a forward without attention metadata, a reason (str) when the
-    metadata does not say where each request starts."""
+    metadata does not say where each request starts. ``tables`` False: the requests' starts
+    only (no copy of the KV cache's slots and block table to the host)."""
     module = sys.modules.get("vllm.forward_context")
     if module is None or not module.is_forward_context_available():
         return None
@@ -57,7 +58,8 @@ def engine_batch() -> BatchLayout | str | None:
     starts = starts.detach().to("cpu").numpy().astype(np.int64)
     if isinstance(n_tokens, int):
         starts = np.minimum(starts, n_tokens)
-    slots, table = getattr(meta, "slot_mapping", None), getattr(meta, "block_table", None)
+    slots, table = ((getattr(meta, "slot_mapping", None), getattr(meta, "block_table", None))
+                    if tables else (None, None))
     return BatchLayout(
         starts=starts,
         slots=slots.detach().to("cpu").numpy() if isinstance(slots, torch.Tensor) else None,

@@ -118,14 +118,19 @@ def input_reds(table: pd.DataFrame, rows: np.ndarray | None = None) -> np.ndarra
     return out
 
 
-def exact_inputs(table: pd.DataFrame, rows: np.ndarray | None = None) -> np.ndarray:
+def _measured(table: pd.DataFrame) -> np.ndarray:
+    """Per row: its relative error was measured on tensors (not a bound its statistics
+    prove: a statistics-only row)."""
+    return (table[BOUND_COLUMN].isna().to_numpy() if BOUND_COLUMN in table
+            else np.ones(len(table), dtype=bool))
+
+
+def exact_inputs(table: pd.DataFrame, rows: np.ndarray, reds: np.ndarray) -> np.ndarray:
     """Per row, whether its input is proven equal on both sides: agreeing input ids, or an
     input row of relative error 0 measured on tensors. A statistics-only row's bound of 0
-    proves no equality (an error that keeps Max, Min, Mean and Norm is not seen)."""
-    rows = input_rows(table) if rows is None else rows
-    reds = input_reds(table, rows)
-    measured = (table[BOUND_COLUMN].isna().to_numpy() if BOUND_COLUMN in table
-                else np.ones(len(table), dtype=bool))  # a bound: a statistics-only row
+    proves no equality (an error that keeps Max, Min, Mean and Norm is not seen). ``rows``
+    and ``reds``: ``input_rows`` and ``input_reds`` of the table."""
+    measured = _measured(table)
     return np.array([red == 0 and (src == TOKENS or (src >= 0 and measured[src]))
                      for red, src in zip(reds, rows)], dtype=bool)
 
@@ -156,7 +161,7 @@ def mark_divergence(table: pd.DataFrame, same_device: dict[tuple[str, str], bool
     nonfinite = (table["golden_nan_inf"].fillna(0) + table["my_nan_inf"].fillna(0)).to_numpy()
     sources = input_rows(table)
     reds = input_reds(table, sources)
-    exact = exact_inputs(table, sources)
+    exact = exact_inputs(table, sources, reds)
     for rows in groups.values():
         found = False
         candidates: list[int] = []
@@ -209,9 +214,11 @@ def mark_sites(sites: pd.DataFrame, table: pd.DataFrame,
     # (group, layer) -> (input RED, birth layer, input proven equal)
     inputs: dict[tuple, tuple[float, bool, bool]] = {}
     keys = table[GROUP].astype(object).where(table[GROUP].notna(), None)
+    sources = input_rows(table)
+    reds = input_reds(table, sources)
     for key, layer, input_red, first, equal in zip(
-            map(tuple, keys.to_numpy()), table["layer"], input_reds(table),
-            table["first_divergence"], exact_inputs(table)):
+            map(tuple, keys.to_numpy()), table["layer"], reds,
+            table["first_divergence"], exact_inputs(table, sources, reds)):
         if not pd.isna(layer):
             inputs[(key, int(layer))] = (float(input_red), bool(first), bool(equal))
     amp = np.full(len(sites), math.nan)
@@ -336,7 +343,7 @@ def summarize(table: pd.DataFrame, same_device: dict[tuple[str, str], bool] | No
     same_setup = _same_setup(table, same_device)
     sources = input_rows(table)
     reds = input_reds(table, sources)
-    exact = exact_inputs(table, sources)
+    exact = exact_inputs(table, sources, reds)
     marked = firsts
     firsts = _recurring(table, firsts, same_setup, exact)
     summary.first_divergence = firsts
@@ -426,8 +433,7 @@ def _site_after_exact(sites: pd.DataFrame) -> str:
     some round, a sub-layer or operator is beyond tolerance right after one that agrees
     exactly (a relative error of 0 measured; in the order their outputs were made): with
     that input equal, the error appears in it, as msprobe's first red node (a mix dump)."""
-    measured = (sites[BOUND_COLUMN].isna() if BOUND_COLUMN in sites
-                else pd.Series(True, index=sites.index))
+    measured = pd.Series(_measured(sites), index=sites.index)
     found: dict[tuple[int, str], int] = {}  # (layer, site) -> rounds
     place: dict[tuple[int, str], int] = {}  # its earliest place in the order outputs were made
     worst: dict[tuple[int, str], pd.Series] = {}
