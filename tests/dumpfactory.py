@@ -29,9 +29,11 @@ def write_dump(
     names: list[str] | None = None,
     meta: dict | None = None,
     status: dict | None = None,
+    token_ids: list[np.ndarray] | None = None,
 ) -> str:
     """One round per dict {layer: (batch, ntok, width) array}; round i is sample i, prefill;
-    ``status``: what the capture reports at the end (the file's status)."""
+    ``status``: what the capture reports at the end (the file's status); ``token_ids``: each
+    round's (batch, ntok) input ids (default: all different)."""
     n_layers = max(k for r in rounds for k in r) + 1
     names = names or [f"model.layers.{i}" for i in range(n_layers)]
     writer = DumpWriter(path, meta or {"rank": 0, "pid": 1234}, names)
@@ -44,7 +46,8 @@ def write_dump(
                 batch=batch,
                 seq=ntok,
                 positions=np.arange(ntok),
-                token_ids=np.arange(batch * ntok).reshape(batch, ntok),
+                token_ids=np.arange(batch * ntok).reshape(batch, ntok) if token_ids is None
+                else token_ids[i],
                 tensors=[Tensor(k, to_storage(v, dtype), dtype) for k, v in tensors.items()],
             )
         )

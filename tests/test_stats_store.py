@@ -35,14 +35,14 @@ COLUMNS = s.stat_columns(SIGMAS, DRAWS, DC, REPEATS)
 
 
 def _device_stats(x, dtype, before=None, rows=None, probes=(), valid=None, positions=None,
-                  sample=0) -> RoundStats | None:
+                  sample=0, ids=None) -> RoundStats | None:
     """reduce_round on torch tensors, through the file's columns, back as RoundStats."""
     t = lambda a: None if a is None else torch.from_numpy(np.ascontiguousarray(a))  # noqa: E731
     values = reduce_round(
         t(x), dtype, t(before), t(rows),
         [ProbeRows(p.kind, p.param, i, p.pert_rms, t(p.data), p.subset)
          for i, p in _numbered(probes)],
-        t(valid), t(positions))
+        t(valid), t(positions), t(ids))
     if values is None:
         return None
     row = np.full(len(COLUMNS), np.nan)
@@ -164,6 +164,62 @@ def test_device_reductions_equal_the_compares(case):
     if case == "clamp":  # the clipped values, each at its channel's tied extreme
         clipped = np.abs(x.reshape(-1, width)[rows, 5]) == np.float32(0.5)
         assert want.dc[0][2] == pytest.approx(np.count_nonzero(clipped) / (len(rows) * width))
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("batch", [1, 2])
+def test_repeats_of_one_token_at_an_extreme_are_no_pile_up(batch):
+    """A prompt repeating a sentence: early in a model the 12 repeats of one token are alike
+    in one channel and round to the same bf16 value at its extreme, though their context makes
+    them differ elsewhere. With the token ids known the tie counts different tokens: one token's
+    repeats are no pile-up, a clip over many tokens still is (both sides alike; a batch that
+    repeats the prompt, whose rows are counted once, keeps the ids with the rows)."""
+    rng = np.random.default_rng(7)
+    ntok, width = 60, 64
+    ids = rng.integers(100, 5000, size=ntok)
+    repeats = np.arange(4, ntok, 5)[:12]
+    ids[repeats] = 28
+    x = rng.standard_normal((1, ntok, width)).astype(np.float32)
+    x[0, :, 5] = np.clip(x[0, :, 5], -2.5, None)
+    x[0, repeats, 5] = -3.0  # the token's own value in that channel, its repeats rounded alike
+    x = s.bf16_bits_to_float32(s.float32_to_bf16_bits(x))
+    x, ids = np.repeat(x, batch, axis=0), np.tile(ids, batch)
+    unknown = round_stats(x, "bfloat16", 0)
+    known = round_stats(x, "bfloat16", 0, ids=ids)
+    assert unknown.ties == 12 and unknown.tie_excess >= 12  # read as a pile-up without ids
+    assert known.ties == 12 and known.tie_excess <= 3.0  # as a healthy channel's (2-3)
+    assert _close(_device_stats(x, "bfloat16", ids=ids).tie_excess, known.tie_excess)
+    assert _close(_device_stats(x, "bfloat16").tie_excess, unknown.tie_excess)
+    clipped = x.copy()
+    clipped[..., 9] = np.minimum(clipped[..., 9], np.float32(0.25))  # a clamp over many tokens
+    known = round_stats(clipped, "bfloat16", 0, ids=ids)
+    assert known.tie_excess >= 8
+    assert _close(_device_stats(clipped, "bfloat16", ids=ids).tie_excess, known.tie_excess)
+
+
+@pytest.mark.unit
+def test_the_compare_reads_each_rows_token_id(tmp_path):
+    """The compare of a dump reads the rounds' input ids: a channel whose extreme 12 repeats of
+    one token share is a pile-up only when the dump says they are 12 different tokens."""
+    from dumpfactory import write_dump
+
+    rng = np.random.default_rng(3)
+    ntok, width = 60, 64
+    repeats = np.arange(4, ntok, 5)[:12]
+    rounds, same = [], []
+    for _ in range(2):
+        x = rng.standard_normal((1, ntok, width)).astype(np.float32)
+        x[0, :, 5] = np.clip(x[0, :, 5], -2.5, None)
+        x[0, repeats, 5] = -3.0
+        rounds.append({0: rng.standard_normal((1, ntok, width)).astype(np.float32), 1: x})
+        ids = rng.integers(100, 5000, size=(1, ntok))
+        ids[0, repeats] = 28
+        same.append(ids)
+    excess = {}
+    for name, ids in (("repeats", same), ("different", None)):
+        path = write_dump(str(tmp_path / f"{name}.h5"), rounds, dtype="bfloat16", token_ids=ids)
+        excess[name] = next(g.tie_excess for g in file_signals(path) if g.layer == 1)
+    assert excess["different"] >= 12 and excess["repeats"] <= 3.0, excess
 
 
 @pytest.mark.unit

@@ -178,21 +178,32 @@ def distinct_rows(rows: np.ndarray) -> bool:
     return False
 
 
-def unique_rows(rows: np.ndarray) -> np.ndarray:
-    """The rows with duplicates removed; order does not matter to the callers."""
+def unique_index(rows: np.ndarray) -> np.ndarray | None:
+    """The index of the first of each set of equal rows, ascending; None when no two rows are
+    equal (the usual case, proved by one column)."""
     if distinct_rows(rows):
-        return rows
+        return None
     if rows.dtype.kind == "f" and (np.isnan(rows).any() or (np.signbit(rows) & (rows == 0)).any()):
-        return np.unique(rows, axis=0)  # equal values with other bytes (NaN, -0.0)
+        # equal values with other bytes (NaN, -0.0)
+        return np.sort(np.unique(rows, axis=0, return_index=True)[1])
     # equal rows are equal bytes: a set of them (np.unique(axis=0) sorts the rows as records,
     # 2 ms for 60 rows of 576 values)
     rows = np.ascontiguousarray(rows)
     first: dict[bytes, int] = {}
     for i, row in enumerate(rows):
         first.setdefault(row.tobytes(), i)
-    return rows[sorted(first.values())]
+    return np.fromiter(first.values(), dtype=np.int64, count=len(first))
 
 
+def unique_rows(rows: np.ndarray) -> np.ndarray:
+    """The rows with duplicates removed; order does not matter to the callers."""
+    keep = unique_index(rows)
+    return rows if keep is None else rows[keep]
+
+
+def distinct_tokens(ids: np.ndarray) -> int:
+    """How many different token ids ``ids`` holds."""
+    return int(np.unique(ids).size)
 
 
 def _near_copies(rows: np.ndarray, tied: np.ndarray) -> bool:
@@ -227,7 +238,8 @@ def channel_extremes(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def ties(rows: np.ndarray, candidates: int = TIE_CANDIDATES, distinct: bool = False,
-         extremes: tuple[np.ndarray, np.ndarray] | None = None) -> tuple[float, float]:
+         extremes: tuple[np.ndarray, np.ndarray] | None = None,
+         ids: np.ndarray | None = None) -> tuple[float, float]:
     """(count, excess) of the channel whose exact maximum (if > 0) or minimum (if < 0) is
     shared by the most tokens, judged by excess.
 
@@ -238,9 +250,18 @@ def ties(rows: np.ndarray, candidates: int = TIE_CANDIDATES, distinct: bool = Fa
     a clip puts every value beyond the limit on one value. A channel spanning fewer than
     TIE_MIN_LEVELS quantisation steps, or whose tied tokens are copies of each other in other
     channels (``_near_copies``), is not judged. Identical rows (a prompt prefix
-    repeated across a batch, pad rows) are counted once. ``rows`` are finite; ``distinct``:
-    they are already ``unique_rows``, with ``extremes`` their ``channel_extremes`` if given."""
-    rows = rows if distinct else unique_rows(rows)
+    repeated across a batch, pad rows) are counted once. ``ids``: each row's token id where
+    known: the excess then counts different tokens (at the extreme and at the values inward),
+    since the repeats of one token early in a model are near-copies that round to one value
+    (a prompt repeating a sentence). ``rows`` are finite; ``distinct``: they are already
+    ``unique_rows`` (``ids`` with them), with ``extremes`` their ``channel_extremes`` if
+    given."""
+    if not distinct:
+        keep = unique_index(rows)
+        if keep is not None:
+            rows, ids = rows[keep], None if ids is None else ids[keep]
+    if ids is not None and ids.shape[0] != rows.shape[0]:
+        ids = None
     if rows.shape[0] < 2:
         return float("nan"), float("nan")
     hi, lo = extremes if extremes is not None and distinct else channel_extremes(rows)
@@ -260,8 +281,14 @@ def ties(rows: np.ndarray, candidates: int = TIE_CANDIDATES, distinct: bool = Fa
             values, counts = np.unique(inner, return_counts=True)
             if values.size and _levels(col, ext[c] * sign, values[0]) < TIE_MIN_LEVELS:
                 continue  # a channel spanning a few quantisation steps: its extreme holds many
-            if _near_copies(rows, col == ext[c] * sign):
+            tied = col == ext[c] * sign
+            if _near_copies(rows, tied):
                 continue  # tokens alike in every channel (a uniform attention), not a clip
+            if ids is not None:
+                n = distinct_tokens(ids[tied])
+                if n < 2:
+                    continue  # one token's repeats
+                counts = np.array([distinct_tokens(ids[col == v]) for v in values[-2:]])
             neighbours = float(np.mean(counts[-2:])) if counts.size else 1.0
             best = max(best, (n / max(1.0, neighbours), n))
     return float(count), float(best[0])

@@ -163,17 +163,22 @@ class RoundStats:
 def round_stats(
     x: np.ndarray, dtype: str, sample: int, before: np.ndarray | None = None,
     rows: np.ndarray | None = None, probes: list[Probe] = (), valid: np.ndarray | None = None,
-    positions: np.ndarray | None = None,
+    positions: np.ndarray | None = None, ids: np.ndarray | None = None,
 ) -> RoundStats | None:
     """The reductions of one clean record ``x`` (batch, ntok, width) and its probes; None when
     the attention mask leaves no row. ``before``: the previous block's clean output in the
     same round; ``rows``: the round's probe rows (indices into the token rows of ``x``);
     ``probes``: this module's probe replays of the round; ``valid``: per token row of ``x``,
     False for rows the attention mask excludes (padding), which no statistic sees;
-    ``positions``: the token position of each token row of ``x``."""
-    if valid is not None and valid.size == x.size // x.shape[-1] and not valid.all():
+    ``positions``: the token position of each token row of ``x``; ``ids``: its token id."""
+    n_rows = x.size // x.shape[-1] if x.ndim else 0
+    if ids is not None and ids.size != n_rows:
+        ids = None
+    if valid is not None and valid.size == n_rows and not valid.all():
         if positions is not None and positions.size == valid.size:
             positions = positions[valid]
+        if ids is not None:
+            ids = ids.reshape(-1)[valid]
         x, before, rows, probes = _valid_rows(x, before, rows, probes, valid)
         if not x.size:
             return None
@@ -196,11 +201,16 @@ def round_stats(
     fin = None if all_finite else np.isfinite(x)
     finite = x.reshape(-1) if all_finite else x[fin]
     out.pileup = st.pileup(x_rows, extremes=extremes) if all_finite else st.pileup(finite)
-    distinct = st.unique_rows(x_rows)
+    keep = st.unique_index(x_rows)
+    distinct = x_rows if keep is None else x_rows[keep]
     extremes = extremes if all_finite else None
-    out.ties, out.tie_excess = st.ties(
-        distinct if all_finite else st.unique_rows(st.rows_of(np.where(fin, x, 0.0))),
-        distinct=True, extremes=extremes)
+    ids = None if ids is None else ids.reshape(-1)
+    if all_finite:
+        out.ties, out.tie_excess = st.ties(
+            distinct, distinct=True, extremes=extremes,
+            ids=ids if ids is None or keep is None else ids[keep])
+    else:
+        out.ties, out.tie_excess = st.ties(st.rows_of(np.where(fin, x, 0.0)), ids=ids)
     update, fin_u, upd_finite = x, fin, all_finite
     if not own_update:
         update = x - before
@@ -376,10 +386,11 @@ class LayerSignals:
         self, x: np.ndarray, dtype: str, sample: int, before: np.ndarray | None,
         rows: np.ndarray | None, probes: list[Probe], valid: np.ndarray | None = None,
         positions: np.ndarray | None = None, topk_margin: float = float("nan"),
+        ids: np.ndarray | None = None,
     ) -> None:
         """One clean record and its probes (the arguments of ``round_stats``); an expert's
         ``topk_margin`` of the round."""
-        stats = round_stats(x, dtype, sample, before, rows, probes, valid, positions)
+        stats = round_stats(x, dtype, sample, before, rows, probes, valid, positions, ids)
         if stats is not None:
             stats.topk_margin = topk_margin
             self.add_round(stats)

@@ -66,18 +66,23 @@ def reduce_round(
     x: torch.Tensor, dtype: str, before: torch.Tensor | None = None,
     rows: torch.Tensor | None = None, probes: list[ProbeRows] = (),
     valid: torch.Tensor | None = None, positions: torch.Tensor | None = None,
+    ids: torch.Tensor | None = None,
 ) -> dict[str, float] | None:
     """The stats columns of one clean output ``x`` (batch, ntok, width) and its probes (the
     arguments of ``analysis.signals.round_stats``, as device tensors); None when the attention
-    mask leaves no row."""
+    mask leaves no row. ``ids``: each row's token id (on the CPU), where known."""
     width = x.shape[-1]
     x = _as_float(x).reshape(-1, width)
+    if ids is not None:
+        ids = ids.reshape(-1) if ids.numel() == x.shape[0] else None
     if before is not None:
         before = _as_float(before).reshape(-1, width)
     if valid is not None and valid.numel() == x.shape[0] and not bool(valid.all()):
         valid = valid.to(x.device)
         if positions is not None and positions.numel() == valid.numel():
             positions = positions.to(x.device)[valid]
+        if ids is not None:
+            ids = ids[valid.to(ids.device)]
         x, before, rows, probes = _valid_rows(x, before, rows, probes, valid)
         if not x.numel():
             return None
@@ -89,9 +94,13 @@ def reduce_round(
     out.update(_moments(x, acc, prefix="", all_finite=all_finite))
     out["rows"] = float(x.shape[0])
     out["pileup"] = pileup(finite)
-    distinct = unique_rows(x)  # shared by the tie count and the stuck channels
-    out["ties"], out["tie_excess"] = ties(
-        distinct if all_finite else unique_rows(torch.where(fin, x, 0.0)), distinct=True)
+    keep = unique_index(x)
+    distinct = x if keep is None else x[keep]  # shared by the tie count and the stuck channels
+    if all_finite:
+        out["ties"], out["tie_excess"] = ties(
+            distinct, distinct=True, ids=ids if ids is None or keep is None else ids[keep.cpu()])
+    else:
+        out["ties"], out["tie_excess"] = ties(torch.where(fin, x, 0.0), ids=ids)
     update = x
     if before is not None and before.shape == x.shape:
         update = x - before
@@ -285,19 +294,33 @@ def pileup(x: torch.Tensor, bins: int = PILEUP_BINS) -> float:
     return float(max(right_edge / max(1.0, right), left_edge / max(1.0, left)))
 
 
-def unique_rows(rows: torch.Tensor) -> torch.Tensor:
-    """array_stats.unique_rows: the rows with duplicates removed (order does not matter)."""
+def unique_index(rows: torch.Tensor) -> torch.Tensor | None:
+    """array_stats.unique_index: the first of each set of equal rows, ascending (on the rows'
+    device); None when no two rows are equal."""
     n, width = rows.shape
     if n < 2:
-        return rows
+        return None
     columns = sorted({0, width // 4, width // 2, 3 * width // 4, width - 1})
     if rows.device.type == "cpu":  # numpy on the tensor's memory: 10x less overhead
         view = rows.detach().numpy()
         if any(np.unique(view[:, j]).size == n for j in columns):
-            return rows
+            return None
     elif any(torch.unique(rows[:, j]).numel() == n for j in columns):
-        return rows
-    return torch.unique(rows, dim=0)
+        return None
+    _, inverse = torch.unique(rows, dim=0, return_inverse=True)
+    first = torch.full((int(inverse.max()) + 1,), n, dtype=torch.int64, device=rows.device)
+    first.scatter_reduce_(0, inverse, torch.arange(n, device=rows.device), "amin")
+    return torch.sort(first).values
+
+
+def unique_rows(rows: torch.Tensor) -> torch.Tensor:
+    """array_stats.unique_rows: the rows with duplicates removed (order does not matter)."""
+    keep = unique_index(rows)
+    return rows if keep is None else rows[keep]
+
+
+def _distinct_tokens(ids: torch.Tensor) -> int:
+    return int(torch.unique(ids).numel())
 
 
 def _levels(col: torch.Tensor, top: float, bottom: float) -> float:
@@ -328,10 +351,15 @@ def _near_copies(rows: torch.Tensor, tied: torch.Tensor, spread: dict) -> bool:
     return spread_all > 0 and _median(group.float().std(dim=0, unbiased=False)) < 0.1 * spread_all
 
 
-def ties(rows: torch.Tensor, candidates: int = TIE_CANDIDATES, distinct: bool = False
-         ) -> tuple[float, float]:
-    """array_stats.ties of finite (rows, width)."""
-    rows = rows if distinct else unique_rows(rows)
+def ties(rows: torch.Tensor, candidates: int = TIE_CANDIDATES, distinct: bool = False,
+         ids: torch.Tensor | None = None) -> tuple[float, float]:
+    """array_stats.ties of finite (rows, width); ``ids`` on the CPU."""
+    if not distinct:
+        keep = unique_index(rows)
+        if keep is not None:
+            rows, ids = rows[keep], None if ids is None else ids[keep.cpu()]
+    if ids is not None and ids.shape[0] != rows.shape[0]:
+        ids = None
     if rows.shape[0] < 2:
         return NAN, NAN
     hi, lo = rows.amax(dim=0), rows.amin(dim=0)
@@ -356,8 +384,15 @@ def ties(rows: torch.Tensor, candidates: int = TIE_CANDIDATES, distinct: bool = 
             values, counts = torch.unique(inner, return_counts=True)
             if values.numel() and _levels(col, top, float(values[0])) < TIE_MIN_LEVELS:
                 continue
-            if _near_copies(rows, col == top, spread):
+            tied = col == top
+            if _near_copies(rows, tied, spread):
                 continue
+            if ids is not None:
+                n = _distinct_tokens(ids[tied.cpu()])
+                if n < 2:
+                    continue
+                counts = torch.tensor([_distinct_tokens(ids[(col == v).cpu()])
+                                       for v in values[-2:].tolist()])
             neighbours = float(counts[-2:].double().mean()) if counts.numel() else 1.0
             best = max(best, (n / max(1.0, neighbours), n))
     return float(count), float(best[0])

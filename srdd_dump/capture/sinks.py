@@ -153,10 +153,13 @@ class StatsSink(RecordSink):
         if ctx.segments:
             self._open_parts(ctx)
             return
-        self.collector.open_round(ctx.keep, ctx.round.positions, ctx.round.batch, ctx.rows)
+        self.collector.open_round(ctx.keep, ctx.round.positions, ctx.round.batch, ctx.rows,
+                                  ctx.round.token_ids)
 
     def _open_parts(self, ctx: RoundContext) -> None:
         flat_rows = None if ctx.rows is None else ctx.rows.numpy()
+        ids = ctx.round.token_ids
+        ids = None if ids is None else np.asarray(ids).reshape(-1)
         for seg in ctx.segments:
             kept = seg.kept_rows()
             collector = StatsCollector(self._columns)
@@ -165,7 +168,9 @@ class StatsSink(RecordSink):
                 mine, local = seg.own(flat_rows)
             collector.open_round(None, np.asarray(seg.positions)[kept - seg.start], 1,
                                  torch.from_numpy(local) if local is not None and local.size
-                                 else None)
+                                 else None,
+                                 None if ids is None or kept.size == 0 or
+                                 int(kept.max()) >= ids.size else ids[kept])
             self._parts.append((seg, collector, mine, torch.from_numpy(kept)))
 
     def hold(self, ctx: RoundContext, layer: int, site: int) -> None:

@@ -28,12 +28,14 @@ class StatsCollector:
         self._valid: torch.Tensor | None = None
         self._positions: torch.Tensor | None = None
         self._rows: torch.Tensor | None = None
+        self._ids: torch.Tensor | None = None
         self.seconds = 0.0  # spent reducing (recorded in the dump's status)
 
     def open_round(self, valid: np.ndarray | None, positions: np.ndarray, batch: int,
-                   rows: torch.Tensor | None) -> None:
+                   rows: torch.Tensor | None, ids: np.ndarray | None = None) -> None:
         """A new round: ``valid`` (batch, ntok) False at padding, None when every row counts;
-        ``positions`` the kept token positions; ``rows`` the probe rows (None: not probed)."""
+        ``positions`` the kept token positions; ``rows`` the probe rows (None: not probed);
+        ``ids`` the token id of each row (batch, ntok), None where unknown."""
         self._clean.clear()
         self._probes.clear()
         self._extra.clear()
@@ -41,6 +43,9 @@ class StatsCollector:
         self._valid = None if valid is None else torch.from_numpy(valid.reshape(-1).copy())
         self._positions = torch.from_numpy(np.tile(np.asarray(positions, np.int64), batch))
         self._rows = rows
+        n_rows = batch * len(positions)
+        self._ids = None if ids is None or ids.size != n_rows else \
+            torch.from_numpy(np.asarray(ids, np.int64).reshape(-1).copy())
 
     def clean(self, layer: int, site: int, kept: torch.Tensor, dtype: str,
               valid: torch.Tensor | None = None) -> None:
@@ -84,7 +89,7 @@ class StatsCollector:
         start = time.perf_counter()
         with torch.inference_mode():  # no autograd bookkeeping: less overhead per torch call
             values = reduce_round(x, dtype, before, self._rows, probes, valid,
-                                  self._positions)
+                                  self._positions, self._ids)
         if site == s.BLOCK_SITE:
             # the next block's update is taken against this output: a copy, since the model
             # may change its tensors in place (a fused residual add)

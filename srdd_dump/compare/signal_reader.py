@@ -143,6 +143,7 @@ def read_signals(
         return [layers[k].result() for k in keys]
     all_rows = reader.all_probe_rows()
     all_positions = reader.all_positions()
+    all_ids = reader.all_token_ids()
     # the fields every record's loop reads, as Python lists (a structured array's field and
     # element cost a microsecond each)
     round_of, kind_of = recs["round"].tolist(), recs["kind"].tolist()
@@ -174,6 +175,9 @@ def read_signals(
         pos_off = int(row["pos_off"])
         positions = np.tile(all_positions[pos_off: pos_off + int(row["ntok"])],
                             max(1, int(row["batch"])))
+        # the token id of every row, where recorded
+        tok_off, tok_len = int(row["tok_off"]), int(row["tok_len"])
+        ids = all_ids[tok_off: tok_off + tok_len] if tok_len == positions.size else None
         index = groups[rnd]
         per_key: dict[tuple[int, int], list[int]] = {}
         clean_prev: dict[int, int] = {}  # layer -> last clean block record of the round
@@ -191,11 +195,12 @@ def read_signals(
             if size >= SPAN_BYTES:
                 _round_batch(reader, recs, kind_of, batch, per_key, clean_prev,
                              layers if prefill else decode, sample, prow, valid, positions,
-                             holds)
+                             holds, ids)
                 batch, size = [], 0
         if batch:
             _round_batch(reader, recs, kind_of, batch, per_key, clean_prev,
-                         layers if prefill else decode, sample, prow, valid, positions, holds)
+                         layers if prefill else decode, sample, prow, valid, positions, holds,
+                         ids)
     # decode steps run other kernels than the prefill: their own signals, kept apart so that
     # neither phase's evidence is averaged away by the other's rounds
     return [layers[k].result() for k in keys] + [
@@ -221,7 +226,7 @@ def _stats_signals(reader: DumpReader, by_round: dict, layers: dict, decode: dic
 
 
 def _round_batch(reader, recs, kind_of, batch, per_key, clean_prev, layers, sample, prow,
-                 valid=None, positions=None, holds=None):
+                 valid=None, positions=None, holds=None, ids=None):
     index: list[int] = []
     for key in batch:
         index += per_key[key]
@@ -234,7 +239,7 @@ def _round_batch(reader, recs, kind_of, batch, per_key, clean_prev, layers, samp
             mine = per_key[key]
             if holds and key in holds:
                 _add_experts(reader, recs, mine, data, holds[key], layers, sample, prow, valid,
-                             positions)
+                             positions, ids)
                 continue
             clean = [i for i in mine if kind_of[i] == s.KIND_CLEAN]
             probes = [_probe(recs[i], data[i]) for i in mine
@@ -248,7 +253,7 @@ def _round_batch(reader, recs, kind_of, batch, per_key, clean_prev, layers, samp
                     one_row.add(layers[key], x, reader.dtype_of(recs[i]), before)
                     continue
                 layers[key].add(x, reader.dtype_of(recs[i]), sample, before, prow,
-                                probes, valid, positions)
+                                probes, valid, positions, ids=ids)
         one_row.finish(sample)
 
 
@@ -286,8 +291,8 @@ class OneRowRecords:
         self.groups = {}
 
 
-def _add_experts(reader, recs, mine, data, members, layers, sample, prow, valid, positions
-                 ) -> None:
+def _add_experts(reader, recs, mine, data, members, layers, sample, prow, valid, positions,
+                 ids=None) -> None:
     """A slots site's records of one round, as each expert's rows: the tokens routed to it."""
     kinds = recs["kind"][mine]
     route = [i for i, k in zip(mine, kinds) if k == s.KIND_ROUTE]
@@ -321,7 +326,7 @@ def _add_experts(reader, recs, mine, data, members, layers, sample, prow, valid,
         margins = margins[np.isfinite(margins)]
         layers[key].add(rows.reshape(batch, ntok, width), dtype, sample, None, prow, own,
                         mine_valid, positions,
-                        float(np.median(margins)) if margins.size else float("nan"))
+                        float(np.median(margins)) if margins.size else float("nan"), ids)
 
 
 def _probe(record: np.void, data: np.ndarray) -> Probe:

@@ -496,6 +496,13 @@ class DumpReader:
         with _reading(self.path):
             return self.f[s.POSITIONS][()]
 
+    def all_token_ids(self) -> np.ndarray:
+        """The whole /token_ids array; a round's are ``[tok_off: tok_off + tok_len]``."""
+        if s.TOKEN_IDS not in self.f:
+            return np.zeros(0, np.int64)
+        with _reading(self.path):
+            return self.f[s.TOKEN_IDS][()]
+
     def dtype_of(self, record: np.void) -> str:
         return self._data[int(record["data"])][1]
 
