@@ -497,6 +497,24 @@ def test_a_changed_tensor_file_is_read_again_and_an_unreadable_one_left_out(tmp_
                for note in golden.notes), golden.notes
 
 
+def test_decode_steps_whose_files_are_lost_are_not_said_never_captured(tmp_path):
+    """A copy that lost every decode call's tensor files: the headline says a decode step was
+    recorded and none of its outputs read (not that none was captured), the note which files
+    are missing."""
+    import shutil
+
+    dump = str(tmp_path / "dump")
+    shutil.copytree(MSPROBE, dump)
+    assert "(prefill and decode steps)" in _compare(tmp_path, dump)
+    lost = glob.glob(os.path.join(dump, "**", "*.forward.1.output.*.pt"), recursive=True)
+    for path in lost:
+        os.remove(path)
+    text = _compare(tmp_path, dump)
+    assert "(prefill only: 1 decode step recorded, no output of them read)" in text, text
+    assert f"{len(lost)} tensor files of the msprobe dump could not be read" in text, text
+    assert ": no such file" in text and "no decode step was captured" not in text, text
+
+
 def test_folders_around_msprobe_dumps_are_said_not_skipped(tmp_path):
     """A folder holding msprobe dumps (one per device) names them; a folder holding an srdd
     run beside one says the msprobe dump was not read; msprobe's plain "rank" folder (a run

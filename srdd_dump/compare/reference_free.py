@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 from ..analysis.diagnosis import LayerVerdict, diagnose, headline, site_verdicts
 from ..analysis.signals import DECODE, PREFILL, Signals, set_kurtosis_change
 from ..analysis.verdicts import FAULT, NORMAL, VERDICT_ORDER
@@ -133,21 +135,25 @@ def _diagnose_file(f: DumpFile, signals: list[Signals]
         probed = _probed(signals, n)
         line = (f"{f.source}: no faulty layer found in {len(rows)} "
                 f"layer{'s' if len(rows) != 1 else ''} x "
-                f"{n} sample{'s' if n != 1 else ''}{probed}{phases_note(signals)}"
+                f"{n} sample{'s' if n != 1 else ''}{probed}"
+                f"{phases_note(signals, int(np.count_nonzero(f.rounds['step'] > 0)))}"
                 + ("" if probed == NONE_PROBED else left_out_note(f.capture_options)))
     else:
         line = f"{f.source}: {headline(worst)}"
     return rows, sites, line, hunt
 
 
-def phases_note(signals: list[Signals]) -> str:
+def phases_note(signals: list[Signals], decode_rounds: int = 0) -> str:
     """What a healthy headline says of the phases judged: the decode steps when any was
     captured (else that none was), and when none of them was probed while the prefill was
     (``--probe-steps 0``, a static cache) or the blocks of only some layers were, or of none
     while their sub-layers were (a sliding-window cache longer than its window). Nothing
     probed at all (an msprobe dump, ``--probes none``) is said once, by the sample count
-    ("none probed")."""
+    ("none probed"). ``decode_rounds``: the decode steps the file records."""
     decode = [g for g in signals if g.phase == DECODE]
+    if not decode and decode_rounds:  # their outputs lost (an msprobe copy cut short)
+        return (f" (prefill only: {decode_rounds} decode step{'s' if decode_rounds != 1 else ''}"
+                " recorded, no output of them read)")
     if not decode:  # a program of forwards only (an evaluation harness, use_cache=False)
         return " (prefill only: no decode step was captured)"
     # a serving engine's later file may hold steps of requests under way only

@@ -222,6 +222,8 @@ def read_tensor(path: str, bfloat16_bits: bool = False) -> np.ndarray:
         found = _load(bytes(members[pkl]), lambda pid: _storage_of(pid, read_storage))
     except UserError:
         raise
+    except FileNotFoundError:
+        raise UserError(f"{path}: no such file") from None
     except (zipfile.BadZipFile, KeyError, ValueError, EOFError, OSError, IndexError,
             TypeError, struct.error) as exc:
         raise UserError(f"{path}: cannot read it as a saved tensor ({exc})") from None
