@@ -532,6 +532,12 @@ def test_folders_around_msprobe_dumps_are_said_not_skipped(tmp_path):
     proc = run_cli("srdd-compare", tensors, "-o", str(tmp_path / "r.csv"))
     assert proc.returncode == 2 and "the tensor files of an msprobe dump: give its folder, " \
         f"{os.path.dirname(tensors)}" in proc.stderr, proc.stderr
+    one = sorted(glob.glob(os.path.join(tensors, "*.pt")))[0]
+    for path, where in ((one, os.path.dirname(tensors)), (shutil.copy(one, tmp_path / "x.pt"),
+                                                          "(the one holding dump.json)")):
+        proc = run_cli("srdd-compare", str(path), "-o", str(tmp_path / "r.csv"))
+        assert proc.returncode == 2 and "a saved torch tensor, not a dump: give the msprobe " \
+            f"dump's folder{', ' if where[0] != '(' else ' '}{where}" in proc.stderr, proc.stderr
     plain = tmp_path / "plain"
     shutil.copytree(MSPROBE, plain)
     (run,) = glob.glob(str(plain / "step0" / "*"))

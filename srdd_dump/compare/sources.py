@@ -14,6 +14,7 @@ import os
 import shutil
 import tempfile
 import time
+import zipfile
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -140,6 +141,11 @@ def locate(path: str, option: str = "", run: str | None = None, convert: bool = 
         raise UserError(f"{option}{path}: no such file or directory")
     if os.path.basename(path) == "dump.json" and os.path.isfile(path):
         path = os.path.dirname(path) or "."  # msprobe's compare takes the dump.json: its folder
+    if os.path.isfile(path) and zipfile.is_zipfile(path):  # torch.save's format
+        folder = os.path.dirname(os.path.dirname(os.path.abspath(path)))
+        where = f", {folder}" if is_msprobe_dump(folder) else " (the one holding dump.json)"
+        raise UserError(f"{option}{path}: a saved torch tensor, not a dump: give the msprobe "
+                        f"dump's folder{where}")
     given, notes = path, []
     if os.path.isdir(path) and not find_dump_files(path) and is_msprobe_dump(path):
         if not convert:
