@@ -181,6 +181,36 @@ def test_an_inject_a_pool_workers_model_lacks_stops_the_program_too(tmp_path):
     assert "srdd-dump: error: --inject: layer 99 out of range" in res.stderr
 
 
+def test_a_refused_inject_leaves_no_process_to_speak_after_it(tmp_path):
+    """vLLM's layout: the model runs in a worker that a core process started; when the worker
+    stops, the core prints its own error ("RuntimeError: cancelled"). Every process of the
+    command is stopped and waited for: srdd-dump's error is the last line."""
+    script = _write(tmp_path / "engine.py", (
+        f"import sys, time; sys.path.insert(0, {FIXTURES!r})\n"
+        "import multiprocessing as mp\n"
+        "def worker():\n"
+        "    import torch\n    from tiny_models import build\n    m = build('llama')\n"
+        "    with torch.no_grad():\n"
+        "        for _ in range(600):\n"
+        "            m(input_ids=torch.randint(0, 128, (1, 6)))\n"
+        "            time.sleep(0.1)\n"
+        "def core():\n"
+        "    w = mp.get_context('spawn').Process(target=worker)\n    w.start()\n"
+        "    while w.is_alive():\n        time.sleep(0.05)\n"
+        "    time.sleep(1.5)\n"
+        "    print('RuntimeError: cancelled', file=sys.stderr, flush=True)\n"
+        "if __name__ == '__main__':\n"
+        "    c = mp.get_context('spawn').Process(target=core)\n    c.start()\n"
+        "    while c.is_alive():\n        time.sleep(0.05)\n"
+        "    print('finished')\n"))
+    res = run_cli("srdd-dump", "--exec", f"{sys.executable} {script}", "-o", str(tmp_path / "d"),
+                  "--inject", "bias@layer=99", timeout=300)
+    assert res.returncode == 2 and "finished" not in res.stdout
+    last = res.stderr.strip().splitlines()[-1]
+    assert last.startswith("srdd-dump: error: --inject: layer 99 out of range"), res.stderr
+    assert "cancelled" not in res.stderr, res.stderr
+
+
 @pytest.mark.parametrize("command, message", [
     ("", "needs a command"),
     ("no-such-program-xyz --flag", "command not found: no-such-program-xyz"),

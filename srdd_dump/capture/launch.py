@@ -291,7 +291,11 @@ def _wait_unless_refused(proc: subprocess.Popen, status_dir: str, run_dir: str) 
         if refused:
             break
     _finish_files(status_dir, run_dir)
-    others = [pid for pid in refused if pid != proc.pid]  # they may outlive the main process
+    # every process of the command, the refusing ones and those between them and the main
+    # process too (a serving engine's core process): each is stopped and waited for, so that
+    # none prints its own error after srdd-dump's (vLLM's "RuntimeError: cancelled")
+    others = list(dict.fromkeys(
+        [pid for pid in refused if pid != proc.pid] + descendants(proc.pid)))
     for pid in others:
         with contextlib.suppress(OSError):
             os.kill(pid, signal.SIGTERM)
@@ -311,12 +315,44 @@ def _wait_unless_refused(proc: subprocess.Popen, status_dir: str, run_dir: str) 
     return code
 
 
+def descendants(pid: int) -> list[int]:
+    """The processes started by ``pid`` and by them, at this moment (Linux's /proc; elsewhere
+    none are known)."""
+    children: dict[int, list[int]] = {}
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return []
+    for name in names:
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as fh:
+                stat = fh.read()
+            parent = int(stat[stat.rindex(b")") + 2:].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(parent, []).append(int(name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
 def _alive(pid: int) -> bool:
+    """The process runs (a zombie, ended but not yet reaped by its parent, does not)."""
     try:
         os.kill(pid, 0)
     except OSError:
         return False
-    return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            stat = fh.read()
+        return stat[stat.rindex(b")") + 2:][:1] != b"Z"
+    except (OSError, ValueError):
+        return True
 
 
 def _refused(status_dir: str, read: set[str]) -> list[int]:
