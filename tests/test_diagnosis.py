@@ -63,6 +63,27 @@ def test_planted_fault_is_named(spec, family, tmp_path):
     assert f"Layer {layer} (" in result.headlines[0] and "FAULT" in result.headlines[0]
 
 
+@pytest.mark.parametrize("spec", [
+    "dead_zone@layer=2,m=2",  # the whole output flushed: the later layers run on zeros
+    "stuck_at@layer=2",  # the whole output one value: the later layers run on a constant
+    "bitflip@layer=2,rate=0.01,bits=exponent",  # NaN and Inf: later norms output zeros
+])
+def test_a_fault_that_breaks_every_later_input_is_one_fault(spec, tmp_path):
+    """Zeros, a constant or NaN carried from one block reach every later one, whose probes
+    cannot perturb such an input (a noise in row stds) and whose norms turn a row holding an
+    Inf into zeros: they are that source's propagation (SUSPECT, *_PROP), never FAULT rows or
+    one shared kernel (SYSTEMIC)."""
+    result = _diagnose(tmp_path, inject=[spec])
+    layers = result.layers
+    assert layers.iloc[0]["layer"] == 2 and layers.iloc[0]["verdict"] == FAULT, \
+        layers[["layer", "verdict", "diagnosis"]]
+    assert list(layers["verdict"]).count(FAULT) == 1, layers[["layer", "verdict", "diagnosis"]]
+    assert not layers["diagnosis"].fillna("").str.contains("SYSTEMIC").any()
+    later = layers[layers["layer"] > 2]
+    assert later["diagnosis"].fillna("").map(
+        lambda d: all(f.endswith("_PROP") for f in d.split(",") if f)).all(), later
+
+
 def test_first_and_last_layers_are_diagnosable(tmp_path):
     for layer in (0, 5):
         result = _diagnose(tmp_path / str(layer), inject=[f"dead_zone@layer={layer},m=0.3"])

@@ -73,6 +73,9 @@ GRID_SHARE = 0.5
 # A family at FAULT level on at least this share (and SYSTEMIC_MIN) of the layers of one site
 # kind is one shared kernel, reported as SYSTEMIC_<FAMILY> rather than as many sources.
 SYSTEMIC_SHARE = 0.5
+# |x| whose square overflows float32 (a norm's mean square of such a row is Inf: the row
+# becomes zeros, or NaN); a model's healthy values are many orders of magnitude below
+SQUARE_OVERFLOW = float(np.sqrt(np.finfo(np.float32).max))
 NULL_Z = 3.0  # standard errors of a rate's lower bound (lower_bound)
 # exact zeros of which fewer than this share stay 0 under the module's own replay are inherited
 INHERITED = 0.1
@@ -207,6 +210,10 @@ def _exact_evidence(sig: Signals, dtype: str, instab_median: float, compute_dtyp
         ev.append(Evidence("OVERFLOW", 1e3, f"{sig.nan_count} NaN, {sig.inf_count} Inf in {where}"
                            + (" (its input held NaN/Inf already)" if input_nonfinite else ""),
                            inheritable=input_nonfinite))
+    if input_nonfinite:
+        # every statistic after an overflow is of a broken input (a norm of a row holding an
+        # Inf outputs zeros): nothing in it is this module's own
+        return ev
     ev += _identity_evidence(sig, where, dtype)
     if sig.role in NO_STATISTICS:
         return ev
@@ -222,7 +229,10 @@ def _exact_evidence(sig: Signals, dtype: str, instab_median: float, compute_dtyp
         # came in with its input, from an earlier layer
         probed = bool(np.isfinite(sig.flat_zero))
         had = input_zeros >= 0.5 * sig.zero_frac  # its input held about as many already
-        moved = probed and sig.flat_zero < INHERITED * sig.zero_frac and had
+        # an input of zeros only: no probe (each scaled by its row's std) could perturb it,
+        # and a module without a bias maps it to zeros
+        blank = input_zeros >= 1.0
+        moved = had and (blank or (probed and sig.flat_zero < INHERITED * sig.zero_frac))
         # a normalisation or an activation maps an exact 0 of its input to 0: such zeros are
         # its input's, judged where they are made; in rounds no probe replayed (the samples
         # after --probe-samples), the zeros its input already had are taken as the input's
@@ -447,7 +457,8 @@ def diagnose(signals: list[Signals], dtype: str, n_layers: int, compute_dtype: s
     # exact zeros of each block's output (layer -1: the stack input, when it was read)
     block_zeros = {(g.layer, g.phase): g.zero_frac for g in signals if g.site == BLOCK_SITE}
     block_nonfinite = {(g.layer, g.phase) for g in signals
-                       if g.site == BLOCK_SITE and (g.nan_count or g.inf_count)}
+                       if g.site == BLOCK_SITE and (g.nan_count or g.inf_count
+                                                    or g.absmax >= SQUARE_OVERFLOW)}
     # an activation's input is a linear operator's output of its layer (gate_proj, c_fc, ...)
     linear_zeros: dict[tuple[int, str], float] = {}
     for g in signals:
@@ -455,10 +466,15 @@ def diagnose(signals: list[Signals], dtype: str, n_layers: int, compute_dtype: s
             key = (g.layer, g.phase)
             linear_zeros[key] = max(linear_zeros.get(key, 0.0), g.zero_frac)
     signals = [g for g in signals if g.layer >= 0]
+    # the first block whose output does not depend on its input: every later layer runs on
+    # what it made (a constant, zeros) and all their evidence is carried from it
+    dead_end = min((g.layer for g in signals if g.site == BLOCK_SITE and _ignores_input(g)),
+                   default=None)
 
     def input_nonfinite(sig: Signals) -> bool:
         """NaN/Inf reached the module from before it: in its input (the previous block's
-        output), or for a decode step in the KV cache its prefill wrote from that input."""
+        output), or for a decode step in the KV cache its prefill wrote from that input; or
+        values whose square overflows float32 (a norm's mean square: Inf, the row zeros)."""
         return any((sig.layer - 1, phase) in block_nonfinite for phase in {sig.phase, PREFILL})
 
     def input_zeros(sig: Signals) -> float:
@@ -474,7 +490,12 @@ def diagnose(signals: list[Signals], dtype: str, n_layers: int, compute_dtype: s
         relative = _relative_evidence(group)
         per_layer = [_exact_evidence(sig, dtype, inst_median, compute_dtype, input_zeros(sig),
                                      input_nonfinite(sig))
-                     + relative[i] for i, sig in enumerate(group)]
+                     + ([] if input_nonfinite(sig) else relative[i])
+                     for i, sig in enumerate(group)]
+        for sig, items in zip(group, per_layer):
+            if dead_end is not None and sig.layer > dead_end:
+                for ev in items:
+                    ev.inheritable = True
         shared_noise = _systemic_noise(group, dtype, compute_dtype)
         if shared_noise is not None:
             for items, ev in zip(per_layer, shared_noise):
@@ -513,9 +534,16 @@ def diagnose(signals: list[Signals], dtype: str, n_layers: int, compute_dtype: s
             layer=layer, module="", score=float(score), verdict=verdict,
             diagnosis=",".join(labels), evidence=[e for e, _ in strong], site=site,
         ))
-    _mark_propagation(verdicts, signals)
+    _mark_propagation(verdicts, signals, dead_end)
     _mark_systemic(verdicts, systemic)
     return verdicts
+
+
+def _ignores_input(sig: Signals) -> bool:
+    """A block output that its input does not move: every element an exact zero, or every
+    non-zero element unmoved by the probes where a clip puts values (a constant output).
+    Healthy max of either: 0."""
+    return sig.zero_frac >= 1.0 or (np.isfinite(sig.flat_value) and sig.flat_value >= 0.99)
 
 
 def _propagated_families(evidence: dict[int, list[tuple[Evidence, str]]],
@@ -599,13 +627,22 @@ def _mark_systemic(verdicts: list[LayerVerdict], systemic: dict[str, tuple[str, 
         v.systemic = (family, kind, count, of)
 
 
-def _mark_propagation(verdicts: list[LayerVerdict], signals: list[Signals]) -> None:
+def _mark_propagation(verdicts: list[LayerVerdict], signals: list[Signals],
+                      dead_end: int | None = None) -> None:
     """A layer after a FAULT source whose evidence of the source's families is all inherited,
     relative evidence (carried by the residual stream) or exact zeros that its own replay moves,
-    is labelled ``<FAMILY>_PROP`` and is not a FAULT: one FAULT row per real source."""
+    is labelled ``<FAMILY>_PROP`` and is not a FAULT: one FAULT row per real source. Every
+    layer after ``dead_end`` (a block whose output its input does not move) is, whatever its
+    families: it runs on that block's constant."""
     sources: dict[str, float] = {}
     for v in verdicts:
         families = v.diagnosis.split(",") if v.diagnosis else []
+        if dead_end is not None and v.layer > dead_end and families:
+            v.diagnosis = ",".join(f"{f.replace('_SOURCE', '')}_PROP" for f in families)
+            if v.verdict == FAULT:
+                v.verdict = SUSPECT
+                v.score = min(v.score, UNDER_FAULT)
+            continue
         shown = [e for e in v.evidence if e.strength >= SUSPECT_RATIO]
         inherited = [e for e in shown if (not e.exact and e.strength < sources.get(e.family, 0))
                      or e.inheritable]

@@ -298,6 +298,11 @@ def _probes(out: RoundStats, clean_rows: np.ndarray, probes: list[Probe]) -> Non
         out.batch_dep = st.batch_dependence(ref, clean_rows)
     top_sigma = max((float(p.param) for p in probes if p.kind == "gain"), default=0.0)
     top_sigma = max(top_sigma, 0.0)
+    # gain draws that added nothing (every probe row's std was 0: an input of zeros or of
+    # one constant) mean the dc shift, also in row stds, added nothing: no flat element is
+    # the module's
+    gains = [p for p in probes if p.kind == "gain"]
+    null = bool(gains) and all(p.pert_rms == 0 for p in gains)
     flat = np.ones(clean_rows.shape, dtype=bool)
     for p in probes:
         if p.kind == "gain" and p.pert_rms > 0:
@@ -306,7 +311,7 @@ def _probes(out: RoundStats, clean_rows: np.ndarray, probes: list[Probe]) -> Non
             if p.param == top_sigma:
                 flat &= d == 0
     for p in probes:
-        if p.kind != "dc":
+        if p.kind != "dc" or null:
             continue
         d = np.abs(st.rows_of(p.data) - ref)
         ok = np.isfinite(d)

@@ -607,8 +607,10 @@ def _probes(out: dict, clean: torch.Tensor, probes: list[ProbeRows], acc: torch.
         top = [i for i, p in enumerate(gains) if p.param == top_sigma]
         if top:
             flat = (d[top] == 0).all(dim=0)
+    drawn = [p for p in probes if p.kind == "gain"]
+    null = bool(drawn) and all(p.pert_rms == 0 for p in drawn)  # signals._probes: no shift
     for p in probes:
-        if p.kind != "dc":
+        if p.kind != "dc" or null:
             continue
         d = (_rows(p.data) - ref).abs()
         all_ok = _all_finite(d)
