@@ -163,6 +163,23 @@ def _all_records_readable(path: str) -> int:
 # -- killed mid-dump -------------------------------------------------------------------------
 
 
+def test_a_command_stopped_before_it_imports_torch_is_said_so(tmp_path):
+    """SIGTERM while the program is still starting (before torch): the end says the command
+    was stopped before torch came in, not that srdd-dump may be installed in another Python."""
+    script = tmp_path / "slow_start.py"
+    script.write_text("import time\nprint('starting', flush=True)\ntime.sleep(60)\n"
+                      "import torch\n")
+    proc = _start("--exec", _command(str(script)), "-o", str(tmp_path / "d"),
+                  "--min-free-gb", "0")
+    assert proc.stdout.readline().startswith("starting")
+    os.kill(proc.pid, signal.SIGTERM)
+    code, _, err = _finish(proc)
+    assert code == 128 + signal.SIGTERM, err
+    assert "capture never started: the command was stopped by SIGTERM before any Python " \
+        "process of it imported torch" in err, err
+    assert "installed in" not in err and "see its own error" not in err, err
+
+
 @pytest.mark.parametrize("how", ["SIGKILL to the program", "SIGTERM to srdd-dump",
                                  "SIGHUP to srdd-dump", "SIGHUP to the process group"])
 def test_killed_mid_dump_keeps_every_finished_sample(how, tmp_path):

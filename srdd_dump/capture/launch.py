@@ -517,13 +517,16 @@ def _why_nothing(statuses: list[dict], returncode: int) -> list[str]:
     reasons = [st["no_blocks"] for st in statuses if st.get("no_blocks")]
     if reasons:
         return reasons[:1]
+    if not statuses and returncode < 0:  # stopped (Ctrl-C, SIGTERM) before torch came in
+        return [f"capture never started: the command {_ended(returncode)} before any Python "
+                "process of it imported torch"]
     if not statuses:
         return ["capture never started: no Python process of the command imported torch with "
                 "srdd-dump loaded (is the command's python the one srdd-dump is installed in?)"]
     if any(st.get("model_seen") for st in statuses):
         return ["no model forward with more than one token was captured (no prefill seen)"
-                + (f"; the command {_ended(returncode)}: see its own error above"
-                   if returncode != 0 else "")]
+                + (f"; the command {_ended(returncode)}" if returncode != 0 else "")
+                + (": see its own error above" if returncode > 0 else "")]
     unwatched = [st["pid"] for st in statuses if st.get("torch_unwatched")]
     if unwatched:
         return [f"pid {unwatched[0]}: torch was imported past srdd-dump's import hook (an "
