@@ -357,6 +357,24 @@ def test_baseline_mode_on_stats_dumps(tmp_path):
     text = baseline_text(compare_baseline(golden, full))
     assert "rows compared" not in text
     assert "sub-layers and operators: none compared (" in text and "unmatched: " in text
+    # the stats dump lists those sites: they are not "missing", it keeps no rows of them
+    assert "no counterpart in my dump: a stats dump keeps rows of its block outputs only" \
+        in text, text
+
+
+@pytest.mark.unit
+def test_sub_layers_none_compared_say_the_rows_own_reason():
+    """Sub-layer rows of rounds whose inputs differ were said to 'have no counterpart'."""
+    import pandas as pd
+
+    from srdd_dump.report.terminal import _why_none
+
+    differ = "inputs differ, batched differently (batch 2 here, 1 in the golden run)"
+    sites = pd.DataFrame({"cmp_fail_reason": [f"{differ}: the input ids ..."] * 3
+                          + ["no counterpart: golden site x has none in my dump (...)"]})
+    assert _why_none(sites) == (f"3 of 4 rows: {differ}; 1 have no counterpart: see the "
+                                "unmatched lines")
+    assert _why_none(sites.tail(1)) == "1 rows have no counterpart: see the unmatched lines"
 
 
 @pytest.mark.integration

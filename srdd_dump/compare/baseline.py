@@ -323,8 +323,14 @@ class SitePlan:
                                 layer=i, golden_layer=j, module=name if side == "my" else "",
                                 golden_module=name if side == "golden" else "",
                                 matched_by="", _site=True)
-                    reason = (f"no counterpart: {side} site {name} has none in {other} (no "
-                              "name, alias, fused projection or --mapping rule pairs it)")
+                    holder = self.golden if side == "my" else self.mine
+                    if holder.stats_index is not None and name in holder.sites:
+                        reason = (f"no counterpart: {side} site {name} has none in {other}: a "
+                                  "stats dump (--store stats) keeps rows of its block outputs "
+                                  "only")
+                    else:
+                        reason = (f"no counterpart: {side} site {name} has none in {other} "
+                                  "(no name, alias, fused projection or --mapping rule pairs it)")
                     rank = self.order.get(k if side == "my" else ("golden", k), 0)
                     out.append(RowSpec((p, 1 << 30, i if i is not None else -1, rank), keys,
                                        (), (), False, reason))

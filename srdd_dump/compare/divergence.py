@@ -557,13 +557,16 @@ def _first_site(summary: BaselineSummary, births: pd.DataFrame, sites: pd.DataFr
 def unmatched_lines(sites: pd.DataFrame) -> list[str]:
     """One line per site name (its layer number as N) and side that paired with nothing."""
     rows = sites[sites["cmp_fail_reason"].str.startswith("no counterpart: ")]
-    found: dict[tuple[str, str], set] = {}
-    for mine, golden, layer in zip(rows["module"], rows["golden_module"], rows["layer"]):
+    found: dict[tuple[str, str, str], set] = {}
+    for mine, golden, layer, reason in zip(rows["module"], rows["golden_module"], rows["layer"],
+                                           rows["cmp_fail_reason"]):
         side, name = ("my", mine) if mine else ("golden", golden)
-        found.setdefault((side, site_pattern(name)), set()).add(layer)
+        why = ": a stats dump keeps rows of its block outputs only" if "stats dump" in reason \
+            else ""
+        found.setdefault((side, site_pattern(name), why), set()).add(layer)
     return [f"{side} site {name} ({len(layers)} layer{'s' if len(layers) > 1 else ''}): no "
-            f"counterpart in {'the golden dump' if side == 'my' else 'my dump'}"
-            for (side, name), layers in sorted(found.items())]
+            f"counterpart in {'the golden dump' if side == 'my' else 'my dump'}{why}"
+            for (side, name, why), layers in sorted(found.items())]
 
 
 def _recurring(table: pd.DataFrame, births: pd.DataFrame, same_setup: np.ndarray,

@@ -142,8 +142,7 @@ def baseline_text(result: BaselineResult, written: list[str] | None = None) -> s
         verdicts = result.sites["verdict"].value_counts()
         how += "): " + ", ".join(f"{int(verdicts.get(v, 0))} {v}" for v in (PASS, WARN, FAIL))
         lines.append(f"sub-layers and operators: {compared} rows compared ({how}" if compared
-                     else f"sub-layers and operators: none compared ({len(result.sites)} rows "
-                          "have no counterpart: see the unmatched lines)")
+                     else f"sub-layers and operators: none compared ({_why_none(result.sites)})")
     for line in s.unmatched[:UNMATCHED_SHOWN]:
         lines.append(f"unmatched: {line}")
     if len(s.unmatched) > UNMATCHED_SHOWN:
@@ -170,3 +169,16 @@ def baseline_text(result: BaselineResult, written: list[str] | None = None) -> s
     if written:
         lines.append("report: " + ", ".join(written))
     return "\n".join(lines)
+
+
+def _why_none(sites) -> str:
+    """Why no sub-layer row was compared: no counterpart (the unmatched lines name them), or
+    the commonest reason of the rows' own (their rounds' inputs differ, ...)."""
+    reasons = sites["cmp_fail_reason"].fillna("").astype(str)
+    absent = int(reasons.str.startswith("no counterpart").sum())
+    if absent == len(sites):
+        return f"{absent} rows have no counterpart: see the unmatched lines"
+    top = reasons[~reasons.str.startswith("no counterpart")].str.split(": ").str[0]
+    reason, n = top.value_counts().index[0], int(top.value_counts().iloc[0])
+    return f"{n} of {len(sites)} rows: {reason}" + (
+        f"; {absent} have no counterpart: see the unmatched lines" if absent else "")
