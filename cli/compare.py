@@ -266,7 +266,8 @@ def run_command() -> int:
     its exit code."""
     start_workers_early(sys.argv[1:])
     try:
-        return run(app, PROG)
+        return run(app, PROG,
+                   "to compare with a golden run: srdd-compare MINE --baseline GOLDEN")
     finally:
         from srdd_dump.runtime.pool import reap
 

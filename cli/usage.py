@@ -10,12 +10,16 @@ import typer
 USAGE_ERROR = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "UsageError")
 
 
-def run(app: typer.Typer, prog: str) -> int:
-    """Run ``app`` on the command line; returns its exit code."""
+def run(app: typer.Typer, prog: str, extra_hint: str = "") -> int:
+    """Run ``app`` on the command line; returns its exit code. ``extra_hint``: said after an
+    error of arguments given beyond the command's (what the user may have meant)."""
     try:
         code = app(prog_name=prog, standalone_mode=False)
     except USAGE_ERROR as exc:
-        typer.echo(f"{prog}: error: {exc.format_message()} (see {prog} --help)", err=True)
+        message = exc.format_message()
+        hint = f"; {extra_hint}" if extra_hint and "unexpected extra argument" in message \
+            else ""
+        typer.echo(f"{prog}: error: {message}{hint} (see {prog} --help)", err=True)
         return exc.exit_code
     except typer.Abort:  # Ctrl-C before the command's own handler (while options are read)
         typer.echo(f"{prog}: interrupted", err=True)

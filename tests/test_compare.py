@@ -277,6 +277,19 @@ def test_compare_path_user_errors(tmp_path):
         compare_path(str(tmp_path), str(tmp_path / "report.txt"))
 
 
+def test_a_folder_as_the_report_and_a_second_dump_are_said_so(tmp_path):
+    """-o naming a folder read as 'unknown report format'; two dumps without --baseline got
+    click's bare 'unexpected extra argument'."""
+    rng = np.random.default_rng(3)
+    dump = write_dump(str(tmp_path / "d" / "ok.h5"), normal_rounds(rng, n_rounds=2))
+    proc = run_cli(dump, "-o", str(tmp_path))
+    assert proc.returncode == 2 and f"{tmp_path}: a folder; -o names the report file" in \
+        proc.stderr, proc.stderr
+    proc = run_cli(dump, dump, "-o", str(tmp_path / "r.csv"))
+    assert proc.returncode == 2 and "to compare with a golden run: srdd-compare MINE " \
+        "--baseline GOLDEN" in proc.stderr and len(proc.stderr.splitlines()) == 1, proc.stderr
+
+
 # -- CLI -------------------------------------------------------------------------------------
 
 

@@ -102,7 +102,8 @@ def test_noise_is_fresh_on_every_call_so_repeats_see_it(tmp_path):
 @pytest.mark.parametrize("text, message", [
     ("nosuch@layer=1", "unknown fault type"),
     ("bias", "layer=K is required"),
-    ("bias@layer=x", "invalid literal"),
+    ("bias@layer=x", "layer must be a whole number, got 'x'"),  # was Python's int() message
+    ("bias@layer=1,m=abc", "m must be a number, got 'abc'"),
     ("bias@layer=1,sparsity=0", "sparsity must be"),
     ("bias@layer=1,m", "expected key=value"),
     ("double_scale@layer=1,site=mlp", "inside the attention kernel"),

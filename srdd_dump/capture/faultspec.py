@@ -68,18 +68,23 @@ def parse_fault(text: str) -> FaultSpec:
     if unknown:
         raise UserError(f"{where}: unknown option {unknown[0]!r}; the options are "
                         f"{', '.join(KEYS)}")
-    try:
-        spec = FaultSpec(
-            type=kind,
-            layer=int(values.pop("layer")),
-            site=values.pop("site", "attn" if kind in ATTENTION_KERNEL else "block"),
-            m=float(values.pop("m", 0.01 if kind == "mxfp4_deadzone" else 0.3)),
-            sparsity=float(values.pop("sparsity", 1.0)),
-            seed=int(values.pop("seed", 0)),
-            options=values,
-        )
-    except ValueError as exc:
-        raise UserError(f"{where}: {exc}") from None
+    def number(key: str, default: str, kind_of: type):
+        value = values.pop(key, default)
+        try:
+            return kind_of(value)
+        except ValueError:
+            what = "a whole number" if kind_of is int else "a number"
+            raise UserError(f"{where}: {key} must be {what}, got {value!r}") from None
+
+    spec = FaultSpec(
+        type=kind,
+        layer=number("layer", "", int),
+        site=values.pop("site", "attn" if kind in ATTENTION_KERNEL else "block"),
+        m=number("m", "0.01" if kind == "mxfp4_deadzone" else "0.3", float),
+        sparsity=number("sparsity", "1.0", float),
+        seed=number("seed", "0", int),
+        options=values,
+    )
     if kind in ATTENTION_KERNEL and spec.site not in ("attn", "self_attn", "attention"):
         raise UserError(f"{where}: {kind} is a fault inside the attention kernel: "
                         "its site is attn")
