@@ -92,6 +92,17 @@ def test_decode_only_fault_says_decode_in_the_headline(tmp_path):
     assert "(decode steps)" in result.headlines[0]
 
 
+def test_a_decode_only_faults_layer_row_shows_the_decode_numbers(tmp_path):
+    """The layer row of a decode-only noise showed the prefill's instability (0) beside its
+    NOISE_SOURCE verdict: a finding of the decode steps shows their numbers."""
+    result = _generate(tmp_path, inject=["noise@layer=2,m=0.05,phase=decode"])
+    top = _top(result)
+    assert (top["layer"], top["verdict"]) == (2, FAULT) and "NOISE_SOURCE" in top["diagnosis"]
+    assert top["instability"] > 0, top
+    healthy = result.layers[result.layers["verdict"] == "NORMAL"]
+    assert (healthy["instability"].fillna(0) < top["instability"]).all()
+
+
 @pytest.mark.parametrize("spec, family", [
     ("dead_zone@layer={k},quantile=0.3,site=mlp", "DEAD_ZONE"),
     ("noise@layer={k},m=0.05,site=mlp", "NOISE_SOURCE"),

@@ -118,10 +118,17 @@ def _diagnose_file(f: DumpFile, signals: list[Signals]
     worst = max(verdicts, key=lambda v: v.score)
     hunt = hunt_command(f, worst.layer, worst.site) if worst.verdict == FAULT else None
     numbers = layer_numbers(f.layers)  # the rows name the model's layers, not file positions
+    decode = {g.layer: g for g in signals if g.site == s.BLOCK_SITE and g.samples
+              and g.layer >= 0 and g.phase == DECODE}
     rows = []
     for v in verdicts:
         position, v.layer = v.layer, number_of(numbers, v.layer)
         if position in blocks:
+            # a finding of the decode steps (a decode-only fault) shows their numbers
+            main = max(v.evidence, key=lambda e: e.strength) if v.evidence and \
+                v.verdict != NORMAL else None
+            if main is not None and main.phase == DECODE and position in decode:
+                blocks[position] = decode[position]
             v.module = blocks[position].module
             rows.append(layer_row(f.source, blocks[position], v, f.rank, f.pid,
                                   experts.get(v.site)))
