@@ -84,6 +84,43 @@ def test_a_fault_that_breaks_every_later_input_is_one_fault(spec, tmp_path):
         lambda d: all(f.endswith("_PROP") for f in d.split(",") if f)).all(), later
 
 
+@pytest.mark.parametrize("spec", ["scale@layer=2,m=1e21", "scale@layer=2,m=1e20"])
+def test_values_past_a_norms_range_are_an_overflow_at_their_source(spec, tmp_path):
+    """Finite values whose squares summed over a row overflow float32 (~1e19 and up): the
+    next norm outputs zeros; the source is an OVERFLOW FAULT, the later layers carry it."""
+    layers = _diagnose(tmp_path, inject=[spec]).layers
+    assert list(layers["verdict"]).count(FAULT) == 1, layers[["layer", "verdict", "diagnosis"]]
+    top = layers.iloc[0]
+    assert top["layer"] == 2 and "OVERFLOW" in top["diagnosis"].split(","), top
+
+
+@pytest.mark.parametrize("first", ["stuck_at@layer=1", "dead_zone@layer=1,m=2"])
+def test_a_later_fault_of_its_own_stays_a_fault_after_a_broken_input(first, tmp_path):
+    """Zeros a layer's input did not have are its own, even after a block whose output its
+    input does not move."""
+    layers = _diagnose(tmp_path, inject=[first, "dead_zone@layer=4,m=0.3,site=mlp"]).layers
+    verdict = dict(zip(layers["layer"], layers["verdict"]))
+    if first.startswith("stuck_at"):  # its input a non-zero constant: the zeros are layer 4's
+        assert verdict[1] == FAULT and verdict[4] == FAULT, layers[["layer", "verdict",
+                                                                      "diagnosis"]]
+    else:  # its input all zeros: nothing it outputs can be judged its own
+        assert verdict[1] == FAULT and list(layers["verdict"]).count(FAULT) == 1
+
+
+def test_an_activations_own_fault_is_not_blamed_on_a_linear_after_it(tmp_path):
+    """An activation's input zeros were the largest of any linear of its layer (down_proj, run
+    after it, included): an all-zero down_proj must not make its zeros inherited."""
+    model = build("llama", layers=6)
+    gen = torch.Generator().manual_seed(0)
+    cfg = DumpConfig(dump_path=str(tmp_path), granularity="op",
+                     inject=["scale@layer=3,m=-1,site=mlp.act_fn"])
+    with register_hook(model, cfg), torch.no_grad():
+        for n in (24, 31):
+            model(input_ids=torch.randint(0, 128, (1, n), generator=gen))
+    top = compare_path(str(tmp_path), progress=False).layers.iloc[0]
+    assert top["layer"] == 3 and top["verdict"] == FAULT and top["site"].endswith("act_fn"), top
+
+
 def test_first_and_last_layers_are_diagnosable(tmp_path):
     for layer in (0, 5):
         result = _diagnose(tmp_path / str(layer), inject=[f"dead_zone@layer={layer},m=0.3"])

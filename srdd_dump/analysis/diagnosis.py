@@ -73,9 +73,10 @@ GRID_SHARE = 0.5
 # A family at FAULT level on at least this share (and SYSTEMIC_MIN) of the layers of one site
 # kind is one shared kernel, reported as SYSTEMIC_<FAMILY> rather than as many sources.
 SYSTEMIC_SHARE = 0.5
-# |x| whose square overflows float32 (a norm's mean square of such a row is Inf: the row
-# becomes zeros, or NaN); a model's healthy values are many orders of magnitude below
-SQUARE_OVERFLOW = float(np.sqrt(np.finfo(np.float32).max))
+# |x| whose square summed over a row of up to 65,536 channels overflows float32 (a norm's mean
+# square of such a row is Inf: the row becomes zeros, or NaN); 7.2e16, while a model's healthy
+# values stay many orders of magnitude below (SmolLM2's largest: ~100)
+SQUARE_OVERFLOW = float(np.sqrt(np.finfo(np.float32).max / 65536))
 NULL_Z = 3.0  # standard errors of a rate's lower bound (lower_bound)
 # exact zeros of which fewer than this share stay 0 under the module's own replay are inherited
 INHERITED = 0.1
@@ -214,6 +215,10 @@ def _exact_evidence(sig: Signals, dtype: str, instab_median: float, compute_dtyp
         # every statistic after an overflow is of a broken input (a norm of a row holding an
         # Inf outputs zeros): nothing in it is this module's own
         return ev
+    if not (sig.nan_count or sig.inf_count) and sig.absmax >= SQUARE_OVERFLOW:
+        ev.append(Evidence("OVERFLOW", 1e3, f"values up to {sig.absmax:.3g} in {where}: their "
+                           "squares summed over a row overflow float32 (a norm after it "
+                           "outputs zeros or NaN)"))
     ev += _identity_evidence(sig, where, dtype)
     if sig.role in NO_STATISTICS:
         return ev
@@ -231,7 +236,7 @@ def _exact_evidence(sig: Signals, dtype: str, instab_median: float, compute_dtyp
         had = input_zeros >= 0.5 * sig.zero_frac  # its input held about as many already
         # an input of zeros only: no probe (each scaled by its row's std) could perturb it,
         # and a module without a bias maps it to zeros
-        blank = input_zeros >= 1.0
+        blank = input_zeros >= 1.0 and not probed
         moved = had and (blank or (probed and sig.flat_zero < INHERITED * sig.zero_frac))
         # a normalisation or an activation maps an exact 0 of its input to 0: such zeros are
         # its input's, judged where they are made; in rounds no probe replayed (the samples
@@ -466,10 +471,6 @@ def diagnose(signals: list[Signals], dtype: str, n_layers: int, compute_dtype: s
             key = (g.layer, g.phase)
             linear_zeros[key] = max(linear_zeros.get(key, 0.0), g.zero_frac)
     signals = [g for g in signals if g.layer >= 0]
-    # the first block whose output does not depend on its input: every later layer runs on
-    # what it made (a constant, zeros) and all their evidence is carried from it
-    dead_end = min((g.layer for g in signals if g.site == BLOCK_SITE and _ignores_input(g)),
-                   default=None)
 
     def input_nonfinite(sig: Signals) -> bool:
         """NaN/Inf reached the module from before it: in its input (the previous block's
@@ -483,6 +484,23 @@ def diagnose(signals: list[Signals], dtype: str, n_layers: int, compute_dtype: s
             return linear_zeros.get((sig.layer, sig.phase), math.nan)
         return block_zeros.get((sig.layer - 1, sig.phase), math.nan)
 
+    # per phase, the first block whose output its input does not move (zeros, a constant), a
+    # FAULT of its own: every later layer of that phase runs on what it made (the decode steps
+    # on the prefill's too, through the KV cache), and its evidence is carried from it, but
+    # zeros its input did not have
+    dead_ends: dict[str, int] = {}
+    for g in sorted(signals, key=lambda g: g.layer):
+        if g.site == BLOCK_SITE and g.phase not in dead_ends and _ignores_input(g):
+            own = _exact_evidence(g, dtype, 0.0, compute_dtype, input_zeros(g),
+                                  input_nonfinite(g))
+            if any(e.strength >= 1 and not e.inheritable for e in own):
+                dead_ends[g.phase] = g.layer
+
+    def after_dead_end(sig: Signals) -> bool:
+        ends = [dead_ends.get(PREFILL)] + ([dead_ends.get(sig.phase)]
+                                           if sig.phase != PREFILL else [])
+        return any(end is not None and sig.layer > end for end in ends)
+
     for kind, group in site_groups(signals).items():
         inst = np.array([g.instability for g in group], dtype=np.float64)
         inst = inst[np.isfinite(inst)]
@@ -493,9 +511,10 @@ def diagnose(signals: list[Signals], dtype: str, n_layers: int, compute_dtype: s
                      + ([] if input_nonfinite(sig) else relative[i])
                      for i, sig in enumerate(group)]
         for sig, items in zip(group, per_layer):
-            if dead_end is not None and sig.layer > dead_end:
+            if after_dead_end(sig):
+                had = input_zeros(sig) >= 0.5 * sig.zero_frac
                 for ev in items:
-                    ev.inheritable = True
+                    ev.inheritable = ev.inheritable or ev.family != "DEAD_ZONE" or had
         shared_noise = _systemic_noise(group, dtype, compute_dtype)
         if shared_noise is not None:
             for items, ev in zip(per_layer, shared_noise):
@@ -534,7 +553,7 @@ def diagnose(signals: list[Signals], dtype: str, n_layers: int, compute_dtype: s
             layer=layer, module="", score=float(score), verdict=verdict,
             diagnosis=",".join(labels), evidence=[e for e, _ in strong], site=site,
         ))
-    _mark_propagation(verdicts, signals, dead_end)
+    _mark_propagation(verdicts, signals, min(dead_ends.values(), default=None))
     _mark_systemic(verdicts, systemic)
     return verdicts
 
@@ -631,19 +650,20 @@ def _mark_propagation(verdicts: list[LayerVerdict], signals: list[Signals],
                       dead_end: int | None = None) -> None:
     """A layer after a FAULT source whose evidence of the source's families is all inherited,
     relative evidence (carried by the residual stream) or exact zeros that its own replay moves,
-    is labelled ``<FAMILY>_PROP`` and is not a FAULT: one FAULT row per real source. Every
-    layer after ``dead_end`` (a block whose output its input does not move) is, whatever its
-    families: it runs on that block's constant."""
+    is labelled ``<FAMILY>_PROP`` and is not a FAULT: one FAULT row per real source. So is a
+    layer after ``dead_end`` (a block whose output its input does not move) whose evidence is
+    all inherited, whatever its families: it runs on that block's constant."""
     sources: dict[str, float] = {}
     for v in verdicts:
         families = v.diagnosis.split(",") if v.diagnosis else []
-        if dead_end is not None and v.layer > dead_end and families:
+        shown = [e for e in v.evidence if e.strength >= SUSPECT_RATIO]
+        if dead_end is not None and v.layer > dead_end and families and shown and all(
+                e.inheritable for e in shown):
             v.diagnosis = ",".join(f"{f.replace('_SOURCE', '')}_PROP" for f in families)
             if v.verdict == FAULT:
                 v.verdict = SUSPECT
                 v.score = min(v.score, UNDER_FAULT)
             continue
-        shown = [e for e in v.evidence if e.strength >= SUSPECT_RATIO]
         inherited = [e for e in shown if (not e.exact and e.strength < sources.get(e.family, 0))
                      or e.inheritable]
         own = [e for e in shown if e not in inherited]
