@@ -198,6 +198,26 @@ def test_repeats_of_one_token_at_an_extreme_are_no_pile_up(batch):
 
 
 @pytest.mark.unit
+def test_repeats_of_a_token_in_many_channels_do_not_crowd_a_clip_out():
+    """Ten channels whose extreme 12 repeats of one token share, and one channel clipped on 9
+    different tokens: the candidates are ranked by token, so the clip is still judged."""
+    rng = np.random.default_rng(11)
+    ntok, width = 60, 64
+    ids = rng.permutation(np.arange(1000, 1000 + ntok))
+    repeats = np.arange(2, 60, 5)[:12]
+    ids[repeats] = 7  # one token 12 times
+    x = rng.standard_normal((1, ntok, width)).astype(np.float32)
+    x[0, :, :10] = np.clip(x[0, :, :10], -2.5, 2.5)
+    x[0, repeats, :10] = 3.0  # the repeats tie at the extreme of 10 channels
+    x[0, repeats, 40] = 0.0  # (not at the clipped channel's limit)
+    top = np.sort(x[0, :, 40])[-9]
+    x[0, :, 40] = np.minimum(x[0, :, 40], top)  # a clip: 9 different tokens at the limit
+    want = round_stats(x, "float32", 0, ids=ids)
+    assert want.tie_excess >= 8, want.tie_excess
+    assert _close(_device_stats(x, "float32", ids=ids).tie_excess, want.tie_excess)
+
+
+@pytest.mark.unit
 def test_the_compare_reads_each_rows_token_id(tmp_path):
     """The compare of a dump reads the rounds' input ids: a channel whose extreme 12 repeats of
     one token share is a pile-up only when the dump says they are 12 different tokens."""

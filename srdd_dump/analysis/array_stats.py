@@ -270,11 +270,17 @@ def ties(rows: np.ndarray, candidates: int = TIE_CANDIDATES, distinct: bool = Fa
     count = int(max(at_hi.max(), at_lo.max()))
     if count < 2:
         return float(count), 1.0
+    # the candidates: the channels with the most tokens at their extreme, by token where the
+    # ids are known (repeats of one token in many channels must not crowd a clip out)
+    rank_hi, rank_lo = at_hi, at_lo
+    if ids is not None and distinct_tokens(ids) < ids.size:
+        rank_hi = np.where(hi > 0, _tokens_at(rows, hi, ids), 1)
+        rank_lo = np.where(lo < 0, _tokens_at(rows, lo, ids), 1)
     best = (1.0, 1)
-    for at, ext, sign in ((at_hi, hi, 1.0), (at_lo, lo, -1.0)):
-        for c in np.argsort(-at, kind="stable")[:candidates]:  # ties: the lower channel
+    for at, rank, ext, sign in ((at_hi, rank_hi, hi, 1.0), (at_lo, rank_lo, lo, -1.0)):
+        for c in np.argsort(-rank, kind="stable")[:candidates]:  # ties: the lower channel
             n = int(at[c])
-            if n < 2:
+            if rank[c] < 2:
                 break
             col = rows[:, c] * sign
             inner = col[col < ext[c] * sign]
@@ -292,6 +298,15 @@ def ties(rows: np.ndarray, candidates: int = TIE_CANDIDATES, distinct: bool = Fa
             neighbours = float(np.mean(counts[-2:])) if counts.size else 1.0
             best = max(best, (n / max(1.0, neighbours), n))
     return float(count), float(best[0])
+
+
+def _tokens_at(rows: np.ndarray, extreme: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """Per column, the different tokens (``ids``, one per row) whose row equals ``extreme``."""
+    order = np.argsort(ids, kind="stable")
+    sorted_ids = ids[order]
+    starts = np.flatnonzero(np.r_[True, sorted_ids[1:] != sorted_ids[:-1]])
+    equal = rows[order] == extreme
+    return np.logical_or.reduceat(equal, starts, axis=0).sum(axis=0)
 
 
 def _count_at(rows: np.ndarray, extreme: np.ndarray) -> np.ndarray:

@@ -323,6 +323,15 @@ def _distinct_tokens(ids: torch.Tensor) -> int:
     return int(torch.unique(ids).numel())
 
 
+def _tokens_at(rows: torch.Tensor, extreme: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """array_stats._tokens_at: per column, the different tokens whose row equals ``extreme``."""
+    groups = torch.unique(ids, return_inverse=True)[1].to(rows.device)
+    hits = torch.zeros((int(groups.max()) + 1, rows.shape[1]), dtype=torch.int32,
+                       device=rows.device)
+    hits.index_add_(0, groups, (rows == extreme).to(torch.int32))
+    return (hits > 0).sum(dim=0)
+
+
 def _levels(col: torch.Tensor, top: float, bottom: float) -> float:
     """array_stats._levels: (top - bottom) in steps of the values' own precision."""
     bits = col.to(torch.float32).contiguous().view(torch.int32) & 0x7FFFFF
@@ -369,14 +378,19 @@ def ties(rows: torch.Tensor, candidates: int = TIE_CANDIDATES, distinct: bool = 
     count = int(torch.maximum(at_hi.max(), at_lo.max()))
     if count < 2:
         return float(count), 1.0
+    rank_hi, rank_lo = at_hi, at_lo  # array_stats.ties: by token where the ids are known
+    if ids is not None and _distinct_tokens(ids) < ids.numel():
+        rank_hi = torch.where(hi > 0, _tokens_at(rows, hi, ids), one)
+        rank_lo = torch.where(lo < 0, _tokens_at(rows, lo, ids), one)
     best = (1.0, 1)
     spread: dict = {}
-    for at, ext, sign in ((at_hi, hi, 1.0), (at_lo, lo, -1.0)):
-        order = torch.sort(-at, stable=True).indices[:candidates].tolist()
+    for at, rank, ext, sign in ((at_hi, rank_hi, hi, 1.0), (at_lo, rank_lo, lo, -1.0)):
+        order = torch.sort(-rank, stable=True).indices[:candidates].tolist()
         counts_at = at[order].tolist()
+        ranks = rank[order].tolist()
         extremes = ext[order].tolist()
-        for c, n, e in zip(order, counts_at, extremes):
-            if n < 2:
+        for c, n, r, e in zip(order, counts_at, ranks, extremes):
+            if r < 2:
                 break
             col = rows[:, c] * sign
             top = e * sign
