@@ -296,6 +296,8 @@ def _wait_unless_refused(proc: subprocess.Popen, status_dir: str, run_dir: str) 
     # none prints its own error after srdd-dump's (vLLM's "RuntimeError: cancelled")
     others = list(dict.fromkeys(
         [pid for pid in refused if pid != proc.pid] + descendants(proc.pid)))
+    started = {pid: _start_time(pid) for pid in others}  # a pid reused later is not theirs
+    others = [pid for pid in others if started[pid] is not None]
     for pid in others:
         with contextlib.suppress(OSError):
             os.kill(pid, signal.SIGTERM)
@@ -307,12 +309,28 @@ def _wait_unless_refused(proc: subprocess.Popen, status_dir: str, run_dir: str) 
     except subprocess.TimeoutExpired:
         proc.kill()
         code = proc.wait()
-    while any(_alive(pid) for pid in others) and time.monotonic() < deadline:
+    def still(pid: int) -> bool:
+        return _alive(pid) and _start_time(pid) == started[pid]
+
+    while any(still(pid) for pid in others) and time.monotonic() < deadline:
         time.sleep(0.1)
-    for pid in filter(_alive, others):  # one that ignores SIGTERM would run on, orphaned
+    for pid in filter(still, others):  # one that ignores SIGTERM would run on, orphaned
         with contextlib.suppress(OSError):
             os.kill(pid, signal.SIGKILL)
     return code
+
+
+def _start_time(pid: int) -> int | None:
+    """When the process started (clock ticks since boot, /proc's field 22): with its pid, it
+    names one process; 0 where /proc is not there, None when the process is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            stat = fh.read()
+        return int(stat[stat.rindex(b")") + 2:].split()[19])
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, IndexError):
+        return 0 if _alive(pid) else None
 
 
 def descendants(pid: int) -> list[int]:

@@ -141,7 +141,7 @@ def locate(path: str, option: str = "", run: str | None = None, convert: bool = 
         raise UserError(f"{option}{path}: no such file or directory")
     if os.path.basename(path) == "dump.json" and os.path.isfile(path):
         path = os.path.dirname(path) or "."  # msprobe's compare takes the dump.json: its folder
-    if os.path.isfile(path) and zipfile.is_zipfile(path):  # torch.save's format
+    if os.path.isfile(path) and not _hdf5(path) and zipfile.is_zipfile(path):  # torch.save's
         folder = os.path.dirname(os.path.dirname(os.path.abspath(path)))
         where = f", {folder}" if is_msprobe_dump(folder) else " (the one holding dump.json)"
         raise UserError(f"{option}{path}: a saved torch tensor, not a dump: give the msprobe "
@@ -535,3 +535,12 @@ def no_usable_file(reasons: list[str], path: str, option: str = "", under: bool 
                          f"{reasons[0]}")
     return UserError(f"{option}{path}: none of the {len(reasons)} dump files is usable; "
                      f"{reasons[0]}")
+
+
+def _hdf5(path: str) -> bool:
+    """The file starts with HDF5's signature (a dump: never read as a zip by chance)."""
+    try:
+        with open(path, "rb") as fh:
+            return fh.read(8) == b"\x89HDF\r\n\x1a\n"
+    except OSError:
+        return False
