@@ -196,11 +196,13 @@ def lower_bound(rate: float, n: int, z: float = NULL_Z) -> float:
 
 
 def _exact_evidence(sig: Signals, dtype: str, instab_median: float, compute_dtype: str = "",
-                    input_zeros: float = 0.0, input_nonfinite: bool = False) -> list[Evidence]:
+                    input_zeros: float = 0.0, input_nonfinite: bool = False,
+                    input_broken: bool = False) -> list[Evidence]:
     """``input_zeros``: the exact-zero fraction of the module's input (the previous block's
     output), which inherited zeros need (NaN: its input is not in the dump);
     ``input_nonfinite``: that input held NaN/Inf already (an overflow born before it: this
-    module's NaN/Inf are inherited, not its own)."""
+    module's NaN/Inf are inherited, not its own); ``input_broken``: it held an Inf or values
+    whose squares overflow float32 (nothing else of this module is judged)."""
     ev: list[Evidence] = []
     where = sig.module if sig.phase == PREFILL else f"{sig.module} ({sig.phase} steps)"
     stored = sig.dtype or dtype  # each module's own dtype (autocast, mixed precision)
@@ -211,9 +213,9 @@ def _exact_evidence(sig: Signals, dtype: str, instab_median: float, compute_dtyp
         ev.append(Evidence("OVERFLOW", 1e3, f"{sig.nan_count} NaN, {sig.inf_count} Inf in {where}"
                            + (" (its input held NaN/Inf already)" if input_nonfinite else ""),
                            inheritable=input_nonfinite))
-    if input_nonfinite:
-        # every statistic after an overflow is of a broken input (a norm of a row holding an
-        # Inf outputs zeros): nothing in it is this module's own
+    if input_broken:
+        # every statistic after an Inf or values past a norm's range is of a broken input (a
+        # norm of such a row outputs zeros): nothing in it is this module's own
         return ev
     if not (sig.nan_count or sig.inf_count) and sig.absmax >= SQUARE_OVERFLOW:
         ev.append(Evidence("OVERFLOW", 1e3, f"values up to {sig.absmax:.3g} in {where}: their "
@@ -236,7 +238,9 @@ def _exact_evidence(sig: Signals, dtype: str, instab_median: float, compute_dtyp
         had = input_zeros >= 0.5 * sig.zero_frac  # its input held about as many already
         # an input of zeros only: no probe (each scaled by its row's std) could perturb it,
         # and a module without a bias maps it to zeros
-        blank = input_zeros >= 1.0 and not probed
+        # nothing came in, nothing came out (a module with a bias, or a fault of its own, makes
+        # something of zeros)
+        blank = input_zeros >= 1.0 and sig.zero_frac >= 1.0 and not probed
         moved = had and (blank or (probed and sig.flat_zero < INHERITED * sig.zero_frac))
         # a normalisation or an activation maps an exact 0 of its input to 0: such zeros are
         # its input's, judged where they are made; in rounds no probe replayed (the samples
@@ -462,8 +466,11 @@ def diagnose(signals: list[Signals], dtype: str, n_layers: int, compute_dtype: s
     # exact zeros of each block's output (layer -1: the stack input, when it was read)
     block_zeros = {(g.layer, g.phase): g.zero_frac for g in signals if g.site == BLOCK_SITE}
     block_nonfinite = {(g.layer, g.phase) for g in signals
-                       if g.site == BLOCK_SITE and (g.nan_count or g.inf_count
-                                                    or g.absmax >= SQUARE_OVERFLOW)}
+                       if g.site == BLOCK_SITE and (g.nan_count or g.inf_count)}
+    # an Inf, or values whose squares overflow float32: a norm of such a row is zeros (a NaN
+    # alone gives NaN, and leaves the module's other statistics its own)
+    block_broken = {(g.layer, g.phase) for g in signals
+                    if g.site == BLOCK_SITE and (g.inf_count or g.absmax >= SQUARE_OVERFLOW)}
     # an activation's input is a linear operator's output of its layer (gate_proj, c_fc, ...)
     linear_zeros: dict[tuple[int, str], float] = {}
     for g in signals:
@@ -474,9 +481,12 @@ def diagnose(signals: list[Signals], dtype: str, n_layers: int, compute_dtype: s
 
     def input_nonfinite(sig: Signals) -> bool:
         """NaN/Inf reached the module from before it: in its input (the previous block's
-        output), or for a decode step in the KV cache its prefill wrote from that input; or
-        values whose square overflows float32 (a norm's mean square: Inf, the row zeros)."""
+        output), or for a decode step in the KV cache its prefill wrote from that input."""
         return any((sig.layer - 1, phase) in block_nonfinite for phase in {sig.phase, PREFILL})
+
+    def input_broken(sig: Signals) -> bool:
+        """An Inf or values whose squares overflow float32 reached the module (as above)."""
+        return any((sig.layer - 1, phase) in block_broken for phase in {sig.phase, PREFILL})
 
     def input_zeros(sig: Signals) -> float:
         """The exact zeros of the module's input; NaN when its input is not in the dump."""
@@ -492,7 +502,7 @@ def diagnose(signals: list[Signals], dtype: str, n_layers: int, compute_dtype: s
     for g in sorted(signals, key=lambda g: g.layer):
         if g.site == BLOCK_SITE and g.phase not in dead_ends and _ignores_input(g):
             own = _exact_evidence(g, dtype, 0.0, compute_dtype, input_zeros(g),
-                                  input_nonfinite(g))
+                                  input_nonfinite(g), input_broken(g))
             if any(e.strength >= 1 and not e.inheritable for e in own):
                 dead_ends[g.phase] = g.layer
 
@@ -507,8 +517,8 @@ def diagnose(signals: list[Signals], dtype: str, n_layers: int, compute_dtype: s
         inst_median = float(np.median(inst)) if inst.size else 0.0
         relative = _relative_evidence(group)
         per_layer = [_exact_evidence(sig, dtype, inst_median, compute_dtype, input_zeros(sig),
-                                     input_nonfinite(sig))
-                     + ([] if input_nonfinite(sig) else relative[i])
+                                     input_nonfinite(sig), input_broken(sig))
+                     + ([] if input_broken(sig) else relative[i])
                      for i, sig in enumerate(group)]
         for sig, items in zip(group, per_layer):
             if after_dead_end(sig):
@@ -559,10 +569,10 @@ def diagnose(signals: list[Signals], dtype: str, n_layers: int, compute_dtype: s
 
 
 def _ignores_input(sig: Signals) -> bool:
-    """A block output that its input does not move: every element an exact zero, or every
-    non-zero element unmoved by the probes where a clip puts values (a constant output).
-    Healthy max of either: 0."""
-    return sig.zero_frac >= 1.0 or (np.isfinite(sig.flat_value) and sig.flat_value >= 0.99)
+    """A block output that its input does not move: every non-zero element unmoved by the
+    probes where a clip puts values (a constant output; healthy max 0). An output of zeros
+    only is not one here: its later layers' zeros are judged by ``blank``."""
+    return bool(np.isfinite(sig.flat_value) and sig.flat_value >= 0.99)
 
 
 def _propagated_families(evidence: dict[int, list[tuple[Evidence, str]]],
