@@ -19,10 +19,12 @@ from tiny_models import ARCHS, build
 pytestmark = pytest.mark.integration
 
 
-def _diagnose(tmp_path, arch="llama", inject=(), layers=6, dtype=torch.float32, **cfg):
+def _diagnose(tmp_path, arch="llama", inject=(), layers=6, dtype=torch.float32,
+              granularity="sublayer", **cfg):
     model = build(arch, layers=layers, dtype=dtype)
     gen = torch.Generator().manual_seed(0)
-    cfg = DumpConfig(dump_path=str(tmp_path), granularity="sublayer", inject=list(inject), **cfg)
+    cfg = DumpConfig(dump_path=str(tmp_path), granularity=granularity, inject=list(inject),
+                     **cfg)
     with register_hook(model, cfg), torch.no_grad():
         for n in (24, 31):
             model(input_ids=torch.randint(0, 128, (1, n), generator=gen))
@@ -110,14 +112,8 @@ def test_a_later_fault_of_its_own_stays_a_fault_after_a_broken_input(first, tmp_
 def test_an_activations_own_fault_is_not_blamed_on_a_linear_after_it(tmp_path):
     """An activation's input zeros were the largest of any linear of its layer (down_proj, run
     after it, included): an all-zero down_proj must not make its zeros inherited."""
-    model = build("llama", layers=6)
-    gen = torch.Generator().manual_seed(0)
-    cfg = DumpConfig(dump_path=str(tmp_path), granularity="op",
-                     inject=["scale@layer=3,m=-1,site=mlp.act_fn"])
-    with register_hook(model, cfg), torch.no_grad():
-        for n in (24, 31):
-            model(input_ids=torch.randint(0, 128, (1, n), generator=gen))
-    top = compare_path(str(tmp_path), progress=False).layers.iloc[0]
+    top = _diagnose(tmp_path, inject=["scale@layer=3,m=-1,site=mlp.act_fn"],
+                    granularity="op").layers.iloc[0]
     assert top["layer"] == 3 and top["verdict"] == FAULT and top["site"].endswith("act_fn"), top
 
 
