@@ -32,11 +32,18 @@ DEMO ?= demo-out
 # Under CI each is removed once its tests pass: the disk then holds $(VENV) and one more.
 # ... and, under CI (.ci/run sets a deadline), only where the minutes its install and tests
 # took on the slowest runner seen are left.
-ROOM_OLDEST := 8 16
-ROOM_LAST4 := 3 15
-ROOM_VLLM := 5 13
+ROOM_OLDEST := 8 22
+ROOM_LAST4 := 3 20
+ROOM_VLLM := 5 18
 ROOM := python3 .ci/room.py
 DONE_WITH := $(if $(filter true,$(CI)),rm -rf,true)
+# Two pytest workers (pytest-xdist), a test file per worker, the longest files first
+# (tests/conftest.py): most tests wait on a command's start-up (python, torch and transformers
+# imports) on one core. PYTEST_JOBS=0 runs them in one process.
+PYTEST_JOBS ?= 2
+PYTEST := -m pytest -q -n $(PYTEST_JOBS) --dist loadfile --no-loadscope-reorder
+# each suite says when it started and how long it took (CI's log shows where its time went)
+CLOCK := python3 .ci/clock.py
 
 .PHONY: install install-oldest install-last4 install-vllm demo test test-newest test-oldest test-last4 \
 	test-vllm lint bench clean
@@ -101,32 +108,40 @@ test: test-newest test-vllm test-oldest test-last4
 
 # every test, with the newest transformers of the tested range
 test-newest: install
-	SRDD_TEST_TRANSFORMERS=newest PATH="$(BIN):$$PATH" $(PY) -m pytest -q
+	@$(CLOCK) start test-newest
+	SRDD_TEST_TRANSFORMERS=newest PATH="$(BIN):$$PATH" $(PY) $(PYTEST)
+	@$(CLOCK) end test-newest
 	@$(PY) .ci/newest_versions.py || true
 
 # the capture tests again, with the oldest
 test-oldest:
 	@if $(ROOM) $(VENV_OLDEST) $(ROOM_OLDEST); then \
+	    $(CLOCK) start test-oldest && \
 	    $(MAKE) --no-print-directory install-oldest && \
 	    echo "make: the tests in $(VENV_OLDEST) (transformers $(TRANSFORMERS_OLDEST), torch $(TORCH_OLDEST))" && \
 	    SRDD_TEST_TRANSFORMERS=oldest PATH="$(BIN_OLDEST):$$PATH" \
-	        $(PY_OLDEST) -m pytest -q -m capture && $(DONE_WITH) $(VENV_OLDEST); fi
+	        $(PY_OLDEST) $(PYTEST) -m capture && $(DONE_WITH) $(VENV_OLDEST) && \
+	    $(CLOCK) end test-oldest; fi
 
 # the capture tests again, with the last transformers 4
 test-last4:
 	@if $(ROOM) $(VENV_LAST4) $(ROOM_LAST4); then \
+	    $(CLOCK) start test-last4 && \
 	    $(MAKE) --no-print-directory install-last4 && \
 	    echo "make: the tests in $(VENV_LAST4) (transformers $(TRANSFORMERS_LAST4))" && \
 	    SRDD_TEST_TRANSFORMERS=last4 PATH="$(BIN_LAST4):$$PATH" \
-	        $(PY_LAST4) -m pytest -q -m capture && $(DONE_WITH) $(VENV_LAST4); fi
+	        $(PY_LAST4) $(PYTEST) -m capture && $(DONE_WITH) $(VENV_LAST4) && \
+	    $(CLOCK) end test-last4; fi
 
 # the real-engine tests, in vLLM's own environment
 test-vllm:
 	@if $(ROOM) $(VENV_VLLM) $(ROOM_VLLM); then \
+	    $(CLOCK) start test-vllm && \
 	    $(MAKE) --no-print-directory install-vllm && \
 	    echo "make: the tests in $(VENV_VLLM) ($(VLLM))" && \
 	    SRDD_TEST_VLLM=1 PATH="$(BIN_VLLM):$$PATH" \
-	        $(PY_VLLM) -m pytest -q -m vllm && $(DONE_WITH) $(VENV_VLLM); fi
+	        $(PY_VLLM) -m pytest -q -m vllm && $(DONE_WITH) $(VENV_VLLM) && \
+	    $(CLOCK) end test-vllm; fi
 
 lint: install
 	$(BIN)/ruff check srdd_dump cli tests fixtures bench .ci
