@@ -23,17 +23,7 @@ import pytest
 os.environ.setdefault("SRDD_DUMP_MIN_FREE_GB", "0")
 
 
-# The files whose tests take longest in all (minutes each: many commands, models, compiles),
-# longest first: `make test` hands files to its two workers in collection order, and a long
-# file started last leaves one worker idle while the other runs it.
-LONGEST_FIRST = ("test_exec", "test_msprobe_compare", "test_compiled", "test_tensor_parallel",
-                 "test_import_order", "test_reliability", "test_fuzz", "test_gemma3_e2e",
-                 "test_serving_engine", "test_smollm2_e2e")
-
-
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("integration") is None:
             item.add_marker(pytest.mark.unit)
-    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.stem, len(rank)))  # stable: else as found
