@@ -84,6 +84,8 @@ def test_a_fault_that_breaks_every_later_input_is_one_fault(spec, tmp_path):
     later = layers[layers["layer"] > 2]
     assert later["diagnosis"].fillna("").map(
         lambda d: all(f.endswith("_PROP") for f in d.split(",") if f)).all(), later
+    if spec.startswith("stuck_at"):  # said as what it is: a constant, not a clip
+        assert "the output ignores its input: a constant" in layers.iloc[0]["evidence"]
 
 
 @pytest.mark.parametrize("spec", ["scale@layer=2,m=1e21", "scale@layer=2,m=1e20"])

@@ -274,9 +274,11 @@ def _exact_evidence(sig: Signals, dtype: str, instab_median: float, compute_dtyp
     # under a shift smaller than the grid step, at the row's extremes too: that is the
     # PRECISION below, not a clip, unless the extremes also pile up
     if flat > SUSPECT_RATIO * flat_limit and (piled or not coarse) and not quantized:
+        how = ("the output ignores its input: a constant" if _ignores_input(sig)
+               else "clipped")
         ev.append(Evidence("SAT_SOURCE", flat / flat_limit,
                            f"{sig.flat_value:.2%} of non-zero elements in {where} do not move "
-                           "under a dc shift of the input (clipped)"))
+                           f"under a dc shift of the input ({how})"))
     if sig.stuck > STUCK_FRAC and sig.role != CORE:
         ev.append(Evidence("STUCK", 1.0 + 100 * sig.stuck,
                            f"{sig.stuck:.1%} of channels constant over every token in {where}"))
