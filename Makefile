@@ -109,40 +109,40 @@ test: test-newest test-vllm test-oldest test-last4
 
 # every test, with the newest transformers of the tested range
 test-newest: install
-	@$(CLOCK) start test-newest
-	SRDD_TEST_TRANSFORMERS=newest PATH="$(BIN):$$PATH" $(PY) $(PYTEST)
-	@$(CLOCK) end test-newest
+	@t0=$$($(CLOCK) start test-newest) && \
+	    SRDD_TEST_TRANSFORMERS=newest PATH="$(BIN):$$PATH" $(PY) $(PYTEST) && \
+	    $(CLOCK) end test-newest $$t0
 	@$(PY) .ci/newest_versions.py || true
 
 # the capture tests again, with the oldest
 test-oldest:
 	@if $(ROOM) $(VENV_OLDEST) $(ROOM_OLDEST); then \
-	    $(CLOCK) start test-oldest && \
+	    t0=$$($(CLOCK) start test-oldest) && \
 	    $(MAKE) --no-print-directory install-oldest && \
 	    echo "make: the tests in $(VENV_OLDEST) (transformers $(TRANSFORMERS_OLDEST), torch $(TORCH_OLDEST))" && \
 	    SRDD_TEST_TRANSFORMERS=oldest PATH="$(BIN_OLDEST):$$PATH" \
 	        $(PY_OLDEST) $(PYTEST) -m capture && $(DONE_WITH) $(VENV_OLDEST) && \
-	    $(CLOCK) end test-oldest; fi
+	    $(CLOCK) end test-oldest $$t0; fi
 
 # the capture tests again, with the last transformers 4
 test-last4:
 	@if $(ROOM) $(VENV_LAST4) $(ROOM_LAST4); then \
-	    $(CLOCK) start test-last4 && \
+	    t0=$$($(CLOCK) start test-last4) && \
 	    $(MAKE) --no-print-directory install-last4 && \
 	    echo "make: the tests in $(VENV_LAST4) (transformers $(TRANSFORMERS_LAST4))" && \
 	    SRDD_TEST_TRANSFORMERS=last4 PATH="$(BIN_LAST4):$$PATH" \
 	        $(PY_LAST4) $(PYTEST) -m capture && $(DONE_WITH) $(VENV_LAST4) && \
-	    $(CLOCK) end test-last4; fi
+	    $(CLOCK) end test-last4 $$t0; fi
 
 # the real-engine tests, in vLLM's own environment
 test-vllm:
 	@if $(ROOM) $(VENV_VLLM) $(ROOM_VLLM); then \
-	    $(CLOCK) start test-vllm && \
+	    t0=$$($(CLOCK) start test-vllm) && \
 	    $(MAKE) --no-print-directory install-vllm && \
 	    echo "make: the tests in $(VENV_VLLM) ($(VLLM))" && \
 	    SRDD_TEST_VLLM=1 PATH="$(BIN_VLLM):$$PATH" \
 	        $(PY_VLLM) -m pytest -q -m vllm && $(DONE_WITH) $(VENV_VLLM) && \
-	    $(CLOCK) end test-vllm; fi
+	    $(CLOCK) end test-vllm $$t0; fi
 
 lint: install
 	$(BIN)/ruff check srdd_dump cli tests fixtures bench .ci
