@@ -223,6 +223,49 @@ def test_killed_mid_dump_keeps_every_finished_sample(how, tmp_path):
     assert files["rounds"] == rounds and set(result.layers["samples"]) == {rounds}
 
 
+def test_sigterm_inside_the_first_probed_round_says_so(tmp_path):
+    """Stopped while the first forward is being probed (its replays cost several forwards):
+    the end says that round was under way, not that no prefill was seen."""
+    script = tmp_path / "slow_first.py"
+    script.write_text(textwrap.dedent("""
+        import os, time
+        import torch
+        class Block(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.linear = torch.nn.Linear(16, 16)
+            def forward(self, x):
+                time.sleep(0.3)
+                return x + torch.tanh(self.linear(x))
+        class Toy(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.embed = torch.nn.Embedding(32, 16)
+                self.layers = torch.nn.ModuleList(Block() for _ in range(3))
+            def forward(self, input_ids):
+                h = self.embed(input_ids)
+                for block in self.layers:
+                    h = block(h)
+                return h
+        model = Toy().eval()
+        print("forward 0", os.getpid(), flush=True)
+        with torch.no_grad():
+            model(input_ids=torch.arange(8)[None])
+        print("finished", flush=True)
+    """))
+    proc = _start("--exec", _command(str(script)), "-o", str(tmp_path / "d"),
+                  "--min-free-gb", "0")
+    _wait_for_forward(proc, 0)
+    time.sleep(3)  # the plain forward took 0.9 s; its probes run now
+    os.kill(proc.pid, signal.SIGTERM)
+    code, out, err = _finish(proc)
+    assert code == 128 + signal.SIGTERM, err
+    assert "finished" not in out
+    assert "the capture was stopped inside its first round (sample 1's prefill over 3 " \
+           "layers, being probed" in err, err
+    assert "no prefill seen" not in err and "Traceback" not in err, err
+
+
 # -- Ctrl-C ----------------------------------------------------------------------------------
 
 

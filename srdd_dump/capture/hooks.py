@@ -824,6 +824,7 @@ class CaptureSession:
             self.end.blocks_unseen = self.blocks_unseen
 
     def _finish(self) -> str | None:
+        cut = self._ctx  # a round under way in the hooks' thread: closed from another one
         self._watch.stop()
         self.remove()
         self._pending = []  # device tensors of a model-level operator
@@ -860,6 +861,8 @@ class CaptureSession:
                 self.silence = (f"{tokens} {self.config.tokens} keeps no position of the "
                                 f"forwards seen (the longest had "
                                 f"{self._rounds.no_kept_position} tokens)")
+            if not self.silence and cut is not None:
+                self.silence = _cut_first_round(cut, len(self.blocks))
             if self.silence and not os.environ.get(cfg.ENV_CONFIG):
                 say(f"srdd-dump: warning: nothing captured: {self.silence}\n")
         return self.path
@@ -885,6 +888,18 @@ class CaptureSession:
     def __exit__(self, *exc) -> None:
         self.close()
         self.remove_faults()
+
+
+def _cut_first_round(ctx: RoundContext, layers: int) -> str:
+    """Why nothing was written when the session closed inside its first round (srdd-dump
+    sent SIGTERM or Ctrl-C while the program's first captured forward ran)."""
+    what = f"sample {ctx.sample + 1}'s " + ("prefill" if ctx.step == 0 else
+                                           f"decode step {ctx.step}")
+    probes = (", being probed: each layer is replayed several times, a cost of several "
+              "forwards" if ctx.probed else "")
+    return (f"the capture was stopped inside its first round ({what} over {layers} layers"
+            f"{probes}), so no round was finished and none was written; stop the command "
+            f"later to keep the rounds finished by then")
 
 
 def register_hook(model: nn.Module, config: DumpConfig | None = None
