@@ -568,3 +568,73 @@ def test_the_conversion_is_named_by_msprobes_files_not_a_report_beside_them(tmp_
     (tensor,) = sorted(glob.glob(os.path.join(rank, "dump_tensor_data", "*.pt")))[:1]
     open(tensor, "w").close()
     assert cache_folder(rank, str(tmp_path)) != before
+
+
+def _float32_statistics(tmp_path, name: str, grown: float | dict = 0.0, md5: bool = False
+                        ) -> str:
+    """The statistics fixture as a float32 run's (its dtype renamed): with ``grown``, layer 8's
+    Norm changed by that share and every later block's by 5 times it, in every round; with
+    ``md5``, msprobe's md5 of each tensor, differing where its statistics were changed. A
+    dict ``grown`` gives the share per forward (round)."""
+    import json
+    import re
+    import shutil
+
+    copy = tmp_path / name
+    shutil.copytree(_fixture("smollm2_bf16_stats"), copy)
+    (path,) = glob.glob(str(copy / "step0" / "*" / "dump.json"))
+    with open(path) as f:
+        doc = json.loads(f.read().replace("torch.bfloat16", "torch.float32"))
+    for key, entry in doc["data"].items():
+        block = re.fullmatch(r"Module\.model\.layers\.(\d+)\.LlamaDecoderLayer\.forward\.\d+", key)
+        base = grown.get(int(key.rsplit(".", 1)[1]), 0.0) if isinstance(grown, dict) else grown
+        share = base * (1 if block and int(block[1]) == 8 else 5) if (
+            block and int(block[1]) >= 8) else 0.0
+        for t in entry.get("output") or []:
+            if isinstance(t, dict) and "Norm" in t:
+                t["Norm"] *= 1 + share
+                if md5:
+                    t["md5"] = f"{abs(hash((key, share))) % 16**8:08x}"
+    with open(path, "w") as f:
+        json.dump(doc, f)
+    return str(copy)
+
+
+def test_a_statistics_bound_that_jumps_at_one_layer_is_pointed_at_not_denied(tmp_path):
+    """float32 statistics on both sides: layer 8's bound jumps ~300x from equal statistics in
+    both rounds and later layers break tolerance. It said "no layer multiplies the error by 10x
+    or more in more than isolated rounds ... at most x333 across one layer (layer 8)". Bounds
+    prove no growth, so the layer is pointed at, with its rounds, not named as the birth."""
+    golden = _float32_statistics(tmp_path, "golden")
+    mine = _float32_statistics(tmp_path, "mine", grown=3e-5)
+    text = _compare(tmp_path, mine, "--baseline", golden)
+    finding = next(line for line in text.splitlines() if line.startswith("finding: "))
+    assert "no layer multiplies" not in finding and "isolated rounds" not in finding, finding
+    assert "lower bounds, which prove no growth across a layer" in finding, finding
+    assert "across layer 8 (model.layers.8), 10x or more in 2 of 2 compared rounds: look at " \
+        "this layer first" in finding, finding
+
+
+def test_md5_equal_inputs_make_a_bound_that_jumps_a_birth(tmp_path):
+    """The same with md5 values: layer 7's are equal on both sides, so layer 8's input is
+    proven exact and its statistics differ: the error is born at layer 8 (it was "gradual",
+    beside "the outputs first differ at layer 8")."""
+    golden = _float32_statistics(tmp_path, "golden", md5=True)
+    mine = _float32_statistics(tmp_path, "mine", grown=3e-5, md5=True)
+    text = _compare(tmp_path, mine, "--baseline", golden)
+    finding = next(line for line in text.splitlines() if line.startswith("finding: "))
+    assert finding.startswith("finding: error born at layer 8 (model.layers.8): x"), finding
+    assert "from an exact input" in finding and "2 of 2 compared rounds" in finding, finding
+
+
+def test_a_birth_in_one_round_recurs_as_a_jump_of_the_bound_in_another(tmp_path):
+    """Statistics only: layer 8 FAILs from a passing input in the prefill (a birth) and its
+    bound jumps ~500x in the decode step while it still passes. It said "first_divergence
+    marks layer 8 in 1 of 2 rounds only: too few to name it": the jump is the same layer
+    again, so the layer is named."""
+    golden = _float32_statistics(tmp_path, "golden")
+    mine = _float32_statistics(tmp_path, "mine", grown={0: 2e-3, 1: 3e-5})
+    text = _compare(tmp_path, mine, "--baseline", golden)
+    finding = next(line for line in text.splitlines() if line.startswith("finding: "))
+    assert "too few to name it" not in finding, finding
+    assert finding.startswith("finding: layer 8 (model.layers.8) introduced the error"), finding

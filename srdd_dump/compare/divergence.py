@@ -184,7 +184,9 @@ def mark_divergence(table: pd.DataFrame, same_device: dict[tuple[str, str], bool
             if verdict[pos] == FAIL and input_ok and not found:
                 fail[pos] = found = True
             exact_input = exact[pos] and same_setup[pos]
-            proven = not bounded[pos] or verdict[pos] in (WARN, FAIL)
+            # a bound above 0 from an input proven equal (md5) is a proven birth too
+            proven = (not bounded[pos] or verdict[pos] in (WARN, FAIL)
+                      or (exact_input and red[pos] > 0))
             if input_ok and breaks is None and proven and (
                     amp[pos] >= BIRTH_GROWTH or (exact_input and red[pos] > 0)
                     or (verdict[pos] == FAIL and nonfinite[pos] > 0)):
@@ -581,7 +583,15 @@ def _recurring(table: pd.DataFrame, births: pd.DataFrame, same_setup: np.ndarray
     need = _recurrence(table)
     exact = np.array([bool(exact_input[int(pos)] and same_setup[int(pos)])
                       for pos in births.index], dtype=bool)
-    counts = births["layer"].map(births["layer"].value_counts())
+    # statistics-only rows whose bound jumps BIRTH_GROWTH-fold at the layer in other rounds:
+    # no birth each (bounds prove no growth), but the same layer again
+    jumps = pd.Series(False, index=table.index)
+    if BOUND_COLUMN in table:
+        jumps = table[BOUND_COLUMN].notna() & (
+            pd.to_numeric(table["error_amplification"], errors="coerce") >= BIRTH_GROWTH)
+    seen = pd.concat([births, table[jumps]])
+    rounds = seen.drop_duplicates(subset=[*GROUP, "layer"])["layer"].value_counts()
+    counts = births["layer"].map(rounds)
     return births[exact | (counts.to_numpy() >= need)]
 
 
@@ -701,9 +711,11 @@ def _explain(s: BaselineSummary, compared: pd.DataFrame, same_setup: np.ndarray,
         return "unlocated", _unlocated(s, start, tol, held)
     amplification = s.per_layer["max_error_amplification"]
     growth = amplification.max()
-    isolated = " in more than isolated rounds" if growth >= BIRTH_GROWTH else ""
     most = s.per_layer.loc[amplification.idxmax()] if amplification.notna().any() else None
     at = f" (layer {int(most['layer'])}, {most['module']})" if most is not None else ""
+    if s.bounded and most is not None and growth >= BIRTH_GROWTH:
+        return "gradual", _bounds_jump(s, compared, start, most, tol)
+    isolated = " in more than isolated rounds" if growth >= BIRTH_GROWTH else ""
     return "gradual", (
         f"no layer multiplies the error by {BIRTH_GROWTH:g}x or more{isolated}: "
         f"the first layer beyond {tol} tolerance is {int(start['layer'])} ({start['module']}, "
@@ -714,6 +726,28 @@ def _explain(s: BaselineSummary, compared: pd.DataFrame, same_setup: np.ndarray,
         f"{BIRTH_GROWTH:g}x looks the same here; the reference-free report judges each "
         f"layer on its own, by its replays where the dumps hold them)"
         + _first_difference(compared, same_setup, exact)
+    )
+
+
+def _bounds_jump(s: BaselineSummary, compared: pd.DataFrame, start: pd.Series,
+                 most: pd.Series, tol: str) -> str:
+    """The gradual finding where statistics-only rows hold the largest growth: their relative
+    errors are lower bounds, and a jump of bounds proves no birth (the layer before may differ
+    as much with equal statistics), so the layer is pointed at, not named as the birth."""
+    layer = int(most["layer"])
+    at = compared[compared["layer"] == layer]
+    jumps = int((pd.to_numeric(at["error_amplification"], errors="coerce")
+                 >= BIRTH_GROWTH).sum())
+    rounds = len(at[GROUP].drop_duplicates())
+    return (
+        f"the first layer beyond {tol} tolerance is {int(start['layer'])} ({start['module']}, "
+        f"{start['verdict']}); the relative error grows to at least "
+        f"{s.per_layer['max_relative_euclidean_distance'].max():.3g}. Where a side holds "
+        f"statistics only, the errors are lower bounds, which prove no growth across a layer: "
+        f"the largest jump of the bound is x{most['max_error_amplification']:.3g} across layer "
+        f"{layer} ({most['module']}), {BIRTH_GROWTH:g}x or more in {jumps} of {rounds} compared "
+        f"rounds: look at this layer first (a dump of its tensors, or md5, on both sides "
+        f"proves or clears it)" + _first_proven(compared)
     )
 
 
