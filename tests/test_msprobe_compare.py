@@ -638,3 +638,29 @@ def test_a_birth_in_one_round_recurs_as_a_jump_of_the_bound_in_another(tmp_path)
     finding = next(line for line in text.splitlines() if line.startswith("finding: "))
     assert "too few to name it" not in finding, finding
     assert finding.startswith("finding: layer 8 (model.layers.8) introduced the error"), finding
+
+
+def test_a_block_input_that_is_not_the_last_blocks_output_is_said(tmp_path):
+    """data_mode all records each block's input: where it differs from the block before's
+    output (a hook after msprobe's, code between the modules), the layer-by-layer reading
+    names the change at the block it feeds and said "its input agrees" without a word."""
+    import json
+    import shutil
+
+    copy = tmp_path / "fed"
+    shutil.copytree(_fixture("smollm2_bf16_all_stats"), copy)
+    (path,) = glob.glob(str(copy / "step0" / "*" / "dump.json"))
+    with open(path) as f:
+        doc = json.load(f)
+    entry = doc["data"]["Module.model.layers.8.LlamaDecoderLayer.forward.0"]
+    fed = entry["input_args"][0] if entry.get("input_args") else \
+        entry["input_kwargs"]["hidden_states"]
+    fed["Max"] += 1.0
+    with open(path, "w") as f:
+        json.dump(doc, f)
+    healthy = _compare(tmp_path, _fixture("smollm2_bf16_all_stats"), "--baseline",
+                       _fixture("smollm2_bf16_all_stats"))
+    assert "block inputs msprobe recorded differ" not in healthy, healthy
+    text = _compare(tmp_path, str(copy), "--baseline", _fixture("smollm2_bf16_all_stats"))
+    assert "1 block inputs msprobe recorded differ from the output of the block before them" \
+        in text and "named at the block it feeds: model.layers.8 (1 round)" in text, text

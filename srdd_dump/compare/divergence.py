@@ -675,8 +675,12 @@ def _explain(s: BaselineSummary, compared: pd.DataFrame, same_setup: np.ndarray,
         at = s.first_divergence[s.first_divergence["layer"] == s.first_layer]
         row = at.loc[at[RED_COLUMN].fillna(-1.0).idxmax()]
         if row["verdict"] == FAIL:
+            before = s.per_layer.loc[s.per_layer["layer"] < s.first_layer, "layer"]
+            fed = (f" (layer {int(before.max())}'s output)"
+                   if s.first_layer > 0 and len(before) and before.max() == s.first_layer - 1
+                   else "")
             return "introduced", (
-                f"{where} introduced the error: its input agrees with the golden run and its "
+                f"{where} introduced the error: its input{fed} agrees with the golden run and its "
                 f"output does not, in {s.first_rounds} of {s.rounds} compared rounds "
                 f"({error_words(row)}"
                 + ("" if _nonfinite_words(row) else f", x{row['error_amplification']:.3g} its "

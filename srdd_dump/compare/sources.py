@@ -378,10 +378,14 @@ LEFT_OUT = {
     "msprobe_not_read": "records of the msprobe dump are not compared (srdd-compare reads the "
     "blocks, their attention and MLP, Linear and *Norm modules; not API calls or other "
     "modules)",
+    "msprobe_inputs_changed": "block inputs msprobe recorded differ from the output of the "
+    "block before them (something between the two modules changes the stream: code outside "
+    "the blocks, or a hook run after msprobe's); the layer-by-layer reading takes a block's "
+    "input to be the last block's output, so such a change is named at the block it feeds",
 }
 # those on recorded outputs, not on probes: a baseline says them too
 DATA_LEFT_OUT = ("records_dropped", "site_errors", "sites_never_run", "tensors_unreadable",
-                 "msprobe_not_read")
+                 "msprobe_not_read", "msprobe_inputs_changed")
 
 
 def data_notes(source: str, status: dict) -> list[str]:

@@ -25,7 +25,7 @@ from .msprobe import LOGICAL, ModuleCall, MsprobeRun, dump_jsons, read_msprobe
 from .msprobe_rounds import STAT_COLUMNS, Layout, RoundMaker
 from .writer import DumpWriter
 
-CONVERTER = 13  # the cache of converted dumps is keyed by it: bump it when the output changes
+CONVERTER = 14  # the cache of converted dumps is keyed by it: bump it when the output changes
 ELEMENTS = "output elements"
 STATISTICS_ONLY = ("an msprobe statistics dump keeps Max, Min, Mean and Norm of each tensor: no "
                    "kurtosis, zero fraction, pile-up or other element-wise signal")
@@ -135,6 +135,7 @@ def _convert_group(path: str, key: tuple, runs: list[MsprobeRun], out_dir: str) 
                         max_pending=0,
                         stat_columns=None if tensor_mode else list(STAT_COLUMNS))
     unreadable: dict[str, None] = {}  # why each tensor file left out could not be read
+    fed_otherwise: collections.Counter = collections.Counter()  # block -> rounds
     try:
         sample, step, prefill_len, rounds = -1, 0, None, 0
         for run in runs:
@@ -152,6 +153,7 @@ def _convert_group(path: str, key: tuple, runs: list[MsprobeRun], out_dir: str) 
                     sample, step, prefill_len = sample + 1, 0, maker.shape[1]
                 r = maker.round(sample, step, prefill_len)
                 unreadable.update(dict.fromkeys(maker.unreadable))
+                fed_otherwise.update(maker.fed_otherwise)
                 family = f"{'prefill' if step == 0 else 'decode'} block probes"
                 coverage.expect(family)
                 coverage.failed(family, NO_PROBES)
@@ -168,6 +170,10 @@ def _convert_group(path: str, key: tuple, runs: list[MsprobeRun], out_dir: str) 
     if unreadable:  # the report names them (compare/sources.capture_notes)
         status["tensors_unreadable"] = len(unreadable)
         status["tensors_unreadable_sites"] = list(unreadable)[:3]
+    if fed_otherwise:  # the report names them (compare/sources.LEFT_OUT)
+        status["msprobe_inputs_changed"] = sum(fed_otherwise.values())
+        status["msprobe_inputs_changed_sites"] = [
+            f"{name} ({n} round{'s' if n > 1 else ''})" for name, n in fed_otherwise.most_common(3)]
     unread = _not_read(runs, layout)
     if unread:
         status["msprobe_not_read"] = sum(unread.values())

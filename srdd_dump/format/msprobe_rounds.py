@@ -100,6 +100,7 @@ class RoundMaker:
                  tensor_mode: bool):
         self.run, self.layout, self.calls, self.tensor_mode = run, layout, calls, tensor_mode
         self.unreadable: list[str] = []  # why a tensor file could not be read, one per file
+        self.fed_otherwise: list[str] = []  # blocks whose input is not the last one's output
         shaped = [c for c in calls if c.module in layout.block_index] or \
             [c for c in calls if c.module in layout.site_index]
         self.shape = next((d for d in (dims(c.output) for c in shaped) if d), None)
@@ -135,6 +136,7 @@ class RoundMaker:
         r = Round(sample=sample, step=step, batch=batch, seq=seq,
                   positions=np.zeros(0, dtype=np.int64), probe_rows=None)
         block0 = self._block0()
+        self.fed_otherwise = self._fed_otherwise()
         stack_input = self._stack_input(block0)
         if stack_input is not None:
             self._add(r, schema.STACK_INPUT, schema.BLOCK_SITE, [stack_input], block0)
@@ -181,6 +183,24 @@ class RoundMaker:
             x = sum(x.astype(np.float32) for x in parts)
             array = _storage(x.reshape(r.batch, r.seq, -1), logical)
         r.tensors.append(Tensor(layer=layer, site=site, dtype=logical, array=array))
+
+    def _fed_otherwise(self) -> list[str]:
+        """The blocks whose recorded hidden-state input differs from the recorded output of
+        the block before them (data_mode all): something between the two modules changed the
+        stream (code outside the blocks, a hook run after msprobe's), which the layer-by-layer
+        reading, taking a block's input to be the last block's output, names at the block it
+        feeds. By the statistics msprobe records of both (equal for one tensor)."""
+        blocks = {self.layout.block_index[c.module]: c for c in self.calls
+                  if c.module in self.layout.block_index}
+        out = []
+        for layer, c in sorted(blocks.items()):
+            before = blocks.get(layer - 1)
+            if before is None or len(self._outputs(before)) != 1:
+                continue  # the serving convention's (hidden_states, residual): not one tensor
+            fed = self._stack_input(c)
+            if fed is not None and _differ(fed, before.outputs[0]):
+                out.append(c.module)
+        return out
 
     def _stack_input(self, block0: ModuleCall | None) -> dict | None:
         """Block 0's hidden-state input: its first floating-point input shaped like its
@@ -234,6 +254,25 @@ class RoundMaker:
         except UserError as exc:
             self.unreadable.append(str(exc))
             return None
+
+
+def _differ(a: dict, b: dict) -> bool:
+    """Two recorded tensors are not one: another shape, Max or Min, Mean or Norm beyond a
+    millionth of their scale, or md5 (all as msprobe recorded them)."""
+    if dims(a) != dims(b):
+        return True
+    if a.get("md5") and b.get("md5") and a["md5"] != b["md5"]:
+        return True
+    values = {k: (statistic(a, k), statistic(b, k)) for k in ("Max", "Min", "Mean", "Norm")}
+    if any(x is None or y is None or math.isnan(x) or math.isnan(y)
+           for x, y in values.values()):
+        return False
+    if values["Max"][0] != values["Max"][1] or values["Min"][0] != values["Min"][1]:
+        return True
+    scale = max(abs(values["Max"][0]), abs(values["Min"][0]), 1e-30)
+    norm = max(abs(values["Norm"][0]), 1e-30)
+    return (abs(values["Mean"][0] - values["Mean"][1]) > 1e-6 * scale
+            or abs(values["Norm"][0] - values["Norm"][1]) > 1e-6 * norm)
 
 
 def _length(entry: dict) -> int | None:
