@@ -664,3 +664,68 @@ def test_a_block_input_that_is_not_the_last_blocks_output_is_said(tmp_path):
     text = _compare(tmp_path, str(copy), "--baseline", _fixture("smollm2_bf16_all_stats"))
     assert "1 block inputs msprobe recorded differ from the output of the block before them" \
         in text and "named at the block it feeds: model.layers.8 (1 round)" in text, text
+
+
+def _one_layer_mix(folder, changed: dict[str, float]) -> str:
+    """An msprobe tensor dump of layer 7's block and its modules (level mix, a list of
+    "layers.7."), 2 steps of one 6-token forward, float32; ``changed``: module -> the share
+    by which its output is moved (mine)."""
+    import json
+
+    import torch
+
+    modules = [("input_layernorm", "LlamaRMSNorm"), ("self_attn.q_proj", "Linear"),
+               ("self_attn.k_proj", "Linear"), ("self_attn.v_proj", "Linear"),
+               ("self_attn.o_proj", "Linear"), ("self_attn", "LlamaAttention"),
+               ("post_attention_layernorm", "LlamaRMSNorm"), ("mlp.gate_proj", "Linear"),
+               ("mlp.up_proj", "Linear"), ("mlp.down_proj", "Linear"), ("mlp", "LlamaMLP"),
+               ("", "LlamaDecoderLayer")]
+    for step in range(2):
+        run = folder / f"step{step}" / "proc77"
+        (run / "dump_tensor_data").mkdir(parents=True)
+        data = {}
+        gen = torch.Generator().manual_seed(step)
+        for name, cls in modules:
+            module = "model.layers.7" + (f".{name}" if name else "")
+            key = f"Module.{module}.{cls}.forward.0"
+            t = torch.randn(1, 6, 16, generator=gen)
+            t = t * (1 + changed.get(name or "block", 0.0))
+            file = f"{key}.output.0.pt"
+            torch.save(t, run / "dump_tensor_data" / file)
+            data[key] = {"output": [{
+                "type": "torch.Tensor", "dtype": "torch.float32", "shape": [1, 6, 16],
+                "Max": float(t.max()), "Min": float(t.min()), "Mean": float(t.mean()),
+                "Norm": float(t.norm()), "requires_grad": False, "data_name": file}],
+                "parameters": {}}
+        (run / "dump.json").write_text(json.dumps(
+            {"task": "tensor", "level": "mix", "framework": "pytorch", "data": data}))
+    return str(folder)
+
+
+def test_a_layers_first_module_beyond_tolerance_after_exact_ones_is_named(tmp_path):
+    """A dump of one layer's modules (level mix): input_layernorm equal bit for bit, then
+    q_proj beyond tolerance (WARN only, as bf16 weights make it) in both rounds. It said the
+    error is "already beyond tolerance at layer 7, whose input is not in both dumps; dump the
+    layers before it (--layers)": a WARN right after exact sites is a birth, named."""
+    golden = _one_layer_mix(tmp_path / "golden", {})
+    mine = _one_layer_mix(tmp_path / "mine", {"self_attn.q_proj": 5e-4, "block": 5e-4})
+    text = _compare(tmp_path, mine, "--baseline", golden)
+    finding = next(line for line in text.splitlines() if line.startswith("finding: "))
+    assert finding.startswith("finding: error born inside layer 7 (model.layers.7): in 2 of "
+                              "2 compared rounds model.layers.7.input_layernorm agrees with "
+                              "the golden run and model.layers.7.self_attn.q_proj is beyond "
+                              "float32 tolerance (WARN"), finding
+
+
+def test_a_block_output_beyond_tolerance_after_exact_sub_layers_is_said(tmp_path):
+    """Every module of layer 7 equal bit for bit, its output not (a hook run after msprobe's
+    changed a sub-layer's output, or the residual adds): born inside the layer, after its
+    sub-layers, not "dump the layers before it"."""
+    golden = _one_layer_mix(tmp_path / "golden", {})
+    mine = _one_layer_mix(tmp_path / "mine", {"block": 0.3})
+    text = _compare(tmp_path, mine, "--baseline", golden)
+    finding = next(line for line in text.splitlines() if line.startswith("finding: "))
+    assert finding.startswith("finding: error born inside layer 7 (model.layers.7), after "
+                              "its sub-layers: in 2 of 2 compared rounds"), finding
+    assert "all 11 of its sub-layers and operators compared agree with the golden run bit for " \
+        "bit" in finding and "--layers" not in finding, finding

@@ -464,6 +464,31 @@ def _site_after_exact(sites: pd.DataFrame) -> str:
             f"{rounds} compared rounds): look there")
 
 
+def _after_sites(summary: BaselineSummary, table: pd.DataFrame, at: pd.DataFrame,
+                 layer: int) -> None:
+    """The block's output is beyond tolerance while every sub-layer and operator of it
+    compared agrees bit for bit (a dump of one layer's modules): the change is in the block's
+    own code after them (its residual adds) or was made to a sub-layer's output after it was
+    recorded (a hook run after msprobe's)."""
+    block = table[(table["layer"] == layer) & (table["verdict"] != NOT_COMPARED)]
+    broken = block[block["verdict"].isin([WARN, FAIL])]
+    if broken.empty:
+        return
+    worst = broken.loc[pd.to_numeric(broken[RED_COLUMN], errors="coerce").fillna(-1.0).idxmax()]
+    rounds = len(broken[GROUP].drop_duplicates())
+    summary.first_layer, summary.first_rounds = layer, rounds
+    summary.first_module = str(worst["module"])
+    summary.pattern = "site"
+    summary.message = (
+        f"error born inside layer {layer} ({summary.first_module}), after its sub-layers: in "
+        f"{rounds} of {summary.rounds} compared rounds its output is beyond "
+        f"{worst['tolerance']} tolerance ({worst['verdict']}, {error_words(worst)}) while all "
+        f"{at['module'].nunique()} of its sub-layers and operators compared agree with the "
+        "golden run bit for bit: the change is in the block's own code after them (its "
+        "residual adds), or was made to a sub-layer's output after it was recorded (a hook "
+        "run after the dump's): look at this layer first")
+
+
 def _unnamed_births(marked: pd.DataFrame, rounds: int) -> str:
     """'; first_divergence marks layer K in 1 round only ...': the rows marked as a birth when
     too few rounds hold it for the finding to name it (``_recurring``), so the table's marks
@@ -494,7 +519,11 @@ def _first_red_site(summary: BaselineSummary, table: pd.DataFrame, sites: pd.Dat
     layer = int(bad.iloc[0]["layer"])
     at = sites[(sites["layer"] == layer).to_numpy(dtype=bool, na_value=False)
                & (sites["verdict"] != NOT_COMPARED).to_numpy(dtype=bool)]
-    firsts, before = [], {}
+    measured = pd.Series(_measured(at), index=at.index)
+    if len(at) and measured.all() and (pd.to_numeric(at[RED_COLUMN], errors="coerce") == 0).all():
+        _after_sites(summary, table, at, layer)
+        return
+    firsts, before, exact = [], {}, set()
     for _, rows in _bounded(at).groupby(GROUP, dropna=False, sort=False):
         red = (rows["verdict"] != PASS).to_numpy()
         errors = pd.to_numeric(rows[RED_COLUMN], errors="coerce").fillna(0.0).to_numpy()
@@ -504,13 +533,16 @@ def _first_red_site(summary: BaselineSummary, table: pd.DataFrame, sites: pd.Dat
         if red.any() and k > 0 and errors[k] >= BIRTH_GROWTH * errors[:k].max():
             firsts.append(rows.index[k])
             before.setdefault(rows["module"].iloc[k], list(rows["module"].iloc[:k]))
+            if errors[:k].max() == 0 and measured[rows.index[:k]].all():
+                exact.add(rows.index[k])  # after sites equal bit for bit: proven
     if not firsts:
         return
     counts = sites.loc[firsts, "module"].value_counts()
     site, rounds = str(counts.index[0]), int(counts.iloc[0])
     named = sites.loc[[i for i in firsts if sites.at[i, "module"] == site]]
-    if rounds < _recurrence(table) or not (named["verdict"] == FAIL).any():
-        return  # a FAIL among them: the rows the table marks (mark_site_birth)
+    if rounds < _recurrence(table) or not (
+            (named["verdict"] == FAIL).any() or all(i in exact for i in named.index)):
+        return  # a FAIL among them, or a WARN after exact sites: a birth, not rounding
     worst = _bounded(named).loc[lambda t: pd.to_numeric(
         t[RED_COLUMN], errors="coerce").fillna(-1.0).idxmax()]
     block = table[(table["layer"] == layer) & (table["verdict"] != NOT_COMPARED)]
@@ -521,7 +553,8 @@ def _first_red_site(summary: BaselineSummary, table: pd.DataFrame, sites: pd.Dat
     summary.pattern = "site"
     summary.message = (
         f"error born inside layer {layer} ({summary.first_module}): in {rounds} of "
-        f"{summary.rounds} compared rounds {', '.join(before[site])} agree with the golden run "
+        f"{summary.rounds} compared rounds {', '.join(before[site])} "
+        f"agree{'s' if len(before[site]) == 1 else ''} with the golden run "
         f"and {site} is beyond {tol} tolerance ({worst['verdict']}, "
         f"{error_words(worst, 'up to ')}); the block's input is not compared, so its "
         "sub-layers place it: look at this layer first")
@@ -773,8 +806,8 @@ def _unlocated(s: BaselineSummary, start: pd.Series, tol: str, held: bool) -> st
             + ("was not compared (see the cmp_fail_reason of the layer before it)"
                if held else "is not in both dumps")
             + f": it was born there or before it{after}"
-            + ("" if held else "; dump the layers before it on both sides (--layers) to name "
-               "the layer"))
+            + ("" if held else "; dump the layers before it on both sides (srdd-dump "
+               "--layers; msprobe: a list or scope that holds them) to name the layer"))
 
 
 # rows one side holds no module or step for (a --layers subset, a site the other did not dump,
