@@ -298,6 +298,11 @@ def test_a_mix_dump_of_one_layers_modules_is_compared_where_both_have_them(tmp_p
     # the API calls of the mix dump are not compared: said (they were dropped without a word)
     assert "31 records of the msprobe dump are not compared" in text, text
     assert "Functional.linear (4)" in text
+    # the kinds listed add up to the count: those past the first five as "N other kinds (M)"
+    import re
+
+    note = next(line for line in text.splitlines() if "are not compared" in line)
+    assert sum(int(n) for n in re.findall(r"\((\d+)\)", note.split("modules):")[-1])) == 31, note
     # without block outputs the reference-free diagnosis has nothing to judge: one line
     alone = run_cli("srdd-compare", _fixture("smollm2_bf16_mix"), "-o", str(tmp_path / "r.csv"))
     assert alone.returncode == 2 and len(alone.stderr.strip().splitlines()) == 1

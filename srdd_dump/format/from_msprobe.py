@@ -25,7 +25,7 @@ from .msprobe import LOGICAL, ModuleCall, MsprobeRun, dump_jsons, read_msprobe
 from .msprobe_rounds import STAT_COLUMNS, Layout, RoundMaker
 from .writer import DumpWriter
 
-CONVERTER = 14  # the cache of converted dumps is keyed by it: bump it when the output changes
+CONVERTER = 15  # the cache of converted dumps is keyed by it: bump it when the output changes
 ELEMENTS = "output elements"
 STATISTICS_ONLY = ("an msprobe statistics dump keeps Max, Min, Mean and Norm of each tensor: no "
                    "kurtosis, zero fraction, pile-up or other element-wise signal")
@@ -177,7 +177,10 @@ def _convert_group(path: str, key: tuple, runs: list[MsprobeRun], out_dir: str) 
     unread = _not_read(runs, layout)
     if unread:
         status["msprobe_not_read"] = sum(unread.values())
-        status["msprobe_not_read_sites"] = [f"{kind} ({n})" for kind, n in unread.most_common(5)]
+        kinds = unread.most_common()
+        status["msprobe_not_read_sites"] = [f"{kind} ({n})" for kind, n in kinds[:5]] + (
+            [f"{len(kinds) - 5} other kinds ({sum(n for _, n in kinds[5:])})"]
+            if len(kinds) > 5 else [])
     final = writer.close(status)
     if writer.error:
         raise UserError(f"{target}: cannot write it ({writer.error})")
