@@ -468,3 +468,33 @@ def test_a_headline_says_which_evidence_the_fault_rests_on():
                       module="model.layers.17.mlp")
     v.evidence = [strong, batch]
     assert "; also the output changes" in headline(v)
+
+
+def test_the_batch_dependence_limit_admits_one_dot_products_rounding():
+    """A healthy fp32 SmolLM2 decode step: the attention's in-batch replay (5 rows, a matrix
+    product) differed from its recorded one-row call (a matrix-vector product) by 6.4e-6 of
+    max|x|, SUSPECT BATCH_DEP at 0.64x the 1e-5 limit. The limit is at least the worst-case
+    rounding of a dot product of the layer's width (576 x 2^-24 = 3.4e-5); a batch-wide range
+    moves far more and stays found."""
+    from srdd_dump.analysis.diagnosis import batch_dep_limit
+    from srdd_dump.analysis.signals import DECODE, Signals
+    from srdd_dump.vocabulary import SUBLAYER
+
+    assert batch_dep_limit("float32", 576) == 576 * 2.0**-24
+    assert batch_dep_limit("float32", 0) == 1e-5  # width unknown: the dtype's limit
+    assert batch_dep_limit("bfloat16", 576) == 3e-2  # a half type rounds the order away
+
+    def labels(batch_dep: float, width: int) -> list[str]:
+        signals = [Signals(layer=k, site=-1, module=f"model.layers.{k}", samples=1,
+                           phase=DECODE, dtype="float32", n_values=576, offset=0.01,
+                           kurtosis=0.5, instability=0.0) for k in range(4)]
+        signals.append(Signals(layer=2, site=0, module="model.layers.2.self_attn", samples=1,
+                               phase=DECODE, dtype="float32", role=SUBLAYER, n_values=576,
+                               instability=0.0, batch_dep=batch_dep, batch_dep_level=0.1,
+                               batch_dep_moved=0.5, width=width))
+        verdict = next(v for v in diagnose(signals, "float32", 4) if v.layer == 2)
+        return verdict.diagnosis.split(",") if verdict.diagnosis else []
+
+    assert "BATCH_DEP" not in labels(6.4e-6, 576)
+    assert "BATCH_DEP" in labels(6.4e-6, 0)  # the former limit: the false alarm
+    assert "BATCH_DEP" in labels(1e-3, 576)  # a batch-wide scale: found

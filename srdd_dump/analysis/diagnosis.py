@@ -90,6 +90,18 @@ REFERENCE_FAMILIES = ("HOST_MISMATCH", "ATTENTION_MISMATCH", "MLP_MISMATCH")
 # batch 1 (healthy SmolLM2 fp32 max 1.2e-7, about 1 ulp of the largest value; bf16 0 on CPU).
 # FAULT at about 80 fp32 ulps and 4 bf16 ulps of the largest value.
 BATCH_DEP = {"float32": 1e-5, "float64": 1e-12, "float16": 4e-3, "bfloat16": 3e-2}
+# the unit roundoff of the accumulation (float32 for the half types, as BLAS accumulates them)
+ACCUMULATION_ROUNDOFF = {"float64": 2.0**-53}
+
+
+def batch_dep_limit(dtype: str, width: int) -> float:
+    """B(dtype), and at least K * u, the worst-case rounding of one dot product of the
+    layer's width K in its accumulation type: the in-batch replay holds several times the
+    recorded call's rows, for which a BLAS may pick another kernel (a decode step's one-row
+    call runs a matrix-vector product, the batch a matrix product), which sums in another
+    order. Only float32 and float64 outputs can show it: a half-type output rounds it away."""
+    return max(BATCH_DEP.get(dtype, 1e-5),
+               width * ACCUMULATION_ROUNDOFF.get(dtype, 2.0**-24))
 # the elements that moved sit at |clean| >= this x max |clean|, and are few: a clip limit
 BATCH_DEP_EXTREME = 0.5
 BATCH_DEP_FEW = 0.01
@@ -299,7 +311,7 @@ def _exact_evidence(sig: Signals, dtype: str, instab_median: float, compute_dtyp
                            f"output, {sig.instab_changed:.1%} of elements changed"))
     # repeat runs that differ at all make the batched replay differ too: not a batch range
     noisy = sig.instability > SUSPECT_RATIO * floor
-    batch_limit = BATCH_DEP.get(dtype, 1e-5)
+    batch_limit = batch_dep_limit(dtype, sig.width)
     if not noisy and sig.batch_dep > SUSPECT_RATIO * batch_limit:
         # a module that is deterministic on its own but whose output for one input moves with
         # the other inputs of the batch: a range (max, scale) taken over the whole batch

@@ -99,6 +99,7 @@ class Signals:
     instab_kurtosis: float = float("nan")  # excess kurtosis of (repeat - clean) differences
     # batched replays: the in-batch reference vs the clean output of the same input
     batch_dep: float = float("nan")  # max |replay - clean| / max |clean|, worst sample
+    width: int = 0  # values per token row of its clean records (0: unknown)
     batch_dep_level: float = float("nan")  # median |clean| / max |clean| where it moved most
     batch_dep_moved: float = float("nan")  # fraction of elements moved by >= half that max
     # exact identities and the host reference (NaN when not probed)
@@ -383,6 +384,7 @@ class LayerSignals:
         self.instab: list[float] = []
         self.changed: list[float] = []
         self.batch_dep: list[tuple[float, float, float]] = []
+        self.width = 0
         self.diffs = Moments()
         self.any_diffs = False
         self.dtypes: dict[str, int] = {}  # logical dtype -> elements seen
@@ -425,6 +427,8 @@ class LayerSignals:
             self.host_zeros.append(r.host_zeros)
         if r.batch_dep is not None:
             self.batch_dep.append(r.batch_dep)
+        if r.rows > 0 and r.moments.count > 0:
+            self.width = max(self.width, round(r.moments.count / r.rows))
         for sigma, gain in r.gains:
             self.gains.setdefault(sigma, []).append(gain)
         for dead, flat_zero, flat_value, probed, low in r.dc:
@@ -485,6 +489,7 @@ class LayerSignals:
         if self.batch_dep:
             sig.batch_dep, sig.batch_dep_level, sig.batch_dep_moved = max(
                 self.batch_dep, key=lambda v: v[0] if np.isfinite(v[0]) else -1.0)
+        sig.width = self.width
         if self.scale:
             sig.scale_broken, sig.scale_n, sig.scale_pattern, sig.scale_size = max(self.scale)
         if self.causal:
