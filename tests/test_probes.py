@@ -193,3 +193,26 @@ def test_a_sublayer_taking_residual_is_perturbed_on_its_hidden_states(tmp_path):
             rms = float(np.sqrt((delta ** 2).mean()))
             # a pass-through would give back the perturbation's own size
             assert abs(rms / float(rec["pert_rms"]) - 1) > 0.01
+
+
+@pytest.mark.parametrize("store", ["sample:32768", "stats"])
+def test_probes_replayed_one_by_one_measure_no_batch_dependence(tmp_path, store):
+    """--no-batch-probes replays each perturbed input on its own: the reference is then the
+    recorded output itself, and the report said batch_dep 0.0 on every row, with no word
+    that the check did not run. It is N/A, and the headline says it was left out."""
+    from srdd_dump.compare import compare_path
+
+    model = build("llama", layers=3)
+    ids = torch.randint(0, 128, (1, 12), generator=torch.Generator().manual_seed(0))
+    for batched, folder in ((False, "alone"), (True, "batched")):
+        with register_hook(model, DumpConfig(dump_path=str(tmp_path / folder), samples=1,
+                                             progress=False, store=store,
+                                             batch_probes=batched)), torch.no_grad():
+            model(ids)
+    alone = compare_path(str(tmp_path / "alone"), progress=False)
+    assert alone.layers["batch_dep"].isna().all(), alone.layers["batch_dep"]
+    assert alone.sites["batch_dep"].isna().all()
+    assert "not tested (left out at capture): batch dependence" in alone.headlines[0]
+    batched = compare_path(str(tmp_path / "batched"), progress=False)
+    assert batched.layers["batch_dep"].notna().all()
+    assert "batch dependence" not in batched.headlines[0]

@@ -187,6 +187,7 @@ LEFT_OUT = (
     ("causality", lambda o, probes: "causal" not in probes),
     ("host references", lambda o, probes: not {"attention", "mlp", "norm"} & probes
      and o.get("reference", "none") != "host"),
+    ("batch dependence", lambda o, probes: o.get("batch_probes") is False),
 )
 NONE_PROBED = ", none probed"
 

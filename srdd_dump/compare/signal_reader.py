@@ -8,6 +8,7 @@ A worker process runs ``run_task`` only: no pandas, no report code.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -50,10 +51,18 @@ def run_task(task: SignalTask) -> list[Signals] | str:
         return task.roles[site] if 0 <= site < len(task.roles) else SUBLAYER
 
     try:
-        return read_signals(open_reader(task.path), task.keys, module, role,
-                            expert_sites(task.sites, task.roles))
+        reader = open_reader(task.path)
+        signals = read_signals(reader, task.keys, module, role,
+                               expert_sites(task.sites, task.roles))
     except READ_ERRORS as exc:
         return f"{task.path}: damaged dump file ({first_line(exc)})"
+    options = reader.meta.get("dump_config")
+    if isinstance(options, dict) and options.get("batch_probes") is False:
+        # replayed one by one (--no-batch-probes): the reference is the recorded output
+        # itself, so a batch dependence of 0 would be no measurement
+        for g in signals:
+            g.batch_dep = g.batch_dep_level = g.batch_dep_moved = math.nan
+    return signals
 
 
 def _key_code(layer, site):
