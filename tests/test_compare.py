@@ -543,6 +543,13 @@ def test_a_dump_file_named_without_a_folder_part(tmp_path):
     # a report path under a file: the reason named
     res = run_cli("mine.h5", "-o", "notes.h5/r.csv", "-q", cwd=str(tmp_path))
     assert res.returncode == 2 and "notes.h5 is a file, not a folder" in res.stderr
+    # said by the checks before any work (it came after the whole compare)
+    from srdd_dump.errors import UserError
+    from srdd_dump.report import report_format
+
+    with pytest.raises(UserError, match="notes.h5 is a file, not a folder"):
+        report_format(str(tmp_path / "notes.h5" / "sub" / "r.csv"))
+    assert report_format(str(tmp_path / "new" / "r.csv")) == ".csv"  # made when written
 
 
 def test_the_documented_layer_columns_are_the_report_columns():

@@ -7,6 +7,7 @@ import os
 from typing import TYPE_CHECKING
 
 from ..errors import UserError
+from .placing import existing_part
 
 if TYPE_CHECKING:  # the result modules: not before a compare has run
     from ..compare.results import BaselineResult, CompareResult
@@ -24,6 +25,9 @@ def report_format(output: str) -> str:
         raise UserError(
             f"{output}: unknown report format {ext or '(no extension)'!r}; use .csv or .xlsx"
         )
+    where = existing_part(os.path.dirname(os.path.abspath(output)))
+    if where and not os.path.isdir(where):  # said before the work, not after it
+        raise UserError(f"{output}: cannot write the report ({where} is a file, not a folder)")
     return ext
 
 

@@ -25,7 +25,7 @@ def place(output: str, write: Callable[[str], list[str]], stale: tuple[str, ...]
         os.makedirs(folder, exist_ok=True)
         stage = tempfile.mkdtemp(prefix=".srdd-report-", dir=folder)
     except OSError as exc:
-        where = _existing(folder)
+        where = existing_part(folder)
         why = (f"{where} is a file, not a folder" if not os.path.isdir(where)
                else f"cannot make files in {where}: {exc.strerror or exc}")
         raise UserError(f"{output}: cannot write the report ({why})") from exc
@@ -72,7 +72,7 @@ def _user_name(exc: OSError, stage: str, output: str) -> str:
     return output if os.path.abspath(name) == stage else name
 
 
-def _existing(folder: str) -> str:
+def existing_part(folder: str) -> str:
     """The nearest part of ``folder`` that exists."""
     while folder and not os.path.exists(folder):
         folder = os.path.dirname(folder)
