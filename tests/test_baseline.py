@@ -33,7 +33,7 @@ from srdd_dump.report.terminal import consistency_text
 
 from capture_utils import ROOT, run_cli
 from dumpfactory import baseline_written as compare_baseline
-from dumpfactory import write_dump
+from dumpfactory import normal_rounds, write_dump
 from tiny_models import build
 
 PROMPTS = [torch.randint(0, 128, (1, 16), generator=torch.Generator().manual_seed(k))
@@ -1175,3 +1175,16 @@ def test_a_site_beyond_tolerance_right_after_one_that_agrees_exactly_is_said():
     # the first site already beyond tolerance: the later one is not where the error appears
     assert _site_after_exact(sites.assign(verdict=["FAIL", "PASS", "WARN", "WARN"],
                                           relative_euclidean_distance=[.5, 0, .03, .04])) == ""
+
+
+def test_two_sessions_of_one_process_are_not_called_cards(tmp_path):
+    """register_hook twice in one program writes srdd_rank0_pid<N>.h5 and ..._1.h5: they are
+    two sessions of one process, not two cards the multi-card check would want a third of."""
+    from srdd_dump.compare import compare_path
+
+    rounds = normal_rounds(np.random.default_rng(0))
+    for name in ("srdd_rank0_pid77.h5", "srdd_rank0_pid77_1.h5"):
+        write_dump(str(tmp_path / name), rounds, meta={"rank": 0, "pid": 77})
+    result = compare_path(str(tmp_path), progress=False)
+    (note,) = [n for n in result.notes if "to see where these two part" in n]
+    assert "two capture sessions of one process (pid 77)" in note and "cards" not in note, note

@@ -10,6 +10,8 @@ departs. Records are streamed in blocks; one task per (group, layer).
 
 from __future__ import annotations
 
+import os
+import re
 import shlex
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -89,6 +91,19 @@ def without_ids(files: list[DumpFile]) -> list[str]:
             f"(the odd card out among cards that ran the same inputs) left them out{fix}"]
 
 
+ONE_PROCESS = re.compile(r"^(srdd_rank\d+_pid(\d+))(?:_\d+)?\.h5$")
+
+
+def _one_process(pair: list[_Source]) -> str | None:
+    """The pid of two files one process wrote in one folder (register_hook twice:
+    srdd_rank0_pid<N>.h5 and srdd_rank0_pid<N>_1.h5); None for files of two processes."""
+    found = [ONE_PROCESS.match(os.path.basename(m.file.path)) for m in pair]
+    folders = {os.path.dirname(os.path.abspath(m.file.path)) for m in pair}
+    if all(found) and len({f[1] for f in found}) == 1 and len(folders) == 1:
+        return found[0][2]
+    return None
+
+
 def too_few(groups: list[list[_Source]]) -> list[str]:
     """A note for each group of two sources: the check needs three (the median of the others
     is then one card, and a difference names neither)."""
@@ -100,9 +115,13 @@ def too_few(groups: list[list[_Source]]) -> list[str]:
             continue
         (a, b), (path_a, path_b) = ((m.source for m in pair),
                                     (shlex.quote(m.file.path) for m in pair))
-        notes.append(f"{a} and {b} ran the same model on the same inputs: the multi-card "
-                     f"check needs {MIN_SOURCES} such cards (of two that differ, neither can "
-                     f"be named the odd one); to see where these two part: srdd-compare "
+        pid = _one_process(pair)
+        why = (f"are two capture sessions of one process (pid {pid}), the same model on the "
+               "same inputs" if pid else
+               f"ran the same model on the same inputs: the multi-card check needs "
+               f"{MIN_SOURCES} such cards (of two that differ, neither can be named the odd "
+               "one)")
+        notes.append(f"{a} and {b} {why}; to see where these two part: srdd-compare "
                      f"{path_a} --baseline {path_b}")
     return notes
 
