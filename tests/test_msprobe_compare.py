@@ -671,10 +671,12 @@ def test_a_block_input_that_is_not_the_last_blocks_output_is_said(tmp_path):
         in text and "named at the block it feeds: model.layers.8 (1 round)" in text, text
 
 
-def _one_layer_mix(folder, changed: dict[str, float]) -> str:
+def _one_layer_mix(folder, changed: dict[str, float], layers: tuple[int, ...] = (7,),
+                   lost: str = "") -> str:
     """An msprobe tensor dump of layer 7's block and its modules (level mix, a list of
     "layers.7."), 2 steps of one 6-token forward, float32; ``changed``: module -> the share
-    by which its output is moved (mine)."""
+    by which its output is moved (mine); ``layers``: the layers dumped so; ``lost``: a
+    module of the last layer whose tensor file is cut short."""
     import json
 
     import torch
@@ -690,13 +692,17 @@ def _one_layer_mix(folder, changed: dict[str, float]) -> str:
         (run / "dump_tensor_data").mkdir(parents=True)
         data = {}
         gen = torch.Generator().manual_seed(step)
-        for name, cls in modules:
-            module = "model.layers.7" + (f".{name}" if name else "")
+        for layer, (name, cls) in ((k, m) for k in layers for m in modules):
+            module = f"model.layers.{layer}" + (f".{name}" if name else "")
             key = f"Module.{module}.{cls}.forward.0"
             t = torch.randn(1, 6, 16, generator=gen)
-            t = t * (1 + changed.get(name or "block", 0.0))
+            last = layer == layers[-1]
+            t = t * (1 + (changed.get(name or "block", 0.0) if last else 0.0))
             file = f"{key}.output.0.pt"
             torch.save(t, run / "dump_tensor_data" / file)
+            if last and (name or "block") == lost:
+                with open(run / "dump_tensor_data" / file, "r+b") as fh:
+                    fh.truncate(100)
             data[key] = {"output": [{
                 "type": "torch.Tensor", "dtype": "torch.float32", "shape": [1, 6, 16],
                 "Max": float(t.max()), "Min": float(t.min()), "Mean": float(t.mean()),
@@ -734,3 +740,16 @@ def test_a_block_output_beyond_tolerance_after_exact_sub_layers_is_said(tmp_path
                               "its sub-layers: in 2 of 2 compared rounds"), finding
     assert "all 11 of its sub-layers and operators compared agree with the golden run bit for " \
         "bit" in finding and "--layers" not in finding, finding
+
+
+def test_a_birth_inside_a_layer_whose_own_output_is_lost_names_the_layer(tmp_path):
+    """Layers 6 and 7 dumped; layer 7's MLP output moved 30% in my run, and my run's file of
+    layer 7's block output cut short (a copy cut short): the MLP still places the error in
+    layer 7. It said "error born inside layer 7 (): ... grows it xnan at most"."""
+    golden = _one_layer_mix(tmp_path / "golden", {}, layers=(6, 7))
+    mine = _one_layer_mix(tmp_path / "mine", {"mlp": 0.3}, layers=(6, 7), lost="block")
+    text = _compare(tmp_path, mine, "--baseline", golden)
+    finding = next(line for line in text.splitlines() if line.startswith("finding: "))
+    assert finding.startswith("finding: error born inside layer 7 (model.layers.7): a "
+                              "sub-layer's output FAILs in 2 of 2 compared rounds"), finding
+    assert "the block's own output not compared" in finding and "xnan" not in finding, finding

@@ -29,7 +29,7 @@ import pandas as pd
 from ..analysis.matching import SAME
 from ..analysis.tolerance import UNIT_ROUNDOFF
 from ..analysis.verdicts import FAIL, NOT_COMPARED, PASS, VERDICT_RANK, VERDICTS, WARN
-from ..format.layer_numbers import site_pattern
+from ..format.layer_numbers import NUMBERED_PREFIX, site_pattern
 from ..format.schema import STACK_INPUT
 from .results import MD5_DIFFER, PER_LAYER_COLUMNS, BaselineSummary
 
@@ -411,7 +411,9 @@ def _site_origin(summary: BaselineSummary, table: pd.DataFrame, sites: pd.DataFr
     counts = at.drop_duplicates(GROUP)["module"].value_counts()  # a round's first, in order
     block = table[(table["layer"] == layer) & (table["verdict"] != NOT_COMPARED)]
     summary.first_layer = layer
-    summary.first_module = str(block["module"].iloc[0]) if len(block) else ""
+    named = table.loc[table["layer"] == layer, "module"].dropna()
+    summary.first_module = (str(block["module"].iloc[0]) if len(block) else
+                            str(named.iloc[0]) if len(named) else _block_of(at["module"]))
     summary.first_rounds = int(by_layer.loc[layer, "count"])
     summary.first_site, summary.first_site_rounds = str(counts.index[0]), int(counts.iloc[0])
     at = _bounded(at)  # a statistics side: the RED its statistics prove
@@ -424,10 +426,17 @@ def _site_origin(summary: BaselineSummary, table: pd.DataFrame, sites: pd.DataFr
         f"FAILs in {summary.first_rounds} of {summary.rounds} compared rounds at {tol} "
         f"tolerance, with x{by_layer.loc[layer, 'median']:.3g} its block input's relative "
         f"error (the median; {error_words(worst, 'up to ')}), "
-        + (f"the block's own output x{growth:.3g}" if growth >= BIRTH_GROWTH else
+        + ("the block's own output not compared (see its cmp_fail_reason)" if math.isnan(growth)
+           else f"the block's own output x{growth:.3g}" if growth >= BIRTH_GROWTH else
            f"while the block's own output grows it x{growth:.3g} at most (the rounding "
            "difference of the two setups is of the same size there)")
         + ": look at this layer first")
+
+
+def _block_of(modules: pd.Series) -> str:
+    """The block a site's name names (model.layers.8.self_attn -> model.layers.8)."""
+    found = NUMBERED_PREFIX.match(str(modules.iloc[0])) if len(modules) else None
+    return f"{found['stack']}.{found['index']}" if found else ""
 
 
 def _site_after_exact(sites: pd.DataFrame) -> str:
