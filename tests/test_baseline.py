@@ -100,7 +100,8 @@ def test_a_clean_finding_says_how_many_rows_were_not_compared(tmp_path, runs):
     two = capture(tmp_path / "two", prompts=PROMPTS[:2])
     message = compare(two, runs["golden"]).summary.message
     assert message.startswith("every compared layer PASSes"), message
-    assert "; but 1 row was not compared (no counterpart: 1; see cmp_fail_reason)" in message
+    assert "; but 1 row was not compared (a sample only one dump holds: 1; see cmp_fail_reason)" \
+        in message
     assert "my sample 1 is not in the golden dump" in " ".join(
         compare(two, runs["golden"]).table["cmp_fail_reason"].fillna(""))
 
