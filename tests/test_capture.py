@@ -290,6 +290,15 @@ def test_a_generation_without_kv_cache_is_said_to_have_no_decode_step(tmp_path, 
     err = capsys.readouterr().err
     assert "decode steps with a KV cache (0 of 2 calls): each new token recomputed the " \
            "whole sequence" in err
+    # a hand-written greedy loop over the whole sequence: transformers 5 gives each call an
+    # empty cache of its own (no past either), and it went unsaid
+    with register_hook(model, DumpConfig(dump_path=str(tmp_path / "loop"), progress=False)), \
+            torch.no_grad():
+        ids = torch.randint(1, 100, (1, 6))
+        for _ in range(3):
+            ids = torch.cat([ids, model(ids).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    assert "decode steps with a KV cache (0 of 2 calls): each new token recomputed the " \
+           "whole sequence" in capsys.readouterr().err
     # a prompt, then the same prompt and one more token, both generated with a cache: nothing
     with register_hook(model, DumpConfig(dump_path=str(tmp_path / "b"), progress=False)), \
             torch.no_grad():

@@ -525,8 +525,9 @@ class CaptureSession:
             spans_one = mask.shape[-1] == 1 if mask is not None else not unread
             starts = seq == 1 and spans_one and starts_sequence(module, args, kwargs)
             past = self._past(module, args, kwargs, seq, mask)
-            # a sample that had no decode step, then its ids and one more, with no cache
-            if (seq > 1 and past is None and self._rounds.step == 0
+            # a sample that had no decode step, then its ids and one more, with no cache (or
+            # an empty one: transformers 5 makes one for a plain model(ids) call)
+            if (seq > 1 and not past and self._rounds.step == 0
                     and self._recomputes(token_ids)):
                 self.coverage.expect(NO_CACHE)
                 self.coverage.failed(NO_CACHE, (
