@@ -1189,3 +1189,10 @@ def test_two_sessions_of_one_process_are_not_called_cards(tmp_path):
     result = compare_path(str(tmp_path), progress=False)
     (note,) = [n for n in result.notes if "to see where these two part" in n]
     assert "two capture sessions of one process (pid 77)" in note and "cards" not in note, note
+    # two containers reuse a pid (often 1) in one mounted folder, not their host names
+    for host, name in (("a1", "srdd_rank0_pid1.h5"), ("b2", "srdd_rank0_pid1_1.h5")):
+        write_dump(str(tmp_path / "docker" / name), rounds,
+                   meta={"rank": 0, "pid": 1, "host": host})
+    result = compare_path(str(tmp_path / "docker"), progress=False)
+    (note,) = [n for n in result.notes if "to see where these two part" in n]
+    assert "multi-card check needs 3" in note, note

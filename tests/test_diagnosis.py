@@ -241,8 +241,16 @@ def test_per_sequence_faults_leave_the_batch_replay_alone(tmp_path):
 
     _diagnose(tmp_path, inject=["saturation@layer=3,m=0.05,scope=sample"])
     (path,) = find_dump_files(str(tmp_path))
-    deps = [g.batch_dep for g in file_signals(path)]
+    signals = file_signals(path)
+    deps = [g.batch_dep for g in signals]
     assert len(deps) > 6 and max(deps) < 0.1 * BATCH_DEP["float32"]
+    # each module's width reaches its signals from its records (the batch-dependence limit
+    # of a decode step reads the blocks')
+    from srdd_dump.format.reader import DumpReader
+
+    with DumpReader(path) as reader:
+        hidden = int(reader.records["width"][reader.records["site"] == -1].max())
+    assert {g.width for g in signals if g.site == -1} == {hidden}
 
 
 @pytest.mark.unit
@@ -477,24 +485,28 @@ def test_the_batch_dependence_limit_admits_one_dot_products_rounding():
     rounding of a dot product of the layer's width (576 x 2^-24 = 3.4e-5); a batch-wide range
     moves far more and stays found."""
     from srdd_dump.analysis.diagnosis import batch_dep_limit
-    from srdd_dump.analysis.signals import DECODE, Signals
+    from srdd_dump.analysis.signals import DECODE, PREFILL, Signals
     from srdd_dump.vocabulary import SUBLAYER
 
     assert batch_dep_limit("float32", 576) == 576 * 2.0**-24
     assert batch_dep_limit("float32", 0) == 1e-5  # width unknown: the dtype's limit
     assert batch_dep_limit("bfloat16", 576) == 3e-2  # a half type rounds the order away
 
-    def labels(batch_dep: float, width: int) -> list[str]:
+    def labels(batch_dep: float, width: int, phase: str = DECODE, site_width: int = 576
+               ) -> list[str]:
         signals = [Signals(layer=k, site=-1, module=f"model.layers.{k}", samples=1,
-                           phase=DECODE, dtype="float32", n_values=576, offset=0.01,
-                           kurtosis=0.5, instability=0.0) for k in range(4)]
+                           phase=phase, dtype="float32", n_values=576, offset=0.01,
+                           kurtosis=0.5, instability=0.0, width=width) for k in range(4)]
         signals.append(Signals(layer=2, site=0, module="model.layers.2.self_attn", samples=1,
-                               phase=DECODE, dtype="float32", role=SUBLAYER, n_values=576,
+                               phase=phase, dtype="float32", role=SUBLAYER, n_values=576,
                                instability=0.0, batch_dep=batch_dep, batch_dep_level=0.1,
-                               batch_dep_moved=0.5, width=width))
+                               batch_dep_moved=0.5, width=site_width))
         verdict = next(v for v in diagnose(signals, "float32", 4) if v.layer == 2)
         return verdict.diagnosis.split(",") if verdict.diagnosis else []
 
     assert "BATCH_DEP" not in labels(6.4e-6, 576)
-    assert "BATCH_DEP" in labels(6.4e-6, 0)  # the former limit: the false alarm
+    assert "BATCH_DEP" in labels(6.4e-6, 0)  # the blocks' width unknown: the dtype's limit
     assert "BATCH_DEP" in labels(1e-3, 576)  # a batch-wide scale: found
+    assert "BATCH_DEP" in labels(6.4e-6, 576, PREFILL)  # matrix products on both sides
+    # an up_proj's output is 4x wider than what it sums over: the blocks' width counts
+    assert "BATCH_DEP" in labels(6.4e-5, 576, site_width=4 * 576)

@@ -77,7 +77,8 @@ def test_exit_code_propagates_and_dump_is_finalised(tmp_path):
 
 @pytest.mark.parametrize("broken, error, marker, said", [
     # the program's own prefill raises inside a block (a reshape that does not fit)
-    ("m.model.layers[1].mlp", "shape is invalid", "no prefill seen",
+    ("m.model.layers[1].mlp", "shape is invalid", "never finished",
+     "the program's forward raised, or the program ended inside it, so no round was written; "
      "the command failed (exit code 1): see its own error above"),
     # the model is called but fails before any block runs (its embedding raises): not --layers
     ("m.model.embed_tokens", "token id out of range", "nothing captured",

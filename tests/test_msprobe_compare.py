@@ -665,18 +665,20 @@ def test_a_block_input_that_is_not_the_last_blocks_output_is_said(tmp_path):
         json.dump(doc, f)
     healthy = _compare(tmp_path, _fixture("smollm2_bf16_all_stats"), "--baseline",
                        _fixture("smollm2_bf16_all_stats"))
-    assert "block inputs msprobe recorded differ" not in healthy, healthy
+    assert "recorded block inputs (msprobe" not in healthy, healthy
     text = _compare(tmp_path, str(copy), "--baseline", _fixture("smollm2_bf16_all_stats"))
-    assert "1 block inputs msprobe recorded differ from the output of the block before them" \
-        in text and "named at the block it feeds: model.layers.8 (1 round)" in text, text
+    assert "1 recorded block inputs (msprobe, a block and round each) differ from the output " \
+        "of the block before them" in text, text
+    assert "named at the block it feeds: model.layers.8 (1 round)" in text, text
 
 
 def _one_layer_mix(folder, changed: dict[str, float], layers: tuple[int, ...] = (7,),
-                   lost: str = "") -> str:
+                   lost: str = "", drop: tuple[str, ...] = ()) -> str:
     """An msprobe tensor dump of layer 7's block and its modules (level mix, a list of
     "layers.7."), 2 steps of one 6-token forward, float32; ``changed``: module -> the share
     by which its output is moved (mine); ``layers``: the layers dumped so; ``lost``: a
-    module of the last layer whose tensor file is cut short."""
+    module of the last layer whose tensor file is cut short; ``drop``: modules not dumped
+    (a narrower msprobe list)."""
     import json
 
     import torch
@@ -692,7 +694,8 @@ def _one_layer_mix(folder, changed: dict[str, float], layers: tuple[int, ...] = 
         (run / "dump_tensor_data").mkdir(parents=True)
         data = {}
         gen = torch.Generator().manual_seed(step)
-        for layer, (name, cls) in ((k, m) for k in layers for m in modules):
+        for layer, (name, cls) in ((k, m) for k in layers for m in modules
+                                   if not m[0].startswith(drop or "\0")):
             module = f"model.layers.{layer}" + (f".{name}" if name else "")
             key = f"Module.{module}.{cls}.forward.0"
             t = torch.randn(1, 6, 16, generator=gen)
@@ -726,6 +729,9 @@ def test_a_layers_first_module_beyond_tolerance_after_exact_ones_is_named(tmp_pa
                               "2 compared rounds model.layers.7.input_layernorm agrees with "
                               "the golden run and model.layers.7.self_attn.q_proj is beyond "
                               "float32 tolerance (WARN"), finding
+    marked = _table(tmp_path, "report.sublayers.csv")
+    marked = marked[marked["first_divergence"].astype(bool)]
+    assert set(marked["module"]) == {"model.layers.7.self_attn.q_proj"} and len(marked) == 2
 
 
 def test_a_block_output_beyond_tolerance_after_exact_sub_layers_is_said(tmp_path):
@@ -738,8 +744,16 @@ def test_a_block_output_beyond_tolerance_after_exact_sub_layers_is_said(tmp_path
     finding = next(line for line in text.splitlines() if line.startswith("finding: "))
     assert finding.startswith("finding: error born inside layer 7 (model.layers.7), after "
                               "its sub-layers: in 2 of 2 compared rounds"), finding
-    assert "all 11 of its sub-layers and operators compared agree with the golden run bit for " \
-        "bit" in finding and "--layers" not in finding, finding
+    assert "all 11 of its modules compared agree with the golden run bit for bit: the change " \
+        "is in the block's own code" in finding and "--layers" not in finding, finding
+    blocks = _table(tmp_path)
+    assert blocks["first_divergence"].astype(bool).sum() == 2  # the block's rows, both rounds
+    # without its MLP in the dump, the MLP may hold the change: not said to be after it
+    golden = _one_layer_mix(tmp_path / "golden2", {}, drop=("mlp",))
+    mine = _one_layer_mix(tmp_path / "mine2", {"block": 0.3}, drop=("mlp",))
+    text = _compare(tmp_path, mine, "--baseline", golden)
+    finding = next(line for line in text.splitlines() if line.startswith("finding: "))
+    assert "after its sub-layers" not in finding and "a module not compared" in finding, finding
 
 
 def test_a_birth_inside_a_layer_whose_own_output_is_lost_names_the_layer(tmp_path):

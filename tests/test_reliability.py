@@ -225,17 +225,23 @@ def test_killed_mid_dump_keeps_every_finished_sample(how, tmp_path):
 
 def test_sigterm_inside_the_first_probed_round_says_so(tmp_path):
     """Stopped while the first forward is being probed (its replays cost several forwards):
-    the end says that round was under way, not that no prefill was seen."""
+    the end says that round was under way, not that no prefill was seen. The program's block
+    waits inside its first replay until it is killed, so the signal lands there."""
     script = tmp_path / "slow_first.py"
     script.write_text(textwrap.dedent("""
         import os, time
         import torch
+        calls = []
         class Block(torch.nn.Module):
             def __init__(self):
                 super().__init__()
                 self.linear = torch.nn.Linear(16, 16)
             def forward(self, x):
-                time.sleep(0.3)
+                calls.append(1)
+                if len(calls) == 4:  # the 3 blocks ran: the first replay of the probes
+                    print("forward 1", os.getpid(), flush=True)
+                    while True:
+                        time.sleep(0.1)
                 return x + torch.tanh(self.linear(x))
         class Toy(torch.nn.Module):
             def __init__(self):
@@ -248,15 +254,13 @@ def test_sigterm_inside_the_first_probed_round_says_so(tmp_path):
                     h = block(h)
                 return h
         model = Toy().eval()
-        print("forward 0", os.getpid(), flush=True)
         with torch.no_grad():
             model(input_ids=torch.arange(8)[None])
         print("finished", flush=True)
     """))
     proc = _start("--exec", _command(str(script)), "-o", str(tmp_path / "d"),
                   "--min-free-gb", "0")
-    _wait_for_forward(proc, 0)
-    time.sleep(3)  # the plain forward took 0.9 s; its probes run now
+    _wait_for_forward(proc, 1)
     os.kill(proc.pid, signal.SIGTERM)
     code, out, err = _finish(proc)
     assert code == 128 + signal.SIGTERM, err
@@ -264,6 +268,43 @@ def test_sigterm_inside_the_first_probed_round_says_so(tmp_path):
     assert "the capture was stopped inside its first round (sample 1's prefill over 3 " \
            "layers, being probed" in err, err
     assert "no prefill seen" not in err and "Traceback" not in err, err
+
+
+def test_a_first_forward_that_raises_is_not_said_to_be_stopped(tmp_path):
+    """The program's first forward raises inside its second block: that round never
+    finished, said so (not "stopped": nothing stopped it; not "no prefill seen")."""
+    script = tmp_path / "raises.py"
+    script.write_text(textwrap.dedent("""
+        import torch
+        class Block(torch.nn.Module):
+            def __init__(self, fails):
+                super().__init__()
+                self.linear = torch.nn.Linear(16, 16)
+                self.fails = fails
+            def forward(self, x):
+                if self.fails:
+                    raise RuntimeError("device out of memory")
+                return x + torch.tanh(self.linear(x))
+        class Toy(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.embed = torch.nn.Embedding(32, 16)
+                self.layers = torch.nn.ModuleList(Block(i == 1) for i in range(3))
+            def forward(self, input_ids):
+                h = self.embed(input_ids)
+                for block in self.layers:
+                    h = block(h)
+                return h
+        with torch.no_grad():
+            Toy().eval()(input_ids=torch.arange(8)[None])
+    """))
+    code, _, err = _dump_cli("--exec", _command(str(script)), "-o", str(tmp_path / "d"),
+                             "--min-free-gb", "0")
+    assert code == 1 and "RuntimeError: device out of memory" in err, err
+    assert "the first round (sample 1's prefill over 3 layers, being probed: each layer is " \
+           "replayed several times, a cost of several forwards) never finished: the " \
+           "program's forward raised" in err, err
+    assert "stopped inside" not in err and "no prefill seen" not in err, err
 
 
 # -- Ctrl-C ----------------------------------------------------------------------------------

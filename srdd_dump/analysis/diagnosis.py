@@ -41,7 +41,7 @@ from ..vocabulary import (
 )
 from . import array_stats as st
 from .identities import CLIP, OFFSET, OTHER, ZERO
-from .signals import BLOCK_SITE, LOW_BITS, PREFILL, Signals
+from .signals import BLOCK_SITE, DECODE, LOW_BITS, PREFILL, Signals
 from .tolerance import DEFAULT_LIMITS, tolerance_dtype
 from .verdicts import FAULT, NORMAL, SUSPECT, VERDICT_ORDER
 
@@ -95,11 +95,11 @@ ACCUMULATION_ROUNDOFF = {"float64": 2.0**-53}
 
 
 def batch_dep_limit(dtype: str, width: int) -> float:
-    """B(dtype), and at least K * u, the worst-case rounding of one dot product of the
-    layer's width K in its accumulation type: the in-batch replay holds several times the
-    recorded call's rows, for which a BLAS may pick another kernel (a decode step's one-row
-    call runs a matrix-vector product, the batch a matrix product), which sums in another
-    order. Only float32 and float64 outputs can show it: a half-type output rounds it away."""
+    """B(dtype), and at least K * u, the worst-case rounding of one dot product of length K
+    (``width``: the model's hidden width, the length its projections sum over; 0 for none) in
+    its accumulation type. A decode step's one-row call runs a matrix-vector product, its
+    in-batch replay of several rows a matrix product, which sums in another order. Only
+    float32 and float64 outputs can show it: a half-type output rounds it away."""
     return max(BATCH_DEP.get(dtype, 1e-5),
                width * ACCUMULATION_ROUNDOFF.get(dtype, 2.0**-24))
 # the elements that moved sit at |clean| >= this x max |clean|, and are few: a clip limit
@@ -209,7 +209,7 @@ def lower_bound(rate: float, n: int, z: float = NULL_Z) -> float:
 
 def _exact_evidence(sig: Signals, dtype: str, instab_median: float, compute_dtype: str = "",
                     input_zeros: float = 0.0, input_nonfinite: bool = False,
-                    input_broken: bool = False) -> list[Evidence]:
+                    input_broken: bool = False, hidden: int = 0) -> list[Evidence]:
     """``input_zeros``: the exact-zero fraction of the module's input (the previous block's
     output), which inherited zeros need (NaN: its input is not in the dump);
     ``input_nonfinite``: that input held NaN/Inf already (an overflow born before it: this
@@ -311,7 +311,8 @@ def _exact_evidence(sig: Signals, dtype: str, instab_median: float, compute_dtyp
                            f"output, {sig.instab_changed:.1%} of elements changed"))
     # repeat runs that differ at all make the batched replay differ too: not a batch range
     noisy = sig.instability > SUSPECT_RATIO * floor
-    batch_limit = batch_dep_limit(dtype, sig.width)
+    batch_limit = batch_dep_limit(
+        dtype, min(sig.width or hidden, hidden) if sig.phase == DECODE else 0)
     if not noisy and sig.batch_dep > SUSPECT_RATIO * batch_limit:
         # a module that is deterministic on its own but whose output for one input moves with
         # the other inputs of the batch: a range (max, scale) taken over the whole batch
@@ -491,6 +492,9 @@ def diagnose(signals: list[Signals], dtype: str, n_layers: int, compute_dtype: s
         if g.role == LINEAR and np.isfinite(g.zero_frac):
             key = (g.layer, g.phase)
             linear_zeros[key] = max(linear_zeros.get(key, 0.0), g.zero_frac)
+    # the blocks' width: the length the layers' projections sum over (a decode step's
+    # batch-dependence limit); a site's own width may be a projection's output's
+    hidden = max((g.width for g in signals if g.site == BLOCK_SITE), default=0)
     signals = [g for g in signals if g.layer >= 0]
 
     def input_nonfinite(sig: Signals) -> bool:
@@ -516,7 +520,7 @@ def diagnose(signals: list[Signals], dtype: str, n_layers: int, compute_dtype: s
     for g in sorted(signals, key=lambda g: g.layer):
         if g.site == BLOCK_SITE and g.phase not in dead_ends and _ignores_input(g):
             own = _exact_evidence(g, dtype, 0.0, compute_dtype, input_zeros(g),
-                                  input_nonfinite(g), input_broken(g))
+                                  input_nonfinite(g), input_broken(g), hidden)
             if any(e.strength >= 1 and not e.inheritable for e in own):
                 dead_ends[g.phase] = g.layer
 
@@ -531,7 +535,7 @@ def diagnose(signals: list[Signals], dtype: str, n_layers: int, compute_dtype: s
         inst_median = float(np.median(inst)) if inst.size else 0.0
         relative = _relative_evidence(group)
         per_layer = [_exact_evidence(sig, dtype, inst_median, compute_dtype, input_zeros(sig),
-                                     input_nonfinite(sig), input_broken(sig))
+                                     input_nonfinite(sig), input_broken(sig), hidden)
                      + ([] if input_broken(sig) else relative[i])
                      for i, sig in enumerate(group)]
         for sig, items in zip(group, per_layer):

@@ -268,7 +268,8 @@ class CaptureSession:
         self._owner: threading.Thread | None = None  # the thread whose forwards are captured
         self._owner_busy = False  # it is inside a model call
         status_dir = os.environ.get(cfg.ENV_STATUS_DIR)
-        self._watch = FileWatch(_weakly(self._finish_idle_file), _weakly(self.close),
+        self._stop_asked = False  # srdd-dump asked this process to finish its file
+        self._watch = FileWatch(_weakly(self._finish_idle_file), _weakly(self._finish_asked),
                                 status_dir and os.path.join(status_dir, cfg.FINISH_REQUEST))
         self._ctx: RoundContext | None = None  # the round being captured
         self._token_ids: torch.Tensor | None = None
@@ -796,6 +797,16 @@ class CaptureSession:
             h.remove()
         self._fault_handles.clear()
 
+    def _finish_asked(self) -> None:
+        """srdd-dump was sent a signal and asks every capturing process to finish its file."""
+        self.stop_asked()
+        self.close()
+
+    def stop_asked(self) -> None:
+        """The close to come ends the run from outside (a signal, srdd-dump's request): a
+        round cut by it was stopped, not left unfinished by the program."""
+        self._stop_asked = True
+
     def close(self) -> str | None:
         """Remove the hooks and finalise the dump file. Returns its path (None if empty)."""
         with self._lock:
@@ -863,7 +874,7 @@ class CaptureSession:
                                 f"forwards seen (the longest had "
                                 f"{self._rounds.no_kept_position} tokens)")
             if not self.silence and cut is not None:
-                self.silence = _cut_first_round(cut, len(self.blocks))
+                self.silence = _cut_first_round(cut, len(self.blocks), self._stop_asked)
             if self.silence and not os.environ.get(cfg.ENV_CONFIG):
                 say(f"srdd-dump: warning: nothing captured: {self.silence}\n")
         return self.path
@@ -891,13 +902,18 @@ class CaptureSession:
         self.remove_faults()
 
 
-def _cut_first_round(ctx: RoundContext, layers: int) -> str:
-    """Why nothing was written when the session closed inside its first round (srdd-dump
-    sent SIGTERM or Ctrl-C while the program's first captured forward ran)."""
+def _cut_first_round(ctx: RoundContext, layers: int, asked: bool) -> str:
+    """Why nothing was written when the session closed inside its first round: srdd-dump was
+    sent a signal (``asked``) while the program's first captured forward ran, or that forward
+    never finished (it raised, or the program ended inside it)."""
     what = f"sample {ctx.sample + 1}'s " + ("prefill" if ctx.step == 0 else
                                            f"decode step {ctx.step}")
     probes = (", being probed: each layer is replayed several times, a cost of several "
               "forwards" if ctx.probed else "")
+    if not asked:
+        return (f"the first round ({what} over {layers} layers{probes}) never finished: the "
+                "program's forward raised, or the program ended inside it, so no round was "
+                "written")
     return (f"the capture was stopped inside its first round ({what} over {layers} layers"
             f"{probes}), so no round was finished and none was written; stop the command "
             f"later to keep the rounds finished by then")

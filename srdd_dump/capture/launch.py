@@ -525,8 +525,12 @@ def _collect(returncode: int, status_dir: str, new_partials: set[str] | None = N
 def _why_nothing(statuses: list[dict], returncode: int) -> list[str]:
     """Why a run wrote no file, from what its processes reported: the first reason that
     holds, most specific first."""
+    failed = (f"; the command {_ended(returncode)}" + (": see its own error above"
+                                                        if returncode > 0 else "")
+              if returncode != 0 else "")
     silent = [f"pid {st['pid']}: nothing captured: "
-              + (st["silence"] if returncode == 0 or not st.get("blocks_unseen") else
+              + (st["silence"] + (failed if "never finished" in st["silence"] else "")
+                 if returncode == 0 or not st.get("blocks_unseen") else
                  f"the command {_ended(returncode)} after the model was called "
                  "and before any of its blocks ran: see the command's own error above")
               for st in statuses if st.get("silence")]

@@ -99,7 +99,9 @@ def _one_process(pair: list[_Source]) -> str | None:
     srdd_rank0_pid<N>.h5 and srdd_rank0_pid<N>_1.h5); None for files of two processes."""
     found = [ONE_PROCESS.match(os.path.basename(m.file.path)) for m in pair]
     folders = {os.path.dirname(os.path.abspath(m.file.path)) for m in pair}
-    if all(found) and len({f[1] for f in found}) == 1 and len(folders) == 1:
+    hosts = {m.file.host for m in pair}  # two containers reuse pids, not host names
+    if all(found) and len({f[1] for f in found}) == 1 and len(folders) == 1 \
+            and len(hosts) == 1:
         return found[0][2]
     return None
 

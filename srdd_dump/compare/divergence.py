@@ -31,6 +31,7 @@ from ..analysis.tolerance import UNIT_ROUNDOFF
 from ..analysis.verdicts import FAIL, NOT_COMPARED, PASS, VERDICT_RANK, VERDICTS, WARN
 from ..format.layer_numbers import NUMBERED_PREFIX, site_pattern
 from ..format.schema import STACK_INPUT
+from ..vocabulary import ATTENTION_NAMES, MLP_NAMES
 from .results import MD5_DIFFER, PER_LAYER_COLUMNS, BaselineSummary
 
 GROUP = ["source", "golden_source", "sample", "golden_sample", "step"]
@@ -426,7 +427,7 @@ def _site_origin(summary: BaselineSummary, table: pd.DataFrame, sites: pd.DataFr
         f"FAILs in {summary.first_rounds} of {summary.rounds} compared rounds at {tol} "
         f"tolerance, with x{by_layer.loc[layer, 'median']:.3g} its block input's relative "
         f"error (the median; {error_words(worst, 'up to ')}), "
-        + ("the block's own output not compared (see its cmp_fail_reason)" if math.isnan(growth)
+        + ("the block's own output not compared (see its cmp_fail_reason)" if block.empty
            else f"the block's own output x{growth:.3g}" if growth >= BIRTH_GROWTH else
            f"while the block's own output grows it x{growth:.3g} at most (the rounding "
            "difference of the two setups is of the same size there)")
@@ -487,15 +488,22 @@ def _after_sites(summary: BaselineSummary, table: pd.DataFrame, at: pd.DataFrame
     rounds = len(broken[GROUP].drop_duplicates())
     summary.first_layer, summary.first_rounds = layer, rounds
     summary.first_module = str(worst["module"])
+    summary.first_site = ""
+    parts = {str(m)[len(summary.first_module) + 1:] for m in at["module"]}
+    whole = bool(parts & set(ATTENTION_NAMES)) and bool(parts & set(MLP_NAMES))
     summary.pattern = "site"
     summary.message = (
-        f"error born inside layer {layer} ({summary.first_module}), after its sub-layers: in "
-        f"{rounds} of {summary.rounds} compared rounds its output is beyond "
-        f"{worst['tolerance']} tolerance ({worst['verdict']}, {error_words(worst)}) while all "
-        f"{at['module'].nunique()} of its sub-layers and operators compared agree with the "
-        "golden run bit for bit: the change is in the block's own code after them (its "
-        "residual adds), or was made to a sub-layer's output after it was recorded (a hook "
-        "run after the dump's): look at this layer first")
+        f"error born inside layer {layer} ({summary.first_module})"
+        + (", after its sub-layers" if whole else "") + f": in {rounds} of {summary.rounds} "
+        f"compared rounds its output is beyond {worst['tolerance']} tolerance "
+        f"({worst['verdict']}, {error_words(worst)}) while all {at['module'].nunique()} of its "
+        "modules compared agree with the golden run bit for bit: "
+        + ("the change is in the block's own code after them (its residual adds), or was "
+           "made to a sub-layer's output after it was recorded (a hook run after the dump's)"
+           if whole else "its attention and MLP are not both among them, so the change is in "
+           "a module not compared, in the block's own code, or made to an output after it "
+           "was recorded")
+        + ": look at this layer first")
 
 
 def _unnamed_births(marked: pd.DataFrame, rounds: int) -> str:
@@ -535,14 +543,15 @@ def _first_red_site(summary: BaselineSummary, table: pd.DataFrame, sites: pd.Dat
     firsts, before, exact = [], {}, set()
     for _, rows in _bounded(at).groupby(GROUP, dropna=False, sort=False):
         red = (rows["verdict"] != PASS).to_numpy()
-        errors = pd.to_numeric(rows[RED_COLUMN], errors="coerce").fillna(0.0).to_numpy()
+        measured_errors = pd.to_numeric(rows[RED_COLUMN], errors="coerce").to_numpy()
+        errors = np.nan_to_num(measured_errors, nan=0.0)
         k = int(red.argmax())
         # sub-layers that agree, then one beyond tolerance that grows their largest error
         # BIRTH_GROWTH-fold at least, as a birth must
         if red.any() and k > 0 and errors[k] >= BIRTH_GROWTH * errors[:k].max():
             firsts.append(rows.index[k])
             before.setdefault(rows["module"].iloc[k], list(rows["module"].iloc[:k]))
-            if errors[:k].max() == 0 and measured[rows.index[:k]].all():
+            if (measured_errors[:k] == 0).all() and measured[rows.index[:k]].all():
                 exact.add(rows.index[k])  # after sites equal bit for bit: proven
     if not firsts:
         return
@@ -559,6 +568,7 @@ def _first_red_site(summary: BaselineSummary, table: pd.DataFrame, sites: pd.Dat
     summary.first_layer, summary.first_rounds = layer, rounds
     summary.first_module = str(block["module"].iloc[0]) if len(block) else ""
     summary.first_site, summary.first_site_rounds = site, rounds
+    summary.site_verdicts = (WARN, FAIL)  # the rows named: a WARN after exact sites too
     summary.pattern = "site"
     summary.message = (
         f"error born inside layer {layer} ({summary.first_module}): in {rounds} of "
@@ -578,12 +588,15 @@ def mark_site_birth(summary: BaselineSummary, table: pd.DataFrame, sites: pd.Dat
         return
     # layer columns are nullable (a row of no layer): NA is no match
     at = ((sites["layer"] == summary.first_layer) & (sites["module"] == summary.first_site)
-          & (sites["verdict"] == FAIL)).to_numpy(dtype=bool, na_value=False)
+          & sites["verdict"].isin(summary.site_verdicts)).to_numpy(dtype=bool, na_value=False)
     sites.loc[at, "first_divergence"] = True
-    rounds = set(map(tuple, sites.loc[at, GROUP].astype(object).to_numpy()))
     keys = table[GROUP].astype(object).to_numpy()
-    block = (table["layer"] == summary.first_layer).to_numpy(
-        dtype=bool, na_value=False) & np.array([tuple(k) in rounds for k in keys], dtype=bool)
+    in_layer = (table["layer"] == summary.first_layer).to_numpy(dtype=bool, na_value=False)
+    if summary.first_site:
+        rounds = set(map(tuple, sites.loc[at, GROUP].astype(object).to_numpy()))
+        block = in_layer & np.array([tuple(k) in rounds for k in keys], dtype=bool)
+    else:  # born after its sub-layers (_after_sites): the block's rows beyond tolerance
+        block = in_layer & table["verdict"].isin([WARN, FAIL]).to_numpy()
     table.loc[block, "first_divergence"] = True
     summary.first_divergence = table[block]
 
@@ -629,7 +642,13 @@ def _recurring(table: pd.DataFrame, births: pd.DataFrame, same_setup: np.ndarray
     # no birth each (bounds prove no growth), but the same layer again
     jumps = pd.Series(False, index=table.index)
     if BOUND_COLUMN in table:
-        jumps = table[BOUND_COLUMN].notna() & (
+        # as a birth's: from a passing input, in a round that breaks tolerance
+        sources = input_rows(table)
+        verdict = table["verdict"].to_numpy()
+        fed = np.array([src >= 0 and verdict[src] == PASS for src in sources], dtype=bool)
+        breaking = table[table["verdict"].isin([WARN, FAIL])][GROUP].drop_duplicates()
+        broken = table[GROUP].apply(tuple, axis=1).isin(set(map(tuple, breaking.to_numpy())))
+        jumps = table[BOUND_COLUMN].notna() & pd.Series(fed, index=table.index) & broken & (
             pd.to_numeric(table["error_amplification"], errors="coerce") >= BIRTH_GROWTH)
     seen = pd.concat([births, table[jumps]])
     rounds = seen.drop_duplicates(subset=[*GROUP, "layer"])["layer"].value_counts()
@@ -759,7 +778,7 @@ def _explain(s: BaselineSummary, compared: pd.DataFrame, same_setup: np.ndarray,
     growth = amplification.max()
     most = s.per_layer.loc[amplification.idxmax()] if amplification.notna().any() else None
     at = f" (layer {int(most['layer'])}, {most['module']})" if most is not None else ""
-    if s.bounded and most is not None and growth >= BIRTH_GROWTH:
+    if most is not None and growth >= BIRTH_GROWTH and _bound_grew(compared, most):
         return "gradual", _bounds_jump(s, compared, start, most, tol)
     isolated = " in more than isolated rounds" if growth >= BIRTH_GROWTH else ""
     return "gradual", (
@@ -773,6 +792,17 @@ def _explain(s: BaselineSummary, compared: pd.DataFrame, same_setup: np.ndarray,
         f"layer on its own, by its replays where the dumps hold them)"
         + _first_difference(compared, same_setup, exact)
     )
+
+
+def _bound_grew(compared: pd.DataFrame, most: pd.Series) -> bool:
+    """The largest growth of the layer ``most`` is a statistics-only row's (a bound's)."""
+    if BOUND_COLUMN not in compared:
+        return False
+    at = compared[compared["layer"] == most["layer"]]
+    growth = pd.to_numeric(at["error_amplification"], errors="coerce")
+    if growth.isna().all():
+        return False
+    return bool(pd.notna(at.loc[growth.idxmax(), BOUND_COLUMN]))
 
 
 def _bounds_jump(s: BaselineSummary, compared: pd.DataFrame, start: pd.Series,

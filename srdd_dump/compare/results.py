@@ -173,6 +173,7 @@ class BaselineSummary:
     message: str = ""  # the finding, one sentence
     first_site: str = ""  # inside first_layer: the sub-layer or operator where it was born
     first_site_rounds: int = 0  # of the first_rounds, those in which first_site was
+    site_verdicts: tuple[str, ...] = ("FAIL",)  # first_site's rows marked as the birth
     unmatched: list[str] = field(default_factory=list)  # sites paired with nothing, one line
     # per name (relative to its block) and side
     bounded: bool = False  # a side had statistics only: per_layer's RED is the bound they prove

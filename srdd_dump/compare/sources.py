@@ -48,6 +48,7 @@ class DumpFile:
     reason: str = ""  # why not OK, one line
     rank: int | None = None
     pid: int | None = None
+    host: str = ""  # the machine that wrote it (meta.host; a container's own name)
     layers: list[str] = field(default_factory=list)  # block module names, by layer number
     sites: list[str] = field(default_factory=list)  # sub-layer module names, by site number
     site_roles: list[str] = field(default_factory=list)  # linear, norm, ... (older dumps: none)
@@ -378,10 +379,11 @@ LEFT_OUT = {
     "msprobe_not_read": "records of the msprobe dump are not compared (srdd-compare reads the "
     "blocks, their attention and MLP, Linear and *Norm modules; not API calls or other "
     "modules)",
-    "msprobe_inputs_changed": "block inputs msprobe recorded differ from the output of the "
-    "block before them (something between the two modules changes the stream: code outside "
-    "the blocks, or a hook run after msprobe's); the layer-by-layer reading takes a block's "
-    "input to be the last block's output, so such a change is named at the block it feeds",
+    "msprobe_inputs_changed": "recorded block inputs (msprobe, a block and round each) differ "
+    "from the output of the block before them (something between the two modules changes "
+    "the stream: code outside the blocks, or a hook run after msprobe's); the layer-by-layer "
+    "reading takes a block's input to be the last block's output, so such a change is named "
+    "at the block it feeds",
 }
 # those on recorded outputs, not on probes: a baseline says them too
 DATA_LEFT_OUT = ("records_dropped", "site_errors", "sites_never_run", "tensors_unreadable",
@@ -457,6 +459,7 @@ def inspect(path: str, source: str) -> DumpFile:
         f.status, f.reason = SKIPPED, str(exc)
         return f
     f.rank, f.pid = reader.meta_int("rank"), reader.meta_int("pid")
+    f.host = str(reader.meta.get("host") or "")
     f.layers, f.sites = list(reader.layers), list(reader.sites)
     roles = reader.meta.get("site_roles")
     f.site_roles = [str(r) for r in roles] if isinstance(roles, list) else []

@@ -25,7 +25,7 @@ from .msprobe import LOGICAL, ModuleCall, MsprobeRun, dump_jsons, read_msprobe
 from .msprobe_rounds import STAT_COLUMNS, Layout, RoundMaker
 from .writer import DumpWriter
 
-CONVERTER = 15  # the cache of converted dumps is keyed by it: bump it when the output changes
+CONVERTER = 16  # the cache of converted dumps is keyed by it: bump it when the output changes
 ELEMENTS = "output elements"
 STATISTICS_ONLY = ("an msprobe statistics dump keeps Max, Min, Mean and Norm of each tensor: no "
                    "kurtosis, zero fraction, pile-up or other element-wise signal")
@@ -171,15 +171,19 @@ def _convert_group(path: str, key: tuple, runs: list[MsprobeRun], out_dir: str) 
         status["tensors_unreadable"] = len(unreadable)
         status["tensors_unreadable_sites"] = list(unreadable)[:3]
     if fed_otherwise:  # the report names them (compare/sources.LEFT_OUT)
+        blocks = fed_otherwise.most_common()
         status["msprobe_inputs_changed"] = sum(fed_otherwise.values())
         status["msprobe_inputs_changed_sites"] = [
-            f"{name} ({n} round{'s' if n > 1 else ''})" for name, n in fed_otherwise.most_common(3)]
+            f"{name} ({n} round{'s' if n > 1 else ''})" for name, n in blocks[:3]] + (
+            [f"{len(blocks) - 3} more block{'s' if len(blocks) > 4 else ''}"]
+            if len(blocks) > 3 else [])
     unread = _not_read(runs, layout)
     if unread:
         status["msprobe_not_read"] = sum(unread.values())
         kinds = unread.most_common()
         status["msprobe_not_read_sites"] = [f"{kind} ({n})" for kind, n in kinds[:5]] + (
-            [f"{len(kinds) - 5} other kinds ({sum(n for _, n in kinds[5:])})"]
+            [f"{len(kinds) - 5} other kind{'s' if len(kinds) > 6 else ''} "
+             f"({sum(n for _, n in kinds[5:])})"]
             if len(kinds) > 5 else [])
     final = writer.close(status)
     if writer.error:

@@ -190,11 +190,12 @@ class RoundMaker:
         stream (code outside the blocks, a hook run after msprobe's), which the layer-by-layer
         reading, taking a block's input to be the last block's output, names at the block it
         feeds. By the statistics msprobe records of both (equal for one tensor)."""
-        blocks = {self.layout.block_index[c.module]: c for c in self.calls
+        # by the model's layer number: a dump of layers 3 and 7 has no block before 7
+        blocks = {int(NUMBERED_PREFIX.match(c.module)["index"]): c for c in self.calls
                   if c.module in self.layout.block_index}
         out = []
-        for layer, c in sorted(blocks.items()):
-            before = blocks.get(layer - 1)
+        for number, c in sorted(blocks.items()):
+            before = blocks.get(number - 1)
             if before is None or len(self._outputs(before)) != 1:
                 continue  # the serving convention's (hidden_states, residual): not one tensor
             fed = self._stack_input(c)

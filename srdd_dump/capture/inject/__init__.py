@@ -182,6 +182,7 @@ def _end_on(wake: threading.Event, received: list[int], timeout: float = 10.0) -
     try:
         session = _session()
         if session is not None:
+            session.stop_asked()
             session.wait_closed()  # a close under way in the main thread
         _report_status()
         deadline = time.monotonic() + timeout
