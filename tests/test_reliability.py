@@ -223,43 +223,52 @@ def test_killed_mid_dump_keeps_every_finished_sample(how, tmp_path):
     assert files["rounds"] == rounds and set(result.layers["samples"]) == {rounds}
 
 
-def test_sigterm_inside_the_first_probed_round_says_so(tmp_path):
-    """Stopped while the first forward is being probed (its replays cost several forwards):
-    the end says that round was under way, not that no prefill was seen. The program's block
-    waits inside its first replay until it is killed, so the signal lands there."""
-    script = tmp_path / "slow_first.py"
+def _toy_first_forward(tmp_path, name: str, forward: str) -> str:
+    """A program of one forward of a 3-block toy (16 wide, 8 tokens) whose blocks run
+    ``forward`` (the body of Block.forward: ``self.index``, the module's ``calls`` list)
+    before their own work; prints "finished" after it."""
+    script = tmp_path / name
     script.write_text(textwrap.dedent("""
         import os, time
         import torch
         calls = []
         class Block(torch.nn.Module):
-            def __init__(self):
+            def __init__(self, index):
                 super().__init__()
                 self.linear = torch.nn.Linear(16, 16)
+                self.index = index
             def forward(self, x):
-                calls.append(1)
-                if len(calls) == 4:  # the 3 blocks ran: the first replay of the probes
-                    print("forward 1", os.getpid(), flush=True)
-                    while True:
-                        time.sleep(0.1)
+        {forward}
                 return x + torch.tanh(self.linear(x))
         class Toy(torch.nn.Module):
             def __init__(self):
                 super().__init__()
                 self.embed = torch.nn.Embedding(32, 16)
-                self.layers = torch.nn.ModuleList(Block() for _ in range(3))
+                self.layers = torch.nn.ModuleList(Block(i) for i in range(3))
             def forward(self, input_ids):
                 h = self.embed(input_ids)
                 for block in self.layers:
                     h = block(h)
                 return h
-        model = Toy().eval()
         with torch.no_grad():
-            model(input_ids=torch.arange(8)[None])
+            Toy().eval()(input_ids=torch.arange(8)[None])
         print("finished", flush=True)
-    """))
-    proc = _start("--exec", _command(str(script)), "-o", str(tmp_path / "d"),
-                  "--min-free-gb", "0")
+    """).replace("{forward}", textwrap.indent(textwrap.dedent(forward), " " * 8)))
+    return str(script)
+
+
+def test_sigterm_inside_the_first_probed_round_says_so(tmp_path):
+    """Stopped while the first forward is being probed (its replays cost several forwards):
+    the end says that round was under way, not that no prefill was seen. The program's block
+    waits inside its first replay until it is killed, so the signal lands there."""
+    script = _toy_first_forward(tmp_path, "slow_first.py", """
+        calls.append(1)
+        if len(calls) == 4:  # the 3 blocks ran: the first replay of the probes
+            print("forward 1", os.getpid(), flush=True)
+            while True:
+                time.sleep(0.1)
+    """)
+    proc = _start("--exec", _command(script), "-o", str(tmp_path / "d"), "--min-free-gb", "0")
     _wait_for_forward(proc, 1)
     os.kill(proc.pid, signal.SIGTERM)
     code, out, err = _finish(proc)
@@ -273,32 +282,11 @@ def test_sigterm_inside_the_first_probed_round_says_so(tmp_path):
 def test_a_first_forward_that_raises_is_not_said_to_be_stopped(tmp_path):
     """The program's first forward raises inside its second block: that round never
     finished, said so (not "stopped": nothing stopped it; not "no prefill seen")."""
-    script = tmp_path / "raises.py"
-    script.write_text(textwrap.dedent("""
-        import torch
-        class Block(torch.nn.Module):
-            def __init__(self, fails):
-                super().__init__()
-                self.linear = torch.nn.Linear(16, 16)
-                self.fails = fails
-            def forward(self, x):
-                if self.fails:
-                    raise RuntimeError("device out of memory")
-                return x + torch.tanh(self.linear(x))
-        class Toy(torch.nn.Module):
-            def __init__(self):
-                super().__init__()
-                self.embed = torch.nn.Embedding(32, 16)
-                self.layers = torch.nn.ModuleList(Block(i == 1) for i in range(3))
-            def forward(self, input_ids):
-                h = self.embed(input_ids)
-                for block in self.layers:
-                    h = block(h)
-                return h
-        with torch.no_grad():
-            Toy().eval()(input_ids=torch.arange(8)[None])
-    """))
-    code, _, err = _dump_cli("--exec", _command(str(script)), "-o", str(tmp_path / "d"),
+    script = _toy_first_forward(tmp_path, "raises.py", """
+        if self.index == 1:
+            raise RuntimeError("device out of memory")
+    """)
+    code, _, err = _dump_cli("--exec", _command(script), "-o", str(tmp_path / "d"),
                              "--min-free-gb", "0")
     assert code == 1 and "RuntimeError: device out of memory" in err, err
     assert "the first round (sample 1's prefill over 3 layers, being probed: each layer is " \

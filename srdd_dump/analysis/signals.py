@@ -99,9 +99,9 @@ class Signals:
     instab_kurtosis: float = float("nan")  # excess kurtosis of (repeat - clean) differences
     # batched replays: the in-batch reference vs the clean output of the same input
     batch_dep: float = float("nan")  # max |replay - clean| / max |clean|, worst sample
-    width: int = 0  # values per token row of its clean records (0: unknown)
     batch_dep_level: float = float("nan")  # median |clean| / max |clean| where it moved most
     batch_dep_moved: float = float("nan")  # fraction of elements moved by >= half that max
+    width: int = 0  # values per token row of its clean records (0: unknown)
     # exact identities and the host reference (NaN when not probed)
     role: str = ""  # the site's role in the dump (linear, norm, act, core, rotary, sublayer)
     scale_broken: float = float("nan")  # linear: elements breaking y(2^k x) = 2^k y(x), worst

@@ -348,7 +348,7 @@ def summarize(table: pd.DataFrame, same_device: dict[tuple[str, str], bool] | No
     reds = input_reds(table, sources)
     exact = exact_inputs(table, sources, reds)
     marked = firsts
-    firsts = _recurring(table, firsts, same_setup, exact)
+    firsts = _recurring(table, firsts, same_setup, exact, sources)
     summary.first_divergence = firsts
     if len(firsts):
         layer = int(firsts["layer"].min())
@@ -627,12 +627,12 @@ def unmatched_lines(sites: pd.DataFrame) -> list[str]:
 
 
 def _recurring(table: pd.DataFrame, births: pd.DataFrame, same_setup: np.ndarray,
-               exact_input: np.ndarray) -> pd.DataFrame:
+               exact_input: np.ndarray, sources: np.ndarray) -> pd.DataFrame:
     """The births the summary names. One from an exactly equal input with the same dtype on
     both sides is conclusive on its own; one found by growth alone must recur at its layer, in
     at least 2 rounds and BIRTH_SHARE of the rounds that break tolerance (``_recurrence``): one
     decode step of 576 values in bf16 against fp32 can grow 15x by chance (SmolLM2, 1 of 154
-    rounds)."""
+    rounds). ``sources``: ``input_rows`` of the table."""
     if births.empty:
         return births
     need = _recurrence(table)
@@ -643,7 +643,6 @@ def _recurring(table: pd.DataFrame, births: pd.DataFrame, same_setup: np.ndarray
     jumps = pd.Series(False, index=table.index)
     if BOUND_COLUMN in table:
         # as a birth's: from a passing input, in a round that breaks tolerance
-        sources = input_rows(table)
         verdict = table["verdict"].to_numpy()
         fed = np.array([src >= 0 and verdict[src] == PASS for src in sources], dtype=bool)
         breaking = table[table["verdict"].isin([WARN, FAIL])][GROUP].drop_duplicates()
