@@ -129,6 +129,22 @@ def test_inputs_recorded_by_msprobe_give_token_ids_stack_input_and_positions(tmp
         assert msprobe_rows[same].equals(srdd_rows[same])
 
 
+def test_a_generation_that_drifted_to_other_tokens_is_not_read_as_births(tmp_path, saturated):
+    """Against an msprobe dump of block outputs only (no input ids), the fault changes the
+    generated token: the decode step FAILs from layer 0 on, and its layers were read as
+    births (the finding named layer 12, where the attention FAILed in both rounds)."""
+    text = _compare(tmp_path, saturated, "--baseline", _fixture("smollm2_bf16"))
+    assert "not compared: 31 rows: inputs likely differ" in text, text
+    assert "finding: layer 10 (model.layers.10) introduced the error" in text, text
+    rows = _table(tmp_path)
+    decode = rows[rows["step"] == 1]
+    assert decode["verdict"].isna().all()  # N/A, as pandas reads it
+    assert decode.loc[decode["layer"] == 0, "cosine_similarity"].notna().all()  # kept
+    sites = _table(tmp_path, "report.sublayers.csv")
+    assert sites.loc[sites["step"] == 1, "verdict"].isna().all()
+    assert not sites.loc[sites["step"] == 1, "first_divergence"].astype(bool).any()
+
+
 def test_a_statistics_golden_dump_is_compared_by_its_statistics(tmp_path, saturated,
                                                                same_kernels):
     text = _compare(tmp_path, saturated, "--baseline", _fixture("smollm2_bf16_all_stats"))
