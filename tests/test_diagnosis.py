@@ -448,6 +448,46 @@ def test_a_decode_tokens_chance_offset_is_no_bias_a_constant_one_is():
         assert all(v.verdict not in (FAULT, SUSPECT) for k, v in found.items() if k != 12)
 
 
+def test_copies_of_a_row_are_one_row_to_the_chance_level_of_the_offset():
+    """A beam search feeds the prompt once per beam: its rows come twice, and a mean of them
+    is no less a chance than one copy's (healthy SmolLM2 read SUSPECT BIAS at layer 24 with
+    num_beams=2, NORMAL when sampling the same prompt)."""
+    from srdd_dump.analysis.signals import LayerSignals
+
+    x = np.random.default_rng(3).standard_normal((1, 12, 64)).astype(np.float32)
+
+    def noise(rows: np.ndarray) -> float:
+        acc = LayerSignals(0, -1, "model.layers.0")
+        acc.add(rows, "float32", 0, None, None, [])
+        return acc.result().offset_noise
+
+    assert noise(np.concatenate([x, x])) == pytest.approx(noise(x))
+    other = np.random.default_rng(4).standard_normal((1, 12, 64)).astype(np.float32)
+    assert noise(np.concatenate([x, other])) == pytest.approx(noise(x) / np.sqrt(2))
+
+
+def test_a_part_of_the_models_layers_is_no_sample_for_the_relative_offset():
+    """The offset of one layer against the others' needs the model's layers: in a dump of
+    some (--layers 'model.layers.2?'), neighbouring late layers share their offsets and a
+    healthy one stood out (SUSPECT BIAS at SmolLM2's layer 24, NORMAL in the whole dump).
+    There the relative test is left out; the absolute ones stay."""
+    from srdd_dump.analysis.signals import LayerSignals
+
+    rng = np.random.default_rng(7)
+
+    def layer(k: int, shift: float):
+        acc = LayerSignals(k, -1, f"model.layers.{k}")
+        x = rng.standard_normal((1, 40, 576))
+        acc.add((x + shift).astype(np.float32), "float32", 0, None, None, [])
+        return acc.result()
+
+    signals = [layer(k, 0.2 if k == 12 else 0.0) for k in range(30)]
+    whole = {v.layer: v for v in diagnose(signals, "float32", 30)}
+    part = {v.layer: v for v in diagnose(signals, "float32", 30, whole=False)}
+    assert whole[12].verdict == FAULT and whole[12].diagnosis.startswith("BIAS")
+    assert all(v.verdict == NORMAL for v in part.values())
+
+
 def test_a_small_share_of_elements_never_reads_as_none():
     """The clip-limit evidence quotes the share of elements the batch moved: a few elements of
     a large output are not '0.00%'."""

@@ -5,6 +5,7 @@ not its position 0 in the file (a new user's hunt dump once reported "Layer 0
 
 from __future__ import annotations
 
+import math
 import os
 
 import pytest
@@ -59,6 +60,9 @@ def test_a_dump_of_some_layers_reports_and_injects_by_the_models_numbers(tmp_pat
     assert (top["layer"], top["verdict"], top["site"]) == (2, "FAULT", "model.layers.2.mlp")
     (line,) = result.headlines
     assert "Layer 2 (model.layers.2.mlp): FAULT" in line, line
+    assert any("a dump of 2 of the model's 4 blocks (--layers): the test that compares a "
+               "layer's mean offset with the other layers' is left out" in n
+               for n in result.notes), result.notes
 
 
 @pytest.mark.capture
@@ -176,3 +180,31 @@ def test_baseline_with_a_dump_of_some_layers_names_no_birth_it_cannot_see(tmp_pa
         assert "introduced" not in summary.message and "born at" not in summary.message
     summary = compare_baseline(inside, some).summary
     assert (summary.pattern, summary.first_layer) == ("introduced", 2), summary.message
+
+
+@pytest.mark.capture
+def test_a_block_after_a_gap_in_the_layers_has_no_signals_of_its_input(tmp_path):
+    """``--layers 'model.layers.[013]'``: layer 3's input is layer 2's output, not captured.
+    Its update and kurtosis change were computed against layer 1's output (a new user's
+    ``model.layers.2*`` gave layer 20 an update RMS 45x the full dump's); layer 1's, which
+    follows layer 0, are the full dump's."""
+    from srdd_dump.compare.api import file_signals
+
+    def signals(name: str, layers: str | None) -> dict:
+        model = build("llama", layers=4)
+        cfg = DumpConfig(dump_path=str(tmp_path / name), layers=layers, probes="none")
+        with register_hook(model, cfg) as session, torch.no_grad():
+            model(input_ids=torch.randint(0, 128, (1, 24),
+                                          generator=torch.Generator().manual_seed(0)))
+        numbers = layer_numbers([f"model.layers.{k}" for k in range(4)] if layers is None
+                                else ["model.layers.0", "model.layers.1", "model.layers.3"])
+        return {numbers[g.layer]: g for g in file_signals(session.path)
+                if g.site == -1 and g.phase == "prefill"}
+
+    full, some = signals("full", None), signals("some", "model.layers.[013]")
+    assert sorted(some) == [0, 1, 3]
+    assert some[1].update_rms == pytest.approx(full[1].update_rms)
+    assert some[1].kurt_change == pytest.approx(full[1].kurt_change)
+    for name in ("update_rms", "offset", "dc_energy", "consistency", "kurt_change"):
+        assert math.isnan(getattr(some[3], name)), name
+        assert not math.isnan(getattr(full[3], name)), name

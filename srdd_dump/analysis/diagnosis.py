@@ -470,12 +470,16 @@ def site_groups(signals: list[Signals]) -> dict[str, list[Signals]]:
     return groups
 
 
-def diagnose(signals: list[Signals], dtype: str, n_layers: int, compute_dtype: str = ""
-             ) -> list[LayerVerdict]:
+def diagnose(signals: list[Signals], dtype: str, n_layers: int, compute_dtype: str = "",
+             whole: bool = True) -> list[LayerVerdict]:
     """One verdict per block layer 0..n_layers-1 from the block and sub-layer signals.
 
     ``dtype`` is the dump's hidden dtype, used for a module whose signals carry none;
-    ``compute_dtype`` the autocast dtype the model ran under (limits follow the less precise)."""
+    ``compute_dtype`` the autocast dtype the model ran under (limits follow the less precise).
+    ``whole``: the dump holds every block of the model. The across-layer evidence (a layer's
+    offset against the other layers') needs them: a part of the model (``--layers``) is no
+    sample of its layers (neighbouring late layers share their offsets, so one of them stood
+    out of ten at a healthy SmolLM2's layer 24), and it is left out."""
     evidence: dict[int, list[tuple[Evidence, str]]] = {k: [] for k in range(n_layers)}
     systemic: dict[str, tuple[str, int, int]] = {}  # family -> (site kind, layers, of)
     # exact zeros of each block's output (layer -1: the stack input, when it was read)
@@ -533,7 +537,7 @@ def diagnose(signals: list[Signals], dtype: str, n_layers: int, compute_dtype: s
         inst = np.array([g.instability for g in group], dtype=np.float64)
         inst = inst[np.isfinite(inst)]
         inst_median = float(np.median(inst)) if inst.size else 0.0
-        relative = _relative_evidence(group)
+        relative = _relative_evidence(group) if whole else {i: [] for i in range(len(group))}
         per_layer = [_exact_evidence(sig, dtype, inst_median, compute_dtype, input_zeros(sig),
                                      input_nonfinite(sig), input_broken(sig), hidden)
                      + ([] if input_broken(sig) else relative[i])

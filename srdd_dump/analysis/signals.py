@@ -10,6 +10,7 @@ decode steps are accumulated apart (``phase``): a decode kernel has signals of i
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from typing import NamedTuple
 
@@ -147,6 +148,9 @@ class RoundStats:
     stuck: float = float("nan")
     lowbits: float = float("nan")
     rows: float = float("nan")  # token rows seen (after the attention mask)
+    # the values of its distinct rows: what a chance mean is of (the beams of a beam search,
+    # one prompt's copies, repeat its rows; NaN: as many as the moments count)
+    distinct: float = float("nan")
     grid: float = float("nan")  # tested rows on an 8-bit grid (array_stats.grid_rows)
     topk_margin: float = float("nan")  # an expert: median router margin of its tokens
     batch_dep: tuple[float, float, float] | None = None
@@ -204,6 +208,7 @@ def round_stats(
     out.pileup = st.pileup(x_rows, extremes=extremes) if all_finite else st.pileup(finite)
     keep = st.unique_index(x_rows)
     distinct = x_rows if keep is None else x_rows[keep]
+    out.distinct = float(distinct.size)
     extremes = extremes if all_finite else None
     ids = None if ids is None else ids.reshape(-1)
     if all_finite:
@@ -415,7 +420,8 @@ class LayerSignals:
                            ("cons", r.consistency), ("stuck", r.stuck),
                            ("lowbits", r.lowbits), ("rows", r.rows), ("grid", r.grid),
                            ("margin", r.topk_margin),
-                           ("noise", _offset_noise(r.moments.count))):
+                           ("noise", _offset_noise(r.moments.count if math.isnan(r.distinct)
+                                                   else min(r.moments.count, r.distinct)))):
             acc[key].append(value)
         if r.scale is not None:
             self.scale.append(r.scale)
@@ -531,12 +537,17 @@ def _narrow(p: Probe, keep: np.ndarray, valid: np.ndarray) -> np.ndarray:
     return data[mask] if mask.size == data.shape[0] else data[:0]
 
 
-def set_kurtosis_change(signals: list[Signals]) -> None:
-    """``kurt_change`` of every block from its kurtosis and the previous block's (prefill)."""
+def set_kurtosis_change(signals: list[Signals], numbers: Sequence[int] | None = None) -> None:
+    """``kurt_change`` of every block from its kurtosis and the previous block's (prefill).
+    ``numbers``: the model's number of each position (format.layer_numbers); a block that does
+    not follow the one before it in the dump (a gap in ``--layers``) gets none."""
     blocks = {g.layer: g for g in signals
               if g.site == BLOCK_SITE and g.phase == PREFILL and g.layer >= 0}
     for layer, g in blocks.items():
         before = blocks.get(layer - 1)
+        if numbers is not None and 0 < layer < len(numbers) and \
+                numbers[layer] != numbers[layer - 1] + 1:
+            before = None
         if before is not None and g.kurtosis + 3 > 0 and before.kurtosis + 3 > 0:
             g.kurt_change = float(np.log((g.kurtosis + 3) / (before.kurtosis + 3)))
 

@@ -53,8 +53,10 @@ def finish(path: str, files: list[DumpFile], tasks: list[SignalTask],
             file_rows.append(_file_row(f.source, SKIPPED, failed[n], rank=f.rank, pid=f.pid))
             continue
         signals = sorted(per_file.get(n, []), key=lambda g: (g.layer, g.site, g.phase))
-        set_kurtosis_change(signals)
+        set_kurtosis_change(signals, layer_numbers(f.layers))
         notes += unprobed_experts(f.source, signals)
+        if len(f.layers) > 1 and not holds_every_block(f):  # one block: nothing to compare
+            notes.append(part_note(f))
         rows, sites, line, hunt = _diagnose_file(f, signals)
         layer_rows += rows
         site_rows += sites
@@ -100,6 +102,22 @@ def unprobed_experts(source: str, signals: list[Signals]) -> list[str]:
             "tokens reach more experts"]
 
 
+def holds_every_block(f: DumpFile) -> bool:
+    """The dump holds every block of its model: as many as its config says (where it says),
+    numbered 0, 1, 2, ... without a gap."""
+    numbers = layer_numbers(f.layers)
+    if numbers != list(range(len(numbers))):
+        return False
+    return not f.model_layers or len(f.layers) >= f.model_layers
+
+
+def part_note(f: DumpFile) -> str:
+    of = f" of the model's {f.model_layers}" if f.model_layers else ""
+    return (f"{f.source}: a dump of {len(f.layers)}{of} blocks (--layers): the test that "
+            "compares a layer's mean offset with the other layers' is left out (a part of the "
+            "model is no sample of its layers); capture every layer for it")
+
+
 def _diagnose_file(f: DumpFile, signals: list[Signals]
                    ) -> tuple[list[dict], list[dict], str, str | None]:
     """Layer rows, sub-layer rows, the headline of one file and the command that hunts the
@@ -112,7 +130,7 @@ def _diagnose_file(f: DumpFile, signals: list[Signals]
     if not blocks:
         return [], [], "", None
     verdicts = diagnose(signals, f.hidden_dtype, n_layers=max(len(f.layers), max(blocks) + 1),
-                        compute_dtype=f.compute_dtype)
+                        compute_dtype=f.compute_dtype, whole=holds_every_block(f))
     experts = {name: int(name.rsplit(".", 1)[1])
                for name, role in zip(f.sites, f.site_roles) if role == EXPERT}
     worst = max(verdicts, key=lambda v: v.score)

@@ -19,12 +19,15 @@ from ..analysis.row_stats import one_row_stats
 from ..analysis.signals import DECODE, LayerSignals, Probe, Signals
 from ..errors import first_line
 from ..format import schema as s
+from ..format.layer_numbers import layer_numbers
 from ..format.reader import DumpReader
 from ..vocabulary import EXPERT, SUBLAYER
 from .readers import READ_ERRORS, open_reader
 from .stats_rows import StatsLayout
 
 SPAN_BYTES = 16 << 20  # data read at once: the records of a group of layers of one round
+# the statistics of what a block adds (its output less its input: Signals.update_rms)
+UPDATE_FIELDS = ("update_rms", "offset", "offset_noise", "dc_energy", "consistency")
 
 @dataclass
 class SignalTask:
@@ -134,22 +137,37 @@ def read_signals(
     layers = {k: LayerSignals(k[0], k[1], module(*k), role=role(*k)) for k in keys}
     decode = {k: LayerSignals(k[0], k[1], module(*k), phase=DECODE, role=role(*k))
               for k in keys}
+    # a block whose model number does not follow the block before it in the dump (--layers
+    # 'model.layers.2*': 2, then 20) has no recorded input: the block before is not its input
+    numbers = layer_numbers(reader.layers)
+    feeds_next = {p for p in range(len(numbers) - 1) if numbers[p + 1] == numbers[p] + 1}
+    feeds_next.add(s.STACK_INPUT)
+    after_gap = {k for k in keys if k[1] == s.BLOCK_SITE and k[0] > 0
+                 and k[0] - 1 not in feeds_next}
+
+    def results() -> list[Signals]:
+        # decode steps run other kernels than the prefill: their own signals, kept apart so
+        # that neither phase's evidence is averaged away by the other's rounds
+        out = [layers[k].result() for k in keys] + [
+            decode[k].result() for k in keys if decode[k].samples]
+        return [_without_update(g) if (g.layer, g.site) in after_gap else g for g in out]
+
     if reader.has_stats:
         _stats_signals(reader, by_round, layers, decode)
-        return [layers[k].result() for k in keys] + [
-            decode[k].result() for k in keys if decode[k].samples]
+        return results()
     if not len(recs) or not keys:
-        return [layers[k].result() for k in keys]
+        return results()
     code = _key_code(recs["layer"], recs["site"])
     read = [slots_of[k][0] if k in slots_of else k for k in keys]
     want = np.isin(code, _key_code([k[0] for k in read], [k[1] for k in read]))
-    block_layers = np.array([k[0] for k in keys if k[1] == s.BLOCK_SITE], dtype=np.int64)
+    block_layers = np.array([k[0] for k in keys if k[1] == s.BLOCK_SITE
+                             and k[0] - 1 in feeds_next], dtype=np.int64)
     prev = ((recs["site"] == s.BLOCK_SITE) & (recs["kind"] == s.KIND_CLEAN)
             & np.isin(recs["layer"].astype(np.int64) + 1, block_layers))
     # records of a round cut off by a crash (no row in /rounds) are not trusted
     need = np.flatnonzero((want | prev) & np.isin(recs["round"], list(by_round)))
     if not need.size:
-        return [layers[k].result() for k in keys]
+        return results()
     all_rows = reader.all_probe_rows()
     all_positions = reader.all_positions()
     all_ids = reader.all_token_ids()
@@ -192,7 +210,7 @@ def read_signals(
         clean_prev: dict[int, int] = {}  # layer -> last clean block record of the round
         for i in index:
             key = (layer_of[i], site_of[i])
-            if key[1] == s.BLOCK_SITE and kind_of[i] == s.KIND_CLEAN:
+            if key[1] == s.BLOCK_SITE and kind_of[i] == s.KIND_CLEAN and key[0] in feeds_next:
                 clean_prev[key[0]] = i
             if key in layers or key in holds:
                 per_key.setdefault(key, []).append(i)
@@ -210,10 +228,15 @@ def read_signals(
             _round_batch(reader, recs, kind_of, batch, per_key, clean_prev,
                          layers if prefill else decode, sample, prow, valid, positions, holds,
                          ids)
-    # decode steps run other kernels than the prefill: their own signals, kept apart so that
-    # neither phase's evidence is averaged away by the other's rounds
-    return [layers[k].result() for k in keys] + [
-        decode[k].result() for k in keys if decode[k].samples]
+    return results()
+
+
+def _without_update(g: Signals) -> Signals:
+    """A block whose input is not in the dump: what it adds (its output less its input) is
+    unknown, and so is every statistic of it."""
+    for name in UPDATE_FIELDS:
+        setattr(g, name, math.nan)
+    return g
 
 
 def _stats_signals(reader: DumpReader, by_round: dict, layers: dict, decode: dict) -> None:
