@@ -284,6 +284,21 @@ def test_a_tokens_range_that_keeps_nothing_says_so(tmp_path):
         in res.stderr and "no prefill seen" not in res.stderr
 
 
+def test_steps_past_the_generation_say_so(tmp_path):
+    """--steps 5-9 on a generation of 2 new tokens (steps 0-1): the end says the steps select
+    none of the forwards seen, not "no prefill seen" (two prefills ran)."""
+    script = _write(tmp_path / "gen.py", TINY_LLAMA + "with torch.no_grad():\n"
+                    "    for _ in range(2):\n"
+                    "        m.generate(torch.randint(1, 100, (1, 9)), max_new_tokens=2, "
+                    "do_sample=False, pad_token_id=0)\nprint('finished')\n")
+    res = run_cli("srdd-dump", "--exec", f"{sys.executable} {script}", "-o", str(tmp_path / "d"),
+                  "--steps", "5-9")
+    assert res.returncode == 3 and "finished" in res.stdout
+    assert "--steps 5-9 selects no step of the forwards seen (step 0 is a prompt's prefill; " \
+        "the longest generation seen reached step 1)" in res.stderr, res.stderr
+    assert "no prefill seen" not in res.stderr
+
+
 def test_a_script_without_its_execute_bit_and_a_negative_free_space(tmp_path):
     script = tmp_path / "infer.py"
     script.write_text("print('hi')\n")

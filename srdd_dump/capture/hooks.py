@@ -866,9 +866,14 @@ class CaptureSession:
         elif not self.error:
             with self.config.naming():
                 silence = explain_silence(self.model, self.model_calls, self.block_calls)
-                tokens = option("tokens")
+                tokens, steps = option("tokens"), option("steps")
             if silence:
                 self.silence, self.blocks_unseen = silence
+            seen = self._rounds.last_step_seen
+            if not self.silence and seen >= 0 and not self._rounds.step_opened:
+                self.silence = (f"{steps} {self.config.steps} selects no step of the "
+                                f"forwards seen (step 0 is a prompt's prefill; the longest "
+                                f"generation seen reached step {seen})")
             if not self.silence and self._rounds.no_kept_position:
                 self.silence = (f"{tokens} {self.config.tokens} keeps no position of the "
                                 f"forwards seen (the longest had "

@@ -111,6 +111,8 @@ class RoundPlanner:
         self.probed: dict[int, set[int]] = {}  # step -> the samples in which it was probed
         self.requests = RequestTracker()  # a serving engine's requests
         self.no_kept_position = 0  # the longest forward --tokens kept no position of
+        self.last_step_seen = -1  # the largest step of any sample seen
+        self.step_opened = False  # a forward of a selected step (--steps) was seen
         # request calls within --samples, each captured (None) or why not (coverage: the
         # session counts them in the "request samples" family)
         self.request_calls: list[str | None] = []
@@ -139,8 +141,12 @@ class RoundPlanner:
              mask: torch.Tensor | None, sample_rows: Callable) -> RoundContext | None:
         """The context of this forward's round; None when it is not captured. ``mask``: the
         model call's 2-D attention mask; ``sample_rows``: the sink's ``round_rows``."""
-        if self.sample < 0 or not cfg.step_selected(self.options.steps, self.step):
+        if self.sample < 0:
             return None
+        self.last_step_seen = max(self.last_step_seen, self.step)
+        if not cfg.step_selected(self.options.steps, self.step):
+            return None
+        self.step_opened = True
         positions = cfg.token_positions(self.options.tokens, seq)
         if not positions:
             self.no_kept_position = max(self.no_kept_position, seq)
