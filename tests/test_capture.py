@@ -397,12 +397,26 @@ def test_register_hook_takes_a_pipelines_model_and_refuses_what_it_cannot_captur
     with pytest.raises(UserError, match="a file of that name exists"):
         register_hook(model, DumpConfig(dump_path=str(tmp_path / "a_file")))
     assert not any(b._forward_hooks for _, b in find_blocks(model))  # nothing left attached
-    # a folder that cannot be made is found at the first capture: no file, and path says so
-    session = register_hook(model, DumpConfig(dump_path=str(tmp_path / "a_file" / "sub"),
-                                              progress=False))
+    # a folder that cannot be made is refused at once, as msit does (it was found at the
+    # first forward, in a warning the program ran on past)
+    for folder in (tmp_path / "a_file" / "sub", tmp_path / ("x" * 300)):
+        with pytest.raises(UserError, match=r"register_hook: dump_path .*: cannot create the "
+                                            r"folder \((Not a directory|File name too long)\)"):
+            register_hook(model, DumpConfig(dump_path=str(folder)))
+    assert not any(b._forward_hooks for _, b in find_blocks(model))
+
+
+def test_a_session_whose_model_never_ran_says_so(tmp_path, capfd):
+    """In code, a session closed before its model ran (or while a second instance ran) ended
+    without a word; the command line's run says "nothing captured"."""
+    model, other = build("llama"), build("llama")
+    session = register_hook(model, DumpConfig(dump_path=str(tmp_path), progress=False))
     with torch.no_grad():
-        model(input_ids=torch.randint(0, 128, (1, 5)))
-    assert session.error and session.path is None
+        other(input_ids=torch.randint(0, 128, (1, 5)))
+    session.close()
+    assert session.path is None
+    assert "nothing captured: the model given to register_hook (LlamaForCausalLM) never ran a " \
+        "forward while the session was open" in capfd.readouterr().err
 
 
 def test_a_dropped_model_and_session_are_freed_and_the_file_finished(tmp_path):

@@ -880,7 +880,13 @@ class CaptureSession:
                                 f"{self._rounds.no_kept_position} tokens)")
             if not self.silence and cut is not None:
                 self.silence = _cut_first_round(cut, len(self.blocks), self._stop_asked)
-            if self.silence and not os.environ.get(cfg.ENV_CONFIG):
+            in_code = not os.environ.get(cfg.ENV_CONFIG)  # --exec says its own end
+            if in_code and not self.silence and not self.model_calls and not self.block_calls:
+                self.silence = (f"the model given to register_hook "
+                                f"({type(self.model).__name__}) never ran a forward while the "
+                                "session was open (a copy of it, or a model built after the "
+                                "hook, runs uncaptured: hook the model that runs)")
+            if self.silence and in_code:
                 say(f"srdd-dump: warning: nothing captured: {self.silence}\n")
         return self.path
 
@@ -946,6 +952,11 @@ def register_hook(model: nn.Module, config: DumpConfig | None = None
                             f"{type(model).__name__}")
         model = inner  # a pipeline: its model
     refuse_a_file(config.dump_path, f"register_hook: dump_path {config.dump_path}")
+    try:  # as msit does: a folder that cannot be made is said here, not at the first forward
+        os.makedirs(config.dump_path, exist_ok=True)
+    except OSError as exc:
+        raise UserError(f"register_hook: dump_path {config.dump_path}: cannot create the folder "
+                        f"({exc.strerror or exc})") from None
     try:
         return CaptureSession(model, config)
     except AlreadyCaptured as exc:
