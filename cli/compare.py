@@ -261,13 +261,23 @@ def start_workers_early(argv: list[str]) -> None:
     start_workers(opts["dumps"], jobs, opts.get("run"), fork=True)
 
 
+# msit llm compare's flags srdd-compare has no option of, and what does their job
+_PATHS = "the dumps are arguments: srdd-compare MY_DUMPS --baseline GOLDEN_DUMPS"
+MSIT_FLAGS = {
+    "-gp": _PATHS, "--golden-path": _PATHS, "-mp": _PATHS, "--my-path": _PATHS,
+    "--golden": _PATHS, "-op": "use --mapping (a YAML file of 'my site: golden site(s)')",
+    "--op-mapping-file": "use --mapping (a YAML file of 'my site: golden site(s)')",
+}
+
+
 def run_command() -> int:
     """The command as the watched child runs it (``main``: the watchdog around it); returns
     its exit code."""
     start_workers_early(sys.argv[1:])
     try:
         return run(app, PROG,
-                   "to compare with a golden run: srdd-compare MINE --baseline GOLDEN")
+                   "to compare with a golden run: srdd-compare MINE --baseline GOLDEN",
+                   msit=MSIT_FLAGS)
     finally:
         from srdd_dump.runtime.pool import reap
 

@@ -145,8 +145,21 @@ def dump(
     raise typer.Exit(result.exit_code)
 
 
+# msit llm dump's flags srdd-dump has no option of, and what does their job
+_STEPS = "use --steps (the forward rounds kept: 0 the prefill, 1-3 decode steps 1 to 3)"
+_LAYERS = "use --layers (a glob of block names, e.g. 'model.layers.1[0-2]') or --granularity"
+MSIT_FLAGS = {
+    "-er": _STEPS, "--execute-range": _STEPS, "--token-range": _STEPS,
+    "-tid": _LAYERS, "--tensor-ids": _LAYERS, "--module-list": _LAYERS,
+    "-type": "use --store (sample:N, full or stats) and --granularity (block, sublayer, op)",
+    "--type": "use --store (sample:N, full or stats) and --granularity (block, sublayer, op)",
+    "-device": "the device is the program's own: srdd-dump captures where the model runs",
+    "--device": "the device is the program's own: srdd-dump captures where the model runs",
+}
+
+
 def main() -> int:
-    return run(app, "srdd-dump")
+    return run(app, "srdd-dump", msit=MSIT_FLAGS)
 
 
 if __name__ == "__main__":

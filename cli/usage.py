@@ -4,24 +4,40 @@ click's usage block."""
 
 from __future__ import annotations
 
+import sys
+
 import typer
 
 # click's UsageError, whether typer vendors click (0.29) or imports it (older releases)
 USAGE_ERROR = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "UsageError")
 
 
-def run(app: typer.Typer, prog: str, extra_hint: str = "") -> int:
+def run(app: typer.Typer, prog: str, extra_hint: str = "",
+        msit: dict[str, str] | None = None) -> int:
     """Run ``app`` on the command line; returns its exit code. ``extra_hint``: said after an
-    error of arguments given beyond the command's (what the user may have meant)."""
+    error of arguments given beyond the command's (what the user may have meant); ``msit``:
+    msit's flags this command has no option of, and what does their job here."""
     try:
         code = app(prog_name=prog, standalone_mode=False)
     except USAGE_ERROR as exc:
         message = exc.format_message()
         hint = f"; {extra_hint}" if extra_hint and "unexpected extra argument" in message \
             else ""
+        flag = _msit_flag(msit or {}) if "No such option" in message else None
+        if flag is not None:  # click reads -er as -e -r: the flag as typed, not click's
+            message = f"No such option: {flag}; {msit[flag]}"
         typer.echo(f"{prog}: error: {message}{hint} (see {prog} --help)", err=True)
         return exc.exit_code
     except typer.Abort:  # Ctrl-C before the command's own handler (while options are read)
         typer.echo(f"{prog}: interrupted", err=True)
         return 130
     return code if isinstance(code, int) else 0
+
+
+def _msit_flag(msit: dict[str, str]) -> str | None:
+    """The first of msit's flags on the command line (``-er 0,1``, ``--golden-path=x``)."""
+    for arg in sys.argv[1:]:
+        name = arg.split("=", 1)[0]
+        if name in msit:
+            return name
+    return None

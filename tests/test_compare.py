@@ -288,6 +288,16 @@ def test_a_folder_as_the_report_and_a_second_dump_are_said_so(tmp_path):
     proc = run_cli(dump, dump, "-o", str(tmp_path / "r.csv"))
     assert proc.returncode == 2 and "to compare with a golden run: srdd-compare MINE " \
         "--baseline GOLDEN" in proc.stderr and len(proc.stderr.splitlines()) == 1, proc.stderr
+    # msit's -o is a folder: one not made yet, named with its slash, is said as a folder too
+    # (it read "unknown report format '(no extension)'")
+    proc = run_cli(dump, "-o", str(tmp_path / "out") + "/")
+    assert proc.returncode == 2 and "out/: a folder; -o names the report file" in proc.stderr
+    assert not (tmp_path / "out").exists()
+    # msit's paths as flags: -gp read as "No such option: -g"
+    for flags in (["-gp", dump, "-mp", dump], ["--golden-path", dump]):
+        proc = run_cli(*flags, "-o", str(tmp_path / "r.csv"))
+        assert proc.returncode == 2 and f"No such option: {flags[0]}; the dumps are arguments: " \
+            "srdd-compare MY_DUMPS --baseline GOLDEN_DUMPS" in proc.stderr, proc.stderr
 
 
 # -- CLI -------------------------------------------------------------------------------------

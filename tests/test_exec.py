@@ -284,6 +284,18 @@ def test_a_tokens_range_that_keeps_nothing_says_so(tmp_path):
         in res.stderr and "no prefill seen" not in res.stderr
 
 
+def test_msits_flags_name_what_does_their_job(tmp_path):
+    """msit's -er read as "No such option: -e"; --token-range got "Possible options: --tokens",
+    which keeps token positions, not rounds."""
+    for flag in ("-er", "--token-range", "--execute-range=0,1"):
+        res = run_cli("srdd-dump", "--exec", f"{sys.executable} -c pass", "-o",
+                      str(tmp_path / "d"), flag, *(() if "=" in flag else ("0,1",)))
+        name = flag.split("=", 1)[0]
+        assert res.returncode == 2 and f"No such option: {name}; use --steps" in res.stderr, \
+            res.stderr
+        assert not (tmp_path / "d").exists()
+
+
 def test_steps_past_the_generation_say_so(tmp_path):
     """--steps 5-9 on a generation of 2 new tokens (steps 0-1): the end says the steps select
     none of the forwards seen, not "no prefill seen" (two prefills ran)."""
