@@ -284,6 +284,21 @@ def test_a_tokens_range_that_keeps_nothing_says_so(tmp_path):
         in res.stderr and "no prefill seen" not in res.stderr
 
 
+def test_a_refused_inject_says_stopped_only_when_the_command_was(tmp_path):
+    """A tiny model's program ended before srdd-dump's stop reached it ("done llama" printed):
+    it was said to be "stopped when its model first ran"."""
+    from srdd_dump.capture.launch import _collect
+
+    (tmp_path / "7.json").write_text(json.dumps(
+        {"pid": 7, "refused": "--inject dead_zone@layer=99: layer 99 out of range"}))
+    ended = _collect(0, str(tmp_path)).refused
+    stopped = _collect(-15, str(tmp_path)).refused
+    assert ended == ["--inject dead_zone@layer=99: layer 99 out of range: the command ended "
+                     "before srdd-dump could stop it, since pid 7 would capture nothing"]
+    assert stopped == ["--inject dead_zone@layer=99: layer 99 out of range: the command was "
+                       "stopped when its model first ran, since pid 7 would capture nothing"]
+
+
 def test_msits_flags_name_what_does_their_job(tmp_path):
     """msit's -er read as "No such option: -e"; --token-range got "Possible options: --tokens",
     which keeps token positions, not rounds."""

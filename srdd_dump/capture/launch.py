@@ -483,9 +483,12 @@ def _collect(returncode: int, status_dir: str, new_partials: set[str] | None = N
     for st in statuses:
         if st.get("refused"):
             refused.setdefault(st["refused"], []).append(st["pid"])
-    result.refused = [f"{reason}: the command was stopped when its model first ran, since "
-                      f"pid {', '.join(map(str, pids))} would capture nothing"
-                      for reason, pids in refused.items()]
+    # a command that ended before the stop reached it (a small model's whole run) was not
+    # stopped: it exited on its own, not by srdd-dump's SIGTERM
+    how = ("the command was stopped when its model first ran" if returncode < 0 else
+           "the command ended before srdd-dump could stop it")
+    result.refused = [f"{reason}: {how}, since pid {', '.join(map(str, pids))} would capture "
+                      "nothing" for reason, pids in refused.items()]
     result.degraded = _degraded(statuses)
     result.untested_versions = list(dict.fromkeys(
         note for st in statuses for note in st.get("untested_versions") or []))
