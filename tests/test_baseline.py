@@ -100,8 +100,9 @@ def test_a_clean_finding_says_how_many_rows_were_not_compared(tmp_path, runs):
     two = capture(tmp_path / "two", prompts=PROMPTS[:2])
     message = compare(two, runs["golden"]).summary.message
     assert message.startswith("every compared layer PASSes"), message
-    assert "; but 1 row was not compared (a sample only one dump holds: 1; see cmp_fail_reason)" \
-        in message
+    # the row is a whole round, every layer of it (a killed run's 6 read as "6 rows")
+    assert "; but 1 round (every layer of it) was not compared (a sample only one dump " \
+        "holds: 1; see cmp_fail_reason)" in message, message
     assert "my sample 1 is not in the golden dump" in " ".join(
         compare(two, runs["golden"]).table["cmp_fail_reason"].fillna(""))
 
@@ -1113,6 +1114,12 @@ def test_uncompared_rows_count_a_stack_input_both_sides_hold():
         "cmp_fail_reason": [differ, differ, "", "missing record: no my data for this layer "
                             "in this round"]})
     assert _uncompared(table).startswith("; but 2 rows were not compared (inputs differ: 2")
+    lost = "no counterpart: golden sample 2 is not in my dump"
+    table = pd.DataFrame({"layer": [None, None, -1], "verdict": ["N/A", "N/A", "N/A"],
+                          "cmp_fail_reason": [lost, lost, differ]})
+    assert _uncompared(table).startswith("; but 2 rounds (every layer of them) and 1 row were "
+                                          "not compared (a sample only one dump holds: 2, "
+                                          "inputs differ: 1;")
 
 
 def test_unknown_input_ids_are_no_agreement_at_the_first_layer(tmp_path):

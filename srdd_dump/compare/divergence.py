@@ -870,8 +870,13 @@ def _uncompared(table: pd.DataFrame) -> str:
     # named apart from the counterparts the header counts with them (steps, sites, layers)
     reasons = reasons.str.replace(r"^no counterpart: (?:golden|my) sample \d+ is not in .*",
                                   "a sample only one dump holds", regex=True)
-    n = len(reasons)
-    return (f"; but {n} row{' was' if n == 1 else 's were'} not compared ("
+    # a row without a layer is a whole round (a sample's step one dump lacks): every layer
+    whole = int(table.loc[reasons.index, "layer"].isna().sum())
+    parts = [f"{n} {word}{'s' if n != 1 else ''}{extra}" for n, word, extra in (
+        (whole, "round", " (every layer of it)" if whole == 1 else " (every layer of them)"),
+        (len(reasons) - whole, "row", "")) if n]
+    return (f"; but {' and '.join(parts)} {'was' if len(reasons) == 1 else 'were'} not "
+            "compared ("
             + ", ".join(f"{kind}: {count}" for kind, count in _reason_counts(reasons).items())
             + "; see cmp_fail_reason): the PASS covers the compared rows only")
 
