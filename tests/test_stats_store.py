@@ -290,11 +290,14 @@ def test_store_option():
 # -- whole dumps -------------------------------------------------------------------------------
 
 
-def _dump(tmp, name, store, inject=(), tokens=40, pad=False, seed=0, prompts=2, **probes):
+def _dump(tmp, name, store, inject=(), tokens=40, pad=False, seed=0, prompts=2, keep=None,
+          **probes):
+    """``keep``: DumpConfig tokens (the positions kept); ``tokens``: the prompts' length."""
     model = build("llama", layers=4)
     path = os.path.join(tmp, name)
     config = DumpConfig(dump_path=path, samples=prompts, store=store, progress=False,
-                        inject=list(inject), seed=seed, **probes)
+                        inject=list(inject), seed=seed, **probes,
+                        **({"tokens": keep} if keep else {}))
     torch.manual_seed(1)
     with register_hook(model, config), torch.no_grad():
         for _ in range(prompts):
@@ -371,6 +374,21 @@ def test_baseline_mode_on_stats_dumps(tmp_path):
     assert len(compared) == len(t) and (compared["verdict"] == "PASS").all()
     assert (compared["cosine_similarity"] > 0.999999).all()
     assert compared["cmp_fail_reason"].str.contains("sampled rows").all()
+    # against a dump of some token positions (--tokens): the sampled rows it kept, or why
+    # none (it read "shape mismatch: golden [1, 2, 64] vs my [1, 4, 64]")
+    for tokens, kept in (("2:", True), ("-1:", False)):
+        some = _dump(str(tmp_path), f"some{tokens}", "full", keep=tokens)
+        t = compare_baseline(some, golden).table
+        prefill = t[t["step"] == 0]
+        assert not prefill["cmp_fail_reason"].str.contains("shape mismatch").any()
+        if kept:
+            assert (prefill["verdict"] == "PASS").all(), prefill["cmp_fail_reason"]
+            assert prefill["cmp_fail_reason"].str.contains("sampled rows of the stats").all()
+        else:  # the last position only: a prompt whose sampled rows are all earlier
+            none = prefill["cmp_fail_reason"].str.startswith(
+                "no sampled row kept: none of the 2 sampled rows of the golden stats dump")
+            assert none.any() and (prefill.loc[none, "verdict"] == "N/A").all()
+            assert (prefill.loc[~none, "verdict"] == "PASS").all()
     # its sub-layers have no counterpart in the stats dump: said as such, not "0 rows compared"
     from srdd_dump.report.terminal import baseline_text
 

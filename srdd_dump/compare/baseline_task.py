@@ -214,7 +214,10 @@ def _compare_row(
     sampled = None
     if compare and mine.shape != golden.shape:
         sampled = _sampled_pair(mine, golden)
-        if sampled is not None:
+        if isinstance(sampled, str):  # a stats dump's rows none of which the other kept
+            reasons.append(sampled)
+            compare, sampled = False, None
+        elif sampled is not None:
             reasons.append(f"rows: the {len(sampled[0])} sampled rows of the stats dump")
         elif spec.my_mask is None and spec.golden_mask is None:  # no padding to leave out
             sampled, side, kept = _kept_pair(mine, golden)
@@ -267,10 +270,12 @@ def _compare_row(
     return row
 
 
-def _sampled_pair(mine: Group, golden: Group) -> tuple[np.ndarray, np.ndarray] | None:
+def _sampled_pair(mine: Group, golden: Group) -> tuple[np.ndarray, np.ndarray] | str | None:
     """(my rows, golden rows) when one side is a stats dump's row sample of a block output
-    (``--store stats``) and the other holds every row of a round of the same shape: the
-    other side's same rows. None when they cannot be paired."""
+    (``--store stats``) and the other holds every row of a round of the same sequences, or
+    the rows of the token positions it kept (``--tokens``): the other side's same rows
+    (those it kept). None when they cannot be paired; the reason when no sampled row was
+    kept on the other side."""
     if len(mine.records) != 1 or len(golden.records) != 1:
         return None
     my_rec, golden_rec = mine.first, golden.first
@@ -280,9 +285,7 @@ def _sampled_pair(mine: Group, golden: Group) -> tuple[np.ndarray, np.ndarray] |
     sides = [(mine.reader, my_rec), (golden.reader, golden_rec)]
     (s_reader, s_rec), (f_reader, f_rec) = sides if my_rec["subset"] else sides[::-1]
     s_round, f_round = _round_row(s_reader, s_rec), _round_row(f_reader, f_rec)
-    if s_round is None or f_round is None or \
-            (int(s_round["batch"]), int(s_round["ntok"])) != \
-            (int(f_round["batch"]), int(f_round["ntok"])):
+    if s_round is None or f_round is None or int(s_round["batch"]) != int(f_round["batch"]):
         return None
     rows = s_reader.probe_rows(s_round)
     width = int(s_rec["width"])
@@ -290,8 +293,30 @@ def _sampled_pair(mine: Group, golden: Group) -> tuple[np.ndarray, np.ndarray] |
             int(f_round["batch"]) * int(f_round["ntok"]):
         return None
     sample = s_reader.read(s_rec).reshape(-1, width)
-    full = f_reader.read(f_rec).reshape(-1, width)[rows]
+    full = f_reader.read(f_rec).reshape(-1, width)
+    if int(s_round["ntok"]) != int(f_round["ntok"]):  # the full side kept some positions
+        at = _rows_at(rows, s_reader.positions(s_round), f_reader.positions(f_round))
+        if at is None:
+            return None
+        if not (at >= 0).any():
+            side = "my" if my_rec["subset"] else "the golden"
+            return (f"no sampled row kept: none of the {rows.size} sampled rows of {side} "
+                    "stats dump is at a token position the other dump kept (--tokens)")
+        sample, rows = sample[at >= 0], at[at >= 0]
+    full = full[rows]
     return (sample, full) if my_rec["subset"] else (full, sample)
+
+
+def _rows_at(rows: np.ndarray, positions: np.ndarray, kept: np.ndarray) -> np.ndarray | None:
+    """For each of ``rows`` (of a round of ``positions`` per sequence), the row of a round
+    that kept the positions ``kept`` of the same sequences holding its token, -1 where that
+    position was not kept; None when the positions do not nest."""
+    where = {int(p): k for k, p in enumerate(kept)}
+    if len(where) != len(kept) or not set(where) <= {int(p) for p in positions}:
+        return None
+    seq, col = np.divmod(rows, len(positions))
+    at = np.array([where.get(int(positions[c]), -1) for c in col], dtype=np.int64)
+    return np.where(at >= 0, seq * len(kept) + at, -1)
 
 
 def _kept_pair(mine: Group, golden: Group
