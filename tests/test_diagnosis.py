@@ -488,6 +488,27 @@ def test_a_part_of_the_models_layers_is_no_sample_for_the_relative_offset():
     assert all(v.verdict == NORMAL for v in part.values())
 
 
+def test_a_norm_after_a_gap_in_the_blocks_has_no_known_input():
+    """--layers 'model.layers.[013]': the block before layer 3 in the dump is layer 1, not its
+    input. A norm's zeros were taken as layer 1's passed on (NORMAL); its input is not in the
+    dump, so zeros it made cannot be told from zeros it was given: SUSPECT, said so."""
+    from srdd_dump.analysis.signals import Signals
+    from srdd_dump.analysis.verdicts import SUSPECT
+    from srdd_dump.vocabulary import NORM
+
+    def sig(layer: int, site: int, zeros: float, role: str = "") -> Signals:
+        name = f"model.layers.{layer}" + ("" if site < 0 else ".post_attention_layernorm")
+        return Signals(layer=layer, site=site, module=name, samples=1, dtype="float32",
+                       zero_frac=zeros, n_values=40 * 576, role=role, kurtosis=0.0)
+
+    signals = [sig(0, -1, 0.0), sig(1, -1, 0.6), sig(2, -1, 0.0), sig(2, 3, 0.6, NORM)]
+    follows = {v.layer: v for v in diagnose(signals, "float32", 3)}
+    gap = {v.layer: v for v in diagnose(signals, "float32", 3, after_gap=frozenset({2}))}
+    assert follows[2].verdict == NORMAL
+    assert gap[2].verdict == SUSPECT and gap[2].diagnosis.startswith("DEAD_ZONE")
+    assert "its input is not in the dump" in gap[2].evidence[0].text
+
+
 def test_a_small_share_of_elements_never_reads_as_none():
     """The clip-limit evidence quotes the share of elements the batch moved: a few elements of
     a large output are not '0.00%'."""

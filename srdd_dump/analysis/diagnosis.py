@@ -471,7 +471,8 @@ def site_groups(signals: list[Signals]) -> dict[str, list[Signals]]:
 
 
 def diagnose(signals: list[Signals], dtype: str, n_layers: int, compute_dtype: str = "",
-             whole: bool = True) -> list[LayerVerdict]:
+             whole: bool = True, after_gap: frozenset[int] = frozenset()
+             ) -> list[LayerVerdict]:
     """One verdict per block layer 0..n_layers-1 from the block and sub-layer signals.
 
     ``dtype`` is the dump's hidden dtype, used for a module whose signals carry none;
@@ -503,7 +504,9 @@ def diagnose(signals: list[Signals], dtype: str, n_layers: int, compute_dtype: s
 
     def input_nonfinite(sig: Signals) -> bool:
         """NaN/Inf reached the module from before it: in its input (the previous block's
-        output), or for a decode step in the KV cache its prefill wrote from that input."""
+        output), or for a decode step in the KV cache its prefill wrote from that input.
+        (After a gap in the dump's blocks too: an earlier block's NaN reaches every later
+        block through the residual stream.)"""
         return any((sig.layer - 1, phase) in block_nonfinite for phase in {sig.phase, PREFILL})
 
     def input_broken(sig: Signals) -> bool:
@@ -511,9 +514,12 @@ def diagnose(signals: list[Signals], dtype: str, n_layers: int, compute_dtype: s
         return any((sig.layer - 1, phase) in block_broken for phase in {sig.phase, PREFILL})
 
     def input_zeros(sig: Signals) -> float:
-        """The exact zeros of the module's input; NaN when its input is not in the dump."""
+        """The exact zeros of the module's input; NaN when its input is not in the dump (after
+        a gap in its blocks, ``after_gap``: the block before it is not its input)."""
         if sig.role == ACTIVATION:
             return linear_zeros.get((sig.layer, sig.phase), math.nan)
+        if sig.layer in after_gap:
+            return math.nan
         return block_zeros.get((sig.layer - 1, sig.phase), math.nan)
 
     # per phase, the first block whose output its input does not move (zeros, a constant), a

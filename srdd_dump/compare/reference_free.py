@@ -129,13 +129,15 @@ def _diagnose_file(f: DumpFile, signals: list[Signals]
             blocks[g.layer] = g
     if not blocks:
         return [], [], "", None
+    numbers = layer_numbers(f.layers)  # the rows name the model's layers, not file positions
+    after_gap = frozenset(p for p in range(1, len(numbers)) if numbers[p] != numbers[p - 1] + 1)
     verdicts = diagnose(signals, f.hidden_dtype, n_layers=max(len(f.layers), max(blocks) + 1),
-                        compute_dtype=f.compute_dtype, whole=holds_every_block(f))
+                        compute_dtype=f.compute_dtype, whole=holds_every_block(f),
+                        after_gap=after_gap)
     experts = {name: int(name.rsplit(".", 1)[1])
                for name, role in zip(f.sites, f.site_roles) if role == EXPERT}
     worst = max(verdicts, key=lambda v: v.score)
     hunt = hunt_command(f, worst.layer, worst.site) if worst.verdict == FAULT else None
-    numbers = layer_numbers(f.layers)  # the rows name the model's layers, not file positions
     decode = {g.layer: g for g in signals if g.site == s.BLOCK_SITE and g.samples
               and g.layer >= 0 and g.phase == DECODE}
     rows = []
