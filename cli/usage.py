@@ -17,15 +17,18 @@ def run(app: typer.Typer, prog: str, extra_hint: str = "",
     """Run ``app`` on the command line; returns its exit code. ``extra_hint``: said after an
     error of arguments given beyond the command's (what the user may have meant); ``msit``:
     msit's flags this command has no option of, and what does their job here."""
+    # before click reads them: it takes -er for -e and -op for -o p (a report named "p")
+    flag = _msit_flag(msit or {})
+    if flag is not None:
+        typer.echo(f"{prog}: error: No such option: {flag}; {msit[flag]} (see {prog} --help)",
+                   err=True)
+        return 2
     try:
         code = app(prog_name=prog, standalone_mode=False)
     except USAGE_ERROR as exc:
         message = exc.format_message()
         hint = f"; {extra_hint}" if extra_hint and "unexpected extra argument" in message \
             else ""
-        flag = _msit_flag(msit or {}) if "No such option" in message else None
-        if flag is not None:  # click reads -er as -e -r: the flag as typed, not click's
-            message = f"No such option: {flag}; {msit[flag]}"
         typer.echo(f"{prog}: error: {message}{hint} (see {prog} --help)", err=True)
         return exc.exit_code
     except typer.Abort:  # Ctrl-C before the command's own handler (while options are read)
@@ -35,8 +38,11 @@ def run(app: typer.Typer, prog: str, extra_hint: str = "",
 
 
 def _msit_flag(msit: dict[str, str]) -> str | None:
-    """The first of msit's flags on the command line (``-er 0,1``, ``--golden-path=x``)."""
+    """The first of msit's flags on the command line (``-er 0,1``, ``--golden-path=x``), up
+    to a ``--`` (what follows is no option)."""
     for arg in sys.argv[1:]:
+        if arg == "--":
+            break
         name = arg.split("=", 1)[0]
         if name in msit:
             return name

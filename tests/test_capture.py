@@ -408,7 +408,8 @@ def test_register_hook_takes_a_pipelines_model_and_refuses_what_it_cannot_captur
 
 def test_a_session_whose_model_never_ran_says_so(tmp_path, capfd):
     """In code, a session closed before its model ran (or while a second instance ran) ended
-    without a word; the command line's run says "nothing captured"."""
+    without a word; the command line's run says "nothing captured". A generation without a
+    KV cache never reaches the steps asked for: said as such."""
     model, other = build("llama"), build("llama")
     session = register_hook(model, DumpConfig(dump_path=str(tmp_path), progress=False))
     with torch.no_grad():
@@ -417,6 +418,46 @@ def test_a_session_whose_model_never_ran_says_so(tmp_path, capfd):
     assert session.path is None
     assert "nothing captured: the model given to register_hook (LlamaForCausalLM) never ran a " \
         "forward while the session was open" in capfd.readouterr().err
+    session = register_hook(model, DumpConfig(dump_path=str(tmp_path), steps="1-3",
+                                              progress=False))
+    with torch.no_grad():
+        model.generate(torch.randint(1, 100, (1, 8)), max_new_tokens=3, do_sample=False,
+                       use_cache=False, pad_token_id=0)
+    session.close()
+    assert "nothing captured: DumpConfig steps 1-3 selects no step of the forwards seen: each " \
+        "new token recomputed the whole sequence (no KV cache" in capfd.readouterr().err
+
+
+FORKED = """
+import os, sys
+sys.path.insert(0, {fixtures!r})
+import torch
+from tiny_models import build
+from srdd_dump import DumpConfig, register_hook
+model = build("llama")
+session = register_hook(model, DumpConfig(dump_path={folder!r}, progress=False))
+if os.fork() == 0:
+    sys.exit(0)  # the child ends normally: its exit handlers see the parent's session
+os.wait()
+with torch.no_grad():
+    model(input_ids=torch.randint(0, 128, (1, 5)))
+session.close()
+"""
+
+
+def test_a_forked_child_says_nothing_of_its_parents_session(tmp_path):
+    """A child forked before the model ran, ending normally, warned that the parent's model
+    never ran."""
+    import subprocess
+    import sys
+
+    from capture_utils import FIXTURES
+
+    proc = subprocess.run([sys.executable, "-c", FORKED.format(
+        fixtures=FIXTURES, folder=str(tmp_path / "d"))], capture_output=True, text=True,
+        timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "nothing captured" not in proc.stderr and "srdd-dump: wrote" in proc.stderr
 
 
 def test_a_dropped_model_and_session_are_freed_and_the_file_finished(tmp_path):

@@ -298,6 +298,10 @@ def test_a_folder_as_the_report_and_a_second_dump_are_said_so(tmp_path):
         proc = run_cli(*flags, "-o", str(tmp_path / "r.csv"))
         assert proc.returncode == 2 and f"No such option: {flags[0]}; the dumps are arguments: " \
             "srdd-compare MY_DUMPS --baseline GOLDEN_DUMPS" in proc.stderr, proc.stderr
+    # -op is read by click as -o p (a report named "p"): said before click reads it
+    proc = run_cli(dump, "--baseline", dump, "-op", "map.yaml", "--bogus")
+    assert proc.returncode == 2 and "No such option: -op; use --mapping" in proc.stderr, \
+        proc.stderr
 
 
 # -- CLI -------------------------------------------------------------------------------------

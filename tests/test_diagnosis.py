@@ -469,8 +469,8 @@ def test_copies_of_a_row_are_one_row_to_the_chance_level_of_the_offset():
 def test_a_part_of_the_models_layers_is_no_sample_for_the_relative_offset():
     """The offset of one layer against the others' needs the model's layers: in a dump of
     some (--layers 'model.layers.2?'), neighbouring late layers share their offsets and a
-    healthy one stood out (SUSPECT BIAS at SmolLM2's layer 24, NORMAL in the whole dump).
-    There the relative test is left out; the absolute ones stay."""
+    healthy one stood out (SUSPECT BIAS at SmolLM2's layer 24, z 6.2, NORMAL in the whole
+    dump). There the relative test is SUSPECT at most, from a FAULT's z."""
     from srdd_dump.analysis.signals import LayerSignals
 
     rng = np.random.default_rng(7)
@@ -481,11 +481,17 @@ def test_a_part_of_the_models_layers_is_no_sample_for_the_relative_offset():
         acc.add((x + shift).astype(np.float32), "float32", 0, None, None, [])
         return acc.result()
 
-    signals = [layer(k, 0.2 if k == 12 else 0.0) for k in range(30)]
+    from srdd_dump.analysis.verdicts import SUSPECT
+
+    shifts = {12: 0.2, 20: 0.08}  # a planted bias (z 19); one at two thirds of a FAULT's z
+    signals = [layer(k, shifts.get(k, 0.0)) for k in range(30)]
     whole = {v.layer: v for v in diagnose(signals, "float32", 30)}
     part = {v.layer: v for v in diagnose(signals, "float32", 30, whole=False)}
     assert whole[12].verdict == FAULT and whole[12].diagnosis.startswith("BIAS")
-    assert all(v.verdict == NORMAL for v in part.values())
+    assert whole[20].verdict == SUSPECT and whole[20].diagnosis.startswith("BIAS")
+    # a part: the planted bias still seen, SUSPECT at most; the one under a FAULT's z is not
+    assert part[12].verdict == SUSPECT and part[12].diagnosis.startswith("BIAS")
+    assert all(v.verdict == NORMAL for k, v in part.items() if k != 12)
 
 
 def test_a_norm_after_a_gap_in_the_blocks_has_no_known_input():

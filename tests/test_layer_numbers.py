@@ -60,8 +60,8 @@ def test_a_dump_of_some_layers_reports_and_injects_by_the_models_numbers(tmp_pat
     assert (top["layer"], top["verdict"], top["site"]) == (2, "FAULT", "model.layers.2.mlp")
     (line,) = result.headlines
     assert "Layer 2 (model.layers.2.mlp): FAULT" in line, line
-    assert any("a dump of 2 of the model's 4 blocks (--layers): the test that compares a "
-               "layer's mean offset with the other layers' is left out" in n
+    assert any("a dump of 2 of the model's 4 blocks: the test that compares a layer's mean "
+               "offset with the other layers' is weaker there" in n
                for n in result.notes), result.notes
 
 

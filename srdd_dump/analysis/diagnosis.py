@@ -445,15 +445,19 @@ def relative_z(group: list[Signals]) -> dict[str, np.ndarray]:
     }
 
 
-def _relative_evidence(group: list[Signals]) -> dict[int, list[Evidence]]:
+def _relative_evidence(group: list[Signals], whole: bool = True) -> dict[int, list[Evidence]]:
+    """``whole``: the group is the model's every layer; a part of them (``--layers``) is no
+    sample of its layers (neighbouring late layers share their offsets): SUSPECT at most
+    there, from the z of a FAULT."""
     out: dict[int, list[Evidence]] = {i: [] for i in range(len(group))}
     if any(g.role not in RELATIVE_ROLES for g in group):
         return out
     z = relative_z(group)
     # a median and MAD of a few layers cannot carry a z threshold: SUSPECT at most there
-    cap = math.inf if len(group) >= RELATIVE_MIN_LAYERS else UNDER_FAULT
+    cap = math.inf if len(group) >= RELATIVE_MIN_LAYERS and whole else UNDER_FAULT
+    least = SUSPECT_RATIO * Z_OFFSET if whole else Z_OFFSET
     for i, g in enumerate(group):
-        if z["offset"][i] > SUSPECT_RATIO * Z_OFFSET:
+        if z["offset"][i] > least:
             out[i].append(Evidence("BIAS", min(z["offset"][i] / Z_OFFSET, cap),
                                    f"mean offset of the update {g.offset:.3g} "
                                    f"(z = {z['offset'][i]:.1f})", exact=False))
@@ -480,7 +484,8 @@ def diagnose(signals: list[Signals], dtype: str, n_layers: int, compute_dtype: s
     ``whole``: the dump holds every block of the model. The across-layer evidence (a layer's
     offset against the other layers') needs them: a part of the model (``--layers``) is no
     sample of its layers (neighbouring late layers share their offsets, so one of them stood
-    out of ten at a healthy SmolLM2's layer 24), and it is left out."""
+    out of ten at a healthy SmolLM2's layer 24, z 6.2), so there it is SUSPECT at most, from
+    a FAULT's z."""
     evidence: dict[int, list[tuple[Evidence, str]]] = {k: [] for k in range(n_layers)}
     systemic: dict[str, tuple[str, int, int]] = {}  # family -> (site kind, layers, of)
     # exact zeros of each block's output (layer -1: the stack input, when it was read)
@@ -543,7 +548,7 @@ def diagnose(signals: list[Signals], dtype: str, n_layers: int, compute_dtype: s
         inst = np.array([g.instability for g in group], dtype=np.float64)
         inst = inst[np.isfinite(inst)]
         inst_median = float(np.median(inst)) if inst.size else 0.0
-        relative = _relative_evidence(group) if whole else {i: [] for i in range(len(group))}
+        relative = _relative_evidence(group, whole)
         per_layer = [_exact_evidence(sig, dtype, inst_median, compute_dtype, input_zeros(sig),
                                      input_nonfinite(sig), input_broken(sig), hidden)
                      + ([] if input_broken(sig) else relative[i])

@@ -9,6 +9,7 @@ value, so the user's program computes exactly what it computes without them.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import threading
 import traceback
@@ -282,6 +283,7 @@ class CaptureSession:
         self._autocast: str | None = None  # "" when the first model call ran without autocast
         self._handles: list[Any] = []
         self._copy_said = False
+        self._pid = os.getpid()  # a forked child's copy of the session is not its own
         self._closed = True  # until its hooks are all in place (a half-built one is not closed)
         skip_hook_frames()
         self._install()
@@ -870,6 +872,12 @@ class CaptureSession:
             if silence:
                 self.silence, self.blocks_unseen = silence
             seen = self._rounds.last_step_seen
+            no_cache = NO_CACHE in self.coverage.families
+            if not self.silence and seen >= 0 and not self._rounds.step_opened and no_cache:
+                self.silence = (f"{steps} {self.config.steps} selects no step of the forwards "
+                                "seen: each new token recomputed the whole sequence (no KV "
+                                "cache: generate(use_cache=False)?), so every forward is a "
+                                "prefill, step 0")
             if not self.silence and seen >= 0 and not self._rounds.step_opened:
                 self.silence = (f"{steps} {self.config.steps} selects no step of the "
                                 f"forwards seen (step 0 is a prompt's prefill; the longest "
@@ -881,7 +889,8 @@ class CaptureSession:
             if not self.silence and cut is not None:
                 self.silence = _cut_first_round(cut, len(self.blocks), self._stop_asked)
             in_code = not os.environ.get(cfg.ENV_CONFIG)  # --exec says its own end
-            if in_code and not self.silence and not self.model_calls and not self.block_calls:
+            if in_code and not self.silence and not self.model_calls and not self.block_calls \
+                    and os.getpid() == self._pid:
                 self.silence = (f"the model given to register_hook "
                                 f"({type(self.model).__name__}) never ran a forward while the "
                                 "session was open (a copy of it, or a model built after the "
@@ -952,6 +961,7 @@ def register_hook(model: nn.Module, config: DumpConfig | None = None
                             f"{type(model).__name__}")
         model = inner  # a pipeline: its model
     refuse_a_file(config.dump_path, f"register_hook: dump_path {config.dump_path}")
+    made = not os.path.isdir(config.dump_path)
     try:  # as msit does: a folder that cannot be made is said here, not at the first forward
         os.makedirs(config.dump_path, exist_ok=True)
     except OSError as exc:
@@ -960,6 +970,9 @@ def register_hook(model: nn.Module, config: DumpConfig | None = None
     try:
         return CaptureSession(model, config)
     except AlreadyCaptured as exc:
+        if made:  # this session records nothing: no empty folder of it is left
+            with contextlib.suppress(OSError):
+                os.rmdir(config.dump_path)
         where = exc.session.config.dump_path
         say("srdd-dump: warning: register_hook: the model is already captured by "
                          f"another open session (dump folder {where}); this one records "

@@ -184,10 +184,10 @@ def run_exec(command: str, config: DumpConfig, min_free_gb: float = MIN_FREE_GB,
                      command_dir=os.getcwd())
     status_dir = tempfile.mkdtemp(prefix="srdd-status-")
     try:
-        returncode = _run_forwarding_signals(argv, child_env(config, status_dir, eager),
-                                             status_dir, run_dir)
+        returncode, stopped = _run_forwarding_signals(
+            argv, child_env(config, status_dir, eager), status_dir, run_dir)
         result = _collect(returncode, status_dir, _partial_files(run_dir),
-                          _finished_files(run_dir))
+                          _finished_files(run_dir), stopped)
     finally:
         shutil.rmtree(status_dir, ignore_errors=True)
         with contextlib.suppress(OSError):
@@ -225,12 +225,13 @@ def new_run_folder(output: str) -> str:
 
 
 def _run_forwarding_signals(argv: list[str], env: dict[str, str], status_dir: str = "",
-                            run_dir: str = "") -> int:
+                            run_dir: str = "") -> tuple[int, bool]:
     """Run and wait for the child; pass SIGINT/SIGTERM/SIGHUP on so it can finish its dump file. The
     handlers are in place before the child starts, so no signal is lost in between. Before a
     signal is passed on, the capturing processes are asked to finish their files
     (dump_file.FileWatch) and given up to FINISH_WAIT_SECONDS: a serving engine kills its
-    workers with SIGKILL when stopped."""
+    workers with SIGKILL when stopped. Returns the exit code and whether srdd-dump stopped
+    the command (``_wait_unless_refused``)."""
     procs: list[subprocess.Popen] = []
     pending: list[int] = []
 
@@ -277,14 +278,17 @@ REFUSED_POLL_SECONDS = 0.25
 STOP_WAIT_SECONDS = 10.0  # after SIGTERM, before SIGKILL
 
 
-def _wait_unless_refused(proc: subprocess.Popen, status_dir: str, run_dir: str) -> int:
-    """The command's exit code; a process that reports options that do not fit its model
-    (inject.stop_refused) stops the command: the other processes finish their files, then the
-    command gets SIGTERM (SIGKILL if it is still alive STOP_WAIT_SECONDS later)."""
+def _wait_unless_refused(proc: subprocess.Popen, status_dir: str, run_dir: str
+                         ) -> tuple[int, bool]:
+    """The command's exit code, and whether srdd-dump stopped it: a process that reports
+    options that do not fit its model (inject.stop_refused) stops the command: the other
+    processes finish their files, then the command gets SIGTERM (SIGKILL if it is still alive
+    STOP_WAIT_SECONDS later). A command that ended first was not stopped, whatever its code
+    (a shell or torchrun in between exits 143, 0 or 1 when it is)."""
     read: set[str] = set()  # the reports read whole already (each process writes one)
     while True:
         try:
-            return proc.wait(timeout=REFUSED_POLL_SECONDS)
+            return proc.wait(timeout=REFUSED_POLL_SECONDS), False
         except subprocess.TimeoutExpired:
             pass
         refused = _refused(status_dir, read) if status_dir else []
@@ -317,7 +321,7 @@ def _wait_unless_refused(proc: subprocess.Popen, status_dir: str, run_dir: str) 
     for pid in filter(still, others):  # one that ignores SIGTERM would run on, orphaned
         with contextlib.suppress(OSError):
             os.kill(pid, signal.SIGKILL)
-    return code
+    return code, True
 
 
 def _start_time(pid: int) -> int | None:
@@ -457,8 +461,9 @@ def _finished_files(dump_path: str) -> set[str]:
 
 
 def _collect(returncode: int, status_dir: str, new_partials: set[str] | None = None,
-             run_files: set[str] = frozenset()) -> ExecResult:
-    """What the processes reported; ``new_partials``: unfinished dump files of this run."""
+             run_files: set[str] = frozenset(), stopped: bool = False) -> ExecResult:
+    """What the processes reported; ``new_partials``: unfinished dump files of this run;
+    ``stopped``: srdd-dump stopped the command (a process refused its options)."""
     result = ExecResult(returncode=returncode)
     statuses = []
     for name in sorted(os.listdir(status_dir)):
@@ -484,8 +489,8 @@ def _collect(returncode: int, status_dir: str, new_partials: set[str] | None = N
         if st.get("refused"):
             refused.setdefault(st["refused"], []).append(st["pid"])
     # a command that ended before the stop reached it (a small model's whole run) was not
-    # stopped: it exited on its own, not by srdd-dump's SIGTERM
-    how = ("the command was stopped when its model first ran" if returncode < 0 else
+    # stopped: it exited on its own
+    how = ("the command was stopped when its model first ran" if stopped else
            "the command ended before srdd-dump could stop it")
     result.refused = [f"{reason}: {how}, since pid {', '.join(map(str, pids))} would capture "
                       "nothing" for reason, pids in refused.items()]

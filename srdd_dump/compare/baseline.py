@@ -24,7 +24,7 @@ from ..format.layer_numbers import layer_numbers, number_of
 from ..vocabulary import EXPERT, EXPERT_SLOTS
 from .baseline_task import TASK_ROWS, RowSpec, RowTask
 from .divergence import mark_divergence, mark_site_birth, mark_sites, summarize
-from .other_tokens import drifted_rounds, set_aside
+from .other_tokens import drifted_rounds, said, set_aside
 from .results import (
     BASELINE_COLUMNS,
     BASELINE_FILE_COLUMNS,
@@ -125,6 +125,8 @@ def finish(path: str, baseline: str, mine: list[Side], golden: list[Side],
         files[col] = files[col].astype("Int64")
     summary = summarize(table, same_device, sites)
     mark_site_birth(summary, table, sites)
+    if drifted:
+        summary.message += said(table)
     return BaselineResult(path=path, baseline=baseline, table=table, files=files,
                           summary=summary, thresholds=thresholds, sites=sites)
 

@@ -2,11 +2,14 @@
 first block says they differ: a generation that drifted to other tokens.
 
 A decode step's first block sees the step's token and the cache of the tokens before it. Where
-the first block passed in an earlier round of the sample (the prompt agreed) and FAILs in this
-one, the likely cause is another token fed here: a difference earlier in the generation changed
-a greedy choice, and from then on every layer of every later step differs. Such rounds are not
-compared (as rounds whose recorded ids differ are not), so that their layers are not read as
-births; a fault of the first block in decode steps alone looks the same, and the reason says so.
+the first block agreed in an earlier round of the sample (the prompt agreed), a difference
+then reached the last layer (it can change a greedy choice), and from some step on the first
+block FAILs in every captured step to the end, the likely cause is another token fed there,
+and every layer of every later step differs. Such rounds are not judged (as rounds whose
+recorded ids differ are not), so that their layers are not read as births; the finding says
+so. A fault of the first block in decode steps alone, after a prompt that differed at its
+last layer, looks the same, and the reason says so; one whose first block passes again later,
+or after a prompt that agreed to its last layer, is judged as before.
 """
 
 from __future__ import annotations
@@ -14,53 +17,97 @@ from __future__ import annotations
 import pandas as pd
 
 from ..analysis.matching import UNKNOWN
-from ..analysis.verdicts import FAIL, NOT_COMPARED
+from ..analysis.verdicts import FAIL, NOT_COMPARED, PASS, WARN
 
 SAMPLE = ["source", "golden_source", "sample", "golden_sample"]
 ROUND = [*SAMPLE, "step"]
-REASON = ("inputs likely differ: the input ids of this round are not recorded on both sides, "
-          "and the first block FAILs here (cosine {cos}) after it passed in step {step} of the "
-          "sample: the generated tokens likely differ from the golden run's from here on, so "
-          "the tensors are not judged (a fault of the first block in decode steps alone would "
-          "look the same: msprobe's data_mode all records the inputs)")
+HEAD = "inputs likely differ"
+REASON = (HEAD + ": the input ids of this round are not recorded on both sides, and the first "
+          "block FAILs here (cosine {cos}) and in every later step, after it agreed in step "
+          "{agreed} while the last layer differed in step {reached} ({verdict} at layer "
+          "{layer}): the generated tokens likely differ from the golden run's, so the tensors "
+          "are not judged (a fault of the first block in decode steps alone would look the "
+          "same: msprobe's data_mode all records the inputs)")
 
 
 def drifted_rounds(table: pd.DataFrame) -> dict[tuple, str]:
-    """(source, golden_source, sample, golden_sample, step) -> the reason, for each round of
-    unknown inputs whose first block (layer 0, or the stack input) FAILs after it passed or
-    warned in an earlier round of the same sample."""
+    """(source, golden_source, sample, golden_sample, step) -> the reason, for the rounds of
+    unknown inputs from the first step whose first block (layer 0, or the stack input) FAILs
+    to the sample's end, where the first block FAILs or WARNs in every one of them, agreed
+    (PASS or WARN) in an earlier round, and an earlier round's last layer was beyond
+    tolerance."""
     rows = table[table["layer"].notna() & (table["verdict"] != NOT_COMPARED)
                  & (table["input_match"] == UNKNOWN)]
     if rows.empty:
         return {}
-    first_layer = rows.groupby(SAMPLE, dropna=False)["layer"].transform("min")
-    firsts = rows[(rows["layer"] == first_layer) & (first_layer <= 0)]
     out: dict[tuple, str] = {}
-    for _, sample in firsts.sort_values("step").groupby(SAMPLE, dropna=False):
-        passed_at = None
-        for _, row in sample.iterrows():
-            if row["verdict"] != FAIL:
-                passed_at = passed_at if passed_at is not None else int(row["step"])
-            elif passed_at is not None and int(row["step"]) > passed_at:
+    for _, sample in rows.groupby(SAMPLE, dropna=False):
+        first_layer = sample["layer"].min()
+        if first_layer > 0:  # a dump of later layers: its first block's input is unknown
+            continue
+        by_step = sorted(sample.groupby("step"), key=lambda kv: kv[0])
+        firsts = [group[group["layer"] == first_layer] for _, group in by_step]
+        lasts = [group.loc[group["layer"].idxmax()] for _, group in by_step]
+        agreed = reached = None
+        for k, ((step, _), first) in enumerate(zip(by_step, firsts)):
+            if first.empty:
+                continue
+            verdict = first["verdict"].iloc[0]
+            if verdict == FAIL and agreed is not None and reached is not None and all(
+                    not f.empty and f["verdict"].iloc[0] in (WARN, FAIL) for f in firsts[k:]):
+                row = first.iloc[0]
                 cos = row["cosine_similarity"]
-                out[_key(row)] = REASON.format(
-                    cos="N/A" if pd.isna(cos) else f"{cos:.6f}", step=passed_at)
+                last = lasts[reached]
+                reason = REASON.format(
+                    cos="N/A" if pd.isna(cos) else f"{cos:.6f}", agreed=agreed,
+                    reached=int(by_step[reached][0]), verdict=last["verdict"],
+                    layer=int(last["layer"]))
+                for later, _ in by_step[k:]:
+                    out[(*_sample_key(row), int(later))] = reason
+                break
+            if verdict in (PASS, WARN) and agreed is None:
+                agreed = int(step)
+            if agreed is not None and lasts[k]["verdict"] in (WARN, FAIL):
+                reached = k
     return out
 
 
 def set_aside(table: pd.DataFrame, drifted: dict[tuple, str]) -> pd.DataFrame:
-    """The rows of the drifted rounds as not compared, their metrics kept (they show how far
-    the first block is off), the reason in ``cmp_fail_reason``."""
+    """The compared rows of the drifted rounds as not compared, their metrics kept (they show
+    how far the first block is off), the reason before any they had in ``cmp_fail_reason``;
+    rows not compared already keep their own reason."""
     if not drifted or table.empty:
         return table
     reasons = [drifted.get(_key(row)) for _, row in table[ROUND].iterrows()]
-    hit = pd.Series([r is not None for r in reasons], index=table.index)
+    hit = pd.Series([r is not None for r in reasons], index=table.index) & (
+        table["verdict"] != NOT_COMPARED)
     if not hit.any():
         return table
     out = table.copy()
+    had = out.loc[hit, "cmp_fail_reason"].fillna("").astype(str)
+    said = pd.Series([r for r, h in zip(reasons, hit) if h], index=had.index)
     out.loc[hit, "verdict"] = NOT_COMPARED
-    out.loc[hit, "cmp_fail_reason"] = [r for r in reasons if r is not None]
+    out.loc[hit, "cmp_fail_reason"] = said.where(had == "", said + "; " + had)
     return out
+
+
+def said(table: pd.DataFrame) -> str:
+    """The finding's clause for the rounds set aside: '' when none was."""
+    reasons = table["cmp_fail_reason"].fillna("").astype(str)
+    aside = table[reasons.str.startswith(HEAD)]
+    if aside.empty:
+        return ""
+    rounds = aside[ROUND].drop_duplicates()
+    steps = sorted({int(s) for s in rounds["step"]})
+    return (f"; {len(rounds)} decode round{'s' if len(rounds) != 1 else ''} (step"
+            f"{'s' if len(steps) != 1 else ''} {', '.join(map(str, steps))}) not judged: the "
+            "first block FAILs there to the sample's end after a difference reached the last "
+            "layer, so the generated tokens likely differ (no input ids recorded; a fault of "
+            "the first block in decode steps alone would look the same)")
+
+
+def _sample_key(row: pd.Series) -> tuple:
+    return tuple(None if pd.isna(row[c]) else row[c] for c in SAMPLE)
 
 
 def _key(row: pd.Series) -> tuple:

@@ -103,19 +103,23 @@ def unprobed_experts(source: str, signals: list[Signals]) -> list[str]:
 
 
 def holds_every_block(f: DumpFile) -> bool:
-    """The dump holds every block of its model: as many as its config says (where it says),
-    numbered 0, 1, 2, ... without a gap."""
+    """The dump holds every block of its model's stack: numbered 0, 1, 2, ... without a gap,
+    and where its capture named blocks (``--layers``), as many as the config says. (A stack
+    found without ``--layers`` is taken whole: a config's count may be another stack's, a
+    vision tower's against the text model's.)"""
     numbers = layer_numbers(f.layers)
     if numbers != list(range(len(numbers))):
         return False
-    return not f.model_layers or len(f.layers) >= f.model_layers
+    named = bool(f.capture_options.get("layers"))
+    return not (named and f.model_layers) or len(f.layers) >= f.model_layers
 
 
 def part_note(f: DumpFile) -> str:
     of = f" of the model's {f.model_layers}" if f.model_layers else ""
-    return (f"{f.source}: a dump of {len(f.layers)}{of} blocks (--layers): the test that "
-            "compares a layer's mean offset with the other layers' is left out (a part of the "
-            "model is no sample of its layers); capture every layer for it")
+    return (f"{f.source}: a dump of {len(f.layers)}{of} blocks: the test that compares a "
+            "layer's mean offset with the other layers' is weaker there (a part of the model "
+            "is no sample of its layers): SUSPECT at most, and from twice the usual z; "
+            "capture every layer for the full test")
 
 
 def _diagnose_file(f: DumpFile, signals: list[Signals]
