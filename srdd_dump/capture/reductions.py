@@ -96,6 +96,7 @@ def reduce_round(
     out["pileup"] = pileup(finite)
     keep = unique_index(x)
     distinct = x if keep is None else x[keep]  # shared by the tie count and the stuck channels
+    out["distinct"] = float(distinct.numel())  # what the offset's chance level is of
     if all_finite:
         out["ties"], out["tie_excess"] = ties(
             distinct, distinct=True, ids=ids if ids is None or keep is None else ids[keep.cpu()])

@@ -203,7 +203,7 @@ MOMENT_COLUMNS = ("n", "mean", "m2", "m3", "m4", "absmax", "zeros", "nan", "inf"
 # dump (format/from_msprobe.py), which records these and not the higher moments
 SUMMARY_COLUMNS = ("max", "min", "norm")
 SHAPE_COLUMNS = ("pileup", "ties", "tie_excess", "update_rms", "offset", "dc_energy",
-                 "consistency", "stuck", "lowbits", "rows", "topk_margin", "grid")
+                 "consistency", "stuck", "lowbits", "rows", "topk_margin", "grid", "distinct")
 BATCH_COLUMNS = ("batch_dep", "batch_dep_level", "batch_dep_moved")
 DIFF_COLUMNS = ("diff_n", "diff_mean", "diff_m2", "diff_m3", "diff_m4")  # repeats' differences
 SCALE_COLUMNS = ("scale_broken", "scale_judged", "scale_pattern", "scale_size")
