@@ -73,9 +73,11 @@ def test_a_decode_only_fault_of_the_first_block_is_judged_where_it_starts():
     _rounds({1: [FAIL, FAIL], 2: [FAIL, FAIL]}),  # no earlier round where it passed
     _rounds({0: [PASS, PASS], 1: [FAIL, FAIL]}, match=SAME),  # ids recorded and equal
     _rounds({0: [PASS, FAIL], 1: [FAIL, FAIL]}, first=5),  # a dump of later layers
+    _rounds({0: [PASS, PASS, FAIL], 1: [FAIL, FAIL, FAIL]}, first=-1).assign(  # and its
+        layer=lambda t: t["layer"].replace({0: 5, 1: 6})),  # stack input (layer 4's output)
     _rounds({0: [PASS, PASS], 1: [FAIL, FAIL]}),  # the prompt agreed to its last layer
 ], ids=["never passed", "no earlier pass", "ids recorded", "not the first block",
-        "prompt agreed to the end"])
+        "a later block's stack input", "prompt agreed to the end"])
 def test_no_round_is_set_aside_without_the_evidence(table):
     assert drifted_rounds(table) == {}
     assert set_aside(table, {}).equals(table) and said(table) == ""

@@ -42,9 +42,11 @@ def drifted_rounds(table: pd.DataFrame) -> dict[tuple, str]:
         return {}
     out: dict[tuple, str] = {}
     for _, sample in rows.groupby(SAMPLE, dropna=False):
-        first_layer = sample["layer"].min()
-        if first_layer > 0:  # a dump of later layers: its first block's input is unknown
+        # a dump of later layers (its stack input, -1, then an earlier block's output): the
+        # first block it holds is not the model's, which sees only the token
+        if not (sample["layer"] == 0).any():
             continue
+        first_layer = sample["layer"].min()
         by_step = sorted(sample.groupby("step"), key=lambda kv: kv[0])
         firsts = [group[group["layer"] == first_layer] for _, group in by_step]
         lasts = [group.loc[group["layer"].idxmax()] for _, group in by_step]
