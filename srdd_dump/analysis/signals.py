@@ -10,7 +10,6 @@ decode steps are accumulated apart (``phase``): a decode kernel has signals of i
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from typing import NamedTuple
 
@@ -537,17 +536,14 @@ def _narrow(p: Probe, keep: np.ndarray, valid: np.ndarray) -> np.ndarray:
     return data[mask] if mask.size == data.shape[0] else data[:0]
 
 
-def set_kurtosis_change(signals: list[Signals], numbers: Sequence[int] | None = None) -> None:
+def set_kurtosis_change(signals: list[Signals], gaps: frozenset[int] = frozenset()) -> None:
     """``kurt_change`` of every block from its kurtosis and the previous block's (prefill).
-    ``numbers``: the model's number of each position (format.layer_numbers); a block that does
-    not follow the one before it in the dump (a gap in ``--layers``) gets none."""
+    ``gaps``: the positions after a gap in the dump's blocks (format.layer_numbers.after_gap),
+    whose block before is not their input: they get none."""
     blocks = {g.layer: g for g in signals
               if g.site == BLOCK_SITE and g.phase == PREFILL and g.layer >= 0}
     for layer, g in blocks.items():
-        before = blocks.get(layer - 1)
-        if numbers is not None and 0 < layer < len(numbers) and \
-                numbers[layer] != numbers[layer - 1] + 1:
-            before = None
+        before = None if layer in gaps else blocks.get(layer - 1)
         if before is not None and g.kurtosis + 3 > 0 and before.kurtosis + 3 > 0:
             g.kurt_change = float(np.log((g.kurtosis + 3) / (before.kurtosis + 3)))
 

@@ -872,16 +872,14 @@ class CaptureSession:
             if silence:
                 self.silence, self.blocks_unseen = silence
             seen = self._rounds.last_step_seen
-            no_cache = NO_CACHE in self.coverage.families
-            if not self.silence and seen >= 0 and not self._rounds.step_opened and no_cache:
-                self.silence = (f"{steps} {self.config.steps} selects no step of the forwards "
-                                "seen: each new token recomputed the whole sequence (no KV "
-                                "cache: generate(use_cache=False)?), so every forward is a "
-                                "prefill, step 0")
             if not self.silence and seen >= 0 and not self._rounds.step_opened:
-                self.silence = (f"{steps} {self.config.steps} selects no step of the "
-                                f"forwards seen (step 0 is a prompt's prefill; the longest "
-                                f"generation seen reached step {seen})")
+                why = (": each new token recomputed the whole sequence (no KV cache: generate("
+                       "use_cache=False)?), so every forward is a prefill, step 0"
+                       if NO_CACHE in self.coverage.families else
+                       f" (step 0 is a prompt's prefill; the longest generation seen reached "
+                       f"step {seen})")
+                self.silence = f"{steps} {self.config.steps} selects no step of the forwards " \
+                               f"seen{why}"
             if not self.silence and self._rounds.no_kept_position:
                 self.silence = (f"{tokens} {self.config.tokens} keeps no position of the "
                                 f"forwards seen (the longest had "

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from ..analysis.signals import Signals, set_kurtosis_change
 from ..analysis.tolerance import Thresholds
 from ..errors import UserError
-from ..format.layer_numbers import layer_numbers
+from ..format.layer_numbers import after_gap, layer_numbers
 
 # the modes' modules by their own names, never through the package (its __init__ re-exports
 # this module's functions: importing it here would be an import circle)
@@ -96,7 +96,7 @@ def file_signals(path: str, *, jobs: int = 1) -> list[Signals]:
         raise UserError(failed[0])
     signals = sorted((g for p in parts for g in p if g.layer >= 0),
                      key=lambda g: (g.layer, g.site))
-    set_kurtosis_change(signals, layer_numbers(f.layers))
+    set_kurtosis_change(signals, after_gap(layer_numbers(f.layers)))
     return signals
 
 

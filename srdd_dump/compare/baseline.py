@@ -24,7 +24,7 @@ from ..format.layer_numbers import layer_numbers, number_of
 from ..vocabulary import EXPERT, EXPERT_SLOTS
 from .baseline_task import TASK_ROWS, RowSpec, RowTask
 from .divergence import mark_divergence, mark_site_birth, mark_sites, summarize
-from .other_tokens import drifted_rounds, said, set_aside
+from .other_tokens import drifted_rounds, said, set_aside, set_aside_rounds
 from .results import (
     BASELINE_COLUMNS,
     BASELINE_FILE_COLUMNS,
@@ -117,16 +117,14 @@ def finish(path: str, baseline: str, mine: list[Side], golden: list[Side],
     an exactly equal input is the birth of an error."""
     rows = [row for part in parts for row in part]
     _number_layers(rows, mine, golden)
-    drifted: dict[tuple, str] = {}
-    table = _table([r for r in rows if not r.get("_site")], same_device, drifted)
-    sites = site_table([r for r in rows if r.get("_site")], table, same_device, drifted)
+    table = _table([r for r in rows if not r.get("_site")], same_device, drift=True)
+    sites = site_table([r for r in rows if r.get("_site")], table, same_device)
     files = pd.DataFrame([_file_row(f) for f in mine + golden], columns=BASELINE_FILE_COLUMNS)
     for col in ("rounds", "samples", "layers", "rank", "pid"):
         files[col] = files[col].astype("Int64")
     summary = summarize(table, same_device, sites)
     mark_site_birth(summary, table, sites)
-    if drifted:
-        summary.message += said(table)
+    summary.message += said(table)
     return BaselineResult(path=path, baseline=baseline, table=table, files=files,
                           summary=summary, thresholds=thresholds, sites=sites)
 
@@ -487,28 +485,27 @@ def _records(index: int | None) -> tuple[int, ...]:
 
 
 def _table(rows: list[dict], same_device: dict[tuple[str, str], bool] | None = None,
-           drifted: dict[tuple, str] | None = None) -> pd.DataFrame:
-    """The block rows; ``drifted`` (filled here when given): the rounds whose generation likely
-    drifted to other tokens (other_tokens.py), not judged."""
+           drift: bool = False) -> pd.DataFrame:
+    """The block rows; ``drift``: the rounds whose generation likely drifted to other tokens
+    are not judged (other_tokens.py; not for the cards of one run, which share inputs)."""
     columns = [c for c in BASELINE_COLUMNS if c not in DERIVED_COLUMNS]
     df = _typed(rows, columns)
-    if drifted is not None:
-        drifted.update(drifted_rounds(df))
-        df = set_aside(df, drifted)
+    if drift:
+        df = set_aside(df, drifted_rounds(df))
     df = mark_divergence(df, same_device)
     return df[BASELINE_COLUMNS].reset_index(drop=True)
 
 
 def site_table(rows: list[dict], table: pd.DataFrame,
-               same_device: dict[tuple[str, str], bool] | None = None,
-               drifted: dict[tuple, str] | None = None) -> pd.DataFrame:
+               same_device: dict[tuple[str, str], bool] | None = None) -> pd.DataFrame:
     """SITE_BASELINE_COLUMNS, in (source, sample, step, layer, completion) order, with the
     error growth of each site over its block's input and the birth site of each birth
-    layer (divergence.mark_sites)."""
+    layer (divergence.mark_sites); the sites of the rounds the block table set aside
+    (other_tokens.py) likewise."""
     columns = [c for c in SITE_BASELINE_COLUMNS if c not in SITE_DERIVED_COLUMNS]
     df = _typed(rows, columns)
     df["matched_by"] = df["matched_by"].astype(object).where(df["matched_by"].notna(), "")
-    df = mark_sites(set_aside(df, drifted or {}), table, same_device)
+    df = mark_sites(set_aside(df, set_aside_rounds(table)), table, same_device)
     return df[SITE_BASELINE_COLUMNS].reset_index(drop=True)
 
 

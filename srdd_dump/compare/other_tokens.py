@@ -93,13 +93,21 @@ def set_aside(table: pd.DataFrame, drifted: dict[tuple, str]) -> pd.DataFrame:
     return out
 
 
-def said(table: pd.DataFrame) -> str:
-    """The finding's clause for the rounds set aside: '' when none was."""
+def set_aside_rounds(table: pd.DataFrame) -> dict[tuple, str]:
+    """The rounds of a table ``set_aside`` marked, with their reason (for the sub-layers of
+    the same rounds)."""
     reasons = table["cmp_fail_reason"].fillna("").astype(str)
     aside = table[reasons.str.startswith(HEAD)]
-    if aside.empty:
+    return {_key(row): reason.split("; ")[0]
+            for (_, row), reason in zip(aside[ROUND].iterrows(), reasons[aside.index])}
+
+
+def said(table: pd.DataFrame) -> str:
+    """The finding's clause for the rounds set aside: '' when none was."""
+    aside = set_aside_rounds(table)
+    if not aside:
         return ""
-    rounds = aside[ROUND].drop_duplicates()
+    rounds = pd.DataFrame(list(aside), columns=ROUND)
     steps = sorted({int(s) for s in rounds["step"]})
     return (f"; {len(rounds)} decode round{'s' if len(rounds) != 1 else ''} (step"
             f"{'s' if len(steps) != 1 else ''} {', '.join(map(str, steps))}) not judged: the "

@@ -16,7 +16,7 @@ from ..analysis.diagnosis import LayerVerdict, diagnose, headline, site_verdicts
 from ..analysis.signals import DECODE, PREFILL, Signals, set_kurtosis_change
 from ..analysis.verdicts import FAULT, NORMAL, VERDICT_ORDER
 from ..format import schema as s
-from ..format.layer_numbers import layer_numbers, number_of
+from ..format.layer_numbers import after_gap, layer_numbers, number_of
 from ..vocabulary import EXPERT
 from .hunt import hunt_command
 from .results import (
@@ -53,11 +53,12 @@ def finish(path: str, files: list[DumpFile], tasks: list[SignalTask],
             file_rows.append(_file_row(f.source, SKIPPED, failed[n], rank=f.rank, pid=f.pid))
             continue
         signals = sorted(per_file.get(n, []), key=lambda g: (g.layer, g.site, g.phase))
-        set_kurtosis_change(signals, layer_numbers(f.layers))
+        set_kurtosis_change(signals, after_gap(layer_numbers(f.layers)))
         notes += unprobed_experts(f.source, signals)
-        if len(f.layers) > 1 and not holds_every_block(f):  # one block: nothing to compare
+        whole = holds_every_block(f)
+        if len(f.layers) > 1 and not whole:  # one block: nothing to compare
             notes.append(part_note(f))
-        rows, sites, line, hunt = _diagnose_file(f, signals)
+        rows, sites, line, hunt = _diagnose_file(f, signals, whole)
         layer_rows += rows
         site_rows += sites
         if line:
@@ -122,10 +123,10 @@ def part_note(f: DumpFile) -> str:
             "capture every layer for the full test")
 
 
-def _diagnose_file(f: DumpFile, signals: list[Signals]
+def _diagnose_file(f: DumpFile, signals: list[Signals], whole: bool = True
                    ) -> tuple[list[dict], list[dict], str, str | None]:
     """Layer rows, sub-layer rows, the headline of one file and the command that hunts the
-    operator of its FAULT (compare/hunt.py)."""
+    operator of its FAULT (compare/hunt.py); ``whole``: ``holds_every_block``."""
     blocks: dict[int, Signals] = {}  # the layer rows: prefill signals, else decode ones
     for g in signals:
         if (g.site == s.BLOCK_SITE and g.samples and g.layer >= 0
@@ -134,10 +135,8 @@ def _diagnose_file(f: DumpFile, signals: list[Signals]
     if not blocks:
         return [], [], "", None
     numbers = layer_numbers(f.layers)  # the rows name the model's layers, not file positions
-    after_gap = frozenset(p for p in range(1, len(numbers)) if numbers[p] != numbers[p - 1] + 1)
     verdicts = diagnose(signals, f.hidden_dtype, n_layers=max(len(f.layers), max(blocks) + 1),
-                        compute_dtype=f.compute_dtype, whole=holds_every_block(f),
-                        after_gap=after_gap)
+                        compute_dtype=f.compute_dtype, whole=whole, after_gap=after_gap(numbers))
     experts = {name: int(name.rsplit(".", 1)[1])
                for name, role in zip(f.sites, f.site_roles) if role == EXPERT}
     worst = max(verdicts, key=lambda v: v.score)

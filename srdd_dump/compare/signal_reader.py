@@ -19,7 +19,7 @@ from ..analysis.row_stats import one_row_stats
 from ..analysis.signals import DECODE, LayerSignals, Probe, Signals
 from ..errors import first_line
 from ..format import schema as s
-from ..format.layer_numbers import layer_numbers
+from ..format.layer_numbers import after_gap, layer_numbers
 from ..format.reader import DumpReader
 from ..vocabulary import EXPERT, SUBLAYER
 from .readers import READ_ERRORS, open_reader
@@ -139,18 +139,15 @@ def read_signals(
               for k in keys}
     # a block whose model number does not follow the block before it in the dump (--layers
     # 'model.layers.2*': 2, then 20) has no recorded input: the block before is not its input
-    numbers = layer_numbers(reader.layers)
-    feeds_next = {p for p in range(len(numbers) - 1) if numbers[p + 1] == numbers[p] + 1}
-    feeds_next.add(s.STACK_INPUT)
-    after_gap = {k for k in keys if k[1] == s.BLOCK_SITE and k[0] > 0
-                 and k[0] - 1 not in feeds_next}
+    gaps = after_gap(layer_numbers(reader.layers))
+    unfed = {k for k in keys if k[1] == s.BLOCK_SITE and k[0] in gaps}
 
     def results() -> list[Signals]:
         # decode steps run other kernels than the prefill: their own signals, kept apart so
         # that neither phase's evidence is averaged away by the other's rounds
         out = [layers[k].result() for k in keys] + [
             decode[k].result() for k in keys if decode[k].samples]
-        return [_without_update(g) if (g.layer, g.site) in after_gap else g for g in out]
+        return [_without_update(g) if (g.layer, g.site) in unfed else g for g in out]
 
     if reader.has_stats:
         _stats_signals(reader, by_round, layers, decode)
@@ -161,7 +158,7 @@ def read_signals(
     read = [slots_of[k][0] if k in slots_of else k for k in keys]
     want = np.isin(code, _key_code([k[0] for k in read], [k[1] for k in read]))
     block_layers = np.array([k[0] for k in keys if k[1] == s.BLOCK_SITE
-                             and k[0] - 1 in feeds_next], dtype=np.int64)
+                             and k not in unfed], dtype=np.int64)
     prev = ((recs["site"] == s.BLOCK_SITE) & (recs["kind"] == s.KIND_CLEAN)
             & np.isin(recs["layer"].astype(np.int64) + 1, block_layers))
     # records of a round cut off by a crash (no row in /rounds) are not trusted
@@ -210,7 +207,8 @@ def read_signals(
         clean_prev: dict[int, int] = {}  # layer -> last clean block record of the round
         for i in index:
             key = (layer_of[i], site_of[i])
-            if key[1] == s.BLOCK_SITE and kind_of[i] == s.KIND_CLEAN and key[0] in feeds_next:
+            if key[1] == s.BLOCK_SITE and kind_of[i] == s.KIND_CLEAN \
+                    and key[0] + 1 not in gaps:
                 clean_prev[key[0]] = i
             if key in layers or key in holds:
                 per_key.setdefault(key, []).append(i)

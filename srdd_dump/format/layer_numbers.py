@@ -32,6 +32,12 @@ def _number(name: str) -> int | None:
     return int(found.group(found.lastindex)) if found else None
 
 
+def after_gap(numbers: Sequence[int]) -> frozenset[int]:
+    """The positions whose block before in the dump is not the model's previous block (a gap
+    in ``--layers``: 2, then 20): the block there has no recorded input."""
+    return frozenset(p for p in range(1, len(numbers)) if numbers[p] != numbers[p - 1] + 1)
+
+
 def number_of(numbers: Sequence[int], position: int | None) -> int | None:
     """The number of the block at ``position``; other positions (the stack input, -1; None)
     unchanged."""
