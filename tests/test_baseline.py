@@ -1203,3 +1203,14 @@ def test_two_sessions_of_one_process_are_not_called_cards(tmp_path):
     result = compare_path(str(tmp_path / "docker"), progress=False)
     (note,) = [n for n in result.notes if "to see where these two part" in n]
     assert "multi-card check needs 3" in note, note
+
+
+@pytest.mark.unit
+def test_a_cosine_just_below_one_never_prints_as_one():
+    """The terminal's worst-layers table: a WARN row's cosine of 0.99999997 read 1.000000."""
+    from srdd_dump.report.terminal import cosine_text
+
+    assert cosine_text(0.99999997) == "0.99999997"
+    assert cosine_text(1.0) == "1.000000"
+    assert cosine_text(0.98765432) == "0.987654"
+    assert cosine_text(float("nan")) == "nan"

@@ -159,7 +159,7 @@ def baseline_text(result: BaselineResult, written: list[str] | None = None) -> s
         # an empty cell (a statistics row has no cosine) reads N/A, as in the CSV: "NaN"
         # would read as an overflow
         text = top.to_string(index=False, na_rep="N/A", formatters={
-            "cosine(min)": "{:.6f}".format, "rel_dist(max)": "{:.3g}".format,
+            "cosine(min)": cosine_text, "rel_dist(max)": "{:.3g}".format,
             "growth(max)": "{:.3g}".format,
         })
         lines.extend("  " + line for line in text.splitlines())
@@ -169,6 +169,15 @@ def baseline_text(result: BaselineResult, written: list[str] | None = None) -> s
     if written:
         lines.append("report: " + ", ".join(written))
     return "\n".join(lines)
+
+
+def cosine_text(cosine: float) -> str:
+    """A cosine similarity at 6 decimals, with more where those would round a value below 1
+    up to 1.000000 (a WARN row would read as a perfect match)."""
+    text = f"{cosine:.6f}"
+    if text == "1.000000" and cosine < 1:
+        text = f"{cosine:.12f}".rstrip("0")
+    return text
 
 
 def _why_none(sites) -> str:
