@@ -584,3 +584,28 @@ def test_a_copy_of_the_model_runs_uncaptured_and_unchanged_and_is_said(tmp_path,
     assert not any(t for m in twin.modules() for t in (m._forward_hooks, m._forward_pre_hooks))
     with DumpReader(session.path) as r:
         assert r.complete and r.n_samples == 3  # the model's forwards, not the copy's
+
+
+def test_a_forward_that_raises_in_the_blocks_is_no_sample(tmp_path, capsys):
+    """A harness that catches a malformed sample and goes on (found by a user trial): the call
+    that raised inside the blocks took sample 0 and the prefill's probes, so no prompt's
+    prefill was probed. It now counts as no sample: the next prompt is sample 0, probed."""
+    model = build("llama")
+    cfg = DumpConfig(dump_path=str(tmp_path), samples=2, steps="0,1", progress=False)
+    prompts = [torch.randint(0, 128, (1, n), generator=torch.Generator().manual_seed(n))
+               for n in (6, 5)]
+    with register_hook(model, cfg) as session:
+        with torch.no_grad():
+            with pytest.raises(RuntimeError):  # a 4-D mask of the wrong size
+                model(input_ids=prompts[0], attention_mask=torch.ones(1, 3, 3, 3))
+            for ids in prompts:
+                model.generate(ids, max_new_tokens=2, do_sample=False, pad_token_id=0)
+    assert "a forward of the model raised (RuntimeError" in capsys.readouterr().err
+    with DumpReader(session.path) as r:
+        got = [(int(x["sample"]), int(x["step"]), int(x["seq"])) for x in r.rounds]
+        assert got == [(0, 0, 6), (0, 1, 1), (1, 0, 5), (1, 1, 1)]
+        probed = {(int(r.rounds[int(x["round"])]["sample"]),
+                   int(r.rounds[int(x["round"])]["step"]))
+                  for x in r.records if x["kind"] != schema.KIND_CLEAN}
+        assert (0, 0) in probed and (0, 1) in probed
+        assert r.status["samples"] == 2 and r.status["failed_calls"] == 1

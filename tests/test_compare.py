@@ -793,6 +793,9 @@ def test_the_healthy_headline_names_the_phases_judged_and_unprobed_decode_steps(
     # nothing probed at all (an msprobe dump): the sample count says so ("none probed")
     unprobed_prefill = Signals(layer=0, site=-1, module="m", phase=PREFILL, probed_samples=0)
     assert phases_note([unprobed_prefill, unprobed]) == " (prefill and decode steps)"
+    # decode probed, no prefill probed (its probed forward was lost): not said to be probed
+    assert phases_note([unprobed_prefill, probed]) == (
+        " (prefill and decode steps, prefill unprobed)")
     # a sliding-window cache longer than its window: some layers' decode blocks unprobed
     layers = [Signals(layer=k, site=-1, module=f"m{k}", phase=DECODE, probed_samples=int(k < 3))
               for k in range(18)]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
+import sys
 import threading
 import traceback
 import weakref
@@ -262,6 +263,10 @@ class CaptureSession:
         self.silence: str | None = None  # why nothing was captured (compiled.explain_silence)
         self.blocks_unseen = False
         self.model_calls = 0  # forwards of the model and of its first block the hooks saw
+        self.failed_calls = 0  # model calls that raised before their round was finished
+        self._rounds_written = 0
+        self._call_mark: tuple | None = None  # the plan before this model call, rounds written
+        self._lost: RoundContext | None = None  # the last round whose forward raised
         self.block_calls = 0
         self._fired: set[tuple[int, int]] = set()  # (layer, site) whose hook ran in a round
         self.output = DumpOutput(config.dump_path)
@@ -365,8 +370,31 @@ class CaptureSession:
 
     @opaque_method
     def _on_model_done(self, module: nn.Module, args: tuple, output: Any = None) -> None:
-        if self._owner is threading.current_thread():
-            self._owner_busy = False
+        if self._owner is not threading.current_thread():
+            return
+        self._owner_busy = False
+        # torch runs this hook with no output inside its handler of the call's exception
+        if output is None and sys.exc_info()[1] is not None:
+            self._guard(self._forget_failed_call, sys.exc_info()[1])
+
+    def _forget_failed_call(self, exc: BaseException) -> None:
+        """The model call raised (a harness may catch it and go on to its next sample): a
+        round it opened and did not finish is dropped, and the call counts as no sample or
+        step, so the next forward takes its place and its probes."""
+        mark, self._call_mark = self._call_mark, None
+        if mark is None or mark[1] != self._rounds_written or self._rounds.requests.requests:
+            return  # a round of it was written (it raised after its last block); an engine
+        with self._lock:
+            if self._ctx is not None:  # the close says why nothing was written, if nothing was
+                self._lost, self._ctx.round.tensors, self._ctx.key_mask = self._ctx, [], None
+            self._ctx = None
+            self._rounds.undo(mark[0])
+        self.failed_calls += 1
+        if self.failed_calls == 1:
+            what = str(exc).splitlines()[0][:80] if str(exc) else ""
+            say(f"srdd-dump: note: a forward of the model raised ({type(exc).__name__}"
+                f"{': ' + what if what else ''}): its round is not kept and does not count "
+                "as a sample\n")
 
     def _guard(self, fn, *args) -> None:
         if self._closed or self.replays.active:
@@ -427,6 +455,7 @@ class CaptureSession:
             return
         if not self._closed:
             self.model_calls += 1
+            self._call_mark = (self._rounds.mark(), self._rounds_written)
 
         def grab() -> None:
             mask = kwargs.get("attention_mask")
@@ -713,6 +742,7 @@ class CaptureSession:
             self._owner_busy = False
             if self._closed:
                 return  # closed by the file watch while the round ran
+            self._rounds_written += 1
             self._submit_round(ctx)
         if ctx.segments:
             self._watch.touch()
@@ -753,7 +783,7 @@ class CaptureSession:
         silent = never_run(self.layer_names, self.sites, self._fired)
         partial = explain_partial(silent, len(self.blocks) + len(self.sites))
         return {
-            "error": self.error, "samples": self.samples,
+            "error": self.error, "samples": self.samples, "failed_calls": self.failed_calls,
             "requests": self._rounds.requests.requests,
             **self.replays.status(), "records_dropped": self.records_dropped,
             "records_dropped_sites": sorted(
@@ -838,7 +868,9 @@ class CaptureSession:
             self.end.blocks_unseen = self.blocks_unseen
 
     def _finish(self) -> str | None:
-        cut = self._ctx  # a round under way in the hooks' thread: closed from another one
+        # a round under way in the hooks' thread (closed from another one), or one whose
+        # forward raised
+        cut = self._ctx if self._ctx is not None else self._lost
         self._watch.stop()
         self.remove()
         self._pending = []  # device tensors of a model-level operator

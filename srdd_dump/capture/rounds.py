@@ -117,6 +117,17 @@ class RoundPlanner:
         # session counts them in the "request samples" family)
         self.request_calls: list[str | None] = []
 
+    def mark(self) -> tuple:
+        """The plan as it stands before a model call (``undo`` returns to it)."""
+        return (self.sample, self.step, self.continued,
+                {step: set(samples) for step, samples in self.probed.items()})
+
+    def undo(self, mark: tuple) -> None:
+        """A model call that raised before its round was finished counts as no forward: its
+        sample or step, and the probes it took, go to the next forward."""
+        self.sample, self.step, self.continued, self.probed = mark
+        self.unprobed_continuation = False
+
     @property
     def samples_seen(self) -> int:
         """Prefill forwards, or a serving engine's requests up to --samples."""

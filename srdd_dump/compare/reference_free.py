@@ -189,6 +189,10 @@ def phases_note(signals: list[Signals], decode_rounds: int = 0) -> str:
     # a serving engine's later file may hold steps of requests under way only
     phases = ("decode steps only: no prefill is in this file" if len(decode) == len(signals)
               else "prefill and decode steps")
+    if len(decode) < len(signals) and not any(
+            g.probed_samples for g in signals if g.phase != DECODE) and any(
+            g.probed_samples for g in decode):
+        phases += ", prefill unprobed"  # every probed prefill was lost (its forward failed)
     if not any(g.probed_samples for g in decode):
         if not any(g.probed_samples for g in signals):
             return f" ({phases})"
