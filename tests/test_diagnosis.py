@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from srdd_dump import DumpConfig, register_hook
-from srdd_dump.analysis.diagnosis import FAULT, NORMAL, diagnose, robust_z
+from srdd_dump.analysis.diagnosis import FAULT, NORMAL, diagnose, relative_z, robust_z
 
 from capture_utils import run_cli
 from dumpfactory import compare_written as compare_path
@@ -470,7 +470,7 @@ def test_a_part_of_the_models_layers_is_no_sample_for_the_relative_offset():
     """The offset of one layer against the others' needs the model's layers: in a dump of
     some (--layers 'model.layers.2?'), neighbouring late layers share their offsets and a
     healthy one stood out (SUSPECT BIAS at SmolLM2's layer 24, z 6.2, NORMAL in the whole
-    dump). There the relative test is SUSPECT at most, from a FAULT's z."""
+    dump). There the relative test is SUSPECT at most (from a FAULT's z, as in a whole dump)."""
     from srdd_dump.analysis.signals import LayerSignals
 
     rng = np.random.default_rng(7)
@@ -488,7 +488,8 @@ def test_a_part_of_the_models_layers_is_no_sample_for_the_relative_offset():
     whole = {v.layer: v for v in diagnose(signals, "float32", 30)}
     part = {v.layer: v for v in diagnose(signals, "float32", 30, whole=False)}
     assert whole[12].verdict == FAULT and whole[12].diagnosis.startswith("BIAS")
-    assert whole[20].verdict == SUSPECT and whole[20].diagnosis.startswith("BIAS")
+    # under a FAULT's z an offset is no evidence (a healthy model's late layers reach z 6.6)
+    assert whole[20].verdict == NORMAL
     # a part: the planted bias still seen, SUSPECT at most; the one under a FAULT's z is not
     assert part[12].verdict == SUSPECT and part[12].diagnosis.startswith("BIAS")
     assert all(v.verdict == NORMAL for k, v in part.items() if k != 12)
@@ -577,3 +578,32 @@ def test_the_batch_dependence_limit_admits_one_dot_products_rounding():
     assert "BATCH_DEP" in labels(6.4e-6, 576, PREFILL)  # matrix products on both sides
     # an up_proj's output is 4x wider than what it sums over: the blocks' width counts
     assert "BATCH_DEP" in labels(6.4e-5, 576, site_width=4 * 576)
+
+
+def test_a_models_own_late_layer_offsets_are_no_bias():
+    """Healthy SmolLM2 (a black-box user's five 4-prompt runs): its late layers carry mean
+    offsets of the update of 0.02-0.045 while the early layers' sit at 0.002-0.008 with a
+    tight spread, so layer 24 read z 6.0-6.6 among all 30 and was SUSPECT BIAS in every run,
+    a constant bias of 0.17 planted at layer 11 z 7.9: a z among layers under the FAULT's is
+    no evidence."""
+    from srdd_dump.analysis.signals import LayerSignals
+
+    rng = np.random.default_rng(11)
+    # the early layers' offsets tight, the late ones' spread upwards, one of them further
+    offsets = [0.005 + 0.001 * rng.standard_normal() for _ in range(14)] + [
+        0.012, 0.02, 0.018, 0.025, 0.01, 0.016, 0.02, 0.014, 0.022, 0.03, 0.05, 0.02, 0.012,
+        0.008, 0.01, 0.015]
+
+    def layer(k: int, offset: float):
+        acc = LayerSignals(k, -1, f"model.layers.{k}")
+        x = rng.standard_normal((1, 2000, 576))
+        x = x - x.mean() + offset * x.std()
+        acc.add(x.astype(np.float32), "float32", 0, None, None, [])
+        return acc.result()
+
+    signals = [layer(k, o) for k, o in enumerate(offsets)]
+    z = relative_z(signals)["offset"]
+    assert 6 <= z[24] < 12, z[24]  # SUSPECT's z before, under a FAULT's
+    verdicts = {v.layer: v for v in diagnose(signals, "float32", 30)}
+    assert all(v.verdict == NORMAL for v in verdicts.values()), [
+        (v.layer, v.diagnosis) for v in verdicts.values() if v.verdict != NORMAL]

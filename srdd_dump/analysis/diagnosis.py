@@ -446,18 +446,19 @@ def relative_z(group: list[Signals]) -> dict[str, np.ndarray]:
 
 
 def _relative_evidence(group: list[Signals], whole: bool = True) -> dict[int, list[Evidence]]:
-    """``whole``: the group is the model's every layer; a part of them (``--layers``) is no
-    sample of its layers (neighbouring late layers share their offsets): SUSPECT at most
-    there, from the z of a FAULT."""
+    """A layer's offset is evidence from the z of a FAULT only: a real model's layers are no
+    sample of one distribution (healthy SmolLM2's late layers carry offsets the early layers'
+    tight spread puts at z 6-6.6, half the FAULT's z). ``whole``: the group is the model's
+    every layer; a part of them (``--layers``) is no sample of its layers at all: SUSPECT at
+    most there."""
     out: dict[int, list[Evidence]] = {i: [] for i in range(len(group))}
     if any(g.role not in RELATIVE_ROLES for g in group):
         return out
     z = relative_z(group)
     # a median and MAD of a few layers cannot carry a z threshold: SUSPECT at most there
     cap = math.inf if len(group) >= RELATIVE_MIN_LAYERS and whole else UNDER_FAULT
-    least = SUSPECT_RATIO * Z_OFFSET if whole else Z_OFFSET
     for i, g in enumerate(group):
-        if z["offset"][i] > least:
+        if z["offset"][i] >= Z_OFFSET:
             out[i].append(Evidence("BIAS", min(z["offset"][i] / Z_OFFSET, cap),
                                    f"mean offset of the update {g.offset:.3g} "
                                    f"(z = {z['offset'][i]:.1f})", exact=False))
