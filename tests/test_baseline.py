@@ -95,6 +95,38 @@ def test_a_tokens_subset_is_compared_at_the_positions_it_kept(tmp_path):
     assert result.summary.first_layer == 2, result.summary.message
 
 
+def test_a_tokens_subset_of_a_padded_batch_is_compared_at_the_positions_it_kept(tmp_path):
+    """A left-padded batch of two prompts (a black-box user's evaluation script): every
+    prefill of a --tokens dump was "shape mismatch" against the whole dump, since its rows
+    have padding to leave out; now the kept positions are compared, padding left out on
+    either side, and a fault there is still found."""
+    ids = torch.randint(1, 128, (2, 12), generator=torch.Generator().manual_seed(5))
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0  # the shorter prompt, padded on the left
+    ids[1, :5] = 0
+
+    def run(folder, **options):
+        model = build("llama", layers=4)
+        with register_hook(model, DumpConfig(dump_path=str(folder), probes="none",
+                                             **options)) as session, torch.no_grad():
+            model.generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=False,
+                           pad_token_id=0)
+        return session.path
+
+    whole = run(tmp_path / "whole")
+    for tokens in ("0:8", "-8:"):
+        kept = run(tmp_path / tokens.replace(":", "_"), tokens=tokens)
+        for mine, golden, side in ((kept, whole, "my"), (whole, kept, "the golden")):
+            t = block_rows(compare(mine, golden).table)
+            prefill = t[t["step"] == 0]
+            assert (prefill["verdict"] == "PASS").all(), prefill[["layer", "cmp_fail_reason"]]
+            assert prefill["cmp_fail_reason"].str.contains(
+                f"the 8 token positions {side} dump kept").all()
+    faulty = run(tmp_path / "fault", tokens="0:8", inject=[FAULT])
+    result = compare(faulty, whole)
+    assert result.summary.first_layer == 2, result.summary.message
+
+
 def test_a_clean_finding_says_how_many_rows_were_not_compared(tmp_path, runs):
     """Rounds one side lacks are not compared: a PASS finding says so, not only the count."""
     two = capture(tmp_path / "two", prompts=PROMPTS[:2])

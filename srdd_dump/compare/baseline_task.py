@@ -219,8 +219,8 @@ def _compare_row(
             compare, sampled = False, None
         elif sampled is not None:
             reasons.append(f"rows: the {len(sampled[0])} sampled rows of the stats dump")
-        elif spec.my_mask is None and spec.golden_mask is None:  # no padding to leave out
-            sampled, side, kept = _kept_pair(mine, golden)
+        else:
+            sampled, side, kept = _kept_pair(mine, golden, spec)
             if sampled is not None:
                 reasons.append(f"rows: the {kept} token positions {side} dump kept "
                                "(--tokens)")
@@ -319,12 +319,13 @@ def _rows_at(rows: np.ndarray, positions: np.ndarray, kept: np.ndarray) -> np.nd
     return np.where(at >= 0, seq * len(kept) + at, -1)
 
 
-def _kept_pair(mine: Group, golden: Group
+def _kept_pair(mine: Group, golden: Group, spec: RowSpec
                ) -> tuple[tuple[np.ndarray, np.ndarray] | None, str, int]:
     """((my rows, golden rows), "my" or "the golden", positions kept) when one side kept
     fewer token positions of the same round (``--tokens -8:`` against a whole dump) and the
-    other holds them all, in order: the other side's rows at those positions. (None, "", 0)
-    when they cannot be paired."""
+    other holds them all, in order: the other side's rows at those positions, rows either
+    side's attention mask excludes (padding) left out. (None, "", 0) when they cannot be
+    paired."""
     none = None, "", 0
     if len(mine.records) != 1 or len(golden.records) != 1:
         return none
@@ -349,7 +350,19 @@ def _kept_pair(mine: Group, golden: Group
     rows = (np.arange(int(rounds[0]["batch"]))[:, None] * len(kept[many]) + at).reshape(-1)
     sides = [g.reader.read(r).reshape(-1, width) for g, r in zip((mine, golden), recs)]
     sides[many] = sides[many][rows]
-    return (sides[0], sides[1]), "my" if few == 0 else "the golden", len(kept[few])
+    valid = np.ones(len(rows), dtype=bool)
+    for k, (group, index) in enumerate(((mine, spec.my_mask), (golden, spec.golden_mask))):
+        if index is not None:
+            keep = group.reader.read(group.reader.records[index]).reshape(-1) != 0
+            if k == many and keep.size == int(rounds[many]["batch"]) * len(kept[many]):
+                keep = keep[rows]  # the whole side's mask at the positions paired
+            if keep.size != len(rows):
+                return none
+            valid &= keep
+    if not valid.any():
+        return none
+    return ((sides[0][valid], sides[1][valid]), "my" if few == 0 else "the golden",
+            len(kept[few]))
 
 
 def _round_row(reader: DumpReader, record: np.void) -> np.void | None:
