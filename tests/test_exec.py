@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from srdd_dump.errors import UserError
+from srdd_dump.format import schema as s
 from srdd_dump.format.reader import DumpReader, find_dump_files
 
 from capture_utils import FIXTURES, py, run_cli, run_plain
@@ -456,6 +457,39 @@ def test_a_program_with_its_own_register_hook_runs_under_exec(tmp_path):
     # the folder to compare is the program's own, not srdd-dump's run folder, which is empty
     assert f"compare it with: srdd-compare {tmp_path / 'own'}" in res.stderr
     assert "run folder" not in res.stderr
+
+
+def test_a_programs_register_hook_after_a_warm_up_takes_over_under_exec(tmp_path):
+    """A warm-up forward before the program's own register_hook (a black-box user's script):
+    srdd-dump's session had attached at the warm-up, so the program's session recorded
+    nothing (its folder never made, session.path None) and srdd-dump's probed the warm-up.
+    Now the program's session takes over from there, as when it comes first; srdd-dump's
+    keeps the warm-up in its own file, said so."""
+    script = _write(tmp_path / "warm.py", (
+        TINY_LLAMA +
+        "from srdd_dump import DumpConfig, register_hook\n"
+        "with torch.no_grad():\n"
+        "    m(input_ids=torch.randint(1, 100, (1, 5)))\n"  # the warm-up
+        f"session = register_hook(m, DumpConfig(dump_path={str(tmp_path / 'own')!r}, "
+        "samples=2, progress=False))\n"
+        "with torch.no_grad():\n"
+        "    for n in (6, 7, 8):\n"
+        "        m.generate(torch.randint(1, 100, (1, n)), max_new_tokens=2, do_sample=False,\n"
+        "                   pad_token_id=0)\n"
+        "session.close()\n"
+        "print('path', session.path)\n"))
+    res = run_cli("srdd-dump", "--exec", f"{sys.executable} {script}", "-o", str(tmp_path / "d"))
+    assert res.returncode == 0, res.stderr
+    (path,) = find_dump_files(str(tmp_path / "own"))
+    assert f"path {path}" in res.stdout and path in res.stderr
+    assert "captures its model itself (register_hook) from here on" in res.stderr
+    with DumpReader(path) as r:
+        assert r.complete and r.n_samples == 2
+        assert [int(x["seq"]) for x in r.rounds if x["step"] == 0] == [6, 7]
+        assert any(x["kind"] != s.KIND_CLEAN for x in r.records)  # its first prompt probed
+    (warm,) = find_dump_files(str(tmp_path / "d"))  # the warm-up, in srdd-dump's own file
+    with DumpReader(warm) as r:
+        assert [int(x["seq"]) for x in r.rounds] == [5]
 
 
 def test_two_sessions_of_the_program_in_two_folders_are_both_listed(tmp_path):

@@ -952,6 +952,23 @@ class CaptureSession:
         self.remove_faults()
 
 
+def _take_over(ours: CaptureSession, model: nn.Module, config: DumpConfig) -> CaptureSession:
+    """``srdd-dump --exec`` attached its session at a forward before the program's own
+    register_hook (a warm-up call): the program's session takes over, as it does when it comes
+    first; srdd-dump's is closed with what it captured so far (its file is listed too)."""
+    from .inject import hand_over
+
+    path = ours.close()
+    session = CaptureSession(model, config)
+    hand_over(session)
+    kept = f"{path} keeps its {ours.samples} earlier sample{'s' if ours.samples != 1 else ''}" \
+        if path else "it had captured nothing"
+    say(f"srdd-dump: note: the program captures its model itself (register_hook) from here "
+        f"on: its own options apply in pid {os.getpid()}; srdd-dump's session, begun at an "
+        f"earlier forward, is closed ({kept})\n")
+    return session
+
+
 def _cut_first_round(ctx: RoundContext, layers: int, asked: bool) -> str:
     """Why nothing was written when the session closed inside its first round: srdd-dump was
     sent a signal (``asked``) while the program's first captured forward ran, or that forward
@@ -1000,6 +1017,8 @@ def register_hook(model: nn.Module, config: DumpConfig | None = None
     try:
         return CaptureSession(model, config)
     except AlreadyCaptured as exc:
+        if exc.session.config.command is not None and exc.session.model is model:
+            return _take_over(exc.session, model, config)
         if made:  # this session records nothing: no empty folder of it is left
             with contextlib.suppress(OSError):
                 os.rmdir(config.dump_path)

@@ -19,6 +19,7 @@ import signal
 import sys
 import threading
 import time
+import weakref
 from typing import Callable
 
 from ...runtime.terminal import say
@@ -36,6 +37,18 @@ def _session():
     program dropped its model)."""
     ref = _state.get("session")
     return ref() if ref is not None else None
+
+
+def hand_over(session) -> bool:
+    """The program's own register_hook takes the model over from srdd-dump's session of this
+    process (begun at an earlier forward, a warm-up): that one is closed, its file kept, and
+    the program's session is the one the end reports. False when this process has no such
+    session (not run by srdd-dump --exec)."""
+    ours = _session()
+    if ours is None or ours is session:
+        return False
+    _state["session"], _state["end"] = weakref.ref(session), session.end
+    return True
 
 
 def install() -> None:
