@@ -609,3 +609,20 @@ def test_a_forward_that_raises_in_the_blocks_is_no_sample(tmp_path, capsys):
                   for x in r.records if x["kind"] != schema.KIND_CLEAN}
         assert (0, 0) in probed and (0, 1) in probed
         assert r.status["samples"] == 2 and r.status["failed_calls"] == 1
+
+
+def test_a_relative_dump_path_is_the_folder_register_hook_made(tmp_path, monkeypatch):
+    """A harness that changes folder after register_hook (Hydra's os.chdir): the file went to
+    the relative path under the new folder, the folder register_hook made stayed empty and
+    session.path no longer resolved (found by a user trial)."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "sub").mkdir()
+    model = build("llama")
+    session = register_hook(model, DumpConfig(dump_path="d_rel", samples=1, progress=False))
+    os.chdir(tmp_path / "sub")
+    with torch.no_grad():
+        model(input_ids=torch.randint(0, 128, (1, 5)))
+    session.close()
+    assert os.path.isabs(session.path) and os.path.exists(session.path)
+    assert os.path.dirname(session.path) == str(tmp_path / "d_rel")
+    assert not (tmp_path / "sub" / "d_rel").exists()

@@ -269,7 +269,8 @@ class CaptureSession:
         self._lost: RoundContext | None = None  # the last round whose forward raised
         self.block_calls = 0
         self._fired: set[tuple[int, int]] = set()  # (layer, site) whose hook ran in a round
-        self.output = DumpOutput(config.dump_path)
+        # where the folder is when the session opens, whatever the program's later os.chdir
+        self.output = DumpOutput(os.path.abspath(config.dump_path))
         self._lock = threading.RLock()  # the hooks' thread and the idle finish
         self._owner: threading.Thread | None = None  # the thread whose forwards are captured
         self._owner_busy = False  # it is inside a model call
