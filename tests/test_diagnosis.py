@@ -493,6 +493,12 @@ def test_a_part_of_the_models_layers_is_no_sample_for_the_relative_offset():
     # a part: the planted bias still seen, SUSPECT at most; the one under a FAULT's z is not
     assert part[12].verdict == SUSPECT and part[12].diagnosis.startswith("BIAS")
     assert all(v.verdict == NORMAL for k, v in part.items() if k != 12)
+    # three layers picked (--layers 'model.layers.1[0-2]'): no sample at all, no BIAS (the
+    # layer after a planted bias, reacting to it, read z 32 among three and took the label)
+    few = [signals[k] for k in (10, 11, 12)]
+    few[2] = layer(12, 0.5)
+    three = {v.layer: v for v in diagnose(few, "float32", 30, whole=False)}
+    assert all("BIAS" not in v.diagnosis for v in three.values()), three
 
 
 def test_a_norm_after_a_gap_in_the_blocks_has_no_known_input():

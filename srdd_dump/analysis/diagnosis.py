@@ -452,7 +452,10 @@ def _relative_evidence(group: list[Signals], whole: bool = True) -> dict[int, li
     every layer; a part of them (``--layers``) is no sample of its layers at all: SUSPECT at
     most there."""
     out: dict[int, list[Evidence]] = {i: [] for i in range(len(group))}
-    if any(g.role not in RELATIVE_ROLES for g in group):
+    if any(g.role not in RELATIVE_ROLES for g in group) or (
+            not whole and len(group) < RELATIVE_MIN_LAYERS):
+        # a few layers picked from a model (--layers 'model.layers.1[0-2]'): a planted bias's
+        # reaction in the next layer read z 32 among three, labelled the bias's source
         return out
     z = relative_z(group)
     # a median and MAD of a few layers cannot carry a z threshold: SUSPECT at most there

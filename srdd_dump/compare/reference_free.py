@@ -12,7 +12,13 @@ import math
 
 import numpy as np
 
-from ..analysis.diagnosis import LayerVerdict, diagnose, headline, site_verdicts
+from ..analysis.diagnosis import (
+    RELATIVE_MIN_LAYERS,
+    LayerVerdict,
+    diagnose,
+    headline,
+    site_verdicts,
+)
 from ..analysis.signals import DECODE, PREFILL, Signals, set_kurtosis_change
 from ..analysis.verdicts import FAULT, NORMAL, VERDICT_ORDER
 from ..format import schema as s
@@ -117,10 +123,11 @@ def holds_every_block(f: DumpFile) -> bool:
 
 def part_note(f: DumpFile) -> str:
     of = f" of the model's {f.model_layers}" if f.model_layers else ""
+    weaker = ("not made (fewer than 8 blocks)" if len(f.layers) < RELATIVE_MIN_LAYERS else
+              "SUSPECT at most")
     return (f"{f.source}: a dump of {len(f.layers)}{of} blocks: the test that compares a "
             "layer's mean offset with the other layers' is weaker there (a part of the model "
-            "is no sample of its layers): SUSPECT at most, and from twice the usual z; "
-            "capture every layer for the full test")
+            f"is no sample of its layers): {weaker}; capture every layer for the full test")
 
 
 def _diagnose_file(f: DumpFile, signals: list[Signals], whole: bool = True
