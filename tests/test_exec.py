@@ -769,3 +769,18 @@ def test_threads_that_start_the_model_at_once_get_one_session_and_file(tmp_path)
     assert res.stdout.splitlines()[-1] == plain.stdout.splitlines()[-1]
     assert "Traceback" not in res.stderr and "capture turned off" not in res.stderr
     assert len(find_dump_files(str(tmp_path / "d"))) == 1
+
+
+def test_a_run_that_wrote_nothing_leaves_no_empty_folder(tmp_path):
+    """A command that fails before its first forward (a black-box user's missing script,
+    crash, refused option): its empty run folder went, the -o folder made for it stayed."""
+    script = _write(tmp_path / "fails.py", "import torch\nraise SystemExit(4)\n")
+    res = run_cli("srdd-dump", "--exec", f"{sys.executable} {script}", "-o",
+                  str(tmp_path / "new" / "out"))
+    assert res.returncode == 4, res.stderr
+    assert not (tmp_path / "new").exists()
+    (tmp_path / "kept").mkdir()  # a folder the user made is never removed
+    res = run_cli("srdd-dump", "--exec", f"{sys.executable} {script}", "-o",
+                  str(tmp_path / "kept"))
+    assert res.returncode == 4 and (tmp_path / "kept").is_dir() and not os.listdir(
+        tmp_path / "kept")

@@ -178,6 +178,7 @@ def run_exec(command: str, config: DumpConfig, min_free_gb: float = MIN_FREE_GB,
     if not min_free_gb >= 0:
         raise UserError(f"--min-free-gb {min_free_gb}: must be 0 (no check) or more")
     check_free_space(config.dump_path, min_free_gb)
+    made = _missing_folders(config.dump_path)
     run_dir = new_run_folder(config.dump_path)
     # the processes get it absolute: a program may change its working directory
     config = replace(config, dump_path=os.path.abspath(run_dir), command=command,
@@ -192,9 +193,21 @@ def run_exec(command: str, config: DumpConfig, min_free_gb: float = MIN_FREE_GB,
         shutil.rmtree(status_dir, ignore_errors=True)
         with contextlib.suppress(OSError):
             os.rmdir(run_dir)  # only when nothing was written into it
+            for folder in made:  # and the folders of -o made for this run, when empty
+                os.rmdir(folder)
     result.files = [_as_given(f, run_dir) for f in result.files]
     result.run_dir = run_dir
     return result
+
+
+def _missing_folders(path: str) -> list[str]:
+    """The folders of ``path`` that do not exist yet, the deepest first."""
+    missing, path = [], os.path.abspath(path)
+    while path and not os.path.exists(path):
+        missing.append(path)
+        parent = os.path.dirname(path)
+        path = parent if parent != path else ""
+    return missing
 
 
 def _as_given(path: str, run_dir: str) -> str:
