@@ -277,7 +277,8 @@ def run_command() -> int:
     try:
         return run(app, PROG,
                    "to compare with a golden run: srdd-compare MINE --baseline GOLDEN",
-                   msit=MSIT_FLAGS)
+                   msit=MSIT_FLAGS,
+                   other=("srdd_dump.cli.dump", "srdd-dump", "what a run captures"))
     finally:
         from srdd_dump.runtime.pool import reap
 

@@ -159,7 +159,8 @@ MSIT_FLAGS = {
 
 
 def main() -> int:
-    return run(app, "srdd-dump", msit=MSIT_FLAGS)
+    return run(app, "srdd-dump", msit=MSIT_FLAGS,
+               other=("srdd_dump.cli.compare", "srdd-compare", "it compares the dumps"))
 
 
 if __name__ == "__main__":

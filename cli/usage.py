@@ -4,6 +4,7 @@ click's usage block."""
 
 from __future__ import annotations
 
+import re
 import sys
 
 import typer
@@ -13,10 +14,13 @@ USAGE_ERROR = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "Usage
 
 
 def run(app: typer.Typer, prog: str, extra_hint: str = "",
-        msit: dict[str, str] | None = None) -> int:
+        msit: dict[str, str] | None = None,
+        other: tuple[str, str, str] | None = None) -> int:
     """Run ``app`` on the command line; returns its exit code. ``extra_hint``: said after an
     error of arguments given beyond the command's (what the user may have meant); ``msit``:
-    msit's flags this command has no option of, and what does their job here."""
+    msit's flags this command has no option of, and what does their job here; ``other``:
+    (module, name, what it does) of the other command, whose options given here are said to
+    be its."""
     # before click reads them: it takes -er for -e and -op for -o p (a report named "p")
     flag = _msit_flag(msit or {})
     if flag is not None:
@@ -28,7 +32,10 @@ def run(app: typer.Typer, prog: str, extra_hint: str = "",
     except USAGE_ERROR as exc:
         message = exc.format_message()
         hint = f"; {extra_hint}" if extra_hint and "unexpected extra argument" in message \
-            else ""
+            else _other_tools(getattr(exc, "option_name", None), other)
+        if hint.startswith("; --"):  # the other command's option: click's guesses here mislead
+            message = re.sub(r" \(Possible options: [^)]*\)| Did you mean [^?]*\?", "",
+                             message)
         typer.echo(f"{prog}: error: {message}{hint} (see {prog} --help)", err=True)
         return exc.exit_code
     except typer.Abort:  # Ctrl-C before the command's own handler (while options are read)
@@ -47,3 +54,19 @@ def _msit_flag(msit: dict[str, str]) -> str | None:
         if name in msit:
             return name
     return None
+
+
+def _other_tools(flag: str | None, other: tuple[str, str, str] | None) -> str:
+    """"; --steps is an option of srdd-dump (...)" when the unknown option is the other
+    command's."""
+    if not flag or other is None:
+        return ""
+    module, name, what = other
+    try:
+        import importlib
+
+        command = typer.main.get_command(importlib.import_module(module).app)
+        known = {o for p in command.params for o in (*p.opts, *p.secondary_opts)}
+    except Exception:  # noqa: BLE001 (the error is said without the hint)
+        return ""
+    return f"; {flag} is an option of {name} ({what})" if flag in known else ""

@@ -302,6 +302,17 @@ def test_a_folder_as_the_report_and_a_second_dump_are_said_so(tmp_path):
     proc = run_cli(dump, "--baseline", dump, "-op", "map.yaml", "--bogus")
     assert proc.returncode == 2 and "No such option: -op; use --mapping" in proc.stderr, \
         proc.stderr
+    # srdd-dump's options given to srdd-compare, and the other way round: said whose they are
+    # (click offered "Possible options: --help", and --seed for --baseline)
+    proc = run_cli(dump, "--steps", "0")
+    assert proc.returncode == 2 and proc.stderr.startswith(
+        "srdd-compare: error: No such option: --steps; --steps is an option of srdd-dump "
+        "(what a run captures)") and "Possible" not in proc.stderr, proc.stderr
+    proc = subprocess.run([sys.executable, "-m", "srdd_dump.cli.dump", "--exec", "python x.py",
+                           "--baseline=g"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and proc.stderr.startswith(
+        "srdd-dump: error: No such option: --baseline; --baseline is an option of "
+        "srdd-compare") and "Possible" not in proc.stderr, proc.stderr
 
 
 # -- CLI -------------------------------------------------------------------------------------
