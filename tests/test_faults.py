@@ -109,6 +109,8 @@ def test_noise_is_fresh_on_every_call_so_repeats_see_it(tmp_path):
     ("double_scale@layer=1,site=mlp", "inside the attention kernel"),
     ("dead_zone@layer=5,mm=0.3", "unknown option 'mm'"),  # a typo is not silently dropped
     ("bias@layer=5,sparsty=0.1", "unknown option 'sparsty'"),
+    # the typo named, not "layer=K is required" (a black-box user's lyer=10)
+    ("dead_zone@lyer=10", "unknown option 'lyer' \\(did you mean layer\\?\\)"),
     # a word or number a fault reads only in the program's first forward: checked before it
     # runs (a bad mode stopped the program there with a traceback)
     ("nondeterminism@layer=1,mode=foo", "mode must be one of amplified"),
@@ -204,8 +206,14 @@ def test_dump_config_names_a_keyword_it_does_not_take_and_msits_counterpart():
     field that does the job here (a bare "unexpected keyword argument" did not)."""
     with pytest.raises(TypeError, match="msit's token_range is steps .*its fields: .*steps"):
         DumpConfig(dump_path="d", token_range=[0, 1])
-    with pytest.raises(TypeError, match="no field 'smaples' \\(its fields: .*samples"):
+    with pytest.raises(TypeError, match="no field 'smaples'; use samples \\(its fields: "):
         DumpConfig(smaples=2)
+    # a close miss of a field names it (a black-box user's sample=, dumppath=, layer=)
+    for keyword, field in (("sample", "samples"), ("dumppath", "dump_path"), ("layer", "layers")):
+        with pytest.raises(TypeError, match=f"no field '{keyword}'; use {field} "):
+            DumpConfig(**{keyword: 1})
+    with pytest.raises(TypeError, match="no field 'bogus' \\(its fields: "):
+        DumpConfig(bogus=1)
     for keyword, says in (("hook_type", "msit's hook_type is not needed"),
                           ("task", 'task="statistics" is store="stats"'),
                           ("level", "msit's level is granularity"),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import json
 import math
 import numbers
@@ -267,6 +268,9 @@ def _refusing_unknown_keywords(init):
         if unknown is not None:
             hint = MSIT_KEYWORDS.get(unknown)
             other = OTHER_KEYWORDS.get(unknown)
+            if other is None and hint is None:  # a misspelt field: samples for sample
+                close = difflib.get_close_matches(unknown, sorted(names), n=1)
+                other = close[0] if close else None
             raise TypeError(f"DumpConfig has no field {unknown!r}"
                             + (f"; msit's {unknown} is {hint}"
                                + ("" if hint.startswith("not needed") else " here") if hint

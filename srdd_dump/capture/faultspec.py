@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import difflib
 import math
 from dataclasses import asdict, dataclass, field
 
@@ -62,12 +63,14 @@ def parse_fault(text: str) -> FaultSpec:
         if key.strip() in values:  # the last would win: another fault than the one read
             raise UserError(f"{where}: {key.strip()} is given twice")
         values[key.strip()] = value.strip()
+    unknown = [k for k in values if k not in KEYS]
+    if unknown:  # before the missing layer: "lyer=10" is its typo
+        close = difflib.get_close_matches(unknown[0], KEYS, n=1)
+        raise UserError(f"{where}: unknown option {unknown[0]!r}"
+                        + (f" (did you mean {close[0]}?)" if close else "")
+                        + f"; the options are {', '.join(KEYS)}")
     if "layer" not in values:
         raise UserError(f"{where}: layer=K is required")
-    unknown = [k for k in values if k not in KEYS]
-    if unknown:
-        raise UserError(f"{where}: unknown option {unknown[0]!r}; the options are "
-                        f"{', '.join(KEYS)}")
     def number(key: str, default: str, kind_of: type):
         value = values.pop(key, default)
         try:
