@@ -488,6 +488,9 @@ def test_a_part_of_the_models_layers_is_no_sample_for_the_relative_offset():
     whole = {v.layer: v for v in diagnose(signals, "float32", 30)}
     part = {v.layer: v for v in diagnose(signals, "float32", 30, whole=False)}
     assert whole[12].verdict == FAULT and whole[12].diagnosis.startswith("BIAS")
+    # the text names its module (the row's offset column is the block's, a site's may differ)
+    assert any(e.text.startswith("mean offset of the update of model.layers.12 ")
+               for e in whole[12].evidence), whole[12].evidence
     # under a FAULT's z an offset is no evidence (a healthy model's late layers reach z 6.6)
     assert whole[20].verdict == NORMAL
     # a part: the planted bias still seen, SUSPECT at most; the one under a FAULT's z is not

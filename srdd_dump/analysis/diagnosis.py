@@ -463,7 +463,8 @@ def _relative_evidence(group: list[Signals], whole: bool = True) -> dict[int, li
     for i, g in enumerate(group):
         if z["offset"][i] >= Z_OFFSET:
             out[i].append(Evidence("BIAS", min(z["offset"][i] / Z_OFFSET, cap),
-                                   f"mean offset of the update {g.offset:.3g} "
+                                   f"mean offset of the update of {g.module or 'the block'} "
+                                   f"{g.offset:.3g} "
                                    f"(z = {z['offset'][i]:.1f})", exact=False))
     return out
 
