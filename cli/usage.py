@@ -32,7 +32,7 @@ def run(app: typer.Typer, prog: str, extra_hint: str = "",
     except USAGE_ERROR as exc:
         message = exc.format_message()
         hint = f"; {extra_hint}" if extra_hint and "unexpected extra argument" in message \
-            else _other_tools(getattr(exc, "option_name", None), other)
+            else _other_tools(exc, app, other)
         if hint.startswith("; --"):  # the other command's option: click's guesses here mislead
             message = re.sub(r" \(Possible options: [^)]*\)| Did you mean [^?]*\?", "",
                              message)
@@ -56,17 +56,23 @@ def _msit_flag(msit: dict[str, str]) -> str | None:
     return None
 
 
-def _other_tools(flag: str | None, other: tuple[str, str, str] | None) -> str:
-    """"; --steps is an option of srdd-dump (...)" when the unknown option is the other
-    command's."""
-    if not flag or other is None:
+def _other_tools(exc: Exception, app: typer.Typer, other: tuple[str, str, str] | None) -> str:
+    """"; --steps is an option of srdd-dump (...)" when the option this command has not is
+    the other command's (an option both have, given a bad value, is this one's)."""
+    flag = getattr(exc, "option_name", None)
+    if not flag or other is None or type(exc).__name__ != "NoSuchOption":
         return ""
     module, name, what = other
     try:
         import importlib
 
-        command = typer.main.get_command(importlib.import_module(module).app)
-        known = {o for p in command.params for o in (*p.opts, *p.secondary_opts)}
+        def options(of: typer.Typer) -> set[str]:
+            command = typer.main.get_command(of)
+            return {o for p in command.params for o in (*p.opts, *p.secondary_opts)}
+
+        theirs = options(importlib.import_module(module).app)
+        if flag not in theirs or flag in options(app):
+            return ""
     except Exception:  # noqa: BLE001 (the error is said without the hint)
         return ""
-    return f"; {flag} is an option of {name} ({what})" if flag in known else ""
+    return f"; {flag} is an option of {name} ({what})"

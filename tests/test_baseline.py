@@ -1246,3 +1246,4 @@ def test_a_cosine_just_below_one_never_prints_as_one():
     assert cosine_text(1.0) == "1.000000"
     assert cosine_text(0.98765432) == "0.987654"
     assert cosine_text(float("nan")) == "nan"
+    assert cosine_text(0.9999999999999) == "0.9999999999999"  # was "1."

@@ -626,3 +626,41 @@ def test_a_relative_dump_path_is_the_folder_register_hook_made(tmp_path, monkeyp
     assert os.path.isabs(session.path) and os.path.exists(session.path)
     assert os.path.dirname(session.path) == str(tmp_path / "d_rel")
     assert not (tmp_path / "sub" / "d_rel").exists()
+
+
+def test_a_forward_that_raises_after_its_last_block_keeps_its_sample(tmp_path):
+    """The call raised after its round was written (in the model's head): that round stays a
+    sample, and the next forward is the next sample (never a second sample 0). A decode step
+    that raises is no step: nothing of it is kept."""
+    model = build("llama")
+    calls = {"n": 0}
+
+    def head_fails_once(module, args, output):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("out of memory in the head")
+
+    handle = model.lm_head.register_forward_hook(head_fails_once)
+    cfg = DumpConfig(dump_path=str(tmp_path), samples=3, steps="0-3", progress=False)
+    prompts = [torch.randint(0, 128, (1, n), generator=torch.Generator().manual_seed(n))
+               for n in (6, 5, 7)]
+
+    def second_block_fails_in_a_decode_step(module, args):
+        if args[0].shape[1] == 1 and calls["n"] < 10:
+            calls["n"] = 10
+            raise RuntimeError("a decode kernel failed")
+
+    with register_hook(model, cfg) as session, torch.no_grad():
+        with pytest.raises(RuntimeError):
+            model(input_ids=prompts[0])
+        handle.remove()
+        model.generate(prompts[1], max_new_tokens=2, do_sample=False, pad_token_id=0)
+        handle = model.model.layers[1].register_forward_pre_hook(
+            second_block_fails_in_a_decode_step)
+        with pytest.raises(RuntimeError):  # its step 1 raises: generate stops
+            model.generate(prompts[2], max_new_tokens=3, do_sample=False, pad_token_id=0)
+        handle.remove()
+    with DumpReader(session.path) as r:
+        got = [(int(x["sample"]), int(x["step"]), int(x["seq"])) for x in r.rounds]
+        assert got == [(0, 0, 6), (1, 0, 5), (1, 1, 1), (2, 0, 7)]
+        assert r.status["failed_calls"] == 1

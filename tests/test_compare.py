@@ -308,6 +308,8 @@ def test_a_folder_as_the_report_and_a_second_dump_are_said_so(tmp_path):
     assert proc.returncode == 2 and proc.stderr.startswith(
         "srdd-compare: error: No such option: --steps; --steps is an option of srdd-dump "
         "(what a run captures)") and "Possible" not in proc.stderr, proc.stderr
+    proc = run_cli(dump, "-o")  # an option both commands have: no hint
+    assert proc.returncode == 2 and "srdd-dump" not in proc.stderr, proc.stderr
     proc = subprocess.run([sys.executable, "-m", "srdd_dump.cli.dump", "--exec", "python x.py",
                            "--baseline=g"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and proc.stderr.startswith(

@@ -157,9 +157,8 @@ class AlreadyCaptured(Exception):
 
 
 class InertSession:
-    """What ``register_hook`` returns for a model another open session captures (an earlier
-    ``register_hook``, or ``srdd-dump --exec``'s): it records nothing; that session's file is
-    the dump."""
+    """What ``register_hook`` returns for a model another open session of the program captures
+    (an earlier ``register_hook``): it records nothing; that session's file is the dump."""
 
     error = None
     degraded: list[str] = []
@@ -265,7 +264,9 @@ class CaptureSession:
         self.model_calls = 0  # forwards of the model and of its first block the hooks saw
         self.failed_calls = 0  # model calls that raised before their round was finished
         self._rounds_written = 0
-        self._call_mark: tuple | None = None  # the plan before this model call, rounds written
+        # the plan before this model call, the rounds written then and the exception being
+        # handled when it began (if any)
+        self._call_mark: tuple | None = None
         self._lost: RoundContext | None = None  # the last round whose forward raised
         self.block_calls = 0
         self._fired: set[tuple[int, int]] = set()  # (layer, site) whose hook ran in a round
@@ -373,29 +374,39 @@ class CaptureSession:
     def _on_model_done(self, module: nn.Module, args: tuple, output: Any = None) -> None:
         if self._owner is not threading.current_thread():
             return
-        self._owner_busy = False
-        # torch runs this hook with no output inside its handler of the call's exception
-        if output is None and sys.exc_info()[1] is not None:
-            self._guard(self._forget_failed_call, sys.exc_info()[1])
+        mark, self._call_mark = self._call_mark, None
+        # torch runs this hook with no output inside its handler of the call's exception (one
+        # the call did not start inside: a call made in the program's own except block)
+        exc = sys.exc_info()[1]
+        if (output is None and exc is not None and mark is not None and exc is not mark[2]
+                and not (self._closed or self.replays.active)):
+            self._forget_failed_call(mark, exc)
+        self._owner_busy = False  # after: another thread may start a sequence from here
 
-    def _forget_failed_call(self, exc: BaseException) -> None:
+    def _forget_failed_call(self, mark: tuple, exc: BaseException) -> None:
         """The model call raised (a harness may catch it and go on to its next sample): a
         round it opened and did not finish is dropped, and the call counts as no sample or
-        step, so the next forward takes its place and its probes."""
-        mark, self._call_mark = self._call_mark, None
-        if mark is None or mark[1] != self._rounds_written or self._rounds.requests.requests:
-            return  # a round of it was written (it raised after its last block); an engine
-        with self._lock:
-            if self._ctx is not None:  # the close says why nothing was written, if nothing was
-                self._lost, self._ctx.round.tensors, self._ctx.key_mask = self._ctx, [], None
-            self._ctx = None
-            self._rounds.undo(mark[0])
-        self.failed_calls += 1
-        if self.failed_calls == 1:
-            what = str(exc).splitlines()[0][:80] if str(exc) else ""
-            say(f"srdd-dump: note: a forward of the model raised ({type(exc).__name__}"
-                f"{': ' + what if what else ''}): its round is not kept and does not count "
-                "as a sample\n")
+        step, so the next forward takes its place and its probes. Never raises, and never
+        closes the session: it runs inside torch's handler of the program's exception."""
+        try:
+            with self._lock:
+                if mark[1] != self._rounds_written or self._rounds.requests.requests:
+                    return  # a round of it was written (it raised after its last block)
+                if self._ctx is not None:  # the close says why nothing was written, if so
+                    self._lost, self._ctx.round.tensors, self._ctx.key_mask = self._ctx, [], None
+                self._ctx = None
+                self._rounds.undo(mark[0])
+                self.replays.open_round(False)  # its kept caches and waiting copies go now
+                self._frozen.clear()
+                self._pending = []
+            self.failed_calls += 1
+            if self.failed_calls == 1:
+                what = str(exc).splitlines()[0][:80] if str(exc) else ""
+                say(f"srdd-dump: note: a forward of the model raised ({type(exc).__name__}"
+                    f"{': ' + what if what else ''}): its round is not kept and does not "
+                    "count as a sample\n")
+        except Exception:  # noqa: BLE001 (the program's own exception goes on unchanged)
+            pass
 
     def _guard(self, fn, *args) -> None:
         if self._closed or self.replays.active:
@@ -456,7 +467,7 @@ class CaptureSession:
             return
         if not self._closed:
             self.model_calls += 1
-            self._call_mark = (self._rounds.mark(), self._rounds_written)
+            self._call_mark = (self._rounds.mark(), self._rounds_written, sys.exc_info()[1])
 
         def grab() -> None:
             mask = kwargs.get("attention_mask")
@@ -960,6 +971,7 @@ def _take_over(ours: CaptureSession, model: nn.Module, config: DumpConfig) -> Ca
     from .inject import hand_over
 
     path = ours.close()
+    ours.remove_faults()  # srdd-dump's --inject: the program's options apply, as when it is first
     session = CaptureSession(model, config)
     hand_over(session)
     kept = f"{path} keeps its {ours.samples} earlier sample{'s' if ours.samples != 1 else ''}" \
@@ -991,8 +1003,9 @@ def register_hook(model: nn.Module, config: DumpConfig | None = None
                   ) -> CaptureSession | InertSession:
     """Start capturing ``model`` (msit style). Use the result as a context manager, or call
     ``.close()``, to remove the hooks and finish the dump file. A model another open session
-    captures (an earlier ``register_hook`` not yet closed, or ``srdd-dump --exec``'s) is not
-    captured twice: one warning, and an InertSession that records nothing. A Hugging Face
+    captures (an earlier ``register_hook`` not yet closed) is not captured twice: one warning,
+    and an InertSession that records nothing; ``srdd-dump --exec``'s session, attached at an
+    earlier forward, hands the model over to this one (``_take_over``). A Hugging Face
     pipeline is taken for its ``.model``; anything else that is not a torch module, and a
     ``dump_path`` naming a file, are refused (UserError)."""
     config = DumpConfig() if config is None else config
@@ -1018,7 +1031,9 @@ def register_hook(model: nn.Module, config: DumpConfig | None = None
     try:
         return CaptureSession(model, config)
     except AlreadyCaptured as exc:
-        if exc.session.config.command is not None and exc.session.model is model:
+        from .inject import exec_session
+
+        if exc.session is exec_session():
             return _take_over(exc.session, model, config)
         if made:  # this session records nothing: no empty folder of it is left
             with contextlib.suppress(OSError):

@@ -202,7 +202,7 @@ def run_exec(command: str, config: DumpConfig, min_free_gb: float = MIN_FREE_GB,
 
 def _missing_folders(path: str) -> list[str]:
     """The folders of ``path`` that do not exist yet, the deepest first."""
-    missing, path = [], os.path.abspath(path)
+    missing, path = [], os.path.realpath(path)  # as makedirs will follow links and ".."
     while path and not os.path.exists(path):
         missing.append(path)
         parent = os.path.dirname(path)

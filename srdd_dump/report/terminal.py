@@ -175,9 +175,7 @@ def cosine_text(cosine: float) -> str:
     """A cosine similarity at 6 decimals, with more where those would round a value below 1
     up to 1.000000 (a WARN row would read as a perfect match)."""
     text = f"{cosine:.6f}"
-    if text == "1.000000" and cosine < 1:
-        text = f"{cosine:.12f}".rstrip("0")
-    return text
+    return repr(float(cosine)) if text == "1.000000" and cosine < 1 else text
 
 
 def _why_none(sites) -> str:

@@ -39,6 +39,13 @@ def _session():
     return ref() if ref is not None else None
 
 
+def exec_session():
+    """The session ``srdd-dump --exec`` made in this process, while it lives (None: not run by
+    srdd-dump, none made yet, or the program's own was adopted instead)."""
+    ref = _state.get("made")
+    return ref() if ref is not None else None
+
+
 def hand_over(session) -> bool:
     """The program's own register_hook takes the model over from srdd-dump's session of this
     process (begun at an earlier forward, a warm-up): that one is closed, its file kept, and
@@ -243,6 +250,7 @@ def _after_fork_in_child() -> None:
             signal.signal(sig, signal.SIG_DFL)
     inherited = _session()
     _state["end"] = None
+    _state.pop("made", None)
     if _state.get("session") is not None:
         _state["session"] = None
         if inherited is not None:
