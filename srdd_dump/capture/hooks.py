@@ -290,6 +290,9 @@ class CaptureSession:
         self._autocast: str | None = None  # "" when the first model call ran without autocast
         self._handles: list[Any] = []
         self._copy_said = False
+        # set by srdd-dump --exec's watcher on the session it made: a later register_hook of
+        # the program takes the model over and is given to it (inject/attach.py)
+        self.on_hand_over: Callable[[CaptureSession], None] | None = None
         self._pid = os.getpid()  # a forked child's copy of the session is not its own
         self._closed = True  # until its hooks are all in place (a half-built one is not closed)
         skip_hook_frames()
@@ -831,6 +834,7 @@ class CaptureSession:
         """In a forked child: the hooks, the injected faults and the file are the parent's;
         stop without writing (keep the session referenced: nothing of it may be freed)."""
         self._closed = True
+        self.on_hand_over = None
         self.output.forget_after_fork()
         self.remove()
         self.remove_faults()
@@ -968,12 +972,10 @@ def _take_over(ours: CaptureSession, model: nn.Module, config: DumpConfig) -> Ca
     """``srdd-dump --exec`` attached its session at a forward before the program's own
     register_hook (a warm-up call): the program's session takes over, as it does when it comes
     first; srdd-dump's is closed with what it captured so far (its file is listed too)."""
-    from .inject import hand_over
-
     path = ours.close()
     ours.remove_faults()  # srdd-dump's --inject: the program's options apply, as when it is first
     session = CaptureSession(model, config)
-    hand_over(session)
+    ours.on_hand_over(session)
     kept = f"{path} keeps its {ours.samples} earlier sample{'s' if ours.samples != 1 else ''}" \
         if path else "it had captured nothing"
     say(f"srdd-dump: note: the program captures its model itself (register_hook) from here "
@@ -1031,9 +1033,7 @@ def register_hook(model: nn.Module, config: DumpConfig | None = None
     try:
         return CaptureSession(model, config)
     except AlreadyCaptured as exc:
-        from .inject import exec_session
-
-        if exc.session is exec_session():
+        if exc.session.on_hand_over is not None:  # srdd-dump --exec's own session
             return _take_over(exc.session, model, config)
         if made:  # this session records nothing: no empty folder of it is left
             with contextlib.suppress(OSError):

@@ -19,7 +19,6 @@ import signal
 import sys
 import threading
 import time
-import weakref
 from typing import Callable
 
 from ...runtime.terminal import say
@@ -37,25 +36,6 @@ def _session():
     program dropped its model)."""
     ref = _state.get("session")
     return ref() if ref is not None else None
-
-
-def exec_session():
-    """The session ``srdd-dump --exec`` made in this process, while it lives (None: not run by
-    srdd-dump, none made yet, or the program's own was adopted instead)."""
-    ref = _state.get("made")
-    return ref() if ref is not None else None
-
-
-def hand_over(session) -> bool:
-    """The program's own register_hook takes the model over from srdd-dump's session of this
-    process (begun at an earlier forward, a warm-up): that one is closed, its file kept, and
-    the program's session is the one the end reports. False when this process has no such
-    session (not run by srdd-dump --exec)."""
-    ours = _session()
-    if ours is None or ours is session:
-        return False
-    _state["session"], _state["end"] = weakref.ref(session), session.end
-    return True
 
 
 def install() -> None:
@@ -250,7 +230,6 @@ def _after_fork_in_child() -> None:
             signal.signal(sig, signal.SIG_DFL)
     inherited = _session()
     _state["end"] = None
-    _state.pop("made", None)
     if _state.get("session") is not None:
         _state["session"] = None
         if inherited is not None:

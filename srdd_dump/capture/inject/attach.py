@@ -67,7 +67,10 @@ def watch_forwards(state: dict, on_attach: Callable[[], None] = lambda: None,
             session = CaptureSession(module, state["config"])
             # held weakly: a program that drops its model frees it (the session goes with it)
             state["session"], state["end"] = weakref.ref(session), session.end
-            state["made"] = state["session"]  # srdd-dump's own (a later register_hook takes over)
+            # the program's own register_hook after this forward takes the model over: its
+            # session is then this process's capture
+            session.on_hand_over = lambda new: state.update(session=weakref.ref(new),
+                                                            end=new.end)
             # this very call started before the session's own pre-hook existed: it gets the
             # call's keyword arguments (the attention mask of a padded prefill) here
             session.on_model_call(module, args, _call_kwargs(module))
