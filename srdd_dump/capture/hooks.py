@@ -395,6 +395,8 @@ class CaptureSession:
             with self._lock:
                 if mark[1] != self._rounds_written or self._rounds.requests.requests:
                     return  # a round of it was written (it raised after its last block)
+                if self._ctx is None and self._rounds.mark()[:2] == mark[0][:2]:
+                    return  # it raised before its blocks ran (in the embedding): nothing to undo
                 if self._ctx is not None:  # the close says why nothing was written, if so
                     self._lost, self._ctx.round.tensors, self._ctx.key_mask = self._ctx, [], None
                 self._ctx = None
