@@ -894,3 +894,26 @@ def test_a_named_pipe_named_like_a_dump_is_skipped_not_waited_on(tmp_path):
                    "--read-timeout", "60")
     assert done.returncode == 0, done.stderr
     assert "pipe.h5: not a regular file" in done.stderr, done.stderr
+
+
+def test_a_faults_hunt_line_follows_its_own_files_headline(tmp_path):
+    """Several files, the first one faulty (a black-box user's folder of 7): the hunt line came
+    after the last file's 'no faulty layer found', naming no file. It now follows the FAULT's
+    own headline; a hunt the program set itself (no headline of it) still comes after them."""
+    from srdd_dump.compare.results import CompareResult
+    from srdd_dump.report.terminal import diagnosis_text
+
+    faulty_dump(str(tmp_path / "dumps"))
+    base = compare_path(str(tmp_path / "dumps"), progress=False)
+    hunt = "srdd-dump --exec 'python infer.py' --layers model.layers.1"
+    result = CompareResult(base.path, base.layers, base.files, headlines=[
+        "a.h5: Layer 1 (model.layers.1): FAULT - dead zone", "b.h5: no faulty layer found"],
+        hunts=[hunt, "srdd-dump --exec 'python other.py'"], hunt_of={0: hunt})
+    lines = diagnosis_text(result).splitlines()
+    assert lines[:3] == ["a.h5: Layer 1 (model.layers.1): FAULT - dead zone",
+                         f"to name the operator inside it, capture that layer's operators: {hunt}",
+                         "b.h5: no faulty layer found"], lines[:4]
+    assert lines[3].endswith("srdd-dump --exec 'python other.py'"), lines[:4]
+    # the real compare maps its one FAULT file's hunt to its headline
+    if base.hunts:
+        assert base.hunt_of == {0: base.hunts[0]}

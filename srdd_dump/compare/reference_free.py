@@ -49,6 +49,7 @@ def finish(path: str, files: list[DumpFile], tasks: list[SignalTask],
         else:
             per_file.setdefault(task.file, []).extend(result)
     layer_rows, site_rows, file_rows, headlines, hunts, notes = [], [], [], [], [], []
+    hunt_of: dict[int, str] = {}
     for n, f in enumerate(files):
         counts = dict(rounds=len(f.rounds), samples=f.samples, rank=f.rank, pid=f.pid)
         if not f.usable:
@@ -71,6 +72,8 @@ def finish(path: str, files: list[DumpFile], tasks: list[SignalTask],
             headlines.append(line)
         if hunt and hunt not in hunts:
             hunts.append(hunt)
+            if line:
+                hunt_of[len(headlines) - 1] = hunt
         if not rows:
             why = "no captured layer data" + ("" if f.status == OK else " (incomplete file)")
             if f.origin:
@@ -84,7 +87,8 @@ def finish(path: str, files: list[DumpFile], tasks: list[SignalTask],
             file_rows.append(_file_row(f.source, f.status, f.reason, layers=len(rows), **counts))
     return CompareResult(
         path=path, layers=layers_table(layer_rows), files=files_table(file_rows),
-        sites=sites_table(site_rows), headlines=headlines, hunts=hunts, notes=notes,
+        sites=sites_table(site_rows), headlines=headlines, hunts=hunts, hunt_of=hunt_of,
+        notes=notes,
     )
 
 

@@ -85,6 +85,7 @@ class CompareResult:
         sites: Table | pd.DataFrame | None = None, headlines: list[str] | None = None,
         hunts: list[str] | None = None, consistency: ConsistencyResult | None = None,
         notes: list[str] | None = None, missing_evidence: list[str] | None = None,
+        hunt_of: dict[int, str] | None = None,
     ):
         self.path = path  # what was compared, as given
         # LAYER_COLUMNS: one row per (file, block layer), most suspicious first
@@ -95,6 +96,8 @@ class CompareResult:
         self.headlines = headlines or []  # one verdict sentence per file
         # srdd-dump commands that capture the operators of a FAULT layer (compare/hunt.py)
         self.hunts = hunts or []
+        # headline index -> the hunt of its FAULT (the terminal prints it under that headline)
+        self.hunt_of = hunt_of or {}
         self.consistency = consistency  # when 3+ cards ran the same inputs
         self.notes = notes or []  # e.g. which run of a folder was compared
         # evidence the capture asked for and did not get: the verdicts cannot rest on it

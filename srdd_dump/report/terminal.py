@@ -28,8 +28,14 @@ def diagnosis_text(result: CompareResult, written: list[str] | None = None,
     SUSPECT rows (no table when there are none), the evidence behind each (``explain``) and the
     report path."""
     layers, files = result.layer_table, result.file_table
-    lines = list(result.headlines)
-    lines += [hunt_line(hunt) for hunt in result.hunts]
+    lines, said = [], set()
+    for i, headline in enumerate(result.headlines):  # a FAULT's hunt under its own headline
+        lines.append(headline)
+        hunt = result.hunt_of.get(i)
+        if hunt in result.hunts:
+            lines.append(hunt_line(hunt))
+            said.add(hunt)
+    lines += [hunt_line(hunt) for hunt in result.hunts if hunt not in said]
     if result.missing_evidence:
         lines.append("evidence missing from these verdicts (the capture asked for it and did "
                      "not get it):")
