@@ -72,25 +72,36 @@ def block_rows(t: pd.DataFrame) -> pd.DataFrame:
     return t[t["layer"].notna()]
 
 
-def test_a_tokens_subset_is_compared_at_the_positions_it_kept(tmp_path):
-    """--tokens -3: against a dump of every position (either side): the rows at the kept
-    positions are compared, not called a shape mismatch; a fault there is still found."""
-    def run(folder, **options):
-        model = build("llama", layers=4)
-        with register_hook(model, DumpConfig(dump_path=str(folder), probes="none",
-                                             **options)) as session, torch.no_grad():
-            model.generate(PROMPTS[0], max_new_tokens=2, do_sample=False, pad_token_id=0)
-        return session.path
+def generated(folder, ids, mask=None, **options) -> str:
+    """The dump of a tiny Llama generating 2 tokens from ``ids`` (``mask``: its attention mask),
+    no probes, with DumpConfig ``options``."""
+    model = build("llama", layers=4)
+    with register_hook(model, DumpConfig(dump_path=str(folder), probes="none",
+                                         **options)) as session, torch.no_grad():
+        model.generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=False,
+                       pad_token_id=0)
+    return session.path
 
-    whole, kept = run(tmp_path / "whole"), run(tmp_path / "kept", tokens="-3:")
+
+def assert_kept_positions_compared(kept: str, whole: str, n: int) -> None:
+    """Either way round, a --tokens dump's prefill rows PASS against the whole dump's, at its
+    ``n`` kept positions."""
     for mine, golden, side in ((kept, whole, "my"), (whole, kept, "the golden")):
         t = block_rows(compare(mine, golden).table)
         prefill = t[t["step"] == 0]
         assert (prefill["verdict"] == "PASS").all(), prefill[["layer", "cmp_fail_reason"]]
         assert prefill["cmp_fail_reason"].str.contains(
-            f"the 3 token positions {side} dump kept").all()
+            f"the {n} token positions {side} dump kept").all()
         assert (t["verdict"] == "PASS").all()
-    faulty = run(tmp_path / "fault", tokens="-3:", inject=[FAULT])
+
+
+def test_a_tokens_subset_is_compared_at_the_positions_it_kept(tmp_path):
+    """--tokens -3: against a dump of every position (either side): the rows at the kept
+    positions are compared, not called a shape mismatch; a fault there is still found."""
+    whole = generated(tmp_path / "whole", PROMPTS[0])
+    assert_kept_positions_compared(generated(tmp_path / "kept", PROMPTS[0], tokens="-3:"),
+                                   whole, 3)
+    faulty = generated(tmp_path / "fault", PROMPTS[0], tokens="-3:", inject=[FAULT])
     result = compare(faulty, whole)
     assert result.summary.first_layer == 2, result.summary.message
 
@@ -104,25 +115,11 @@ def test_a_tokens_subset_of_a_padded_batch_is_compared_at_the_positions_it_kept(
     mask = torch.ones_like(ids)
     mask[1, :5] = 0  # the shorter prompt, padded on the left
     ids[1, :5] = 0
-
-    def run(folder, **options):
-        model = build("llama", layers=4)
-        with register_hook(model, DumpConfig(dump_path=str(folder), probes="none",
-                                             **options)) as session, torch.no_grad():
-            model.generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=False,
-                           pad_token_id=0)
-        return session.path
-
-    whole = run(tmp_path / "whole")
+    whole = generated(tmp_path / "whole", ids, mask)
     for tokens in ("0:8", "-8:"):
-        kept = run(tmp_path / tokens.replace(":", "_"), tokens=tokens)
-        for mine, golden, side in ((kept, whole, "my"), (whole, kept, "the golden")):
-            t = block_rows(compare(mine, golden).table)
-            prefill = t[t["step"] == 0]
-            assert (prefill["verdict"] == "PASS").all(), prefill[["layer", "cmp_fail_reason"]]
-            assert prefill["cmp_fail_reason"].str.contains(
-                f"the 8 token positions {side} dump kept").all()
-    faulty = run(tmp_path / "fault", tokens="0:8", inject=[FAULT])
+        kept = generated(tmp_path / tokens.replace(":", "_"), ids, mask, tokens=tokens)
+        assert_kept_positions_compared(kept, whole, 8)
+    faulty = generated(tmp_path / "fault", ids, mask, tokens="0:8", inject=[FAULT])
     result = compare(faulty, whole)
     assert result.summary.first_layer == 2, result.summary.message
 

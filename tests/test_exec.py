@@ -432,20 +432,25 @@ def test_output_named_like_a_file_is_one_line_and_a_program_that_changes_folder_
     assert os.path.relpath(path, str(tmp_path)) in res.stderr
 
 
-def test_a_program_with_its_own_register_hook_runs_under_exec(tmp_path):
-    """The program opens its own session (register_hook) and srdd-dump --exec watches it too:
-    one session captures the model (the program's, in its own folder, which srdd-dump lists),
-    and the program runs to its end (it once died of a hook called after its removal)."""
-    script = _write(tmp_path / "own.py", (
+def _own_session_script(tmp_path, name: str, end: str, before: str = "") -> str:
+    """A program that opens its own session (into tmp_path/own, 2 samples) after ``before``,
+    generates from three prompts, then runs ``end``."""
+    return _write(tmp_path / name, (
         TINY_LLAMA +
-        "from srdd_dump import DumpConfig, register_hook\n"
+        "from srdd_dump import DumpConfig, register_hook\n" + before +
         f"session = register_hook(m, DumpConfig(dump_path={str(tmp_path / 'own')!r}, "
         "samples=2, progress=False))\n"
         "with torch.no_grad():\n"
         "    for n in (6, 7, 8):\n"
         "        m.generate(torch.randint(1, 100, (1, n)), max_new_tokens=2, do_sample=False,\n"
-        "                   pad_token_id=0)\n"
-        "print('finished')\n"))
+        "                   pad_token_id=0)\n" + end))
+
+
+def test_a_program_with_its_own_register_hook_runs_under_exec(tmp_path):
+    """The program opens its own session (register_hook) and srdd-dump --exec watches it too:
+    one session captures the model (the program's, in its own folder, which srdd-dump lists),
+    and the program runs to its end (it once died of a hook called after its removal)."""
+    script = _own_session_script(tmp_path, "own.py", end="print('finished')\n")
     res = run_cli("srdd-dump", "--exec", f"{sys.executable} {script}", "-o", str(tmp_path / "d"))
     assert res.returncode == 0, res.stderr
     assert "finished" in res.stdout and "Traceback" not in res.stderr
@@ -465,19 +470,9 @@ def test_a_programs_register_hook_after_a_warm_up_takes_over_under_exec(tmp_path
     nothing (its folder never made, session.path None) and srdd-dump's probed the warm-up.
     Now the program's session takes over from there, as when it comes first; srdd-dump's
     keeps the warm-up in its own file, said so."""
-    script = _write(tmp_path / "warm.py", (
-        TINY_LLAMA +
-        "from srdd_dump import DumpConfig, register_hook\n"
-        "with torch.no_grad():\n"
-        "    m(input_ids=torch.randint(1, 100, (1, 5)))\n"  # the warm-up
-        f"session = register_hook(m, DumpConfig(dump_path={str(tmp_path / 'own')!r}, "
-        "samples=2, progress=False))\n"
-        "with torch.no_grad():\n"
-        "    for n in (6, 7, 8):\n"
-        "        m.generate(torch.randint(1, 100, (1, n)), max_new_tokens=2, do_sample=False,\n"
-        "                   pad_token_id=0)\n"
-        "session.close()\n"
-        "print('path', session.path)\n"))
+    script = _own_session_script(
+        tmp_path, "warm.py", end="session.close()\nprint('path', session.path)\n",
+        before="with torch.no_grad():\n    m(input_ids=torch.randint(1, 100, (1, 5)))\n")
     res = run_cli("srdd-dump", "--exec", f"{sys.executable} {script}", "-o", str(tmp_path / "d"))
     assert res.returncode == 0, res.stderr
     (path,) = find_dump_files(str(tmp_path / "own"))

@@ -399,10 +399,8 @@ class CaptureSession:
                     return  # it raised before its blocks ran (in the embedding): nothing to undo
                 if self._ctx is not None:  # the close says why nothing was written, if so
                     self._lost, self._ctx.round.tensors, self._ctx.key_mask = self._ctx, [], None
-                self._ctx = None
                 self._rounds.undo(mark[0])
-                self.replays.open_round(False)  # its kept caches and waiting copies go now
-                self._frozen.clear()
+                self._clear_round()  # its kept caches and input copies go now
                 self._pending = []
             self.failed_calls += 1
             if self.failed_calls == 1:
@@ -412,6 +410,16 @@ class CaptureSession:
                     "count as a sample\n")
         except Exception:  # noqa: BLE001 (the program's own exception goes on unchanged)
             pass
+
+    def _clear_round(self, compiled: bool = False) -> None:
+        """What a round holds between its hooks' calls, let go: a new round opens, or the
+        call of the last one raised."""
+        self.replays.open_round(compiled)
+        self._ctx = None
+        if self._moe is not None:
+            self._moe.open_round()
+        self._frozen.clear()
+        self._seen.clear()
 
     def _guard(self, fn, *args) -> None:
         if self._closed or self.replays.active:
@@ -535,12 +543,7 @@ class CaptureSession:
         token_ids, self._token_ids = self._token_ids, None
         mask, self._attention_mask = self._attention_mask, None
         unread, self._mask_unread = self._mask_unread, False
-        self.replays.open_round(called_from_compiled())
-        self._ctx = None
-        if self._moe is not None:
-            self._moe.open_round()
-        self._frozen.clear()
-        self._seen.clear()
+        self._clear_round(called_from_compiled())
         layout, positions, unsplit = (requests.read_batch(serving.named_input(
             module, args, kwargs, serving.POSITIONS)[0]) if id(module) in self._serving
             else (None, None, None))

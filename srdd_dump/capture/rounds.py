@@ -117,15 +117,17 @@ class RoundPlanner:
         # session counts them in the "request samples" family)
         self.request_calls: list[str | None] = []
 
-    def mark(self) -> tuple:
+    def mark(self) -> tuple[int, int, bool]:
         """The plan as it stands before a model call (``undo`` returns to it)."""
-        return (self.sample, self.step, self.continued,
-                {step: set(samples) for step, samples in self.probed.items()})
+        return self.sample, self.step, self.continued
 
-    def undo(self, mark: tuple) -> None:
+    def undo(self, mark: tuple[int, int, bool]) -> None:
         """A model call that raised before its round was finished counts as no forward: its
-        sample or step, and the probes it took, go to the next forward."""
-        self.sample, self.step, self.continued, self.probed = mark
+        sample or step, and the probes it took, go to the next forward. (Each forward is a
+        new (sample, step): the probes of the one it opened are its own.)"""
+        if mark[:2] != (self.sample, self.step):
+            self.probed.get(self.step, set()).discard(self.sample)
+        self.sample, self.step, self.continued = mark
         self.unprobed_continuation = False
 
     @property

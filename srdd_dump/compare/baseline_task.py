@@ -353,7 +353,7 @@ def _kept_pair(mine: Group, golden: Group, spec: RowSpec
     valid = np.ones(len(rows), dtype=bool)
     for k, (group, index) in enumerate(((mine, spec.my_mask), (golden, spec.golden_mask))):
         if index is not None:
-            keep = group.reader.read(group.reader.records[index]).reshape(-1) != 0
+            keep = _mask_rows(group.reader, index)
             if k == many and keep.size == int(rounds[many]["batch"]) * len(kept[many]):
                 keep = keep[rows]  # the whole side's mask at the positions paired
             if keep.size != len(rows):
@@ -377,10 +377,15 @@ def _attended(spec: RowSpec, mine: DumpReader, golden: DumpReader, nrows: int
     for reader, index in ((mine, spec.my_mask), (golden, spec.golden_mask)):
         if index is None:
             continue
-        keep = reader.read(reader.records[index]).reshape(-1) != 0
+        keep = _mask_rows(reader, index)
         if keep.size == nrows:
             valid = keep if valid is None else valid & keep
     return None if valid is None or valid.all() else valid
+
+
+def _mask_rows(reader: DumpReader, index: int) -> np.ndarray:
+    """The rows a round's KIND_MASK record keeps (attended), flattened."""
+    return reader.read(reader.records[index]).reshape(-1) != 0
 
 
 def _side_stats(group: Group) -> SideStats:
