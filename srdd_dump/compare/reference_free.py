@@ -23,7 +23,7 @@ from ..analysis.signals import DECODE, PREFILL, Signals, set_kurtosis_change
 from ..analysis.verdicts import FAULT, NORMAL, VERDICT_ORDER
 from ..format import schema as s
 from ..format.layer_numbers import after_gap, layer_numbers, number_of
-from ..vocabulary import EXPERT
+from ..vocabulary import CORE, EXPERT, sublayer_kind
 from .hunt import hunt_command
 from .results import (
     FILE_COLUMNS,
@@ -180,8 +180,31 @@ def _diagnose_file(f: DumpFile, signals: list[Signals], whole: bool = True
                 f"{phases_note(signals, int(np.count_nonzero(f.rounds['step'] > 0)))}"
                 + ("" if probed == NONE_PROBED else left_out_note(f.capture_options)))
     else:
-        line = f"{f.source}: {headline(worst)}"
+        line = f"{f.source}: {headline(worst)}" + between_operators(worst, signals, judged)
     return rows, sites, line, hunt
+
+
+def between_operators(worst: LayerVerdict, signals: list[Signals],
+                      judged: dict[tuple[str, str], tuple[float, str, str]]) -> str:
+    """What a FAULT at a sub-layer whose operators were captured with their float64 replays
+    (a hunt's dump) adds when every one of them agrees with its replay and shows no fault of
+    its own: the fault lies in the computation between them, which no operator replay checks
+    (an attention's core: its rotary, scores, softmax, mask and head mapping)."""
+    if worst.verdict != FAULT or not worst.site:
+        return ""
+    inside = [g for g in signals if g.module.startswith(worst.site + ".") and g.samples]
+    checked = sorted({g.module for g in inside if g.role != CORE and np.isfinite(g.host_red)})
+    if not checked or any(judged.get((g.module, g.phase), (0.0, NORMAL, ""))[1] != NORMAL
+                          for g in inside if g.role != CORE):
+        return ""
+    core = sorted({g.module for g in inside if g.role == CORE})
+    kind = next((sublayer_kind(g.role, g.module) for g in signals if g.module == worst.site),
+                None)
+    where = (f"the attention kernel ({core[0]}: its rotary, scores, softmax, mask or head "
+             "mapping)" if kind == "attention" and core else "the computation between them")
+    names = ", ".join(m.rsplit(".", 1)[-1] for m in checked)
+    return (f"; its operators ({names}) agree with their float64 replays and show no fault "
+            f"of their own: the fault is in {where}")
 
 
 def phases_note(signals: list[Signals], decode_rounds: int = 0) -> str:
