@@ -959,6 +959,58 @@ def test_a_sub_layer_birth_is_named_when_no_block_multiplies_the_error_tenfold()
             == "SUSPECT"
 
 
+def _sites(rows):
+    """Site rows from (round, layer, name, verdict, error_amplification), in the order given
+    (the order their outputs were made)."""
+    return pd.DataFrame([dict(source="a", golden_source="b", sample=r, golden_sample=r, step=0,
+                              layer=layer, module=f"l.{layer}.{name}", golden_module="",
+                              verdict=verdict, error_amplification=amp,
+                              relative_euclidean_distance=0.18, cosine_similarity=0.98,
+                              tolerance="bfloat16", cmp_fail_reason="")
+                         for r, layer, name, verdict, amp in rows])
+
+
+@pytest.mark.unit
+def test_a_rounds_later_fails_are_no_birth_and_one_round_is_said_not_named():
+    """One prompt of SmolLM2, bf16 against fp32, a dead zone in layer 10's MLP (a user's run):
+    in the prefill layer 10's MLP FAILs at x12.2 its block input's error and layers 12-14's
+    MLPs, fed that error through the residual stream, at x18 (the block's relative error,
+    dominated by the attention sink's row, looks back within tolerance there); decode step 1
+    has layer 14's attention FAIL at x4.6. It named layer 14 ("FAILs in 2 of 3 rounds"):
+    layer 14's prefill FAIL is downstream of layer 10's, and layer 10's one round is said."""
+    from srdd_dump.compare.divergence import mark_divergence, summarize
+
+    table = mark_divergence(_rounds_table([[0.004, 0.006, 0.009, 0.03, 0.035, 0.04]] * 3))
+    sites = _sites([(0, 10, "mlp", "FAIL", 12.2), (0, 12, "mlp", "FAIL", 18.9),
+                    (0, 13, "mlp", "FAIL", 17.8), (0, 14, "mlp", "FAIL", 17.5),
+                    (1, 14, "self_attn", "FAIL", 4.64)])
+    summary = summarize(table, sites=sites)
+    assert summary.first_layer is None and summary.pattern == "gradual", summary.message
+    assert ("layer 10's l.10.mlp FAILs with x12.2 its block input's error in 1 of 3 compared "
+            "rounds only (the prefill;") in summary.message, summary.message
+    # the same in every prompt's prefill: named, at layer 10
+    sites = _sites([(r, layer, "mlp", "FAIL", amp) for r in range(3)
+                    for layer, amp in ((10, 12.2), (12, 18.9), (14, 17.5))])
+    summary = summarize(table, sites=sites)
+    assert (summary.pattern, summary.first_layer, summary.first_site) == ("site", 10, "l.10.mlp")
+
+
+@pytest.mark.unit
+def test_an_absolute_limit_that_fails_every_site_still_names_the_one_that_grew():
+    """--max-abs-fail 0.001 (msprobe's) against bf16 rounding fails nearly every row, the norm
+    before the faulty MLP too: the site named is the MLP that grew the error tenfold, not the
+    first FAIL of the layer."""
+    from srdd_dump.compare.divergence import mark_divergence, summarize
+
+    table = mark_divergence(_rounds_table([[0.004, 0.006, 0.009, 0.03, 0.035, 0.04]] * 3))
+    rows = []
+    for r in range(3):
+        rows += [(r, layer, "input_layernorm", "FAIL", 1.1) for layer in (2, 10)]
+        rows += [(r, 10, "mlp", "FAIL", 14.0), (r, 12, "mlp", "FAIL", 18.0)]
+    summary = summarize(table, sites=_sites(rows))
+    assert (summary.pattern, summary.first_layer, summary.first_site) == ("site", 10, "l.10.mlp")
+
+
 @pytest.mark.unit
 def test_exact_input_births_need_one_device():
     """bf16 on an NPU against bf16 on a GPU: layer 0 differs by rounding from an exactly equal

@@ -398,18 +398,29 @@ def _site_origin(summary: BaselineSummary, table: pd.DataFrame, sites: pd.DataFr
     failing = (sites["verdict"] == FAIL) & sites["layer"].notna()
     fails = sites[failing].assign(
         growth=pd.to_numeric(sites.loc[failing, "error_amplification"], errors="coerce"))
-    if fails.empty:
-        return
+    # FAILs after a round's first that grew BIRTH_GROWTH-fold are no birth: the residual
+    # stream carries that layer's error on (its block's relative error, dominated by a few
+    # large rows such as an attention sink's, may look back within tolerance; the later MLPs'
+    # then look grown)
+    grown = fails["growth"] >= BIRTH_GROWTH
+    first = fails["layer"].where(grown).groupby(
+        [fails[k] for k in GROUP], dropna=False).transform("min")
+    fails = fails[first.isna() | (fails["layer"] <= first)]
     need = _recurrence(table)
     per_round = fails.groupby(GROUP + ["layer"], dropna=False)["growth"].max()
     by_layer = per_round.groupby(level="layer").agg(["count", "median"])
     layers = sorted(int(k) for k, row in by_layer.iterrows()
                     if row["count"] >= need and row["median"] >= BIRTH_GROWTH)
     if not layers:
+        summary.message += _too_few_site_rounds(fails, by_layer, summary.rounds)
         return
     layer = layers[0]
     at = fails[fails["layer"] == layer]
-    counts = at.drop_duplicates(GROUP)["module"].value_counts()  # a round's first, in order
+    # a round's first that grew the error (an absolute limit such as --max-abs-fail may fail
+    # the norm before it too), in order
+    births = at[at["growth"] >= BIRTH_GROWTH]
+    first_of = (births if len(births) else at).drop_duplicates(GROUP)["module"].value_counts()
+    counts = at[at["module"] == first_of.index[0]].drop_duplicates(GROUP)["module"].value_counts()
     block = table[(table["layer"] == layer) & (table["verdict"] != NOT_COMPARED)]
     summary.first_layer = layer
     named = table.loc[table["layer"] == layer, "module"].dropna()
@@ -432,6 +443,29 @@ def _site_origin(summary: BaselineSummary, table: pd.DataFrame, sites: pd.DataFr
            f"while the block's own output grows it x{growth:.3g} at most (the rounding "
            "difference of the two setups is of the same size there)")
         + ": look at this layer first")
+
+
+def _too_few_site_rounds(fails: pd.DataFrame, by_layer: pd.DataFrame, rounds: int) -> str:
+    """'; layer K's SITE FAILs with xG its block input's error in 1 of N compared rounds only
+    ...': the earliest layer whose sub-layer is a round's first FAIL with BIRTH_GROWTH x its
+    block input's error, in fewer rounds than a birth must recur in, said rather than left
+    unsaid (one prompt, one batched forward: the prefill may be the only such round)."""
+    grown = [int(k) for k, row in by_layer.iterrows() if row["median"] >= BIRTH_GROWTH]
+    if not grown:
+        return ""
+    layer = min(grown)
+    at = fails[(fails["layer"] == layer) & (fails["growth"] >= BIRTH_GROWTH)]
+    if at.empty:
+        return ""
+    row = at.loc[at["growth"].idxmax()]
+    steps = sorted({int(k) for k in at["step"].dropna()})
+    which = ", ".join("the prefill" if k == 0 else f"decode step {k}" for k in steps)
+    n = int(by_layer.loc[layer, "count"])
+    return (f"; layer {layer}'s {row['module']} FAILs with x{row['growth']:.3g} its block "
+            f"input's error in {n} of {rounds} compared rounds only ({which}; "
+            f"{error_words(row)}), the first FAIL of {'its round' if n == 1 else 'those rounds'}"
+            ": too few to name it (one round can grow that much by chance), but look there "
+            "first; a comparison of more prompts decides")
 
 
 def _block_of(modules: pd.Series) -> str:
