@@ -95,6 +95,41 @@ def assert_kept_positions_compared(kept: str, whole: str, n: int) -> None:
         assert (t["verdict"] == "PASS").all()
 
 
+def decoded(folder, tokens: list[int], steps: str = "0-2,7") -> str:
+    """A tiny Llama fed a prompt then ``tokens`` one at a time through its KV cache (a
+    generation whose tokens are given), captured at ``steps``."""
+    model = build("llama", layers=4)
+    with register_hook(model, DumpConfig(dump_path=str(folder), probes="none", steps=steps)
+                       ) as session, torch.no_grad():
+        out = model(input_ids=PROMPTS[0], use_cache=True)
+        for token in tokens:
+            out = model(input_ids=torch.tensor([[token]]), past_key_values=out.past_key_values,
+                        use_cache=True)
+    return session.path
+
+
+@pytest.mark.integration
+def test_a_decode_step_after_other_tokens_at_steps_not_captured_is_not_compared(tmp_path):
+    """Two generations that part at step 4 (not captured with --steps 0-2,7) and meet again on
+    step 7's token: step 7's own input id agrees, its KV cache does not. It was compared as
+    the same inputs, and its layer 0 named as the birth of the error."""
+    tokens = [5, 6, 7, 8, 9, 10, 11, 12]
+    golden = decoded(tmp_path / "g", tokens)
+    parted = decoded(tmp_path / "m", tokens[:4] + [99] + tokens[5:])
+    t = block_rows(compare(parted, golden).table)
+    by_step = t.groupby("step")["input_match"].agg(set).to_dict()
+    assert by_step == {0: {"same"}, 1: {"same"}, 2: {"same"}, 7: {"differ"}}, by_step
+    step7 = t[t["step"] == 7]
+    assert (step7["verdict"] == "N/A").all()
+    assert step7["cmp_fail_reason"].str.contains("at a step not captured").all(), \
+        step7["cmp_fail_reason"].iloc[0]
+    # the same tokens, the golden run captured at every step: step 7 is compared
+    every = decoded(tmp_path / "all", tokens, steps="all")
+    t = block_rows(compare(decoded(tmp_path / "m2", tokens), every).table)
+    assert set(t.loc[t["step"] == 7, "input_match"]) == {"same"}
+    assert (t.loc[t["step"] == 7, "verdict"] == "PASS").all()
+
+
 def test_a_tokens_subset_is_compared_at_the_positions_it_kept(tmp_path):
     """--tokens -3: against a dump of every position (either side): the rows at the kept
     positions are compared, not called a shape mismatch; a fault there is still found."""

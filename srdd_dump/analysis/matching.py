@@ -5,8 +5,10 @@ Pure functions over the reader's ``rounds`` array and layer names; nothing is re
 * Samples pair by the token-ids hash of their first captured round (the prefill); where a side
   recorded no ids, by the prefill's length; then the ones left over pair in order.
 * Rounds of a sample pair by step. A round's inputs are ``same`` when its hash and the hash of
-  every earlier captured round of the sample agree (the KV cache holds them all), ``differ``
-  when one of them differs and ``unknown`` when one side did not record its input ids.
+  every earlier captured round of the sample agree (the KV cache holds them all), and where
+  both dumps recorded the hash of every input id of the sample up to the round (the steps not
+  captured too), those agree; ``differ`` when one of them differs and ``unknown`` when one side
+  did not record its input ids.
 * Layers pair by module name, then the ones left over by index.
 
 Anything left without a partner is returned with ``None`` on the missing side, never dropped.
@@ -90,8 +92,13 @@ def pair_samples(
     return pairs
 
 
-def pair_rounds(mine: np.ndarray, golden: np.ndarray) -> list[RoundPair]:
-    """Every round of both dumps, paired by (sample pair, step); see the module docstring."""
+def pair_rounds(mine: np.ndarray, golden: np.ndarray,
+                histories: tuple[dict[int, int], dict[int, int]] = ({}, {})
+                ) -> list[RoundPair]:
+    """Every round of both dumps, paired by (sample pair, step); see the module docstring.
+    ``histories``: per side, round -> the hash of every input id of its sample up to it, the
+    steps not captured included: where both sides have it, a decode round's inputs are the
+    same only when those agree."""
     my_s, golden_s = _samples(mine), _samples(golden)
     out: list[RoundPair] = []
     for s, g in pair_samples(mine, golden):
@@ -121,6 +128,11 @@ def pair_rounds(mine: np.ndarray, golden: np.ndarray) -> list[RoundPair]:
                 continue
             here = input_match(int(a["tokens_hash"]), int(b["tokens_hash"]))
             why = ""
+            before = (histories[0].get(int(a["round"])), histories[1].get(int(b["round"])))
+            if here == SAME and step > 0 and all(before) and before[0] != before[1]:
+                here = DIFFER
+                why = ("a token generated before this step differs from the golden run's, at "
+                       "a step not captured (the KV cache holds it)")
             if here == UNKNOWN and step == 0 and int(a["seq"]) != int(b["seq"]):
                 here = DIFFER  # ids not recorded, but prompts of other lengths: other prompts
                 why = (f"prompts of other lengths ({int(a['seq'])} tokens here, "

@@ -46,6 +46,7 @@ from .diskspace import refuse_a_file
 from .dump_file import DumpOutput, FileWatch, dump_meta
 from .evidence import expect_sites, levels_of, never_run
 from .faults import install_faults
+from .history import TokenHistory
 from .host import HOOK_TABLES
 from .host_weights import HostWeights
 from .mlp_reference import MlpReference
@@ -283,6 +284,7 @@ class CaptureSession:
         self._token_ids: torch.Tensor | None = None
         self._last_prompt: np.ndarray | None = None  # the token ids of the last prefill
         self._continued_waiting = 0  # prefills after a cached past whose probes wait
+        self._history = TokenHistory()  # every forward's input ids (history.py)
         self._attention_mask: torch.Tensor | None = None  # (batch, past + seq) of the model call
         self._mask_unread = False  # the model call's mask was of another form
         # the keys a one-token call's 4-D mask attends (a static cache's decode step), 2-D
@@ -400,6 +402,7 @@ class CaptureSession:
                 if self._ctx is not None:  # the close says why nothing was written, if so
                     self._lost, self._ctx.round.tensors, self._ctx.key_mask = self._ctx, [], None
                 self._rounds.undo(mark[0])
+                self._history.undo(mark[3])
                 self._clear_round()  # its kept caches and input copies go now
                 self._pending = []
             self.failed_calls += 1
@@ -480,7 +483,8 @@ class CaptureSession:
             return
         if not self._closed:
             self.model_calls += 1
-            self._call_mark = (self._rounds.mark(), self._rounds_written, sys.exc_info()[1])
+            self._call_mark = (self._rounds.mark(), self._rounds_written, sys.exc_info()[1],
+                               self._history.mark())
 
         def grab() -> None:
             mask = kwargs.get("attention_mask")
@@ -589,8 +593,13 @@ class CaptureSession:
             if not self._rounds.advance(seq, starts, continues=bool(past)):
                 self.close()  # everything asked for is captured: stop paying for hooks
                 return
+            if self._rounds.step == 0:
+                self._history.start()
+            self._history.add(token_ids)
             self._ctx = self._rounds.open(batch, seq, self._width, token_ids, mask,
                                           self._sink.round_rows)
+            if self._ctx is not None:
+                self._history.record(self._ctx.sample, self._ctx.step)
             if self._rounds.unprobed_continuation:
                 self.coverage.expect(CONTINUED)
                 self.coverage.failed(CONTINUED, (
@@ -804,6 +813,7 @@ class CaptureSession:
         partial = explain_partial(silent, len(self.blocks) + len(self.sites))
         return {
             "error": self.error, "samples": self.samples, "failed_calls": self.failed_calls,
+            "histories": self._history.as_list(),
             "requests": self._rounds.requests.requests,
             **self.replays.status(), "records_dropped": self.records_dropped,
             "records_dropped_sites": sorted(

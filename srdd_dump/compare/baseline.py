@@ -240,7 +240,8 @@ def plan(pairs: list[tuple[Side, Side]], thresholds: Thresholds,
         for spec in sites.unmatched_specs(p):
             tasks.setdefault((p, "unmatched"), RowTask(mine.path, golden.path, thresholds, []))
             tasks[(p, "unmatched")].specs.append(spec)
-        for r, rp in enumerate(pair_rounds(mine.rounds, golden.rounds)):
+        for r, rp in enumerate(pair_rounds(mine.rounds, golden.rounds,
+                                            (mine.histories, golden.histories))):
             base = {
                 "source": mine.source, "golden_source": golden.source, "sample": rp.sample,
                 "golden_sample": rp.golden_sample, "step": rp.step, "input_match": rp.input_match,

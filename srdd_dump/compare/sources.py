@@ -68,6 +68,9 @@ class DumpFile:
     # index into records of the clean output of a sub-layer or operator
     site_layers: dict[int, int] = field(default_factory=dict)  # site -> its layer
     masks: dict[int, int] = field(default_factory=dict)  # round -> its KIND_MASK record
+    # round -> the hash of every input id of its sample up to it, captured steps or not
+    # (status "histories", capture/history.py; none in dumps before 2026-11-30, msprobe's)
+    histories: dict[int, int] = field(default_factory=dict)
     stats_index: np.ndarray | None = None  # a stats dump's /stats index (None: tensors)
     # (round, layer, site) -> row of /stats, for the outputs a statistics-only file (converted
     # from msprobe's statistics mode) has no tensor of
@@ -450,6 +453,20 @@ def _shown(path: str) -> str:
     return path if relative.startswith("..") else relative
 
 
+def _histories(status: dict, rounds: np.ndarray) -> dict[int, int]:
+    """round -> its token history hash, from the status's [sample, step, hash] entries."""
+    entries = status.get("histories") if isinstance(status, dict) else None
+    if not isinstance(entries, list):
+        return {}
+    by_key = {(int(r["sample"]), int(r["step"])): int(r["round"]) for r in rounds}
+    out = {}
+    for entry in entries:
+        if (isinstance(entry, list) and len(entry) == 3 and all(isinstance(v, int) for v in entry)
+                and (entry[0], entry[1]) in by_key):
+            out[by_key[(entry[0], entry[1])]] = entry[2]
+    return out
+
+
 def inspect(path: str, source: str) -> DumpFile:
     """What a dump file holds; a file that cannot be opened becomes SKIPPED with the reason."""
     f = DumpFile(path=path, source=source)
@@ -508,6 +525,7 @@ def inspect(path: str, source: str) -> DumpFile:
                                 if site >= 0}, **f.site_layers}
     r = reader.records
     f.masks = {int(r["round"][i]): int(i) for i in np.flatnonzero(r["kind"] == s.KIND_MASK)}
+    f.histories = _histories(reader.status, f.rounds)
     f.data_dtypes = reader.data_dtypes
     clean = reader.select(kind=s.KIND_CLEAN)
     first = reader.dtype_of(clean[0]) if len(clean) else "float32"
