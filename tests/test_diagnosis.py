@@ -555,6 +555,28 @@ def test_a_headline_says_which_evidence_the_fault_rests_on():
     assert "; also the output changes" in headline(v)
 
 
+def test_a_headline_resting_on_a_reference_also_names_the_kind_of_fault():
+    """A per-sequence clamp of an MLP's output (a user's Gemma 3 run): the reference MLP's
+    mismatch is the strongest evidence, its words 'a fault inside one of its operators', and
+    the clamp showed only as the second label. The headline says what the output looks like."""
+    from srdd_dump.analysis.diagnosis import Evidence, LayerVerdict, headline
+
+    mismatch = Evidence("MLP_MISMATCH", 241.0, "model.layers.11.mlp differs by 0.241",
+                        module="model.layers.11.mlp")
+    piled = Evidence("PILEUP_SAT", 3.0, "40 tokens share a channel's exact extreme",
+                     module="model.layers.11.mlp")
+    v = LayerVerdict(11, "model.layers.11", 241.0, FAULT, "MLP_MISMATCH,PILEUP_SAT",
+                     [mismatch, piled], site="model.layers.11.mlp")
+    line = headline(v)
+    assert line.endswith("; what it looks like: saturation (values piled up at the extremes): "
+                         "40 tokens share a channel's exact extreme (3x)"), line
+    # another module's, or under SUSPECT: not said
+    v.evidence = [mismatch, Evidence("PILEUP_SAT", 3.0, "x", module="model.layers.11")]
+    assert "what it looks like" not in headline(v)
+    v.evidence = [mismatch, Evidence("PILEUP_SAT", 0.3, "x", module="model.layers.11.mlp")]
+    assert "what it looks like" not in headline(v)
+
+
 def test_the_batch_dependence_limit_admits_one_dot_products_rounding():
     """A healthy fp32 SmolLM2 decode step: the attention's in-batch replay (5 rows, a matrix
     product) differed from its recorded one-row call (a matrix-vector product) by 6.4e-6 of

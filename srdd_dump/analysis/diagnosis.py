@@ -769,7 +769,29 @@ def headline(v: LayerVerdict) -> str:
         joint = ("; the verdict rests on" if top.strength < 1 <= strongest.strength
                  else "; also")
         line += f"{joint} {strongest.text} ({strongest.strength:.3g}x)"
-    return line
+    return line + _what_it_looks_like(top, main)
+
+
+# a reference's mismatch says where a fault is, not what kind; these say what kind
+REFERENCE_FAMILIES = ("MLP_MISMATCH", "ATTENTION_MISMATCH", "HOST_MISMATCH")
+KIND_FAMILIES = ("DEAD_ZONE", "SAT_SOURCE", "PILEUP_SAT", "STUCK", "QUANTIZED", "PRECISION",
+                 "OVERFLOW", "BIAS")
+
+
+def _what_it_looks_like(top: Evidence, main: list[Evidence]) -> str:
+    """'; what it looks like: saturation (...): EVIDENCE (Nx)' after a headline resting on a
+    reference's mismatch, when the same module's output also shows a kind of fault at SUSPECT
+    level or more: a clamp of an MLP's output is found by the reference MLP first, and its
+    words ('a fault inside one of its operators') do not name the clamp."""
+    if top.family not in REFERENCE_FAMILIES:
+        return ""
+    kinds = [e for e in main if e.family in KIND_FAMILIES and e.module == top.module
+             and e.strength >= SUSPECT_RATIO]
+    if not kinds:
+        return ""
+    kind = max(kinds, key=lambda e: e.strength)
+    what = FAMILY_WORDS.get(kind.family, kind.family.replace("_", " ").lower())
+    return f"; what it looks like: {what}: {kind.text} ({kind.strength:.3g}x)"
 
 
 FAMILY_WORDS = {
