@@ -477,6 +477,15 @@ def test_two_prompts_in_one_msprobe_step_are_two_samples(tmp_path):
     assert "not compared" not in text
 
 
+def test_a_fault_in_an_msprobe_dumps_mlp_is_named_without_a_baseline(tmp_path):
+    """The bf16 msprobe dump with a dead zone in layer 10's MLP: its MLP records carry it (the
+    fixture planted it on the MLP itself once, as a forward hook, which msprobe records
+    before: only the block output held it, and nothing was found)."""
+    text = _compare(tmp_path, _fixture("smollm2_bf16_fault"))
+    assert "Layer 10 (model.layers.10.mlp): FAULT - dead zone" in text, text
+    assert "no faulty layer" in _compare(tmp_path, _fixture("smollm2_bf16"))
+
+
 def test_two_msprobe_dumps_compare_to_an_xlsx_report(tmp_path):
     import openpyxl
 
