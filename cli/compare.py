@@ -267,6 +267,11 @@ MSIT_FLAGS = {
     "-gp": _PATHS, "--golden-path": _PATHS, "-mp": _PATHS, "--my-path": _PATHS,
     "--golden": _PATHS, "-op": "use --mapping (a YAML file of 'my site: golden site(s)')",
     "--op-mapping-file": "use --mapping (a YAML file of 'my site: golden site(s)')",
+    # msprobe's selections, tried as flags: its folders select
+    "--step": "give the step's folder as the path (an msprobe dump's DUMP/step1; every step "
+              "of a folder of steps is read)",
+    "--rank": "give the rank's folder or file as the path (DUMP/step0/rank1); a folder of "
+              "ranks pairs each with the golden run's same rank",
 }
 
 

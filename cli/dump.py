@@ -155,6 +155,14 @@ MSIT_FLAGS = {
     "--type": "use --store (sample:N, full or stats) and --granularity (block, sublayer, op)",
     "-device": "the device is the program's own: srdd-dump captures where the model runs",
     "--device": "the device is the program's own: srdd-dump captures where the model runs",
+    # msprobe's config.json keys, tried as flags
+    "--task": "use --store: stats for msprobe's task statistics, full or sample:N for tensor",
+    "--level": "use --granularity: block (msprobe's L0 of the decoder layers), sublayer, op",
+    "--list": _LAYERS, "--scope": _LAYERS,
+    "--step": "use --steps (the forward rounds kept: 0 the prefill, 1-3 decode steps 1 to 3)",
+    "--rank": "every process (rank) writes its own file, srdd_rank<R>_pid<P>.h5",
+    "--dump-path": "use -o (the folder the run's dump goes to)",
+    "--dump_path": "use -o (the folder the run's dump goes to)",
 }
 
 

@@ -302,6 +302,17 @@ def test_a_folder_as_the_report_and_a_second_dump_are_said_so(tmp_path):
     proc = run_cli(dump, "--baseline", dump, "-op", "map.yaml", "--bogus")
     assert proc.returncode == 2 and "No such option: -op; use --mapping" in proc.stderr, \
         proc.stderr
+    # msprobe's selections as flags, and a step folder given as a run: its folder is the path
+    proc = run_cli(dump, "--step", "1", "-o", str(tmp_path / "r.csv"))
+    assert proc.returncode == 2 and "No such option: --step; give the step's folder as the " \
+        "path" in proc.stderr, proc.stderr
+    folder = os.path.dirname(dump)
+    os.makedirs(os.path.join(folder, "step1"))
+    proc = run_cli(folder, "--run", "step1", "-o", str(tmp_path / "r.csv"))
+    assert proc.returncode == 2 and proc.stderr.rstrip().endswith(
+        f"{os.path.join(folder, 'step1')} is a folder: give it as the path (an msprobe dump's "
+        "step or rank folder is no run)"), proc.stderr
+    os.rmdir(os.path.join(folder, "step1"))
     # srdd-dump's options given to srdd-compare, and the other way round: said whose they are
     # (click offered "Possible options: --help", and --seed for --baseline)
     proc = run_cli(dump, "--steps", "0")

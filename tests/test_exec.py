@@ -316,6 +316,17 @@ def test_msits_flags_name_what_does_their_job(tmp_path):
         assert not (tmp_path / "d").exists()
 
 
+def test_msprobes_config_keys_as_flags_name_what_does_their_job(tmp_path):
+    """An msprobe user's --task statistics got "Possible options: --draws", --step "--help"."""
+    for flag, said in (("--task", "use --store: stats for msprobe's task statistics"),
+                       ("--step", "use --steps"), ("--level", "use --granularity")):
+        res = run_cli("srdd-dump", "--exec", f"{sys.executable} -c pass", "-o",
+                      str(tmp_path / "d"), flag, "1")
+        assert res.returncode == 2 and f"No such option: {flag}; {said}" in res.stderr, \
+            res.stderr
+        assert "Possible options" not in res.stderr and not (tmp_path / "d").exists()
+
+
 def test_steps_past_the_generation_say_so(tmp_path):
     """--steps 5-9 on a generation of 2 new tokens (steps 0-1): the end says the steps select
     none of the forwards seen, not "no prefill seen" (two prefills ran)."""

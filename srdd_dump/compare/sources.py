@@ -290,8 +290,11 @@ def _choose_runs(path: str, root: str, found: list[str], option: str, run: str |
         picked = [k for k in runs if name in (k, os.path.basename(k))]
         if not picked:
             flag = "--baseline-run" if option.startswith("--baseline") else "--run"
+            inside = os.path.join(path, name)
+            folder = (f"; {inside} is a folder: give it as the path (an msprobe dump's step "
+                      "or rank folder is no run)" if os.path.isdir(inside) else "")
             raise UserError(f"{flag} {run}: no run of that name under {option}{path}; runs: "
-                            f"{_names(runs)}")
+                            f"{_names(runs)}{folder}")
         return [f for k in picked for f in runs[k]], ""
     competing: dict[str, list[str]] = {}
     for key, where in place.items():
