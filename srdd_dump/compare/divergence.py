@@ -402,6 +402,8 @@ def _site_origin(summary: BaselineSummary, table: pd.DataFrame, sites: pd.DataFr
     # stream carries that layer's error on (its block's relative error, dominated by a few
     # large rows such as an attention sink's, may look back within tolerance; the later MLPs'
     # then look grown)
+    if fails.empty:
+        return
     grown = fails["growth"] >= BIRTH_GROWTH
     first = fails["layer"].where(grown).groupby(
         [fails[k] for k in GROUP], dropna=False).transform("min")
@@ -463,8 +465,8 @@ def _too_few_site_rounds(fails: pd.DataFrame, by_layer: pd.DataFrame, rounds: in
     n = int(by_layer.loc[layer, "count"])
     return (f"; layer {layer}'s {row['module']} FAILs with x{row['growth']:.3g} its block "
             f"input's error in {n} of {rounds} compared rounds only ({which}; "
-            f"{error_words(row)}), the first FAIL of {'its round' if n == 1 else 'those rounds'}"
-            ": too few to name it (one round can grow that much by chance), but look there "
+            f"{error_words(row)}), the first tenfold growth of "
+            f"{'its round' if n == 1 else 'those rounds'}: too few to name it (one round can grow that much by chance), but look there "
             "first; a comparison of more prompts decides")
 
 
