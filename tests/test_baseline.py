@@ -1028,6 +1028,14 @@ def test_a_rounds_later_fails_are_no_birth_and_one_round_is_said_not_named():
                     for layer, amp in ((10, 12.2), (12, 18.9), (14, 17.5))])
     summary = summarize(table, sites=sites)
     assert (summary.pattern, summary.first_layer, summary.first_site) == ("site", 10, "l.10.mlp")
+    # the worst layers, where the error has grown, are not the finding's: said under them
+    from srdd_dump.compare.results import BaselineResult
+    from srdd_dump.report.terminal import baseline_text
+
+    files = pd.DataFrame({"role": ["my", "golden"], "status": ["OK", "OK"]})
+    text = baseline_text(BaselineResult("a", "b", table, files, summary, None))
+    assert "(the largest errors; the error is born at layer 10, the finding's, and grows in " \
+        "the layers after it)" in text, text
 
 
 @pytest.mark.unit

@@ -466,8 +466,9 @@ def _too_few_site_rounds(fails: pd.DataFrame, by_layer: pd.DataFrame, rounds: in
     return (f"; layer {layer}'s {row['module']} FAILs with x{row['growth']:.3g} its block "
             f"input's error in {n} of {rounds} compared rounds only ({which}; "
             f"{error_words(row)}), the first tenfold growth of "
-            f"{'its round' if n == 1 else 'those rounds'}: too few to name it (one round can grow that much by chance), but look there "
-            "first; a comparison of more prompts decides")
+            f"{'its round' if n == 1 else 'those rounds'}: too few to name it (one round can "
+            "grow that much by chance), but look there first; a comparison of more prompts "
+            "decides")
 
 
 def _block_of(modules: pd.Series) -> str:
