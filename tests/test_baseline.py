@@ -125,9 +125,16 @@ def test_a_decode_step_after_other_tokens_at_steps_not_captured_is_not_compared(
         step7["cmp_fail_reason"].iloc[0]
     # the same tokens, the golden run captured at every step: step 7 is compared
     every = decoded(tmp_path / "all", tokens, steps="all")
-    t = block_rows(compare(decoded(tmp_path / "m2", tokens), every).table)
+    result = compare(decoded(tmp_path / "m2", tokens), every)
+    t = block_rows(result.table)
     assert set(t.loc[t["step"] == 7, "input_match"]) == {"same"}
     assert (t.loc[t["step"] == 7, "verdict"] == "PASS").all()
+    # the golden steps my --steps left out are said to be that ("no counterpart" before)
+    left = result.table[result.table["step"].between(3, 6)]
+    assert len(left) == 4 and left["cmp_fail_reason"].str.startswith(
+        "step not kept in my dump: step ").all(), left["cmp_fail_reason"].tolist()
+    # (step 8, after my last kept step 7, may be past my generation's end: no counterpart)
+    assert result.summary.not_compared == {"step not kept in my dump": 4, "no counterpart": 1}
 
 
 def test_a_tokens_subset_is_compared_at_the_positions_it_kept(tmp_path):

@@ -120,9 +120,13 @@ def pair_rounds(mine: np.ndarray, golden: np.ndarray,
             if a is None or b is None:
                 where = f"my sample {s}" if a is not None else f"golden sample {g}"
                 other = "the golden dump" if a is not None else "my dump"
+                # a later step of the sample on that side: its --steps left this one out
+                skipped = max(golden_by_step if b is None else mine_by_step) > step
                 out.append(RoundPair(
                     s, g, step, None if a is None else int(a["round"]),
                     None if b is None else int(b["round"]), "",
+                    f"step not kept in {other}: step {step} of {where} lies between the "
+                    f"steps {other} kept (its capture's --steps)" if skipped else
                     f"no counterpart: step {step} of {where} is not in {other}",
                 ))
                 continue
