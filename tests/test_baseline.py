@@ -135,6 +135,9 @@ def test_a_decode_step_after_other_tokens_at_steps_not_captured_is_not_compared(
         "step not kept in my dump: step ").all(), left["cmp_fail_reason"].tolist()
     # (step 8, after my last kept step 7, may be past my generation's end: no counterpart)
     assert result.summary.not_compared == {"step not kept in my dump": 4, "no counterpart": 1}
+    # and a clean finding does not warn of them: they are the capture's choice
+    assert result.summary.pattern == "clean" and "not compared" not in result.summary.message, \
+        result.summary.message
 
 
 def test_a_tokens_subset_is_compared_at_the_positions_it_kept(tmp_path):
@@ -1040,7 +1043,10 @@ def test_a_rounds_later_fails_are_no_birth_and_one_round_is_said_not_named():
     from srdd_dump.report.terminal import baseline_text
 
     files = pd.DataFrame({"role": ["my", "golden"], "status": ["OK", "OK"]})
-    text = baseline_text(BaselineResult("a", "b", table, files, summary, None))
+    longer = mark_divergence(_rounds_table([[0.004 * 1.2 ** k for k in range(16)]] * 3))
+    summary = summarize(longer, sites=sites)
+    assert summary.first_layer == 10
+    text = baseline_text(BaselineResult("a", "b", longer, files, summary, None))
     assert "(the largest errors; the error is born at layer 10, the finding's, and grows in " \
         "the layers after it)" in text, text
 

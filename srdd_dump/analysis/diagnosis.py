@@ -769,7 +769,7 @@ def headline(v: LayerVerdict) -> str:
         joint = ("; the verdict rests on" if top.strength < 1 <= strongest.strength
                  else "; also")
         line += f"{joint} {strongest.text} ({strongest.strength:.3g}x)"
-    return line + _what_it_looks_like(top, main)
+    return line + _what_it_looks_like(top, [e for e in main if e is not strongest])
 
 
 # a reference's mismatch says where a fault is, not what kind; these say what kind

@@ -125,8 +125,9 @@ def pair_rounds(mine: np.ndarray, golden: np.ndarray,
                 out.append(RoundPair(
                     s, g, step, None if a is None else int(a["round"]),
                     None if b is None else int(b["round"]), "",
-                    f"step not kept in {other}: step {step} of {where} lies between the "
-                    f"steps {other} kept (its capture's --steps)" if skipped else
+                    f"step not kept in {other}: step {step} of {where} is not in {other}, "
+                    "a later step of it is (its capture's --steps, or a --tokens selection "
+                    "that kept no position there)" if skipped else
                     f"no counterpart: step {step} of {where} is not in {other}",
                 ))
                 continue

@@ -40,14 +40,20 @@ class TokenHistory:
         if ids is None:
             self._hash, self._pending = None, []
             return
-        # a copy: a program may refill one buffer of ids in place at each step
-        self._pending.append(ids.detach().reshape(-1).clone())
-        if len(self._pending) >= FOLD:
-            self._fold()
+        try:
+            # a copy: a program may refill one buffer of ids in place at each step
+            self._pending.append(ids.detach().reshape(-1).clone())
+            if len(self._pending) >= FOLD:
+                self._fold()
+        except Exception:  # noqa: BLE001 (ids of an odd kind: the history is unknown, no more)
+            self._hash, self._pending = None, []
 
     def record(self, sample: int, step: int) -> None:
         """The history up to this captured round."""
-        self._fold()
+        try:
+            self._fold()
+        except Exception:  # noqa: BLE001 (as in add)
+            self._hash, self._pending = None, []
         if self._hash is not None:
             self.known[(sample, step)] = int.from_bytes(self._hash.copy().digest(), "little")
 
@@ -63,6 +69,9 @@ class TokenHistory:
 
     def _fold(self) -> None:
         if self._pending and self._hash is not None:
-            ids = torch.cat(self._pending).to("cpu", torch.int64).numpy()
-            self._hash.update(np.ascontiguousarray(ids, dtype="<i8").tobytes())
+            # one copy to the host, or one per device where the forwards' ids were on several
+            one = len({t.device for t in self._pending}) == 1
+            for ids in [torch.cat(self._pending)] if one else self._pending:
+                host = ids.to("cpu", torch.int64).numpy()
+                self._hash.update(np.ascontiguousarray(host, dtype="<i8").tobytes())
         self._pending = []

@@ -595,7 +595,8 @@ class CaptureSession:
                 return
             if self._rounds.step == 0:
                 self._history.start()
-            self._history.add(token_ids)
+            if self._rounds.step <= self._rounds.options.last_step:  # none recorded after
+                self._history.add(token_ids)
             self._ctx = self._rounds.open(batch, seq, self._width, token_ids, mask,
                                           self._sink.round_rows)
             if self._ctx is not None:

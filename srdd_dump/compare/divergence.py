@@ -418,11 +418,12 @@ def _site_origin(summary: BaselineSummary, table: pd.DataFrame, sites: pd.DataFr
         return
     layer = layers[0]
     at = fails[fails["layer"] == layer]
-    # a round's first that grew the error (an absolute limit such as --max-abs-fail may fail
-    # the norm before it too), in order
-    births = at[at["growth"] >= BIRTH_GROWTH]
-    first_of = (births if len(births) else at).drop_duplicates(GROUP)["module"].value_counts()
-    counts = at[at["module"] == first_of.index[0]].drop_duplicates(GROUP)["module"].value_counts()
+    # each round's first site that grew the error tenfold (an absolute limit such as
+    # --max-abs-fail may fail the norm before it too), else its first FAIL, in order
+    grew = at["growth"] >= BIRTH_GROWTH
+    firsts = [(rows[grew[rows.index]] if grew[rows.index].any() else rows)["module"].iloc[0]
+              for _, rows in at.groupby(GROUP, dropna=False, sort=False)]
+    counts = pd.Series(firsts).value_counts()
     block = table[(table["layer"] == layer) & (table["verdict"] != NOT_COMPARED)]
     summary.first_layer = layer
     named = table.loc[table["layer"] == layer, "module"].dropna()
@@ -456,7 +457,7 @@ def _too_few_site_rounds(fails: pd.DataFrame, by_layer: pd.DataFrame, rounds: in
     if not grown:
         return ""
     layer = min(grown)
-    at = fails[(fails["layer"] == layer) & (fails["growth"] >= BIRTH_GROWTH)]
+    at = _bounded(fails[(fails["layer"] == layer) & (fails["growth"] >= BIRTH_GROWTH)])
     if at.empty:
         return ""
     row = at.loc[at["growth"].idxmax()]
@@ -889,7 +890,7 @@ def _unlocated(s: BaselineSummary, start: pd.Series, tol: str, held: bool) -> st
 # a decode step outside the other's --steps): the unmatched lines and the counts say so; a
 # sample one side lacks, a shape or a read that failed are data a PASS must not pass over
 ABSENT = (r"^no counterpart: (?:(?:the )?(?:golden|my) (?:layer|site|stack input)|step \d+ "
-          r"of (?:golden|my) sample)")
+          r"of (?:golden|my) sample)|^step not kept in ")
 
 
 def _uncompared(table: pd.DataFrame) -> str:

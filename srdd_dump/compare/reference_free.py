@@ -193,9 +193,12 @@ def between_operators(worst: LayerVerdict, signals: list[Signals],
     if worst.verdict != FAULT or not worst.site:
         return ""
     inside = [g for g in signals if g.module.startswith(worst.site + ".") and g.samples]
-    checked = sorted({g.module for g in inside if g.role != CORE and np.isfinite(g.host_red)})
-    if not checked or any(judged.get((g.module, g.phase), (0.0, NORMAL, ""))[1] != NORMAL
-                          for g in inside if g.role != CORE):
+    operators = [g for g in inside if g.role != CORE]
+    checked = sorted({g.module for g in operators if np.isfinite(g.host_red)})
+    # every operator replayed and agreeing: one not replayed may hold the fault
+    if not operators or len(checked) < len({g.module for g in operators}) or any(
+            judged.get((g.module, g.phase), (0.0, NORMAL, ""))[1] != NORMAL
+            for g in operators):
         return ""
     core = sorted({g.module for g in inside if g.role == CORE})
     kind = next((sublayer_kind(g.role, g.module) for g in signals if g.module == worst.site),

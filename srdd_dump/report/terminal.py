@@ -170,7 +170,8 @@ def baseline_text(result: BaselineResult, written: list[str] | None = None) -> s
         })
         lines.extend("  " + line for line in text.splitlines())
         shown = {int(k) for k in top["layer"] if k == k}  # NaN: a row of no layer
-        if s.first_layer is not None and s.first_layer >= 0 and s.first_layer not in shown:
+        if (s.first_layer is not None and s.first_layer >= 0 and s.first_layer not in shown
+                and shown and max(shown) > s.first_layer):
             lines.append(f"  (the largest errors; the error is born at layer {s.first_layer}, "
                          "the finding's, and grows in the layers after it)")
         if s.bounded:
