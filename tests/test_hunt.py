@@ -99,27 +99,29 @@ def test_the_printed_hunt_names_the_operator(tmp_path):
     assert HUNT not in again.stdout  # its operators are in the dump: nothing left to hunt
 
 
+def _hunt_headline(tmp_path, fault: str) -> str:
+    """The FAULT headline of a hunt's dump (layer 2's operators, float64 replays) of the
+    tiny Llama with ``fault`` planted."""
+    out = str(tmp_path / fault.split("@")[0])
+    run = run_cli("srdd-dump", "--exec", "python infer_tiny.py llama", "-o", out, "-q",
+                  "--inject", fault, "--granularity", "op", "--reference", "host",
+                  "--layers", "model.layers.2", cwd=FIXTURES)
+    assert run.returncode == 0, run.stderr[-2000:]
+    report = run_cli("srdd-compare", out, "-o", str(tmp_path / "r.csv"))
+    (line,) = [x for x in report.stdout.splitlines() if "FAULT" in x and ".h5:" in x]
+    return line
+
+
 @pytest.mark.integration
 def test_a_hunt_whose_operators_agree_names_the_attention_kernel(tmp_path):
     """The hunt of a fault inside the attention kernel: its projections agree with their
     float64 replays, so the line says the fault is between them, in the kernel."""
-    out = str(tmp_path / "dumps")
-    run = run_cli("srdd-dump", "--exec", "python infer_tiny.py llama", "-o", out, "-q",
-                  "--inject", "softmax_precision@layer=2", "--granularity", "op",
-                  "--reference", "host", "--layers", "model.layers.2", cwd=FIXTURES)
-    assert run.returncode == 0, run.stderr[-2000:]
-    report = run_cli("srdd-compare", out, "-o", str(tmp_path / "r.csv"))
-    (line,) = [x for x in report.stdout.splitlines() if "FAULT" in x and ".h5:" in x]
-    assert "(model.layers.2.self_attn): FAULT" in line, report.stdout
+    line = _hunt_headline(tmp_path, "softmax_precision@layer=2")
+    assert "(model.layers.2.self_attn): FAULT" in line, line
     assert line.endswith("its operators (k_proj, o_proj, q_proj, v_proj) agree with their "
                          "float64 replays and show no fault of their own: the fault is in the "
                          "attention kernel (model.layers.2.self_attn.core: its rotary, scores, "
                          "softmax, mask or head mapping)"), line
     # a fault in one of those operators is named by it, with no such line
-    run = run_cli("srdd-dump", "--exec", "python infer_tiny.py llama", "-o", out, "-q",
-                  "--inject", "bias@layer=2,site=self_attn.v_proj,m=2", "--granularity", "op",
-                  "--reference", "host", "--layers", "model.layers.2", cwd=FIXTURES)
-    assert run.returncode == 0, run.stderr[-2000:]
-    report = run_cli("srdd-compare", out, "-o", str(tmp_path / "b.csv"))
-    (line,) = [x for x in report.stdout.splitlines() if "FAULT" in x and ".h5:" in x]
+    line = _hunt_headline(tmp_path, "bias@layer=2,site=self_attn.v_proj,m=2")
     assert "agree with their float64 replays" not in line, line
