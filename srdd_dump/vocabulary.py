@@ -116,6 +116,38 @@ def stuck_min_tokens(width: int) -> int:
                                 / -math.log(STUCK_VALUE_SHARE)))
 
 
+# n tokens at a channel's exact extreme are a pile-up only when chance cannot put them there:
+# near its extreme a healthy channel holds about lam values per quantisation level (the
+# TIE_DENSITY_VALUES values next inward, over the levels they span), so n or more on the
+# extreme itself has the Poisson tail probability P(X >= n; lam), and an output of W channels
+# offers 2W extremes (each may be the one with the most ties): their chance of holding such a
+# pile-up must reach TIES_BY_CHANCE. A bf16 channel whose values crowd a few levels near its
+# top (healthy Gemma 3: 6 of 21 tokens on the top value, 5 on the 3 levels below) is not one.
+TIE_DENSITY_VALUES = 4
+TIES_BY_CHANCE = 0.05
+
+
+def poisson_tail(n: int, lam: float) -> float:
+    """P(X >= n) for X ~ Poisson(lam)."""
+    if n <= 0:
+        return 1.0
+    if lam <= 0:
+        return 0.0
+    log_lam = math.log(lam)
+    below = sum(math.exp(k * log_lam - lam - math.lgamma(k + 1)) for k in range(n))
+    return max(0.0, 1.0 - below)
+
+
+def ties_by_chance(n: int, inward: int, levels: float, width: int) -> bool:
+    """``n`` tokens at a channel's extreme, with ``inward`` values within ``levels``
+    quantisation steps inward of it, are what chance gives one of the ``width`` channels of a
+    healthy output (TIES_BY_CHANCE). No values inward: nothing to judge by, not chance."""
+    if inward <= 0 or not levels > 0:
+        return False
+    lam = inward / max(1.0, levels)
+    return 2 * width * poisson_tail(n, lam) >= TIES_BY_CHANCE
+
+
 def span_levels(lowest: np.ndarray, top: np.ndarray, bottom: np.ndarray
                 ) -> tuple[np.ndarray, np.ndarray]:
     """Each channel's span (top - bottom) in steps of its values' own precision, at its top and

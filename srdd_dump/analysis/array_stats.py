@@ -16,6 +16,7 @@ from ..vocabulary import (
     GRID_LEVELS,
     PILEUP_BINS,
     TIE_CANDIDATES,
+    TIE_DENSITY_VALUES,
     TIE_MIN_LEVELS,
     UNIT_ROUNDOFF,
     grid_min_values,
@@ -23,6 +24,7 @@ from ..vocabulary import (
     on_grid,
     span_levels,
     stuck_min_tokens,
+    ties_by_chance,
 )
 from .sums import dot, total
 
@@ -295,9 +297,20 @@ def ties(rows: np.ndarray, candidates: int = TIE_CANDIDATES, distinct: bool = Fa
                 if n < 2:
                     continue  # one token's repeats
                 counts = np.array([distinct_tokens(ids[col == v]) for v in values[-2:]])
+            if _by_chance(n, col, ext[c] * sign, inner, rows.shape[1]):
+                continue  # as many as the channel's density near its extreme puts there
             neighbours = float(np.mean(counts[-2:])) if counts.size else 1.0
             best = max(best, (n / max(1.0, neighbours), n))
     return float(count), float(best[0])
+
+
+def _by_chance(n: int, col: np.ndarray, top: float, inner: np.ndarray, width: int) -> bool:
+    """vocabulary.ties_by_chance of ``n`` tokens at ``top`` in one of ``width`` channels, the
+    density read from the values next inward (``inner``: the column's values below ``top``)."""
+    if not inner.size:
+        return False
+    nearest = np.sort(inner)[-TIE_DENSITY_VALUES:]
+    return ties_by_chance(n, nearest.size, _levels(col, top, float(nearest[0])), width)
 
 
 def _tokens_at(rows: np.ndarray, extreme: np.ndarray, ids: np.ndarray) -> np.ndarray:

@@ -28,6 +28,7 @@ from ..vocabulary import (
     LOW_BITS_MASK,
     PILEUP_BINS,
     TIE_CANDIDATES,
+    TIE_DENSITY_VALUES,
     TIE_MIN_LEVELS,
     UNIT_ROUNDOFF,
     grid_min_values,
@@ -35,6 +36,7 @@ from ..vocabulary import (
     on_grid,
     span_levels,
     stuck_min_tokens,
+    ties_by_chance,
 )
 
 NAN = float("nan")
@@ -343,6 +345,14 @@ def _levels(col: torch.Tensor, top: float, bottom: float) -> float:
     return abs(top - bottom) / step if step > 0 else float("inf")
 
 
+def _by_chance(n: int, col: torch.Tensor, top: float, inner: torch.Tensor, width: int) -> bool:
+    """array_stats._by_chance."""
+    if not inner.numel():
+        return False
+    nearest = torch.sort(inner).values[-TIE_DENSITY_VALUES:]
+    return ties_by_chance(n, nearest.numel(), _levels(col, top, float(nearest[0])), width)
+
+
 def _near_copies(rows: torch.Tensor, tied: torch.Tensor, spread: dict) -> bool:
     """``spread``: the round's median channel spread, computed at the first need and kept for
     the other candidate channels (it does not depend on them); the spreads in float32 (a
@@ -408,6 +418,8 @@ def ties(rows: torch.Tensor, candidates: int = TIE_CANDIDATES, distinct: bool = 
                     continue
                 counts = torch.tensor([_distinct_tokens(ids[(col == v).cpu()])
                                        for v in values[-2:].tolist()])
+            if _by_chance(n, col, top, inner, rows.shape[1]):
+                continue
             neighbours = float(counts[-2:].double().mean()) if counts.numel() else 1.0
             best = max(best, (n / max(1.0, neighbours), n))
     return float(count), float(best[0])
