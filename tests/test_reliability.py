@@ -480,6 +480,50 @@ def test_program_raising_after_capture_keeps_its_exit_code_and_a_finished_dump(t
     assert path.endswith(".h5") and _all_records_readable(path) == 2
     with DumpReader(path) as r:
         assert r.complete
+        assert r.status["program_error"] == "ValueError: user bug"
+    # the dump copied off the device says how its program ended
+    done = run_cli("srdd-compare", path, "-o", str(tmp_path / "r.csv"))
+    assert done.returncode == 0
+    assert ("the program ended with an error while capturing (ValueError: user bug): the "
+            "rounds before it are compared") in done.stderr
+
+
+@pytest.mark.parametrize("ending", ["raises", "finishes", "exits"])
+def test_the_dump_says_whether_an_error_ended_its_program(ending, tmp_path):
+    """In code: a with block an exception leaves, a program an uncaught error ends (the hook
+    closed at exit) keep that error in the file's status; a clean end or sys.exit keep none."""
+    script = tmp_path / "prog.py"
+    script.write_text(textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {FIXTURES!r})
+        import torch
+        from srdd_dump import DumpConfig, register_hook
+        from tiny_models import build
+        model = build("llama")
+        ids = torch.randint(0, 128, (1, 6), generator=torch.Generator().manual_seed(0))
+        try:
+            with register_hook(model, DumpConfig(dump_path={str(tmp_path / "a")!r})):
+                model(input_ids=ids)
+                if {ending!r} == "raises":
+                    raise KeyError("in the block")
+        except KeyError:
+            pass
+        register_hook(model, DumpConfig(dump_path={str(tmp_path / "b")!r}))
+        model(input_ids=ids)
+        if {ending!r} == "raises":
+            raise RuntimeError("device lost")
+        if {ending!r} == "exits":
+            sys.exit(3)
+    """))
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == {"raises": 1, "finishes": 0, "exits": 3}[ending], done.stderr
+    with DumpReader(_only(tmp_path / "a")) as a, DumpReader(_only(tmp_path / "b")) as b:
+        if ending == "raises":
+            assert a.status["program_error"] == "KeyError: 'in the block'"
+            assert b.status["program_error"] == "RuntimeError: device lost"
+        else:
+            assert a.status["program_error"] is None and b.status["program_error"] is None
 
 
 # -- umask, odd paths --------------------------------------------------------------------------

@@ -119,9 +119,27 @@ def close_dropped() -> None:
 
 @atexit.register
 def _close_at_exit() -> None:
+    # the error that ended the program, if one did: Python keeps the exception it printed
+    # (sys.last_exc, 3.12; sys.last_value before) when its exit handlers run; an interactive
+    # session keeps an earlier cell's error there too
+    interactive = hasattr(sys, "ps1") or "IPython" in sys.modules
+    ended = None if interactive else _ended_by(
+        getattr(sys, "last_exc", None) or getattr(sys, "last_value", None))
+    for session in [*_unclosed, *_dropped]:
+        session.program_error = session.program_error or ended
     close_dropped()
     for session in list(_unclosed):
         session.close()
+
+
+def _ended_by(exc: object) -> str | None:
+    """The line a dump keeps of the exception that ended its program (None: none did, or a
+    ``sys.exit``, whose exit code the program's caller has)."""
+    if isinstance(exc, KeyboardInterrupt):
+        return "interrupted (KeyboardInterrupt)"
+    if isinstance(exc, BaseException) and not isinstance(exc, (SystemExit, GeneratorExit)):
+        return describe_error(exc)
+    return None
 
 
 def _weakly(method: Callable[[], Any]) -> Callable[[], None]:
@@ -260,6 +278,8 @@ class CaptureSession:
                             config.progress)
         self._fault_handles, self.faults = install_faults(model, self.blocks, config.faults())
         self.error: str | None = None
+        # the error that ended the program (or the session's with block) while capturing
+        self.program_error: str | None = None
         self.silence: str | None = None  # why nothing was captured (compiled.explain_silence)
         self.blocks_unseen = False
         self.model_calls = 0  # forwards of the model and of its first block the hooks saw
@@ -813,7 +833,8 @@ class CaptureSession:
         silent = never_run(self.layer_names, self.sites, self._fired)
         partial = explain_partial(silent, len(self.blocks) + len(self.sites))
         return {
-            "error": self.error, "samples": self.samples, "failed_calls": self.failed_calls,
+            "error": self.error, "program_error": self.program_error,
+            "samples": self.samples, "failed_calls": self.failed_calls,
             "histories": self._history.as_list(),
             "requests": self._rounds.requests.requests,
             **self.replays.status(), "records_dropped": self.records_dropped,
@@ -979,7 +1000,8 @@ class CaptureSession:
     def __enter__(self) -> CaptureSession:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.program_error = self.program_error or _ended_by(exc)
         self.close()
         self.remove_faults()
 

@@ -417,6 +417,10 @@ def capture_notes(source: str, status: dict) -> list[str]:
     """One line per thing the capture of a file had to leave out (its ``status`` counters)."""
     notes = _left_out(source, status, LEFT_OUT)
     if isinstance(status, dict):
+        ended = status.get("program_error")
+        if isinstance(ended, str) and ended:
+            notes.append(f"{source}: the program ended with an error while capturing "
+                         f"({first_line(ended)}): the rounds before it are compared")
         notes += [f"{source}: {line}" for line in partial_lines(status.get("coverage"))]
         untested = status.get("untested_versions")
         notes += [f"{source}: {n}" for n in untested or [] if isinstance(n, str)]
