@@ -1352,3 +1352,50 @@ def test_a_cosine_just_below_one_never_prints_as_one():
     assert cosine_text(0.98765432) == "0.987654"
     assert cosine_text(float("nan")) == "nan"
     assert cosine_text(0.9999999999999) == "0.9999999999999"  # was "1."
+
+
+def test_two_runs_of_the_same_ranks_in_one_folder_are_both_compared(tmp_path):
+    """Code writes its dumps into the dump path itself, so a torchrun program run twice leaves
+    two files per rank in one folder. The baseline paired one file per rank (by name order, the
+    older run) and skipped the others as "no golden dump file left": the faulty rank's file of
+    the newer run was skipped, the finding read PASS and --fail-on fault exited 0. Each of mine
+    is compared with the golden file of its rank; the finding names the one card of several
+    whose rounds hold the birth; a golden folder holding two runs pairs by shared inputs."""
+    rng = np.random.default_rng(5)
+    golden = {rank: [{k: rng.standard_normal((1, 8, 16)).astype(np.float32) for k in range(4)}
+                     for _ in range(3)] for rank in (0, 1)}
+    ids = {rank: [np.full((1, 8), 10 * rank + i) for i in range(3)] for rank in (0, 1)}
+    faulty = [{k: (v * 1.5 if k >= 2 else v.copy()) for k, v in r.items()} for r in golden[1]]
+    for rank in (0, 1):
+        write_dump(str(tmp_path / "golden" / f"srdd_rank{rank}_pid{rank + 5}.h5"), golden[rank],
+                   meta={"rank": rank, "pid": rank + 5}, token_ids=ids[rank])
+        # the older run (healthy) sorts first by name; the newer one's rank 1 is faulty
+        write_dump(str(tmp_path / "mine" / f"srdd_rank{rank}_pid3015{rank}.h5"), golden[rank],
+                   meta={"rank": rank, "pid": 30150 + rank}, token_ids=ids[rank])
+        write_dump(str(tmp_path / "mine" / f"srdd_rank{rank}_pid911{rank}.h5"),
+                   faulty if rank else golden[0], meta={"rank": rank, "pid": 9110 + rank},
+                   token_ids=ids[rank])
+    result = compare(tmp_path / "mine", tmp_path / "golden")
+    assert list(result.files["status"]) == ["ok"] * 6, result.files
+    message = result.summary.message
+    assert message.startswith("layer 2 (model.layers.2) introduced the error"), message
+    assert "in 3 of 12 compared rounds" in message, message
+    assert "; all 3 in srdd_rank1_pid9111.h5 (3 of its 3 compared rounds; 3 other files " \
+           "compared)" in message, message
+    (note,) = [n for n in result.notes if "more than one file of a rank" in n]
+    assert note.startswith("my dumps hold more than one file of a rank (rank 0: "
+                           "srdd_rank0_pid30150.h5, srdd_rank0_pid9110.h5; rank 1: "), note
+    done = run_cli("srdd-compare", str(tmp_path / "mine"), "--baseline",
+                   str(tmp_path / "golden"), "-o", str(tmp_path / "r.csv"), "--fail-on", "fault")
+    assert done.returncode == 1, done.stderr
+    # the golden side holding two runs of rank 0, one of other prompts: mine pairs with the
+    # one of its own inputs, whichever name sorts first
+    other = [{k: rng.standard_normal((1, 8, 16)).astype(np.float32) for k in range(4)}
+             for _ in range(3)]
+    write_dump(str(tmp_path / "golden" / "srdd_rank0_pid1.h5"), other,
+               meta={"rank": 0, "pid": 1}, token_ids=[np.full((1, 8), 99 + i) for i in range(3)])
+    result = compare(tmp_path / "mine" / "srdd_rank0_pid30150.h5", tmp_path / "golden")
+    assert result.summary.pattern == "clean" and result.summary.rounds == 3, \
+        result.summary.message
+    assert result.files.set_index("source").loc["srdd_rank0_pid5.h5", "paired_with"] \
+        == "srdd_rank0_pid30150.h5"

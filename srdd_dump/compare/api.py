@@ -125,7 +125,14 @@ def compare_baseline(
 def _compare_baseline(target_path, baseline_path, thresholds, jobs, progress, run,
                       baseline_run, rules) -> BaselineResult:
     from .baseline import finish as finish_baseline
-    from .baseline import model_notes, pair_files, prepare, store_notes, unused_rule_notes
+    from .baseline import (
+        model_notes,
+        pair_files,
+        prepare,
+        rank_notes,
+        store_notes,
+        unused_rule_notes,
+    )
     from .baseline import plan as plan_baseline
     from .baseline_task import run_task as run_row_task
 
@@ -144,7 +151,7 @@ def _compare_baseline(target_path, baseline_path, thresholds, jobs, progress, ru
         if not any(f.usable for f in side):
             raise no_usable_file([f.reason for f in side], path, option)
     pairs = pair_files(mine, golden)
-    notes += model_notes(pairs)
+    notes += rank_notes(mine, golden) + model_notes(pairs)
     used: set[int] = set()
     tasks = plan_baseline(pairs, thresholds, rules, used)
     notes += unused_rule_notes(rules, used)

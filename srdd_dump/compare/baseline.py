@@ -145,38 +145,60 @@ def _number_layers(rows: list[dict], mine: list[Side], golden: list[Side]) -> No
 
 
 def pair_files(mine: list[Side], golden: list[Side]) -> list[tuple[Side, Side]]:
-    """One golden file serves all of mine; else pair by rank, then in order."""
+    """Each of my files with a golden file: the only one, else the golden file of its rank,
+    else (no rank, or several golden files of it) the one whose rounds share the most inputs
+    with it (their token ids' hashes), then the first not yet paired. A golden file serves
+    every file of mine that picks it (two runs of mine in one folder: both compared)."""
     my_ok = [f for f in mine if f.usable]
     golden_ok = [f for f in golden if f.usable]
     pairs: list[tuple[Side, Side]] = []
-    if len(golden_ok) == 1:
-        pairs = [(f, golden_ok[0]) for f in my_ok]
-    else:
-        left = list(golden_ok)
-        by_rank = {}
-        for g in golden_ok:
-            if g.rank is not None:
-                by_rank.setdefault(g.rank, g)
-        unpaired = []
-        for f in my_ok:
-            g = by_rank.get(f.rank) if f.rank is not None else None
-            if g is not None and g in left:
-                left.remove(g)
-                pairs.append((f, g))
-            else:
-                unpaired.append(f)
-        for f in unpaired:
-            if left:
-                pairs.append((f, left.pop(0)))
-            else:
-                f.file.status = SKIPPED
-                f.file.reason = f"{f.source}: no golden dump file left to pair with"
-        for g in left:
+    for f in my_ok:
+        same_rank = [g for g in golden_ok if f.rank is not None and g.rank == f.rank]
+        candidates = same_rank or golden_ok
+        if not candidates:
+            f.file.status = SKIPPED
+            f.file.reason = f"{f.source}: no golden dump file to pair with"
+            continue
+        taken = {id(g) for _, g in pairs}
+        shared = [_shared_inputs(f, g) for g in candidates]
+        best = max(shared)
+        tied = [g for g, n in zip(candidates, shared) if n == best]
+        pick = next((g for g in tied if id(g) not in taken), tied[0])
+        pairs.append((f, pick))
+    paired = {id(g) for _, g in pairs}
+    for g in golden_ok:
+        if id(g) not in paired:
             g.file.reason = g.reason or f"{g.source}: no dump file of mine to pair with"
     for f, g in pairs:
         f.paired_with = g.source
         g.paired_with = ", ".join(x for x in (g.paired_with, f.source) if x)
-    return sorted(pairs, key=lambda p: mine.index(p[0]))
+    return pairs
+
+
+def _shared_inputs(mine: Side, golden: Side) -> int:
+    """The rounds' input hashes (known ones) the two files have in common."""
+    a, b = (set(int(h) for h in f.rounds["tokens_hash"] if int(h)) for f in (mine, golden))
+    return len(a & b)
+
+
+def rank_notes(mine: list[Side], golden: list[Side]) -> list[str]:
+    """A line for a side holding more than one file of a rank (the files of two runs in one
+    folder: code writes its dumps into the dump path itself), saying how they were paired."""
+    out = []
+    for side, who, how in ((mine, "my dumps hold", "each is compared with the golden file of "
+                            "its rank"),
+                           (golden, "the golden dumps hold", "each of mine is compared with "
+                            "the one of its rank sharing the most inputs with it")):
+        by_rank: dict[int, list[str]] = {}
+        for f in side:
+            if f.usable and f.rank is not None:
+                by_rank.setdefault(int(f.rank), []).append(f.source)
+        twice = [f"rank {rank}: {', '.join(sources)}" for rank, sources in sorted(by_rank.items())
+                 if len(sources) > 1]
+        if twice:
+            out.append(f"{who} more than one file of a rank ({'; '.join(twice)}): two runs in "
+                       f"one folder? {how}")
+    return out
 
 
 def model_notes(pairs: list[tuple[Side, Side]]) -> list[str]:

@@ -316,6 +316,19 @@ def per_layer(table: pd.DataFrame) -> pd.DataFrame:
     return out[PER_LAYER_COLUMNS]
 
 
+def _one_file(compared: pd.DataFrame, at: pd.DataFrame) -> str:
+    """'; all N in FILE (N of its K compared rounds)' when the rounds of the birth all lie in
+    one of several compared files (one card of a multi-rank run): the count over every file
+    reads as an intermittent fault."""
+    files = compared["source"].unique()
+    born = at["source"].unique()
+    if len(files) < 2 or len(born) != 1:
+        return ""
+    own = len(compared.loc[compared["source"] == born[0], GROUP].drop_duplicates())
+    return (f"; all {len(at)} in {born[0]} ({len(at)} of its {own} compared rounds; "
+            f"{len(files) - 1} other file{'s' if len(files) > 2 else ''} compared)")
+
+
 def _worst_first(layers: pd.DataFrame) -> pd.Index:
     """The per-layer rows worst first: by verdict, then by relative error, a layer whose
     compared rows hold no finite value (NaN error) first among its verdict's."""
@@ -365,6 +378,8 @@ def summarize(table: pd.DataFrame, same_device: dict[tuple[str, str], bool] | No
             _first_site(summary, at, sites)
     summary.pattern, summary.message = _explain(summary, compared, same_setup, reds, sources,
                                                 exact)
+    if summary.first_layer is not None:
+        summary.message += _one_file(compared, firsts[firsts["layer"] == summary.first_layer])
     if summary.pattern == "clean":
         summary.message += _uncompared(table)
         if sites is not None:
