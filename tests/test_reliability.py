@@ -180,6 +180,26 @@ def test_a_command_stopped_before_it_imports_torch_is_said_so(tmp_path):
     assert "installed in" not in err and "see its own error" not in err, err
 
 
+def test_a_program_stopped_after_it_imported_torch_is_not_said_to_be_before(tmp_path):
+    """SIGTERM to the program (a server waiting for requests) after it imported torch and
+    before its first forward: the end said "stopped by SIGTERM before any Python process of it
+    imported torch", sending the user to the install. Its process reported nothing: it never
+    attached, so it had no SIGTERM handler yet."""
+    script = tmp_path / "waits.py"
+    script.write_text("import os, time\nimport torch\nprint('ready', os.getpid(), flush=True)\n"
+                      "time.sleep(60)\n")
+    proc = _start("--exec", _command(str(script)), "-o", str(tmp_path / "d"),
+                  "--min-free-gb", "0")
+    line = proc.stdout.readline()
+    assert line.startswith("ready"), line
+    os.kill(int(line.split()[1]), signal.SIGTERM)
+    code, _, err = _finish(proc)
+    assert code == 128 + signal.SIGTERM, err
+    assert "nothing captured: the command was stopped by SIGTERM before any model with a " \
+        "block stack ran a forward" in err, err
+    assert "imported torch" not in err, err
+
+
 @pytest.mark.parametrize("how", ["SIGKILL to the program", "SIGTERM to srdd-dump",
                                  "SIGHUP to srdd-dump", "SIGHUP to the process group"])
 def test_killed_mid_dump_keeps_every_finished_sample(how, tmp_path):

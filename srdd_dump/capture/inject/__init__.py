@@ -125,6 +125,9 @@ def _on_torch_imported() -> None:
         from .attach import watch_forwards
 
         watch_forwards(_state, on_attach=finish_on_sigterm, on_refused=stop_refused)
+        # a process killed before it reports (SIGTERM while it loads a model or waits for
+        # requests) has imported torch: said so, not "before any process imported torch"
+        report_early({})
     except Exception as exc:  # never break the user's import of torch
         _state["error"] = f"{type(exc).__name__}: {exc}"
         say(f"srdd-dump: warning: capture not installed: {_state['error']}\n")
