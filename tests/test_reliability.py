@@ -233,6 +233,7 @@ def test_killed_mid_dump_keeps_every_finished_sample(how, tmp_path):
     with DumpReader(path) as r:
         assert r.n_samples == rounds  # every round is a finished sample
         complete = r.complete
+        ended = r.status.get("program_error")
     if how.startswith("SIGKILL"):
         assert path.endswith(".h5.partial") and not complete
         assert f"{path}: the process writing it ended without finishing it" in err
@@ -240,6 +241,10 @@ def test_killed_mid_dump_keeps_every_finished_sample(how, tmp_path):
     else:
         assert path.endswith(".h5") and complete, err
         assert "ended without finishing it" not in err and files["status"] != "incomplete"
+        # the file says the run was stopped (a later reader would take it for a short run)
+        assert ended == f"stopped by {name}", ended
+        assert f"the program ended while capturing (stopped by {name})" in \
+            " ".join(result.notes)
     assert files["rounds"] == rounds and set(result.layers["samples"]) == {rounds}
 
 
@@ -504,7 +509,7 @@ def test_program_raising_after_capture_keeps_its_exit_code_and_a_finished_dump(t
     # the dump copied off the device says how its program ended
     done = run_cli("srdd-compare", path, "-o", str(tmp_path / "r.csv"))
     assert done.returncode == 0
-    assert ("the program ended with an error while capturing (ValueError: user bug): the "
+    assert ("the program ended while capturing (ValueError: user bug): the "
             "rounds before it are compared") in done.stderr
 
 
@@ -542,6 +547,9 @@ def test_the_dump_says_whether_an_error_ended_its_program(ending, tmp_path):
         if ending == "raises":
             assert a.status["program_error"] == "KeyError: 'in the block'"
             assert b.status["program_error"] == "RuntimeError: device lost"
+            (line,) = compare_path(str(tmp_path / "b"), progress=False).headlines
+            assert line.endswith("(prefill only: no decode step was captured before the "
+                                 "program ended: RuntimeError: device lost)"), line
         else:
             assert a.status["program_error"] is None and b.status["program_error"] is None
 

@@ -125,18 +125,24 @@ def _close_at_exit() -> None:
     interactive = hasattr(sys, "ps1") or "IPython" in sys.modules
     ended = None if interactive else _ended_by(
         getattr(sys, "last_exc", None) or getattr(sys, "last_value", None))
-    for session in [*_unclosed, *_dropped]:
-        session.program_error = session.program_error or ended
+    mark_ended(ended)
     close_dropped()
     for session in list(_unclosed):
         session.close()
+
+
+def mark_ended(how: str | None) -> None:
+    """Every open session's program ends now, ``how`` (its status ``program_error``; None:
+    as it should)."""
+    for session in [*_unclosed, *_dropped]:
+        session.program_error = session.program_error or how
 
 
 def _ended_by(exc: object) -> str | None:
     """The line a dump keeps of the exception that ended its program (None: none did, or a
     ``sys.exit``, whose exit code the program's caller has)."""
     if isinstance(exc, KeyboardInterrupt):
-        return "interrupted (KeyboardInterrupt)"
+        return "KeyboardInterrupt (Ctrl-C)"
     if isinstance(exc, BaseException) and not isinstance(exc, (SystemExit, GeneratorExit)):
         return describe_error(exc)
     return None
@@ -883,7 +889,14 @@ class CaptureSession:
         self._fault_handles.clear()
 
     def _finish_asked(self) -> None:
-        """srdd-dump was sent a signal and asks every capturing process to finish its file."""
+        """srdd-dump was sent a signal and asks every capturing process to finish its file
+        (the request says why: how the program ends)."""
+        try:
+            with open(self._watch.request or "") as fh:
+                why = fh.read(200).strip()
+        except OSError:
+            why = ""
+        self.program_error = self.program_error or why or None
         self.stop_asked()
         self.close()
 

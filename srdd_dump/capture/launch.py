@@ -253,7 +253,7 @@ def _run_forwarding_signals(argv: list[str], env: dict[str, str], status_dir: st
     def forward(signum, frame):
         if not asked:  # the first signal only: a second one is passed on at once
             asked.append(True)
-            _finish_files(status_dir, run_dir)
+            _finish_files(status_dir, run_dir, f"stopped by {signal.Signals(signum).name}")
         if signum == signal.SIGINT and terminal_delivers_to_child():
             return  # Ctrl-C at a terminal already reached the child's process group
         if not procs:
@@ -307,7 +307,7 @@ def _wait_unless_refused(proc: subprocess.Popen, status_dir: str, run_dir: str
         refused = _refused(status_dir, read) if status_dir else []
         if refused:
             break
-    _finish_files(status_dir, run_dir)
+    _finish_files(status_dir, run_dir, "stopped by srdd-dump: options that do not fit the model")
     # every process of the command, the refusing ones and those between them and the main
     # process too (a serving engine's core process): each is stopped and waited for, so that
     # none prints its own error after srdd-dump's (vLLM's "RuntimeError: cancelled")
@@ -409,14 +409,17 @@ def _refused(status_dir: str, read: set[str]) -> list[int]:
     return pids
 
 
-def _finish_files(status_dir: str, run_dir: str) -> None:
-    """Ask every capturing process to finish its file; wait until no live process has one
-    left unfinished (FINISH_WAIT_SECONDS at most), then withdraw the request."""
+def _finish_files(status_dir: str, run_dir: str, why: str) -> None:
+    """Ask every capturing process to finish its file, saying ``why`` (its status keeps it as
+    how the program ended); wait until no live process has one left unfinished
+    (FINISH_WAIT_SECONDS at most), then withdraw the request."""
     if not status_dir:
         return
     request = os.path.join(status_dir, FINISH_REQUEST)
     with contextlib.suppress(OSError):
-        open(request, "w").close()
+        with open(request + ".tmp", "w") as fh:
+            fh.write(why)
+        os.replace(request + ".tmp", request)  # never read half written
     deadline = time.monotonic() + FINISH_WAIT_SECONDS
     while _unfinished(run_dir) and time.monotonic() < deadline:
         time.sleep(0.1)

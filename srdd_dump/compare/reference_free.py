@@ -177,7 +177,8 @@ def _diagnose_file(f: DumpFile, signals: list[Signals], whole: bool = True
         line = (f"{f.source}: no faulty layer found in {len(rows)} "
                 f"layer{'s' if len(rows) != 1 else ''} x "
                 f"{n} sample{'s' if n != 1 else ''}{probed}"
-                f"{phases_note(signals, int(np.count_nonzero(f.rounds['step'] > 0)))}"
+                + phases_note(signals, int(np.count_nonzero(f.rounds['step'] > 0)),
+                              f.program_error)
                 + ("" if probed == NONE_PROBED else left_out_note(f.capture_options)))
     else:
         line = f"{f.source}: {headline(worst)}" + between_operators(worst, signals, judged)
@@ -210,17 +211,20 @@ def between_operators(worst: LayerVerdict, signals: list[Signals],
             f"of their own: the fault is in {where}")
 
 
-def phases_note(signals: list[Signals], decode_rounds: int = 0) -> str:
+def phases_note(signals: list[Signals], decode_rounds: int = 0, ended: str = "") -> str:
     """What a healthy headline says of the phases judged: the decode steps when any was
     captured (else that none was), and when none of them was probed while the prefill was
     (``--probe-steps 0``, a static cache) or the blocks of only some layers were, or of none
     while their sub-layers were (a sliding-window cache longer than its window). Nothing
     probed at all (an msprobe dump, ``--probes none``) is said once, by the sample count
-    ("none probed"). ``decode_rounds``: the decode steps the file records."""
+    ("none probed"). ``decode_rounds``: the decode steps the file records; ``ended``: the
+    error that ended the program while it was captured (status ``program_error``)."""
     decode = [g for g in signals if g.phase == DECODE]
     if not decode and decode_rounds:  # their outputs lost (an msprobe copy cut short)
         return (f" (prefill only: {decode_rounds} decode step{'s' if decode_rounds != 1 else ''}"
                 " recorded, no output of them read)")
+    if not decode and ended:  # interrupted (Ctrl-C, an error) before its first decode step
+        return f" (prefill only: no decode step was captured before the program ended: {ended})"
     if not decode:  # a program of forwards only (an evaluation harness, use_cache=False)
         return " (prefill only: no decode step was captured)"
     # a serving engine's later file may hold steps of requests under way only

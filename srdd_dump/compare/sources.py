@@ -57,6 +57,7 @@ class DumpFile:
     model_layers: int | None = None  # its config's layer count (meta.model_config), if said
     model_type: str = ""  # its config's model_type (llama, gemma3_text...), "" when unknown
     capture_notes: list[str] = field(default_factory=list)  # what capture could not record
+    program_error: str = ""  # the exception that ended the program while captured, one line
     data_notes: list[str] = field(default_factory=list)  # those of them on recorded outputs
     # evidence families the capture options asked for and did not get (format/coverage.py)
     missing_evidence: list[str] = field(default_factory=list)
@@ -419,7 +420,7 @@ def capture_notes(source: str, status: dict) -> list[str]:
     if isinstance(status, dict):
         ended = status.get("program_error")
         if isinstance(ended, str) and ended:
-            notes.append(f"{source}: the program ended with an error while capturing "
+            notes.append(f"{source}: the program ended while capturing "
                          f"({first_line(ended)}): the rounds before it are compared")
         notes += [f"{source}: {line}" for line in partial_lines(status.get("coverage"))]
         untested = status.get("untested_versions")
@@ -505,6 +506,8 @@ def inspect(path: str, source: str) -> DumpFile:
         part = os.path.basename(path).removeprefix("msprobe_").removesuffix(s.FILE_SUFFIX)
         f.source = source = f"{_shown(f.origin) or 'msprobe'} ({part})"
     f.capture_notes = capture_notes(source, reader.status)
+    ended = reader.status.get("program_error") if isinstance(reader.status, dict) else None
+    f.program_error = first_line(ended) if isinstance(ended, str) else ""
     f.data_notes = data_notes(source, reader.status)
     f.missing_evidence = missing_evidence(source, reader.status)
     if f.origin:  # msprobe asked for no probe: what it lacks is a note, not evidence missing

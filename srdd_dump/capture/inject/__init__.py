@@ -183,6 +183,9 @@ def _end_on(wake: threading.Event, received: list[int], timeout: float = 10.0) -
     for (the process may well exit on its own first)."""
     wake.wait()
     try:
+        hooks = sys.modules.get("srdd_dump.capture.hooks")
+        if hooks is not None and received:
+            hooks.mark_ended(f"stopped by {signal.Signals(received[0]).name}")
         session = _session()
         if session is not None:
             session.stop_asked()
