@@ -50,6 +50,32 @@ def test_shortfalls_group_families_by_cause():
     assert shortfall_lines({}) == [] and shortfall_lines(None) == []
 
 
+def test_a_later_file_of_a_serving_engine_counts_its_own_evidence():
+    """A server finishes its file when idle and starts the next at a later request: the later
+    file stored the whole process's counts ("decode MLP probes 30 of 30 done" in a file of one
+    unprobed request) and srdd-compare repeated the first file's missing evidence under it.
+    Each file stores its own counts; a process's files summed give its whole run's."""
+    from srdd_dump.format.coverage import summed
+
+    cov = Coverage()
+    cov.expect("prefill MLP references", 30)
+    cov.failed("prefill MLP references", "TypeError: no host weight")
+    cov.expect("request samples", 3)
+    for _ in range(3):
+        cov.ran("request samples")
+    first = cov.since({})
+    assert first == cov.as_dict()
+    filed = cov.as_dict()
+    cov.expect("request samples")
+    cov.ran("request samples")
+    second = cov.since(filed)
+    assert second == {"request samples": {"expected": 1, "done": 1, "first_error": None}}
+    assert shortfall_lines(second) == []  # nothing of the first file said again
+    assert shortfall_lines(first) == [
+        "not obtained: prefill MLP references (0 of 30 calls): TypeError: no host weight"]
+    assert summed([first, second]) == cov.as_dict()
+
+
 @pytest.mark.integration
 def test_a_broken_decode_probe_is_reported_by_both_commands(tmp_path, monkeypatch, capsys):
     def broken(self, key_states, value_states, *args, **kwargs):

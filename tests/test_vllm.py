@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 
 from srdd_dump.capture.dump_file import IDLE_FINISH_SECONDS
+from srdd_dump.format.reader import DumpReader
 
 from capture_utils import FIXTURES, ROOT, run_cli
 
@@ -208,6 +209,12 @@ def test_serve_captures_the_requests_and_finishes_its_file_on_sigint(tmp_path, d
     (run,) = glob.glob(str(tmp_path / "srdd_dump_*"))
     assert not glob.glob(os.path.join(run, "*.partial"))
     assert len(glob.glob(os.path.join(run, "*.h5"))) == 2
+    # each file's status counts its own evidence: the probed first request is the first
+    # file's (the second stored the whole process's counts, 30 of 30 block probes)
+    first, second = sorted(glob.glob(os.path.join(run, "*.h5")), key=len)
+    with DumpReader(first) as a, DumpReader(second) as b:
+        assert a.status["coverage"]["prefill block probes"]["done"] == 30
+        assert "prefill block probes" not in b.status["coverage"], b.status["coverage"]
     rounds = _rounds(run)
     assert sorted({r[0] for r in rounds}) == list(range(PROMPTS))
     assert all(np.diff(r[2]).tolist() == [1] * (len(r[2]) - 1) for r in rounds)

@@ -239,6 +239,7 @@ class CaptureSession:
         self.sites = sites_of(model, self.blocks, config)
         self.site_names = [site.name for site in self.sites]
         self.coverage = Coverage()  # which evidence was asked for and which was got
+        self._coverage_filed: dict = {}  # its counts when the last file was finished
         expect_sites(self.coverage, self.sites, len(self.blocks), config.granularity)
         self._tp = TensorParallel(model, [m for _, m in self.blocks]
                                   + [site.module for site in self.sites], config.tp_replays)
@@ -830,6 +831,8 @@ class CaptureSession:
                 return
             try:
                 error = self.output.finish_file(self._status())
+                if not error:  # the next file's status counts its own evidence
+                    self._coverage_filed = self.coverage.as_dict()
             except Exception as exc:  # noqa: BLE001 (a thread of the user's process)
                 error = describe_error(exc)
             if error and not self.error:
@@ -848,7 +851,8 @@ class CaptureSession:
                 {site_pattern(self.sites[i].name) for i in self.dropped_sites})[:MAX_NAMED],
             "site_errors": self.site_errors + self.replays.site_errors, **self._tp.status(),
             "sites_never_run": len(silent) if partial else 0,
-            "coverage": self.coverage.as_dict(), "untested_versions": self.version_notes,
+            "coverage": self.coverage.since(self._coverage_filed),
+            "untested_versions": self.version_notes,
             **self._sink.status(),
         }
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, replace
 
 from ..errors import UserError
 from ..format import schema
-from ..format.coverage import shortfall_lines
+from ..format.coverage import shortfall_lines, summed
 from ..runtime.terminal import terminal_delivers_to_child
 from .config import (
     ENV_CONFIG,
@@ -521,18 +521,18 @@ def _collect(returncode: int, status_dir: str, new_partials: set[str] | None = N
         result.files.append(path)
         reported.add(path)
     seen: dict[int, int] = {}  # a process's files count its requests cumulatively
-    # a process that never reported: the coverage its latest file stores (cumulative too)
-    coverage: dict[int, tuple[int, dict]] = {}
+    # a process that never reported: the coverage its files store (each file its own)
+    coverage: dict[int, list[dict]] = {}
     for path in result.files:
         pid, n, stored = _file_status(path)
         seen[pid] = max(seen.get(pid, 0), n)
-        if path in unreported and stored and n >= coverage.get(pid, (-1, {}))[0]:
-            coverage[pid] = (n, stored)
+        if path in unreported and stored:
+            coverage.setdefault(pid, []).append(stored)
     result.requests = sum(seen.values())
-    # a process that said only what it knew early (then killed): its file's coverage counts
+    # a process that said only what it knew early (then killed): its files' coverage counts
     known = {st.get("pid") for st in statuses if not st.get("early")}
-    unheard = [{"pid": pid, "degraded": shortfall_lines(stored), "model_seen": True}
-               for pid, (_, stored) in sorted(coverage.items()) if pid not in known]
+    unheard = [{"pid": pid, "degraded": shortfall_lines(summed(stored)), "model_seen": True}
+               for pid, stored in sorted(coverage.items()) if pid not in known]
     if unheard:
         result.degraded = _degraded(statuses + unheard)
     for path in sorted((new_partials or set()) - reported):

@@ -68,8 +68,34 @@ class Coverage:
     def as_dict(self) -> dict[str, dict]:
         return {name: f.as_dict() for name, f in sorted(self.families.items())}
 
+    def since(self, before: dict[str, dict]) -> dict[str, dict]:
+        """``as_dict`` of what was counted after ``before`` (an earlier ``as_dict``): the
+        counts of a serving engine's later file alone, not of the files finished before it."""
+        out = {}
+        for name, f in sorted(self.families.items()):
+            was = before.get(name)
+            if was is None:
+                out[name] = f.as_dict()
+                continue
+            expected, done = f.expected - was["expected"], f.done - was["done"]
+            if expected or done:
+                out[name] = {"expected": expected, "done": done, "first_error": f.first_error}
+        return out
+
     def shortfalls(self) -> list[str]:
         return shortfall_lines(self.as_dict())
+
+
+def summed(coverages: list[dict]) -> dict[str, dict]:
+    """The stored coverages of one process's files (each its own counts) as one."""
+    out: dict[str, dict] = {}
+    for coverage in coverages:
+        for name, f in coverage.items():
+            entry = out.setdefault(name, {"expected": 0, "done": 0, "first_error": None})
+            entry["expected"] += int(f.get("expected") or 0)
+            entry["done"] += int(f.get("done") or 0)
+            entry["first_error"] = entry["first_error"] or f.get("first_error")
+    return out
 
 
 def shortfall_lines(coverage: dict, min_fraction: float = MIN_FRACTION) -> list[str]:
