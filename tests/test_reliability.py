@@ -236,8 +236,14 @@ def test_killed_mid_dump_keeps_every_finished_sample(how, tmp_path):
         ended = r.status.get("program_error")
     if how.startswith("SIGKILL"):
         assert path.endswith(".h5.partial") and not complete
-        assert f"{path}: the process writing it ended without finishing it" in err
+        assert f"{path}: the process writing it ended without finishing it; srdd-compare " \
+            f"uses the {rounds} rounds written before" in err, err
+        assert "); compare it with: srdd-compare " in err, err  # the run folder, as always
         assert files["status"] == "incomplete" and "(.partial file)" in files["reason"]
+        # said on the terminal too, with what the file cannot say (its evidence counts)
+        assert any(n.endswith("(.partial file); the " f"{rounds} rounds written were used; the "
+                              "evidence its capture could not get is counted at the end: "
+                              "unknown here") for n in result.notes), result.notes
     else:
         assert path.endswith(".h5") and complete, err
         assert "ended without finishing it" not in err and files["status"] != "incomplete"
@@ -739,6 +745,22 @@ def test_a_file_finished_by_a_process_killed_before_it_reported_keeps_its_missin
     assert len(result.degraded) == 1
     assert "prefill attention references (0 of 12 calls)" in result.degraded[0]
     assert "LlamaAttention: no layout" in result.degraded[0]
+
+
+def test_an_unfinished_file_without_a_round_is_said_to_hold_no_evidence(tmp_path):
+    """A rank killed at the start of its first round leaves a .partial with no round: the end
+    said "srdd-compare uses the rounds written before", and srdd-compare then skipped it."""
+    from srdd_dump.capture.launch import _collect
+    from srdd_dump.format.writer import DumpWriter
+
+    writer = DumpWriter(str(tmp_path / "run" / "srdd_rank0_pid7.h5"), {"rank": 0, "pid": 7},
+                        ["model.layers.0"], max_pending=0)  # never closed: its process died
+    status_dir = tmp_path / "status"
+    status_dir.mkdir()
+    result = _collect(-9, str(status_dir), {writer.partial_path})
+    assert result.problems == [f"{writer.partial_path}: the process writing it ended before it "
+                               "wrote a round: that process left no evidence"]
+    assert result.partials == [] and result.folders() == {}
 
 
 def test_a_command_whose_python_has_no_torch_is_told_so(tmp_path):

@@ -43,6 +43,8 @@ class ExecResult:
     returncode: int  # the command's own exit code
     run_dir: str = ""  # the run's own folder under -o
     files: list[str] = field(default_factory=list)
+    # files a process left unfinished (killed) that hold rounds srdd-compare reads
+    partials: list[str] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)  # why capture failed, one line each
     # evidence the options asked for that some process did not get (coverage.py), one line each
     degraded: list[str] = field(default_factory=list)
@@ -67,7 +69,7 @@ class ExecResult:
         folder counts as the run's)."""
         out: dict[str, list[str]] = {}
         run = os.path.abspath(self.run_dir) if self.run_dir else None
-        for path in self.files:
+        for path in self.files + self.partials:
             folder = os.path.dirname(os.path.abspath(path))
             inside = run is not None and (folder == run or folder.startswith(run + os.sep))
             out.setdefault(self.run_dir if inside else folder, []).append(path)
@@ -467,6 +469,17 @@ def _file_status(path: str) -> tuple[int, int, dict]:
         return 0, 0, {}
 
 
+def _rounds_written(path: str) -> int | None:
+    """The rounds an unfinished file holds that a reader can use (None: unreadable)."""
+    from ..format.reader import DumpReader
+
+    try:
+        with DumpReader(path) as reader:
+            return len(reader.rounds)
+    except Exception:  # noqa: BLE001 (srdd-compare says what is wrong with it)
+        return None
+
+
 def _finished_files(dump_path: str) -> set[str]:
     try:
         names = os.listdir(dump_path)
@@ -537,9 +550,15 @@ def _collect(returncode: int, status_dir: str, new_partials: set[str] | None = N
         result.degraded = _degraded(statuses + unheard)
     for path in sorted((new_partials or set()) - reported):
         # its process died before finishing it (SIGKILL, out of memory, os._exit)
+        rounds = _rounds_written(path)
+        if rounds == 0:
+            result.problems.append(f"{path}: the process writing it ended before it wrote a "
+                                   "round: that process left no evidence")
+            continue
+        result.partials.append(path)
         result.problems.append(
             f"{path}: the process writing it ended without finishing it; srdd-compare uses the "
-            "rounds written before (marked incomplete)"
+            f"{f'{rounds} ' if rounds else ''}rounds written before (marked incomplete)"
         )
     if not result.files and not result.problems and not result.refused:
         result.problems.extend(_why_nothing(statuses, returncode))

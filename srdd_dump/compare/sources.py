@@ -546,6 +546,7 @@ def inspect(path: str, source: str) -> DumpFile:
         str(reader.meta.get("float32_matmul") or ""), "")
     if not reader.complete:
         f.status, f.reason = INCOMPLETE, incomplete_reason(reader)
+        f.capture_notes.append(f"{f.source}: {f.reason}")
     return f
 
 
@@ -557,7 +558,9 @@ def incomplete_reason(reader: DumpReader) -> str:
     error = reader.status.get("error") or reader.status.get("write_error")
     if error:
         why += f": {first_line(error)}"
-    return f"{why}; the {len(reader.rounds)} rounds written were used"
+    unknown = ("" if isinstance(reader.status, dict) and reader.status.get("coverage") else
+               "; the evidence its capture could not get is counted at the end: unknown here")
+    return f"{why}; the {len(reader.rounds)} rounds written were used{unknown}"
 
 
 def no_usable_file(reasons: list[str], path: str, option: str = "", under: bool = False
