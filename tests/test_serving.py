@@ -404,3 +404,26 @@ def test_a_constant_channel_needs_enough_tokens_to_be_stuck():
         out[:, 7] = -0.2785  # SiLU's floor, in every row
         stuck = channel_signals(out - out.mean(axis=0), out)[2]
         assert np.isnan(stuck) != measured and (not measured or stuck == 1 / 1536)
+
+
+@pytest.mark.unit
+def test_a_probed_decode_step_beside_other_prefills_counts_as_decode_evidence():
+    """vLLM adds requests one by one: the probed first request's decode step 1 runs in the
+    forward of the others' prefills. Its probes were counted as "prefill" families, so the
+    end said "prefill MLP references (0 of 60 calls)" and nothing of the decode steps."""
+    from srdd_dump.capture.requests import Segment
+    from srdd_dump.capture.rounds import RoundContext
+    from srdd_dump.format.writer import Round
+
+    def context(*segments):
+        return RoundContext(round=Round(sample=0, step=0, batch=1, seq=12,
+                                        positions=np.arange(12)),
+                            positions=None, rows=None, seed=0, segments=list(segments))
+
+    decode = Segment(0, 1, np.array([9]), sample=0, step=1, probed=True)
+    prefills = [Segment(1 + 4 * k, 5 + 4 * k, np.arange(4), sample=1 + k, step=0)
+                for k in range(2)]
+    assert context(decode, *prefills).probed_phase == "decode"
+    prefills[0].probed = True  # a probed prefill too: the forward is replayed as one
+    assert context(decode, *prefills).probed_phase == "prefill"
+    assert context(*prefills).probed_phase == "prefill"

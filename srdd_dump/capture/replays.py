@@ -226,7 +226,7 @@ class Replays:
                 pass
 
     def _family(self, ctx: RoundContext, site: int, what: str) -> str:
-        return family(ctx.phase, self.levels[site], what)
+        return family(ctx.probed_phase, self.levels[site], what)
 
     def _whole(self, module, layer, site, role, args, kwargs, hidden, ctx) -> None:
         """The module re-run on its whole recorded call (a decode step with its KV cache as it

@@ -49,6 +49,14 @@ class RoundContext:
         return "prefill" if self.round.step == 0 else "decode"
 
     @property
+    def probed_phase(self) -> str:
+        """The phase the round's probes count under: a serving engine's forward may run a
+        probed request's decode step beside other requests' prefills (vLLM adds requests one
+        by one), whose probes are decode evidence."""
+        probed = [s for s in self.segments or () if s.probed]
+        return "decode" if probed and all(s.step > 0 for s in probed) else self.phase
+
+    @property
     def probed(self) -> bool:
         return self.rows is not None
 
