@@ -41,6 +41,10 @@ def sublayer_kind(role: str, name: str) -> str | None:
 # Masks of the low mantissa bits that a value of each dtype rarely has all zero, on the float32
 # bits (analysis/signals.py explains the bit counts).
 LOW_BITS_MASK = {"float32": 0x1FFF, "bfloat16": 0xF << 16, "float16": 0x7 << 13}
+# above this share of values with their low mantissa bits 0, the share is taken over the
+# distinct values: the copies of a clip limit (0.5, fp16's 65504: low bits 0 too) count
+# once, a lower precision's values stay on its coarse grid however many there are
+LOWBITS_BY_VALUE = 0.1
 TIE_CANDIDATES = 8  # channels looked at for ties at their extreme
 TIE_MIN_LEVELS = 16  # quantisation steps a channel must span before its extreme's ties count
 CLIP_MIN_ROWS = 4  # distinct token rows before a channel's extreme can show a clip limit

@@ -493,3 +493,20 @@ def test_consistency_mode_on_stats_dumps(tmp_path):
     odd = summary[summary["odd"]]
     assert len(odd) == 1 and odd["source"].iloc[0].startswith("card1")
     assert int(odd["first_departing_layer"].iloc[0]) == 2
+
+
+@pytest.mark.unit
+def test_a_clip_limit_on_a_round_number_is_no_lower_precision():
+    """A float32 MLP output clamped to +-0.5 (a user's vLLM fault; an fp16 saturation clips at
+    65504 alike): 0.5 has its low mantissa bits 0, so 70% of the values "had" them and a
+    decode step read PRECISION only. Distinct values are counted once; a bf16 round trip's
+    values are all on its coarse grid however they are counted."""
+    rng = np.random.default_rng(11)
+    x = rng.standard_normal((1, 8, 576)).astype(np.float32)
+    clamped = np.clip(x, np.float32(-0.5), np.float32(0.5))
+    stats = round_stats(clamped, "float32", 0)
+    assert stats.lowbits < 0.01, stats.lowbits
+    assert _close(_device_stats(clamped, "float32").lowbits, stats.lowbits)
+    coarse = s.bf16_bits_to_float32(s.float32_to_bf16_bits(x))
+    assert round_stats(coarse, "float32", 0).lowbits == 1.0
+    assert _device_stats(coarse, "float32").lowbits == 1.0

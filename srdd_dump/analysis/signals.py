@@ -15,7 +15,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ..vocabulary import DC_LOW, EXPERT, LOW_BITS_MASK
+from ..vocabulary import DC_LOW, EXPERT, LOW_BITS_MASK, LOWBITS_BY_VALUE
 from . import array_stats as st
 from .identities import (
     causal_check,
@@ -244,6 +244,10 @@ def round_stats(
             # a zero's low bits are 0 (the masks leave the sign bit out): every zero is "low"
             low = finite.size - np.count_nonzero(finite.view(np.uint32) & np.uint32(mask))
             out.lowbits = (low - moments.zeros) / nnz
+            if out.lowbits > LOWBITS_BY_VALUE:
+                values = np.unique(finite[finite != 0])
+                out.lowbits = np.count_nonzero(
+                    (values.view(np.uint32) & np.uint32(mask)) == 0) / values.size
     out.grid = st.grid_rows(x_rows, dtype)
     if rows is not None and probes:
         if rows.size and int(rows.max()) >= x.size // x.shape[-1]:

@@ -26,6 +26,7 @@ from ..vocabulary import (
     DC_LOW,
     GRID_LEVELS,
     LOW_BITS_MASK,
+    LOWBITS_BY_VALUE,
     PILEUP_BINS,
     TIE_CANDIDATES,
     TIE_DENSITY_VALUES,
@@ -122,6 +123,10 @@ def reduce_round(
         if nnz:
             low = (finite.view(torch.int32) & mask) == 0
             out["lowbits"] = int((low & nonzero).sum()) / nnz
+            if out["lowbits"] > LOWBITS_BY_VALUE:  # signals.round_stats: by distinct value
+                values = torch.unique(finite[nonzero])
+                out["lowbits"] = int(((values.view(torch.int32) & mask) == 0).sum()) \
+                    / values.numel()
     out["grid"] = grid_rows(x, dtype)
     if rows is not None and probes:
         rows = rows.to(x.device)
