@@ -176,7 +176,7 @@ def test_a_clean_finding_says_how_many_rows_were_not_compared(tmp_path, runs):
     assert message.startswith("every compared layer PASSes"), message
     # the row is a whole round, every layer of it (a killed run's 6 read as "6 rows")
     assert "; but 1 round (every layer of it) was not compared (a sample only one dump " \
-        "holds: 1; see cmp_fail_reason)" in message, message
+        "holds: 1 round; see cmp_fail_reason)" in message, message
     assert "my sample 1 is not in the golden dump" in " ".join(
         compare(two, runs["golden"]).table["cmp_fail_reason"].fillna(""))
 
@@ -1250,13 +1250,14 @@ def test_uncompared_rows_count_a_stack_input_both_sides_hold():
         "layer": [-1, 0, 1, -1], "verdict": ["N/A", "N/A", "PASS", "N/A"],
         "cmp_fail_reason": [differ, differ, "", "missing record: no my data for this layer "
                             "in this round"]})
-    assert _uncompared(table).startswith("; but 2 rows were not compared (inputs differ: 2")
+    assert _uncompared(table).startswith("; but 2 rows were not compared (inputs differ: 2 "
+                                          "rows;")
     lost = "no counterpart: golden sample 2 is not in my dump"
     table = pd.DataFrame({"layer": [None, None, -1], "verdict": ["N/A", "N/A", "N/A"],
                           "cmp_fail_reason": [lost, lost, differ]})
     assert _uncompared(table).startswith("; but 2 rounds (every layer of them) and 1 row were "
-                                          "not compared (a sample only one dump holds: 2, "
-                                          "inputs differ: 1;")
+                                          "not compared (a sample only one dump holds: 2 "
+                                          "rounds, inputs differ: 1 row;")
 
 
 def test_unknown_input_ids_are_no_agreement_at_the_first_layer(tmp_path):

@@ -924,13 +924,19 @@ def _uncompared(table: pd.DataFrame) -> str:
     reasons = reasons.str.replace(r"^no counterpart: (?:golden|my) sample \d+ is not in .*",
                                   "a sample only one dump holds", regex=True)
     # a row without a layer is a whole round (a sample's step one dump lacks): every layer
-    whole = int(table.loc[reasons.index, "layer"].isna().sum())
+    rounds = table.loc[reasons.index, "layer"].isna().to_numpy()
+    whole = int(rounds.sum())
     parts = [f"{n} {word}{'s' if n != 1 else ''}{extra}" for n, word, extra in (
         (whole, "round", " (every layer of it)" if whole == 1 else " (every layer of them)"),
         (len(reasons) - whole, "row", "")) if n]
+    # each kind's count in its unit: whole rounds and rows are not added together
+    counts: dict[str, list[str]] = {}
+    for unit, picked in (("round", rounds), ("row", ~rounds)):
+        for kind, n in _reason_counts(reasons[picked]).items():
+            counts.setdefault(kind, []).append(f"{n} {unit}{'s' if n != 1 else ''}")
     return (f"; but {' and '.join(parts)} {'was' if len(reasons) == 1 else 'were'} not "
             "compared ("
-            + ", ".join(f"{kind}: {count}" for kind, count in _reason_counts(reasons).items())
+            + ", ".join(f"{kind}: {' and '.join(n)}" for kind, n in counts.items())
             + "; see cmp_fail_reason): the PASS covers the compared rows only")
 
 
