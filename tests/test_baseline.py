@@ -1353,6 +1353,8 @@ def test_a_cosine_just_below_one_never_prints_as_one():
     assert cosine_text(0.98765432) == "0.987654"
     assert cosine_text(float("nan")) == "nan"
     assert cosine_text(0.9999999999999) == "0.9999999999999"  # was "1."
+    # the gap to 1 in two significant digits, not every digit of the float
+    assert cosine_text(0.9999999999953928) == "0.9999999999954"
 
 
 def test_two_runs_of_the_same_ranks_in_one_folder_are_both_compared(tmp_path):

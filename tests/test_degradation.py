@@ -76,6 +76,19 @@ def test_a_later_file_of_a_serving_engine_counts_its_own_evidence():
     assert summed([first, second]) == cov.as_dict()
 
 
+@pytest.mark.unit
+def test_a_long_cause_is_cut_between_words():
+    """A vLLM user's evidence-missing line ended "...the attention metada...": the cause is cut
+    at a space, never mid-word, and stays within its limit."""
+    cov = Coverage()
+    cov.expect("decode attention probes")
+    cause = "RuntimeError: no " + " ".join(["attention metadata of this decode step"] * 12)
+    cov.failed("decode attention probes", cause)
+    kept = cov.as_dict()["decode attention probes"]["first_error"]
+    assert len(kept) <= 200 and kept.endswith("...")
+    assert cause.startswith(kept[:-3]) and cause[len(kept) - 3] == " ", kept
+
+
 @pytest.mark.integration
 def test_a_broken_decode_probe_is_reported_by_both_commands(tmp_path, monkeypatch, capsys):
     def broken(self, key_states, value_states, *args, **kwargs):

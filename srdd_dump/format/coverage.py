@@ -150,4 +150,9 @@ def _unit(family: str) -> str:
 
 
 def _shortened(line: str, limit: int = 200) -> str:
-    return line if len(line) <= limit else line[: limit - 3] + "..."
+    """At most ``limit`` characters, cut at a space where one is near (never mid-word)."""
+    if len(line) <= limit:
+        return line
+    cut = line[: limit - 3]
+    space = cut.rfind(" ")
+    return (cut[:space] if space > limit // 2 else cut).rstrip(" ,;:") + "..."

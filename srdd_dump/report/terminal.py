@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from collections import Counter
 
 from ..analysis.verdicts import FAIL, NORMAL, NOT_COMPARED, PASS, VERDICT_ORDER, VERDICTS, WARN
@@ -186,7 +188,11 @@ def cosine_text(cosine: float) -> str:
     """A cosine similarity at 6 decimals, with more where those would round a value below 1
     up to 1.000000 (a WARN row would read as a perfect match)."""
     text = f"{cosine:.6f}"
-    return repr(float(cosine)) if text == "1.000000" and cosine < 1 else text
+    if text != "1.000000" or not cosine < 1:
+        return text
+    # two significant digits of the gap to 1 (0.9999999999954, not 0.9999999999953928)
+    decimals = 1 - math.floor(math.log10(1.0 - float(cosine)))
+    return f"{cosine:.{decimals}f}".rstrip("0")
 
 
 def _why_none(sites) -> str:
