@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-
 from collections import Counter
 
 from ..analysis.verdicts import FAIL, NORMAL, NOT_COMPARED, PASS, VERDICT_ORDER, VERDICTS, WARN
