@@ -483,6 +483,10 @@ def test_a_fault_in_an_msprobe_dumps_mlp_is_named_without_a_baseline(tmp_path):
     before: only the block output held it, and nothing was found)."""
     text = _compare(tmp_path, _fixture("smollm2_bf16_fault"))
     assert "Layer 10 (model.layers.10.mlp): FAULT - dead zone" in text, text
+    # the way on: the user's program under srdd-dump for that layer's operators
+    assert "to name the operator inside it, capture that layer's operators: srdd-dump " \
+        "--exec 'python <the script msprobe dumped>' -o dumps_hunt --granularity op " \
+        "--reference host --layers model.layers.10" in text, text
     assert "no faulty layer" in _compare(tmp_path, _fixture("smollm2_bf16"))
 
 

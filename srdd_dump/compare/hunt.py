@@ -22,21 +22,30 @@ KEPT = (("samples", "--samples"), ("steps", "--steps"), ("tokens", "--tokens"),
         ("tp_replays", "--tp-replays"))
 
 
+# what the hunt of an msprobe dump runs: the user's program, which the dump does not record
+MSPROBE_PROGRAM = "python <the script msprobe dumped>"
+
+
 def hunt_command(f: DumpFile, layer: int, site: str) -> str | None:
     """The srdd-dump command for the operators of block ``layer`` (the FAULT row's block and
     the module its evidence names), or None when the dump has them already, names an operator,
-    or does not say how it was made."""
+    or does not say how it was made (an msprobe dump's names its program as a placeholder)."""
     options = f.capture_options
     # the command srdd-dump --exec ran (an in-code register_hook run records no command: its
     # hunt is the DumpConfig to capture with)
     command = options.get("command") if options else None
-    if not options or options.get("granularity") in HUNTED:
-        return None
     if not 0 <= layer < len(f.layers):
         return None
     role = f.site_roles[f.sites.index(site)] if site in f.sites and \
         f.sites.index(site) < len(f.site_roles) else BLOCK
     if role not in (BLOCK, SUBLAYER):
+        return None
+    if not options and f.origin:
+        # an msprobe dump: its program, run once under srdd-dump for that layer's operators
+        return shlex.join(["srdd-dump", "--exec", MSPROBE_PROGRAM, "-o", "dumps_hunt",
+                           "--granularity", "op", "--reference", "host",
+                           "--layers", f.layers[layer]])
+    if not options or options.get("granularity") in HUNTED:
         return None
     numbers = layer_numbers(f.layers)
     injected = [kept for spec in options.get("inject") or [] if (kept := _in_layer(
