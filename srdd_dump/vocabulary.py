@@ -43,8 +43,10 @@ def sublayer_kind(role: str, name: str) -> str | None:
 LOW_BITS_MASK = {"float32": 0x1FFF, "bfloat16": 0xF << 16, "float16": 0x7 << 13}
 # above this share of values with their low mantissa bits 0, the share is taken over the
 # distinct values: the copies of a clip limit (0.5, fp16's 65504: low bits 0 too) count
-# once, a lower precision's values stay on its coarse grid however many there are
-LOWBITS_BY_VALUE = 0.1
+# once, a lower precision's values stay on its coarse grid however many there are. Above
+# every dtype's healthy share (fp16's 2^-3: a healthy output never pays the sort) and below
+# the share judged (analysis/diagnosis.py: SUSPECT_RATIO * LOWBITS = 0.25).
+LOWBITS_BY_VALUE = 0.2
 TIE_CANDIDATES = 8  # channels looked at for ties at their extreme
 TIE_MIN_LEVELS = 16  # quantisation steps a channel must span before its extreme's ties count
 CLIP_MIN_ROWS = 4  # distinct token rows before a channel's extreme can show a clip limit
@@ -132,14 +134,26 @@ TIES_BY_CHANCE = 0.05
 
 
 def poisson_tail(n: int, lam: float) -> float:
-    """P(X >= n) for X ~ Poisson(lam)."""
+    """P(X >= n) for X ~ Poisson(lam). The terms are summed from ``n`` away from the mode,
+    where they fall, until they stop counting: a few hundred terms, not ``n``."""
     if n <= 0:
         return 1.0
     if lam <= 0:
         return 0.0
     log_lam = math.log(lam)
-    below = sum(math.exp(k * log_lam - lam - math.lgamma(k + 1)) for k in range(n))
-    return max(0.0, 1.0 - below)
+
+    def term(k: int) -> float:
+        return math.exp(k * log_lam - lam - math.lgamma(k + 1))
+
+    upward = n > lam
+    total, k = 0.0, n if upward else n - 1
+    while k >= 0:
+        t = term(k)
+        total += t
+        if t <= total * 1e-17:
+            break
+        k += 1 if upward else -1
+    return min(1.0, total) if upward else max(0.0, 1.0 - total)
 
 
 def ties_by_chance(n: int, inward: int, levels: float, width: int) -> bool:
