@@ -921,3 +921,20 @@ def test_an_early_status_is_replaced_by_the_one_at_exit(tmp_path, monkeypatch):
     monkeypatch.setitem(inject._state, "reported", True)  # once reported, never overwritten
     inject.report_early({"compiled_out": True})
     assert "refused" in json.loads(me.read_text())
+
+
+def test_an_unfinished_file_with_empty_evidence_counts_knows_them():
+    """A file whose capture failed before any probe (status coverage {}: nothing expected)
+    knows its evidence counts; only a file without them (a .partial's) says "unknown here"."""
+    from types import SimpleNamespace
+
+    from srdd_dump.compare.sources import incomplete_reason
+
+    def reason(status):
+        return incomplete_reason(SimpleNamespace(path="d/srdd_rank0_pid1.h5", status=status,
+                                                 rounds=np.zeros(2)))
+
+    assert "unknown here" not in reason({"error": "OSError: disk full", "coverage": {}})
+    assert reason({"error": "OSError: disk full"}).endswith(
+        "the 2 rounds written were used; the evidence its capture could not get is counted "
+        "at the end: unknown here")

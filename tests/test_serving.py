@@ -415,8 +415,8 @@ def test_a_probed_decode_step_beside_other_prefills_counts_as_decode_evidence():
     from srdd_dump.capture.rounds import RoundContext
     from srdd_dump.format.writer import Round
 
-    def context(*segments):
-        return RoundContext(round=Round(sample=0, step=0, batch=1, seq=12,
+    def context(*segments, step=0):
+        return RoundContext(round=Round(sample=0, step=step, batch=1, seq=12,
                                         positions=np.arange(12)),
                             positions=None, rows=None, seed=0, segments=list(segments))
 
@@ -427,3 +427,7 @@ def test_a_probed_decode_step_beside_other_prefills_counts_as_decode_evidence():
     prefills[0].probed = True  # a probed prefill too: the forward is replayed as one
     assert context(decode, *prefills).probed_phase == "prefill"
     assert context(*prefills).probed_phase == "prefill"
+    # and the other way: probed prefills in a round filed under a decode step are prefill
+    assert context(decode, *prefills, step=1).probed_phase == "prefill"
+    decode.probed = False
+    assert context(decode, *prefills, step=1).probed_phase == "prefill"

@@ -54,7 +54,10 @@ class RoundContext:
         probed request's decode step beside other requests' prefills (vLLM adds requests one
         by one), whose probes are decode evidence."""
         probed = [s for s in self.segments or () if s.probed]
-        return "decode" if probed and all(s.step > 0 for s in probed) else self.phase
+        if not probed:
+            return self.phase
+        # a probed prefill among them: the forward is replayed as a prefill
+        return "decode" if all(s.step > 0 for s in probed) else "prefill"
 
     @property
     def probed(self) -> bool:

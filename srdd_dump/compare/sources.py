@@ -558,7 +558,7 @@ def incomplete_reason(reader: DumpReader) -> str:
     error = reader.status.get("error") or reader.status.get("write_error")
     if error:
         why += f": {first_line(error)}"
-    unknown = ("" if isinstance(reader.status, dict) and reader.status.get("coverage") else
+    unknown = ("" if isinstance(reader.status, dict) and "coverage" in reader.status else
                "; the evidence its capture could not get is counted at the end: unknown here")
     return f"{why}; the {len(reader.rounds)} rounds written were used{unknown}"
 

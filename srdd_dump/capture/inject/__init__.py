@@ -185,7 +185,10 @@ def _end_on(wake: threading.Event, received: list[int], timeout: float = 10.0) -
     try:
         hooks = sys.modules.get("srdd_dump.capture.hooks")
         if hooks is not None and received:
-            hooks.mark_ended(f"stopped by {signal.Signals(received[0]).name}")
+            try:  # the main thread may be opening or closing a session: finish the file anyway
+                hooks.mark_ended(f"stopped by {signal.Signals(received[0]).name}")
+            except RuntimeError:
+                pass
         session = _session()
         if session is not None:
             session.stop_asked()
