@@ -73,6 +73,24 @@ def test_the_hunt_is_one_layer_with_the_runs_options():
     assert there[:4] == ["cd", "/home/u/my proj", "&&", "srdd-dump"]
 
 
+@pytest.mark.unit
+def test_an_msprobe_dumps_hunt_names_the_program_to_run_once_more():
+    """An msprobe dump records no command: the hunt names the user's script as a placeholder;
+    an msprobe dump holding the layer's linear operators already (level mix, L1) gets none."""
+    f = _file()
+    f.capture_options, f.origin = {}, "/data/msprobe_npu"
+    f.site_layers = {0: 2, 1: 2}
+    words = shlex.split(hunt_command(f, 2, "model.layers.2.mlp"))
+    assert words == ["srdd-dump", "--exec", "python <the script msprobe dumped>", "-o",
+                     "dumps_hunt", "--granularity", "op", "--reference", "host", "--layers",
+                     "model.layers.2"]
+    f.sites.append("model.layers.2.mlp.down_proj")
+    f.site_roles.append("linear")
+    f.site_layers[2] = 2
+    assert hunt_command(f, 2, "model.layers.2.mlp") is None
+    assert hunt_command(f, 1, "model.layers.1") is not None  # another layer's are not there
+
+
 @pytest.mark.integration
 def test_the_printed_hunt_names_the_operator(tmp_path):
     fault = "dead_zone@layer=2,site=mlp.act_fn,m=0.3"

@@ -11,7 +11,7 @@ import os
 import shlex
 
 from ..format.layer_numbers import layer_numbers, position_of
-from ..vocabulary import BLOCK, SUBLAYER
+from ..vocabulary import BLOCK, LINEAR, SUBLAYER
 from .sources import DumpFile
 
 HUNTED = ("op",)  # granularities that already hold the operators
@@ -41,6 +41,8 @@ def hunt_command(f: DumpFile, layer: int, site: str) -> str | None:
     if role not in (BLOCK, SUBLAYER):
         return None
     if not options and f.origin:
+        if any(f.site_layers.get(i) == layer and r == LINEAR for i, r in enumerate(f.site_roles)):
+            return None  # its operators are in the dump already (msprobe's level mix or L1)
         # an msprobe dump: its program, run once under srdd-dump for that layer's operators
         return shlex.join(["srdd-dump", "--exec", MSPROBE_PROGRAM, "-o", "dumps_hunt",
                            "--granularity", "op", "--reference", "host",
