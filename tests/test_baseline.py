@@ -1383,8 +1383,8 @@ def test_two_runs_of_the_same_ranks_in_one_folder_are_both_compared(tmp_path):
     message = result.summary.message
     assert message.startswith("layer 2 (model.layers.2) introduced the error"), message
     assert "in 3 of 12 compared rounds" in message, message
-    assert "; all 3 in srdd_rank1_pid9111.h5 (3 of its 3 compared rounds; 3 other files " \
-           "compared)" in message, message
+    assert message.endswith("; the birth's 3 rounds all in srdd_rank1_pid9111.h5 (3 of its 3 "
+                            "compared rounds; 3 other files compared)"), message
     (note,) = [n for n in result.notes if "more than one file of a rank" in n]
     assert note.startswith("my dumps hold more than one file of a rank (rank 0: "
                            "srdd_rank0_pid30150.h5, srdd_rank0_pid9110.h5; rank 1: "), note
@@ -1402,3 +1402,11 @@ def test_two_runs_of_the_same_ranks_in_one_folder_are_both_compared(tmp_path):
         result.summary.message
     assert result.files.set_index("source").loc["srdd_rank0_pid5.h5", "paired_with"] \
         == "srdd_rank0_pid30150.h5"
+    # a rank the golden side lacks: compared with the golden file sharing its prompts, said so
+    write_dump(str(tmp_path / "rank2" / "srdd_rank2_pid7.h5"), golden[1],
+               meta={"rank": 2, "pid": 7}, token_ids=ids[1])
+    result = compare(tmp_path / "rank2", tmp_path / "golden")
+    (note,) = [n for n in result.notes if "no file of my rank" in n]
+    assert "srdd_rank2_pid7.h5 (rank 2) with srdd_rank1_pid6.h5 (rank 1)" in note, note
+    assert not [n for n in compare(tmp_path / "mine", tmp_path / "golden").notes
+                if "no file of my rank" in n]

@@ -127,6 +127,7 @@ def _compare_baseline(target_path, baseline_path, thresholds, jobs, progress, ru
     from .baseline import finish as finish_baseline
     from .baseline import (
         model_notes,
+        other_rank_notes,
         pair_files,
         prepare,
         rank_notes,
@@ -151,7 +152,7 @@ def _compare_baseline(target_path, baseline_path, thresholds, jobs, progress, ru
         if not any(f.usable for f in side):
             raise no_usable_file([f.reason for f in side], path, option)
     pairs = pair_files(mine, golden)
-    notes += rank_notes(mine, golden) + model_notes(pairs)
+    notes += rank_notes(mine, golden) + other_rank_notes(pairs, golden) + model_notes(pairs)
     used: set[int] = set()
     tasks = plan_baseline(pairs, thresholds, rules, used)
     notes += unused_rule_notes(rules, used)

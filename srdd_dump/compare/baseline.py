@@ -176,9 +176,24 @@ def pair_files(mine: list[Side], golden: list[Side]) -> list[tuple[Side, Side]]:
 
 
 def _shared_inputs(mine: Side, golden: Side) -> int:
-    """The rounds' input hashes (known ones) the two files have in common."""
-    a, b = (set(int(h) for h in f.rounds["tokens_hash"] if int(h)) for f in (mine, golden))
+    """The prompts (prefill rounds' input hashes, known ones) the two files have in common: a
+    decode step's one token matches another run's by chance."""
+    a, b = (set(int(r["tokens_hash"]) for r in f.rounds if int(r["tokens_hash"])
+                and int(r["step"]) == 0) for f in (mine, golden))
     return len(a & b)
+
+
+def other_rank_notes(pairs: list[tuple[Side, Side]], golden: list[Side]) -> list[str]:
+    """A line for my files paired with a golden file of another rank, where the golden side
+    has several ranks (its rank's file is missing there): a data-parallel rank's inputs are
+    another rank's only by chance. (One golden file serving every rank is the usual case.)"""
+    if len({g.rank for g in golden if g.usable}) < 2:
+        return []
+    crossed = [f"{f.source} (rank {f.rank}) with {g.source} (rank {g.rank})" for f, g in pairs
+               if f.rank is not None and g.rank is not None and f.rank != g.rank]
+    return [f"the golden dumps hold no file of my rank for: {'; '.join(crossed)} (compared "
+            "with the golden file sharing the most prompts; copy that rank's golden file if "
+            "the run has one)"] if crossed else []
 
 
 def rank_notes(mine: list[Side], golden: list[Side]) -> list[str]:

@@ -317,7 +317,7 @@ def per_layer(table: pd.DataFrame) -> pd.DataFrame:
 
 
 def _one_file(compared: pd.DataFrame, at: pd.DataFrame) -> str:
-    """'; all N in FILE (N of its K compared rounds)' when the rounds of the birth all lie in
+    """'; the birth's N rounds all in FILE (N of its K compared rounds)' when they all lie in
     one of several compared files (one card of a multi-rank run): the count over every file
     reads as an intermittent fault."""
     files = compared["source"].unique()
@@ -325,7 +325,8 @@ def _one_file(compared: pd.DataFrame, at: pd.DataFrame) -> str:
     if len(files) < 2 or len(born) != 1:
         return ""
     own = len(compared.loc[compared["source"] == born[0], GROUP].drop_duplicates())
-    return (f"; all {len(at)} in {born[0]} ({len(at)} of its {own} compared rounds; "
+    return (f"; the birth's {len(at)} round{'s' if len(at) != 1 else ''} all in {born[0]} "
+            f"({len(at)} of its {own} compared rounds; "
             f"{len(files) - 1} other file{'s' if len(files) > 2 else ''} compared)")
 
 
@@ -378,8 +379,6 @@ def summarize(table: pd.DataFrame, same_device: dict[tuple[str, str], bool] | No
             _first_site(summary, at, sites)
     summary.pattern, summary.message = _explain(summary, compared, same_setup, reds, sources,
                                                 exact)
-    if summary.first_layer is not None:
-        summary.message += _one_file(compared, firsts[firsts["layer"] == summary.first_layer])
     if summary.pattern == "clean":
         summary.message += _uncompared(table)
         if sites is not None:
@@ -397,6 +396,8 @@ def summarize(table: pd.DataFrame, same_device: dict[tuple[str, str], bool] | No
     if summary.first_site:
         summary.message += (f"; inside it, first at {summary.first_site} "
                             f"({summary.first_site_rounds} of {summary.first_rounds} rounds)")
+    if summary.first_layer is not None:  # after the site: "inside it" is the layer
+        summary.message += _one_file(compared, firsts[firsts["layer"] == summary.first_layer])
     if sites is not None:
         summary.unmatched = unmatched_lines(sites)
     return summary
