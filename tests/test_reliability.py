@@ -551,7 +551,18 @@ def test_the_dump_says_whether_an_error_ended_its_program(ending, tmp_path):
     assert done.returncode == {"raises": 1, "finishes": 0, "exits": 3}[ending], done.stderr
     with DumpReader(_only(tmp_path / "a")) as a, DumpReader(_only(tmp_path / "b")) as b:
         if ending == "raises":
-            assert a.status["program_error"] == "KeyError: 'in the block'"
+            # the program caught it and went on: its block was left, the program did not end
+            assert a.status["program_error"] == "its with register_hook block was left by " \
+                "KeyError: 'in the block'"
+            left = compare_path(str(tmp_path / "a"), progress=False)
+            notes = left.notes
+            assert left.headlines[0].endswith(
+                "(prefill only: no decode step was captured before its with register_hook "
+                "block was left by KeyError: 'in the block')"), left.headlines
+            assert any(n.endswith(": the capture ended when its with register_hook block was "
+                                  "left by KeyError: 'in the block': the rounds before it are "
+                                  "compared") for n in notes), notes
+            assert not any("the program ended" in n for n in notes), notes
             assert b.status["program_error"] == "RuntimeError: device lost"
             (line,) = compare_path(str(tmp_path / "b"), progress=False).headlines
             assert line.endswith("(prefill only: no decode step was captured before the "

@@ -28,7 +28,7 @@ from ..format.coverage import Coverage
 from ..format.layer_numbers import site_pattern
 from ..format.writer import Round, describe_error
 from ..runtime.terminal import LazyBar, say
-from ..vocabulary import BLOCK, EXPERTS, ROUTER, sublayer_kind
+from ..vocabulary import BLOCK, EXPERTS, ROUTER, WITH_BLOCK_LEFT, sublayer_kind
 from . import config as cfg
 from . import requests, serving
 from .attention_reference import attention_layouts, first_call_padding, one_query_keys
@@ -1018,7 +1018,8 @@ class CaptureSession:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        self.program_error = self.program_error or _ended_by(exc)
+        left_by = _ended_by(exc)
+        self.program_error = self.program_error or (left_by and WITH_BLOCK_LEFT + left_by)
         self.close()
         self.remove_faults()
 
