@@ -38,11 +38,6 @@ def sublayer_kind(role: str, name: str) -> str | None:
     return "attention" if last in ATTENTION_NAMES else "mlp" if last in MLP_NAMES else None
 
 # -- statistics constants ---------------------------------------------------------------------
-# status program_error of a capture whose `with register_hook(...)` block an exception left
-# (the program may have caught it and gone on: not "the program ended")
-WITH_BLOCK_LEFT = "its with register_hook block was left by "
-
-
 # Masks of the low mantissa bits that a value of each dtype rarely has all zero, on the float32
 # bits (analysis/signals.py explains the bit counts).
 LOW_BITS_MASK = {"float32": 0x1FFF, "bfloat16": 0xF << 16, "float16": 0x7 << 13}

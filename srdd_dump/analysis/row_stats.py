@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ..vocabulary import LOW_BITS_MASK, PILEUP_BINS
+from ..vocabulary import LOW_BITS_MASK, LOWBITS_BY_VALUE, PILEUP_BINS
 from . import array_stats as st
 from .moments import Moments
 from .signals import RoundStats, round_stats
@@ -97,7 +97,11 @@ def _lowbits(x: np.ndarray, dtype: str) -> list[float]:
     nnz = np.count_nonzero(nonzero, axis=1)
     low = (np.ascontiguousarray(x).view(np.uint32) & np.uint32(mask)) == 0
     hits = np.count_nonzero(low & nonzero, axis=1)
-    return [h / z if z else math.nan for h, z in zip(hits.tolist(), nnz.tolist())]
+    out = [h / z if z else math.nan for h, z in zip(hits.tolist(), nnz.tolist())]
+    for i in [i for i, share in enumerate(out) if share > LOWBITS_BY_VALUE]:
+        values = np.unique(x[i][x[i] != 0])  # signals.round_stats: by distinct value
+        out[i] = np.count_nonzero((values.view(np.uint32) & np.uint32(mask)) == 0) / values.size
+    return out
 
 
 def _grids(x: np.ndarray, dtype: str) -> list[float]:

@@ -28,7 +28,7 @@ from ..format.coverage import Coverage
 from ..format.layer_numbers import site_pattern
 from ..format.writer import Round, describe_error
 from ..runtime.terminal import LazyBar, say
-from ..vocabulary import BLOCK, EXPERTS, ROUTER, WITH_BLOCK_LEFT, sublayer_kind
+from ..vocabulary import BLOCK, EXPERTS, ROUTER, sublayer_kind
 from . import config as cfg
 from . import requests, serving
 from .attention_reference import attention_layouts, first_call_padding, one_query_keys
@@ -1019,7 +1019,7 @@ class CaptureSession:
 
     def __exit__(self, exc_type, exc, tb) -> None:
         left_by = _ended_by(exc)
-        self.program_error = self.program_error or (left_by and WITH_BLOCK_LEFT + left_by)
+        self.program_error = self.program_error or (left_by and schema.WITH_BLOCK_LEFT + left_by)
         self.close()
         self.remove_faults()
 

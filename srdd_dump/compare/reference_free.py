@@ -23,7 +23,7 @@ from ..analysis.signals import DECODE, PREFILL, Signals, set_kurtosis_change
 from ..analysis.verdicts import FAULT, NORMAL, VERDICT_ORDER
 from ..format import schema as s
 from ..format.layer_numbers import after_gap, layer_numbers, number_of
-from ..vocabulary import CORE, EXPERT, WITH_BLOCK_LEFT, sublayer_kind
+from ..vocabulary import CORE, EXPERT, sublayer_kind
 from .hunt import hunt_command
 from .results import (
     FILE_COLUMNS,
@@ -223,7 +223,7 @@ def phases_note(signals: list[Signals], decode_rounds: int = 0, ended: str = "")
     if not decode and decode_rounds:  # their outputs lost (an msprobe copy cut short)
         return (f" (prefill only: {decode_rounds} decode step{'s' if decode_rounds != 1 else ''}"
                 " recorded, no output of them read)")
-    if not decode and ended.startswith(WITH_BLOCK_LEFT):
+    if not decode and ended.startswith(s.WITH_BLOCK_LEFT):
         return f" (prefill only: no decode step was captured before {ended})"
     if not decode and ended:  # interrupted (Ctrl-C, an error) before its first decode step
         return f" (prefill only: no decode step was captured before the program ended: {ended})"

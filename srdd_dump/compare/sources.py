@@ -26,7 +26,6 @@ from ..format.blocks import clean_block_records, clean_site_records, first_rows
 from ..format.coverage import partial_lines, shortfall_lines
 from ..format.msprobe import is_msprobe_dump, msprobe_dumps_below, runs_without_dump_json
 from ..format.reader import DumpError, DumpReader, find_dump_files
-from ..vocabulary import WITH_BLOCK_LEFT
 from .readers import open_reader
 
 # Status of an input file (the "status" column of every file table).
@@ -420,7 +419,7 @@ def capture_notes(source: str, status: dict) -> list[str]:
     notes = _left_out(source, status, LEFT_OUT)
     if isinstance(status, dict):
         ended = status.get("program_error")
-        if isinstance(ended, str) and ended.startswith(WITH_BLOCK_LEFT):
+        if isinstance(ended, str) and ended.startswith(s.WITH_BLOCK_LEFT):
             notes.append(f"{source}: the capture ended when {first_line(ended)}: the rounds "
                          "before it are compared")
         elif isinstance(ended, str) and ended:

@@ -51,6 +51,9 @@ ATTR_VERSION = "schema_version"
 ATTR_META = "meta"
 ATTR_COMPLETE = "complete"
 ATTR_STATUS = "status"
+# the status program_error of a capture whose `with register_hook(...)` block an exception
+# left (the program may have caught it and gone on: not "the program ended")
+WITH_BLOCK_LEFT = "its with register_hook block was left by "
 ATTR_DTYPE = "dtype"
 
 LAYERS = "layers"
