@@ -949,3 +949,18 @@ def test_an_unfinished_file_with_empty_evidence_counts_knows_them():
     assert reason({"error": "OSError: disk full"}).endswith(
         "the 2 rounds written were used; the evidence its capture could not get is counted "
         "at the end: unknown here")
+
+
+@pytest.mark.unit
+def test_a_server_stopped_by_a_signal_is_its_usual_end():
+    """vllm serve ends with Ctrl-C or SIGTERM: its last file read "the program ended while
+    capturing (stopped by SIGINT)", as if cut short; a program without requests still does."""
+    from srdd_dump.compare.sources import capture_notes
+
+    served = capture_notes("f.h5", {"program_error": "stopped by SIGINT", "requests": 12})
+    assert "f.h5: the serving engine was stopped by SIGINT (a server's usual end): the " \
+        "rounds finished before it are compared" in served, served
+    assert not any("program ended" in n for n in served)
+    plain = capture_notes("f.h5", {"program_error": "stopped by SIGINT", "requests": 0})
+    assert "f.h5: the program ended while capturing (stopped by SIGINT): the rounds before " \
+        "it are compared" in plain, plain

@@ -422,6 +422,10 @@ def capture_notes(source: str, status: dict) -> list[str]:
         if isinstance(ended, str) and ended.startswith(s.WITH_BLOCK_LEFT):
             notes.append(f"{source}: the capture ended when {first_line(ended)}: the rounds "
                          "before it are compared")
+        elif isinstance(ended, str) and ended.startswith("stopped by ") \
+                and status.get("requests"):
+            notes.append(f"{source}: the serving engine was {first_line(ended)} (a server's "
+                         "usual end): the rounds finished before it are compared")
         elif isinstance(ended, str) and ended:
             notes.append(f"{source}: the program ended while capturing "
                          f"({first_line(ended)}): the rounds before it are compared")
