@@ -65,7 +65,7 @@ def test_a_later_file_of_a_serving_engine_counts_its_own_evidence():
         cov.ran("request samples")
     first = cov.since({})
     assert first == cov.as_dict()
-    filed = cov.as_dict()
+    filed = cov.snapshot()
     cov.expect("request samples")
     cov.ran("request samples")
     second = cov.since(filed)
@@ -74,6 +74,16 @@ def test_a_later_file_of_a_serving_engine_counts_its_own_evidence():
     assert shortfall_lines(first) == [
         "not obtained: prefill MLP references (0 of 30 calls): TypeError: no host weight"]
     assert summed([first, second]) == cov.as_dict()
+    # a shortfall of a later file gives its own cause, not the first file's
+    filed = cov.snapshot()
+    cov.expect("prefill MLP references", 10)
+    cov.failed("prefill MLP references", "RuntimeError: weight moved to the device")
+    assert shortfall_lines(cov.since(filed)) == [
+        "not obtained: prefill MLP references (0 of 10 calls): RuntimeError: weight moved "
+        "to the device"]
+    filed = cov.snapshot()
+    cov.expect("prefill MLP references", 10)  # skipped without an error this time
+    assert cov.since(filed)["prefill MLP references"]["first_error"] is None
 
 
 @pytest.mark.unit

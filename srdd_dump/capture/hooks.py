@@ -832,7 +832,7 @@ class CaptureSession:
             try:
                 error = self.output.finish_file(self._status())
                 if not error:  # the next file's status counts its own evidence
-                    self._coverage_filed = self.coverage.as_dict()
+                    self._coverage_filed = self.coverage.snapshot()
             except Exception as exc:  # noqa: BLE001 (a thread of the user's process)
                 error = describe_error(exc)
             if error and not self.error:

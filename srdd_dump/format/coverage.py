@@ -25,6 +25,8 @@ class Family:
     expected: int = 0
     done: int = 0
     first_error: str | None = None
+    failures: int = 0  # (not stored) the failures counted, and the latest one's cause
+    last_error: str | None = None
 
     def as_dict(self) -> dict:
         return {"expected": self.expected, "done": self.done, "first_error": self.first_error}
@@ -44,8 +46,10 @@ class Coverage:
 
     def failed(self, family: str, why: str) -> None:
         entry = self.families.setdefault(family, Family())
+        entry.failures += 1
+        entry.last_error = _shortened(first_line(why))
         if entry.first_error is None:
-            entry.first_error = _shortened(first_line(why))
+            entry.first_error = entry.last_error
 
     def retract(self, family: str, why: str) -> None:
         """A call counted as ``ran`` failed after all (its work was finished later)."""
@@ -68,9 +72,15 @@ class Coverage:
     def as_dict(self) -> dict[str, dict]:
         return {name: f.as_dict() for name, f in sorted(self.families.items())}
 
+    def snapshot(self) -> dict[str, dict]:
+        """``as_dict`` with each family's failure count: what ``since`` counts from."""
+        return {name: {**f.as_dict(), "failures": f.failures}
+                for name, f in self.families.items()}
+
     def since(self, before: dict[str, dict]) -> dict[str, dict]:
-        """``as_dict`` of what was counted after ``before`` (an earlier ``as_dict``): the
-        counts of a serving engine's later file alone, not of the files finished before it."""
+        """``as_dict`` of what was counted after ``before`` (an earlier ``snapshot``): the
+        counts of a serving engine's later file alone, not of the files finished before it,
+        with the cause of a failure since then (the latest), not one an earlier file holds."""
         out = {}
         for name, f in sorted(self.families.items()):
             was = before.get(name)
@@ -78,8 +88,10 @@ class Coverage:
                 out[name] = f.as_dict()
                 continue
             expected, done = f.expected - was["expected"], f.done - was["done"]
+            failed_since = f.failures > int(was.get("failures", 0))
             if expected or done:
-                out[name] = {"expected": expected, "done": done, "first_error": f.first_error}
+                out[name] = {"expected": expected, "done": done,
+                             "first_error": f.last_error if failed_since else None}
         return out
 
     def shortfalls(self) -> list[str]:
