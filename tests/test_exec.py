@@ -302,6 +302,12 @@ def test_a_refused_inject_says_stopped_only_when_the_command_was(tmp_path):
                      "before srdd-dump could stop it, since pid 7 would capture nothing"]
     assert stopped == ["--inject dead_zone@layer=99: layer 99 out of range: the command was "
                        "stopped when its model first ran, since pid 7 would capture nothing"]
+    # stopped while it was exiting (its atexit ran: "done llama" printed, its files written):
+    # its work was done, not cut short
+    (tmp_path / "7.json").write_text(json.dumps(
+        {"pid": 7, "refused": "--inject dead_zone@layer=99: layer 99 out of range",
+         "exiting": True}))
+    assert _collect(-15, str(tmp_path), stopped=True).refused == ended
 
 
 def test_msits_flags_name_what_does_their_job(tmp_path):

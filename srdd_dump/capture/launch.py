@@ -518,8 +518,9 @@ def _collect(returncode: int, status_dir: str, new_partials: set[str] | None = N
         if st.get("refused"):
             refused.setdefault(st["refused"], []).append(st["pid"])
     # a command that ended before the stop reached it (a small model's whole run) was not
-    # stopped: it exited on its own
-    how = ("the command was stopped when its model first ran" if stopped else
+    # stopped: it exited on its own, or was exiting (its work done) when the stop came
+    exiting = all(st.get("exiting") for st in statuses if st.get("refused"))
+    how = ("the command was stopped when its model first ran" if stopped and not exiting else
            "the command ended before srdd-dump could stop it")
     result.refused = [f"{reason}: {how}, since pid {', '.join(map(str, pids))} would capture "
                       "nothing" for reason, pids in refused.items()]

@@ -301,6 +301,7 @@ def _write_status(status_dir: str, status: dict) -> None:
 
 def _report_status() -> None:
     if _state.get("reported"):
+        _note_exiting()
         return
     _state["reported"] = True
     session = _session()
@@ -335,3 +336,13 @@ def _report_status() -> None:
     }
     _write_status(status_dir, status)
     _state["status_written"] = True
+    _state["status"] = status
+
+
+def _note_exiting() -> None:
+    """A process that refused its options (reported at once) and ran on to its own exit says
+    so: srdd-dump's stop came after the program's work, which it did not cut short."""
+    status, status_dir = _state.get("status"), os.environ.get(ENV_STATUS_DIR)
+    if status and status.get("refused") and not status.get("exiting") and status_dir:
+        _state["status"] = status = {**status, "exiting": True}
+        _write_status(status_dir, status)
