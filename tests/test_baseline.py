@@ -567,7 +567,7 @@ def test_cli_csv_end_to_end_without_torch(runs, tmp_path):
     assert proc.returncode == 0 and proc.stderr == "", proc.stderr
     assert "exit 0" in proc.stdout
     assert "first divergence: layer 2 (model.layers.2)" in proc.stdout
-    assert "1 compared rounds" in proc.stdout and "report.csv" in proc.stdout
+    assert "(1 compared round)" in proc.stdout and "report.csv" in proc.stdout
     with open(out, newline="") as f:
         rows = list(csv.reader(f))
     header = rows[0]
@@ -1402,6 +1402,16 @@ def test_two_runs_of_the_same_ranks_in_one_folder_are_both_compared(tmp_path):
         result.summary.message
     assert result.files.set_index("source").loc["srdd_rank0_pid5.h5", "paired_with"] \
         == "srdd_rank0_pid30150.h5"
+    # the golden files left out are said on the terminal, not only in the files table
+    (left,) = [n for n in result.notes if "paired with no file of mine" in n]
+    assert left == ("golden files srdd_rank0_pid1.h5 (rank 0), srdd_rank1_pid6.h5 (rank 1) "
+                    "paired with no file of mine: not compared"), left
+    # the golden folder given as mine too: a clean PASS that proves nothing, said so
+    same = compare(tmp_path / "golden", tmp_path / "golden").notes
+    assert any(n.startswith("my dumps and the golden ones are the same files (") and
+               n.endswith("every layer agrees by construction; give --baseline the golden "
+                          "run's dumps") for n in same), same
+    assert not any("the same file" in n for n in result.notes)
     # a rank the golden side lacks: compared with the golden file sharing its prompts, said so
     write_dump(str(tmp_path / "rank2" / "srdd_rank2_pid7.h5"), golden[1],
                meta={"rank": 2, "pid": 7}, token_ids=ids[1])

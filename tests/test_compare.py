@@ -417,8 +417,9 @@ def test_cli_quiet_xlsx_and_version(tmp_path):
 @pytest.mark.parametrize("baseline", [False, True])
 def test_a_report_extension_in_capitals_is_written(tmp_path, baseline):
     faulty_dump(str(tmp_path / "d"))
+    faulty_dump(str(tmp_path / "g"))  # a dump of its own: the same one would be said to be
     out = tmp_path / "R.XLSX"
-    extra = ["--baseline", str(tmp_path / "d")] if baseline else []
+    extra = ["--baseline", str(tmp_path / "g")] if baseline else []
     proc = run_cli(str(tmp_path / "d"), *extra, "-o", str(out), "--quiet")
     assert proc.returncode in (0, 1) and proc.stderr == "", proc.stderr
     assert out.exists() and out.read_bytes()[:2] == b"PK"  # a workbook (a zip)

@@ -114,7 +114,7 @@ def test_inputs_recorded_by_msprobe_give_token_ids_stack_input_and_positions(tmp
     against_srdd = _compare(tmp_path, saturated, "--baseline", golden)
     srdd_rows = _table(tmp_path)
     for text, rows in ((against_msprobe, msprobe_rows), (against_srdd, srdd_rows)):
-        assert "62 (1 compared rounds): " in text and " 31 N/A" in text, text
+        assert "62 (1 compared round): " in text and " 31 N/A" in text, text
         assert "not compared: 31 rows: inputs differ" in text
         assert list(rows.loc[rows["first_divergence"], "layer"]) == [10]
         prefill = rows[rows["step"] == 0].set_index("layer")

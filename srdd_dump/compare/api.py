@@ -131,7 +131,9 @@ def _compare_baseline(target_path, baseline_path, thresholds, jobs, progress, ru
         pair_files,
         prepare,
         rank_notes,
+        same_file_notes,
         store_notes,
+        unpaired_notes,
         unused_rule_notes,
     )
     from .baseline import plan as plan_baseline
@@ -152,7 +154,9 @@ def _compare_baseline(target_path, baseline_path, thresholds, jobs, progress, ru
         if not any(f.usable for f in side):
             raise no_usable_file([f.reason for f in side], path, option)
     pairs = pair_files(mine, golden)
-    notes += rank_notes(mine, golden) + other_rank_notes(pairs, golden) + model_notes(pairs)
+    notes += (same_file_notes(pairs) + rank_notes(mine, golden)
+              + other_rank_notes(pairs, golden) + unpaired_notes(pairs, golden)
+              + model_notes(pairs))
     used: set[int] = set()
     tasks = plan_baseline(pairs, thresholds, rules, used)
     notes += unused_rule_notes(rules, used)

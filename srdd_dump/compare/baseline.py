@@ -9,6 +9,7 @@ records of one file pair and layer (``baseline_task``); the rows are judged one 
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -181,6 +182,28 @@ def _shared_inputs(mine: Side, golden: Side) -> int:
     a, b = (set(int(r["tokens_hash"]) for r in f.rounds if int(r["tokens_hash"])
                 and int(r["step"]) == 0) for f in (mine, golden))
     return len(a & b)
+
+
+def unpaired_notes(pairs: list[tuple[Side, Side]], golden: list[Side]) -> list[str]:
+    """A line for the golden files no file of mine paired with (a rank not in my dumps, a
+    second run of a rank): the finding covers the others only."""
+    picked = {id(g) for _, g in pairs}
+    left = [g.source + (f" (rank {g.rank})" if g.rank is not None else "")
+            for g in golden if g.usable and id(g) not in picked]
+    return [f"golden file{'s' if len(left) > 1 else ''} {', '.join(left)} paired with no file "
+            "of mine: not compared"] if left and pairs else []
+
+
+def same_file_notes(pairs: list[tuple[Side, Side]]) -> list[str]:
+    """One line when my files are the golden ones themselves (the same folder given twice):
+    every layer agrees by construction, whatever the port does."""
+    same = [f.source for f, g in pairs
+            if os.path.realpath(f.file.path) == os.path.realpath(g.file.path)]
+    if not same or len(same) < len(pairs):
+        return []
+    return [f"my dumps and the golden ones are the same file{'s' if len(same) > 1 else ''} "
+            f"({', '.join(same[:3])}{', ...' if len(same) > 3 else ''}): every layer agrees "
+            "by construction; give --baseline the golden run's dumps"]
 
 
 def other_rank_notes(pairs: list[tuple[Side, Side]], golden: list[Side]) -> list[str]:

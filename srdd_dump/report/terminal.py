@@ -133,9 +133,10 @@ def baseline_text(result: BaselineResult, written: list[str] | None = None) -> s
                      + (f", {incomplete} incomplete (a process stopped before finishing it)"
                         if incomplete else ""))
     counts = ", ".join(f"{s.verdicts[v]} {v}" for v in VERDICTS)
-    lines.append(f"rows: {len(result.table)} ({s.rounds} compared rounds): {counts}")
+    lines.append(f"rows: {len(result.table)} ({s.rounds} compared "
+                 f"round{'s' if s.rounds != 1 else ''}): {counts}")
     for reason, n in s.not_compared.items():
-        lines.append(f"not compared: {n} rows: {reason}")
+        lines.append(f"not compared: {n} row{'s' if n != 1 else ''}: {reason}")
     lines.append(f"finding: {s.message}")
     if s.first_layer is not None:
         inside = f", inside it {s.first_site}" if s.first_site else ""
