@@ -293,6 +293,9 @@ def test_a_folder_as_the_report_and_a_second_dump_are_said_so(tmp_path):
     proc = run_cli(dump, "-o", str(tmp_path / "out") + "/")
     assert proc.returncode == 2 and "out/: a folder; -o names the report file" in proc.stderr
     assert not (tmp_path / "out").exists()
+    proc = run_cli(dump, "-o", "")  # it read "error: : unknown report format"
+    assert proc.returncode == 2 and "error: -o is empty: name the report file" in proc.stderr, \
+        proc.stderr
     # msit's paths as flags: -gp read as "No such option: -g"
     for flags in (["-gp", dump, "-mp", dump], ["--golden-path", dump]):
         proc = run_cli(*flags, "-o", str(tmp_path / "r.csv"))

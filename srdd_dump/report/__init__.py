@@ -18,6 +18,8 @@ REPORT_FORMATS = (".csv", ".xlsx")
 def report_format(output: str) -> str:
     """The report format of a path: ".csv" or ".xlsx"; UserError for anything else."""
     ext = os.path.splitext(output)[1].lower()
+    if not output.strip():
+        raise UserError("-o is empty: name the report file (report.csv or report.xlsx)")
     if os.path.isdir(output) or output.endswith(("/", os.sep)):  # msit's -o is a folder
         raise UserError(f"{output}: a folder; -o names the report file (report.csv or "
                         "report.xlsx)")
