@@ -304,6 +304,15 @@ def ties(rows: np.ndarray, candidates: int = TIE_CANDIDATES, distinct: bool = Fa
     return float(count), float(best[0])
 
 
+def lowbits_by_value(values: np.ndarray, mask: int) -> float:
+    """The share of the distinct non-zero float32 ``values`` whose ``mask`` bits are all 0
+    (vocabulary.LOWBITS_BY_VALUE: the copies of a clip limit count once)."""
+    distinct = np.unique(values[values != 0])
+    if not distinct.size:
+        return float("nan")
+    return np.count_nonzero((distinct.view(np.uint32) & np.uint32(mask)) == 0) / distinct.size
+
+
 def _by_chance(n: int, col: np.ndarray, top: float, inner: np.ndarray, width: int) -> bool:
     """vocabulary.ties_by_chance of ``n`` tokens at ``top`` in one of ``width`` channels, the
     density read from the values next inward (``inner``: the column's values below ``top``)."""

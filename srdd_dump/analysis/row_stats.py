@@ -98,10 +98,8 @@ def _lowbits(x: np.ndarray, dtype: str) -> list[float]:
     low = (np.ascontiguousarray(x).view(np.uint32) & np.uint32(mask)) == 0
     hits = np.count_nonzero(low & nonzero, axis=1)
     out = [h / z if z else math.nan for h, z in zip(hits.tolist(), nnz.tolist())]
-    for i in [i for i, share in enumerate(out) if share > LOWBITS_BY_VALUE]:
-        values = np.unique(x[i][x[i] != 0])  # signals.round_stats: by distinct value
-        out[i] = np.count_nonzero((values.view(np.uint32) & np.uint32(mask)) == 0) / values.size
-    return out
+    return [st.lowbits_by_value(row, mask) if share > LOWBITS_BY_VALUE else share
+            for row, share in zip(x, out)]
 
 
 def _grids(x: np.ndarray, dtype: str) -> list[float]:

@@ -245,9 +245,7 @@ def round_stats(
             low = finite.size - np.count_nonzero(finite.view(np.uint32) & np.uint32(mask))
             out.lowbits = (low - moments.zeros) / nnz
             if out.lowbits > LOWBITS_BY_VALUE:
-                values = np.unique(finite[finite != 0])
-                out.lowbits = np.count_nonzero(
-                    (values.view(np.uint32) & np.uint32(mask)) == 0) / values.size
+                out.lowbits = st.lowbits_by_value(finite, mask)
     out.grid = st.grid_rows(x_rows, dtype)
     if rows is not None and probes:
         if rows.size and int(rows.max()) >= x.size // x.shape[-1]:

@@ -354,8 +354,8 @@ def _by_chance(n: int, col: torch.Tensor, top: float, inner: torch.Tensor, width
     """array_stats._by_chance."""
     if not inner.numel():
         return False
-    nearest = torch.sort(inner).values[-TIE_DENSITY_VALUES:]
-    return ties_by_chance(n, nearest.numel(), _levels(col, top, float(nearest[0])), width)
+    nearest = torch.topk(inner, min(TIE_DENSITY_VALUES, inner.numel())).values
+    return ties_by_chance(n, nearest.numel(), _levels(col, top, float(nearest.min())), width)
 
 
 def _near_copies(rows: torch.Tensor, tied: torch.Tensor, spread: dict) -> bool:
